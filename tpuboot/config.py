@@ -1,0 +1,240 @@
+"""The configuration file, ``/etc/tpuboot/tpuboot.yaml``: every key optional, unknown keys refused.
+
+Each section is a frozen dataclass; a field's ``parse`` metadata turns the YAML value
+into the typed value or raises ConfigError naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from tpuboot.errors import ConfigError
+from tpuboot.paths import Root
+
+CONFIG_PATH = "/etc/tpuboot/tpuboot.yaml"
+
+Parser = Callable[[Any, str], Any]
+
+
+def _fail(where: str, problem: str) -> ConfigError:
+    return ConfigError(f"{where}: {problem}")
+
+
+def _key(where: str, key: object) -> str:
+    """``file: a.b`` for key b under a, so messages name both the file and the key."""
+    return f"{where}.{key}" if ": " in where else f"{where}: {key}"
+
+
+def parse_hex_id(value: Any, where: str) -> int:
+    """A 16-bit PCI id: YAML int (0x1ae0) or string ('0x1ae0' / '1ae0')."""
+    if isinstance(value, bool):
+        raise _fail(where, "expected a 16-bit PCI id such as 0x1ae0")
+    if isinstance(value, str):
+        text = value.lower().removeprefix("0x")
+        if not text or any(c not in "0123456789abcdef" for c in text):
+            raise _fail(where, f"{value!r} is not a hex PCI id; write it like 0x1ae0")
+        value = int(text, 16)
+    if not isinstance(value, int) or not 0 <= value <= 0xFFFF:
+        raise _fail(where, f"{value!r} is not a 16-bit PCI id; write it like 0x1ae0")
+    return value
+
+
+def parse_mode(value: Any, where: str) -> int:
+    """A file mode, best written quoted ('0666'); YAML's own octal 0666 is accepted too."""
+    if isinstance(value, str) and value and all(c in "01234567" for c in value):
+        value = int(value, 8)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o777:
+        raise _fail(where, f"{value!r} is not a file mode; write it quoted in octal, like '0666'")
+    return value
+
+
+def parse_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, f"{value!r} is not true or false")
+    return value
+
+
+def parse_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(where, f"{value!r} is not a string; quote it")
+    return value
+
+
+def parse_optional_str(value: Any, where: str) -> str | None:
+    return None if value is None else parse_str(value, where)
+
+
+def parse_abs_path(value: Any, where: str) -> str:
+    text = parse_str(value, where)
+    if not text.startswith("/"):
+        raise _fail(where, f"{text!r} is not an absolute path")
+    return text
+
+
+def parse_positive(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise _fail(where, f"{value!r} is not a positive number")
+    return float(value)
+
+
+def parse_count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _fail(where, f"{value!r} is not a whole number >= 0")
+    return value
+
+
+def parse_choice(*choices: str) -> Parser:
+    def parse(value: Any, where: str) -> str:
+        # YAML 1.1 reads bare yes/no/on/off as booleans; map them back.
+        if value is True:
+            value = "true"
+        elif value is False:
+            value = "false"
+        if value not in choices:
+            raise _fail(where, f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def parse_str_map(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise _fail(where, "expected a mapping of NAME: 'value'")
+    out: dict[str, str] = {}
+    for key, item in value.items():
+        out[parse_str(key, where)] = parse_str(item, _key(where, key))
+    return out
+
+
+def _opt(default: Any, parse: Parser, **kwargs: Any) -> Any:
+    """A config field with its default and its parser."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"parse": parse})
+    return field(default=default, metadata={"parse": parse}, **kwargs)
+
+
+def _section(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from a YAML mapping, refusing unknown keys."""
+    if data is None:
+        return cls()
+    if not isinstance(data, Mapping):
+        raise _fail(where, f"expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise _fail(where, f"unknown key {key!r} (known keys: {known})")
+        values[key] = fields[key].metadata["parse"](value, _key(where, key))
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a required key is missing
+        raise _fail(where, str(exc).split(".")[-1].strip()) from None
+
+
+@dataclass(frozen=True)
+class MatchRule:
+    """One extra device the operator wants bound to vfio-pci."""
+
+    vendor: int = _opt(None, parse_hex_id)
+    device: int = _opt(None, parse_hex_id)
+    subsystem_vendor: int | None = _opt(None, parse_hex_id)
+    subsystem_device: int | None = _opt(None, parse_hex_id)
+    name: str = _opt("", parse_str)
+
+
+def parse_rules(value: Any, where: str) -> tuple[MatchRule, ...]:
+    if not isinstance(value, list):
+        raise _fail(where, "expected a list of {vendor, device[, subsystem_vendor, subsystem_device, name]}")
+    rules = []
+    for index, item in enumerate(value):
+        here = f"{where}[{index}]"
+        rule = _section(MatchRule, item, here)
+        if rule.vendor is None or rule.device is None:
+            raise _fail(here, "vendor and device are both required")
+        if (rule.subsystem_vendor is None) != (rule.subsystem_device is None):
+            raise _fail(here, "give both subsystem_vendor and subsystem_device, or neither")
+        rules.append(rule)
+    return tuple(rules)
+
+
+@dataclass(frozen=True)
+class VfioConfig:
+    """How a bound device is made usable."""
+
+    node_mode: int = _opt(0o666, parse_mode)
+    allow_unsafe_interrupts: str = _opt("auto", parse_choice("auto", "true", "false"))
+    node_timeout: float = _opt(5.0, parse_positive)
+    retries: int = _opt(5, parse_count)
+
+
+@dataclass(frozen=True)
+class MetadataConfig:
+    """Where and how patiently to ask the GCE metadata server."""
+
+    host: str | None = _opt(None, parse_optional_str)
+    timeout: float = _opt(5.0, parse_positive)
+    boot_deadline: float = _opt(60.0, parse_positive)
+    max_body: int = _opt(1 << 20, parse_count)
+    watch: bool = _opt(True, parse_bool)
+    watch_timeout: int = _opt(60, parse_count)
+
+
+DEFAULT_ENVIRONMENT = {
+    "CLOUDSDK_PYTHON": "/usr/bin/python3",
+    "GCS_RESOLVE_REFRESH_SECS": "60",
+    "GCS_REQUEST_CONNECTION_TIMEOUT_SECS": "300",
+    "GCS_METADATA_REQUEST_TIMEOUT_SECS": "300",
+    "GCS_READ_REQUEST_TIMEOUT_SECS": "300",
+    "GCS_WRITE_REQUEST_TIMEOUT_SECS": "600",
+}
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The runtime environment files written from metadata and defaults."""
+
+    enabled: bool = _opt(True, parse_bool)
+    tpu_env_path: str = _opt("/home/tpu-runtime/tpu-env", parse_abs_path)
+    cache_dir: str = _opt("/var/lib/tpuboot", parse_abs_path)
+    environment_path: str = _opt("/etc/environment", parse_abs_path)
+    environment: dict[str, str] = _opt(DEFAULT_ENVIRONMENT, parse_str_map)
+
+
+@dataclass(frozen=True)
+class Config:
+    devices: tuple[MatchRule, ...] = _opt((), parse_rules)
+    vfio: VfioConfig = _opt(VfioConfig(), lambda v, w: _section(VfioConfig, v, w))
+    metadata: MetadataConfig = _opt(MetadataConfig(), lambda v, w: _section(MetadataConfig, v, w))
+    env: EnvConfig = _opt(EnvConfig(), lambda v, w: _section(EnvConfig, v, w))
+
+
+def parse_config(text: str, source: str) -> Config:
+    """Parse YAML text; ``source`` names the file in error messages."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{source}:{line} is not valid YAML; fix the syntax") from None
+    return _section(Config, data, source)
+
+
+def load_config(root: Root, path: str | None = None) -> Config:
+    """Read the configuration file; a missing default file means all defaults."""
+    wanted = path or CONFIG_PATH
+    real = root.path(wanted)
+    try:
+        text = real.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if path is None:
+            return Config()
+        raise ConfigError(f"{wanted}: no such file; check the --config path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{wanted}: cannot read ({exc}); fix its permissions or encoding") from None
+    return parse_config(text, wanted)

@@ -1,0 +1,36 @@
+"""Exceptions whose message is the whole story: what went wrong and how to fix it, in one line."""
+
+
+class TpubootError(Exception):
+    """Base for every error tpuboot reports to a person; str() is the one-line message."""
+
+    #: Whether retrying later may succeed (the daemon backs off and retries these).
+    transient = False
+
+
+class UsageError(TpubootError):
+    """The caller asked for something malformed (bad DBDF, bad flag value)."""
+
+
+class ConfigError(TpubootError):
+    """The configuration file is malformed or names an unknown key."""
+
+
+class DeviceError(TpubootError):
+    """A PCI device is missing, not a TPU, or could not be bound."""
+
+
+class TransientDeviceError(DeviceError):
+    """A device step that may succeed on retry (node not yet created, group not yet viable)."""
+
+    transient = True
+
+
+class IommuOffError(DeviceError):
+    """The device has no IOMMU group: the kernel runs without an IOMMU."""
+
+
+class MetadataError(TpubootError):
+    """The metadata server could not give a usable answer."""
+
+    transient = True
