@@ -1,0 +1,175 @@
+"""The daemon's loop on a temporary tree: coldplug before READY, hotplug, removal, retries, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+import pytest
+
+from tests.unit.fakekernel import FakeKernel
+from tests.unit.test_vfio import V5P, add_tpu, binder
+from tpuboot import binding
+from tpuboot.daemon import Daemon
+from tpuboot.notify import Notifier
+
+
+@dataclass
+class Event:
+    action: str
+    subsystem: str
+    sys_name: str
+
+
+class QueueMonitor:
+    """A pyudev-like monitor fed by the test: a socketpair makes it wake the event loop."""
+
+    def __init__(self) -> None:
+        self.rx, self.tx = socket.socketpair()
+        self.rx.setblocking(False)
+        self.events: collections.deque[Event] = collections.deque()
+
+    def fileno(self) -> int:
+        return self.rx.fileno()
+
+    def push(self, action: str, subsystem: str, name: str) -> None:
+        self.events.append(Event(action, subsystem, name))
+        self.tx.send(b"x")
+
+    def poll(self, timeout: float | None = None) -> Event | None:
+        try:
+            self.rx.recv(1)
+        except BlockingIOError:
+            return None
+        return self.events.popleft()
+
+
+class RecordingNotifier(Notifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[str] = []
+        self.enabled = True
+
+    def _send(self, text: str) -> None:
+        self.sent.append(text)
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    k = FakeKernel(tmp_path)
+    for i in range(4):
+        add_tpu(k, f"0000:00:0{4 + i}.0", V5P, driver=None, group=str(4 + i))
+    k.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")
+    return k
+
+
+def make(kernel: FakeKernel):
+    monitor, notifier = QueueMonitor(), RecordingNotifier()
+    return Daemon(binder(kernel), monitor, notifier), monitor, notifier
+
+
+def test_coldplug_binds_every_tpu_before_ready_and_leaves_others(kernel):
+    async def scenario():
+        daemon, _, notifier = make(kernel)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        assert [kernel.driver(f"0000:00:0{4 + i}.0") for i in range(4)] == ["vfio-pci"] * 4
+        assert notifier.sent[0] == "READY=1\nSTATUS=4 TPUs bound to vfio-pci"
+        daemon.stopping.set()
+        assert await task == 0
+        assert notifier.sent[-1].startswith("STOPPING=1")
+
+    asyncio.run(scenario())
+    assert kernel.driver("0000:00:02.0") == "virtio-pci"
+
+
+def test_hotplug_add_is_bound_and_remove_is_logged(kernel, caplog):
+    async def scenario():
+        daemon, monitor, notifier = make(kernel)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        add_tpu(kernel, "0000:00:0a.0", V5P, group="10")
+        monitor.push("add", "pci", "0000:00:0a.0")
+        await until(lambda: kernel.driver("0000:00:0a.0") == "vfio-pci")
+        await until(lambda: notifier.last_status == "5 TPUs bound to vfio-pci")
+        kernel.remove_device("0000:00:0a.0")
+        monitor.push("remove", "pci", "0000:00:0a.0")
+        await until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
+        daemon.stopping.set()
+        await task
+
+    caplog.set_level("INFO", logger="tpuboot")
+    asyncio.run(scenario())
+    assert "0000:00:0a.0 (TPU v5p) removed" in caplog.text
+
+
+def test_one_failing_device_does_not_stop_the_others_and_is_retried(kernel, monkeypatch):
+    monkeypatch.setattr(binding, "BACKOFF_FIRST", 0.01)
+    kernel.refuse_probe.add("0000:00:05.0")
+
+    async def scenario():
+        daemon, _, notifier = make(kernel)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        expected = "3 of 4 TPUs bound to vfio-pci; 0000:00:05.0: vfio-pci did not"
+        assert notifier.last_status.startswith(expected)
+        kernel.refuse_probe.clear()  # the transient cause goes away
+        await until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_permanent_failure_is_not_retried(kernel, tmp_path):
+    noiommu = FakeKernel(tmp_path / "noiommu")
+    add_tpu(noiommu, "0000:00:04.0", V5P, driver=None, group=None)
+
+    async def scenario():
+        daemon, _, notifier = make(noiommu)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        assert "0 of 1 TPU bound to vfio-pci; 0000:00:04.0: no IOMMU group" in notifier.last_status
+        assert daemon.devices.devices["0000:00:04.0"].retry is None
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_sigterm_stops_cleanly(kernel):
+    async def scenario():
+        daemon, _, notifier = make(kernel)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(task, 1.0) == 0
+        assert notifier.sent[-1].startswith("STOPPING=1")
+
+    asyncio.run(scenario())
+
+
+def test_vfio_node_event_reapplies_mode(kernel):
+    async def scenario():
+        daemon, monitor, _ = make(kernel)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        node = kernel.p("/dev/vfio/4")
+        os.chmod(node, 0o600)  # as a udev rule running late would
+        monitor.push("add", "vfio", "4")
+        await until(lambda: os.stat(node).st_mode & 0o777 == 0o666)
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())

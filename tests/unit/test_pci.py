@@ -1,0 +1,66 @@
+import pytest
+
+from tpuboot.config import MatchRule
+from tpuboot.devices import DeviceTable, PciIds
+from tpuboot.errors import UsageError
+from tpuboot.pci import parse_dbdf
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0000:00:04.0", "0000:00:04.0"),
+        ("00:04.0", "0000:00:04.0"),
+        ("0001:AF:1F.7", "0001:af:1f.7"),
+        (" 0000:05:00.1\n", "0000:05:00.1"),
+    ],
+)
+def test_valid_addresses_are_normalised(text, expected):
+    assert parse_dbdf(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0000:00:04x0",  # the documented script's regex took any character for the dot
+        "0000:00:04.8",  # function is 3 bits
+        "0000:00:20.0",  # device is 5 bits
+        "000:00:04.0",
+        "0000:00:04",
+        "0000:00:04.0/../../x",
+        "",
+        "0000:0g:04.0",
+    ],
+)
+def test_malformed_addresses_are_refused_with_the_expected_form(text):
+    with pytest.raises(UsageError, match=r"write it as dddd:bb:dd\.f"):
+        parse_dbdf(text)
+
+
+def test_builtin_vfio_generations():
+    table = DeviceTable()
+    for device, subsystem, name in ((0x62, 0xAD, "TPU v5p"), (0x6F, 0xD1, "TPU v6e"), (0x76, 0xF2, "TPU7x")):
+        kind = table.classify(PciIds(0x1AE0, device, 0x1AE0, subsystem))
+        assert kind is not None and kind.vfio and kind.name == name
+
+
+def test_older_generations_are_reported_not_bound():
+    kind = DeviceTable().classify(PciIds(0x1AE0, 0x005E, 0x1AE0, 0x0000))
+    assert kind is not None and kind.name == "TPU v4" and not kind.vfio
+
+
+def test_unknown_device_is_not_a_tpu():
+    assert DeviceTable().classify(PciIds(0x1AF4, 0x1001)) is None
+
+
+def test_configured_rule_outranks_report_only_builtin():
+    rule = MatchRule(vendor=0x1AE0, device=0x007C, name="TPU8t")
+    kind = DeviceTable([rule]).classify(PciIds(0x1AE0, 0x007C, 0x1AE0, 0x0001))
+    assert kind is not None and kind.vfio
+
+
+def test_rule_with_subsystem_requires_it():
+    rule = MatchRule(vendor=0x1234, device=0x11E8, subsystem_vendor=0x1AF4, subsystem_device=0x1100)
+    table = DeviceTable([rule])
+    assert table.classify(PciIds(0x1234, 0x11E8, 0x1AF4, 0x1100)) is not None
+    assert table.classify(PciIds(0x1234, 0x11E8, 0x1AF4, 0x1101)) is None

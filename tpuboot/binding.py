@@ -1,0 +1,150 @@
+"""The daemon's device side: bind every TPU that appears, retry what may be transient, keep count."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from tpuboot.errors import TpubootError
+from tpuboot.pci import PciFunction
+from tpuboot.vfio import Binder, BindResult
+
+log = logging.getLogger("tpuboot.binding")
+
+BACKOFF_FIRST = 1.0
+BACKOFF_CAP = 60.0
+
+
+@dataclass
+class DeviceState:
+    kind: str
+    state: str = "pending"  # pending | bound | failed | removed
+    error: str | None = None
+    attempts: int = 0
+    running: bool = False
+    retry: asyncio.TimerHandle | None = None
+
+
+class DeviceAgent:
+    """Owns the state of every managed device; all methods run on the event loop thread."""
+
+    def __init__(self, binder: Binder, executor: Executor, on_change: Callable[[], None]) -> None:
+        self.binder = binder
+        self.executor = executor
+        self.on_change = on_change
+        self.devices: dict[str, DeviceState] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def consider(self, address: str) -> asyncio.Task[None] | None:
+        """Start binding ``address`` if it is a managed TPU; returns the task, if any."""
+        fn = PciFunction(self.binder.root, address)
+        try:
+            kind = self.binder.kind_of(fn)
+        except FileNotFoundError:
+            return None  # gone again, or not a full PCI function
+        if kind is None or not kind.vfio:
+            return None
+        state = self.devices.get(address)
+        if state is None or state.state == "removed":
+            state = self.devices[address] = DeviceState(kind.name)
+        elif state.running:
+            return None  # the running bind will see the device as it is now
+        self._cancel_retry(state)
+        state.attempts = 0  # a new event earns a fresh series of retries
+        return self._start(address, state)
+
+    def _start(self, address: str, state: DeviceState) -> asyncio.Task[None]:
+        state.running = True
+        task = asyncio.get_running_loop().create_task(self._bind(address, state))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def _bind(self, address: str, state: DeviceState) -> None:
+        state.attempts += 1
+        state.state = "pending"
+        loop = asyncio.get_running_loop()
+        try:
+            result: BindResult = await loop.run_in_executor(self.executor, self.binder.bind, address)
+        except TpubootError as exc:
+            outcome: BindResult | TpubootError = exc
+        except FileNotFoundError:  # unplugged while we worked on it
+            outcome = TpubootError(f"{address}: removed during bind")
+        else:
+            outcome = result
+        finally:
+            state.running = False
+        if self.devices.get(address) is not state or state.state == "removed":
+            return  # removed meanwhile; the removal was logged
+        fields = {"DBDF": address, "TPU_KIND": state.kind}
+        if isinstance(outcome, BindResult):
+            state.state, state.error = "bound", None
+            how = "bound to vfio-pci" if outcome.changed else "already bound to vfio-pci"
+            extra = {**fields, "IOMMU_GROUP": outcome.group, "VFIO_NODE": outcome.node}
+            log.info("%s (%s) %s, %s ready", address, state.kind, how, outcome.node, extra=extra)
+        else:
+            self._failed(address, state, outcome, fields)
+        self.on_change()
+
+    def _failed(self, address: str, state: DeviceState, exc: TpubootError, fields: dict[str, str]) -> None:
+        state.state, state.error = "failed", str(exc)
+        retries = self.binder.config.retries
+        if exc.transient and state.attempts <= retries:
+            delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (state.attempts - 1))
+            log.warning("%s (retry %d/%d in %.0f s)", exc, state.attempts, retries, delay, extra=fields)
+            state.retry = asyncio.get_running_loop().call_later(delay, self._retry, address, state)
+        else:
+            log.error("%s", exc, extra=fields)
+
+    def _retry(self, address: str, state: DeviceState) -> None:
+        state.retry = None
+        if self.devices.get(address) is state:
+            self._start(address, state)
+
+    def removed(self, address: str) -> None:
+        state = self.devices.get(address)
+        if state is None or state.state == "removed":
+            return
+        self._cancel_retry(state)
+        state.state = "removed"
+        log.info("%s (%s) removed", address, state.kind, extra={"DBDF": address, "TPU_KIND": state.kind})
+        self.on_change()
+
+    def node_appeared(self, group: str) -> None:
+        """udev finished a /dev/vfio/<group> node: re-apply our mode in case a rule changed it."""
+        try:
+            self.binder.prepare_node(group)
+        except (TpubootError, OSError) as exc:
+            log.warning("/dev/vfio/%s: %s", group, exc, extra={"IOMMU_GROUP": group})
+
+    @staticmethod
+    def _cancel_retry(state: DeviceState) -> None:
+        if state.retry is not None:
+            state.retry.cancel()
+            state.retry = None
+
+    def summary(self) -> str:
+        """One line for STATUS: how many TPUs are bound, and the first failure."""
+        present = {a: s for a, s in self.devices.items() if s.state != "removed"}
+        bound = sum(1 for s in present.values() if s.state == "bound")
+        failed = [(a, s) for a, s in present.items() if s.state == "failed"]
+        if not present:
+            return "no TPUs found"
+        noun = "TPU" if len(present) == 1 else "TPUs"
+        line = (
+            f"{bound} {noun} bound to vfio-pci"
+            if bound == len(present)
+            else (f"{bound} of {len(present)} {noun} bound to vfio-pci")
+        )
+        if failed:
+            first = failed[0][1].error or "failed"
+            more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
+            line += f"; {first}{more}"
+        return line
+
+    def shutdown(self) -> None:
+        for state in self.devices.values():
+            self._cancel_retry(state)

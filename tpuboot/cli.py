@@ -1,0 +1,152 @@
+"""The `tpuboot` command line. Exit status: 0 ok, 1 failed, 2 usage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from tpuboot import __version__, logs
+from tpuboot.config import CONFIG_PATH, Config, load_config
+from tpuboot.devices import DeviceTable
+from tpuboot.errors import ConfigError, TpubootError, UsageError
+from tpuboot.paths import ROOT_ENV, Root
+from tpuboot.pci import parse_dbdf
+from tpuboot.status import survey
+from tpuboot.vfio import Binder
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+log = logging.getLogger("tpuboot.cli")
+
+
+class Context:
+    """What every command needs, built from the global options."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.root = Root.from_env(args.root)
+        self.config_path: str | None = args.config
+        self._config: Config | None = None
+
+    @property
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = load_config(self.root, self.config_path)
+        return self._config
+
+    def binder(self) -> Binder:
+        return Binder(self.root, DeviceTable(self.config.devices), self.config.vfio)
+
+
+def _addresses(texts: Sequence[str]) -> list[str]:
+    """Validate every address before touching any device."""
+    return [parse_dbdf(text) for text in texts]
+
+
+def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot import daemon
+
+    try:
+        config = ctx.config
+    except ConfigError as exc:  # a daemon that exits on a typo leaves the TPUs unbound
+        log.error("%s; running with built-in defaults", exc)
+        ctx._config = config = Config()
+    binder = Binder(ctx.root, DeviceTable(config.devices), config.vfio)
+    return daemon.run(binder)
+
+
+def cmd_bind(ctx: Context, args: argparse.Namespace) -> int:
+    addresses = _addresses(args.dbdf)
+    binder = ctx.binder()
+    failed = 0
+    for address in addresses:
+        try:
+            result = binder.bind(address, force=args.force)
+        except TpubootError as exc:
+            print(f"tpuboot: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        state = "bound to vfio-pci" if result.changed else "already bound to vfio-pci"
+        print(f"{address} ({result.kind}) {state}, {result.node} mode {binder.config.node_mode:04o}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_unbind(ctx: Context, args: argparse.Namespace) -> int:
+    addresses = _addresses(args.dbdf)
+    binder = ctx.binder()
+    failed = 0
+    for address in addresses:
+        try:
+            driver = binder.unbind(address, force=args.force)
+        except TpubootError as exc:
+            print(f"tpuboot: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        print(f"{address} released from vfio-pci, now driven by {driver or 'no driver'}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
+    tpus = survey(ctx.binder())
+    if args.json:
+        print(json.dumps([t.as_dict() for t in tpus], indent=2))
+    elif not tpus:
+        print("no TPUs found")
+    else:
+        for t in tpus:
+            node = f"{t.node} {t.node_mode}" if t.node else "no node"
+            group = f"group {t.iommu_group}" if t.iommu_group else "no IOMMU group"
+            line = f"{t.address}  {t.kind:<12} {t.driver or 'no driver':<12} {group:<10} {node}"
+            print(line + (f"  ! {t.problem}" if t.problem else ""))
+    return EXIT_FAILED if any(t.problem and t.managed for t in tpus) else EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpuboot",
+        description="Boot-time agent for Cloud TPU VMs.",
+        epilog="Exit status: 0 ok, 1 failed, 2 usage error.",
+    )
+    parser.add_argument("--version", action="version", version=f"tpuboot {__version__}")
+    parser.add_argument(
+        "--root", metavar="DIR", help=f"act on the tree under DIR instead of / (also ${ROOT_ENV})"
+    )
+    parser.add_argument("--config", metavar="FILE", help=f"configuration file (default {CONFIG_PATH})")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    Handler = Callable[[Context, argparse.Namespace], int]
+
+    def command(name: str, func: Handler, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    command("run", cmd_run, "run the boot-time service (systemd Type=notify)")
+    for name, func, what in (
+        ("bind", cmd_bind, "bind TPUs to vfio-pci by hand (recovery)"),
+        ("unbind", cmd_unbind, "give TPUs back to the kernel's default driver"),
+    ):
+        p = command(name, func, what)
+        p.add_argument("dbdf", nargs="+", metavar="DBDF", help="PCI address, dddd:bb:dd.f or bb:dd.f")
+        p.add_argument("--force", action="store_true", help="also act on a device that is not a TPU")
+    p = command("status", cmd_status, "show every TPU: generation, driver, IOMMU group, node, viability")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logs.setup(args.verbose)
+    try:
+        return args.func(Context(args), args)
+    except UsageError as exc:
+        print(f"tpuboot: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TpubootError as exc:
+        print(f"tpuboot: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,115 @@
+"""`tpuboot run`: the boot-time service. Watch first, then coldplug, then READY; sleep until told.
+
+The loop owns no polling: it wakes for a udev event, a retry timer, the watchdog, or a signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from tpuboot.binding import DeviceAgent
+from tpuboot.notify import Notifier, watchdog_interval
+from tpuboot.pci import list_addresses
+from tpuboot.vfio import Binder
+
+log = logging.getLogger("tpuboot.daemon")
+
+
+class UdevDevice(Protocol):
+    action: str | None
+    subsystem: str | None
+    sys_name: str
+
+
+class Monitor(Protocol):
+    def fileno(self) -> int: ...
+    def poll(self, timeout: float | None = None) -> Any: ...
+
+
+def open_udev_monitor() -> Monitor:
+    """A started pyudev monitor on the udev source (events after udev's rules ran) for pci and vfio."""
+    import pyudev
+
+    monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="udev")
+    monitor.filter_by("pci")
+    monitor.filter_by("vfio")
+    monitor.start()
+    return monitor
+
+
+class Daemon:
+    def __init__(self, binder: Binder, monitor: Monitor, notifier: Notifier | None = None) -> None:
+        self.binder = binder
+        self.monitor = monitor
+        self.notifier = notifier or Notifier()
+        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tpuboot-bind")
+        self.devices = DeviceAgent(binder, self.executor, self._publish)
+        self.ready = False
+        self.stopping = asyncio.Event()
+
+    def status_line(self) -> str:
+        return self.devices.summary()
+
+    def _publish(self) -> None:
+        if self.ready:
+            self.notifier.status(self.status_line())
+
+    def _on_udev(self) -> None:
+        while (device := self.monitor.poll(timeout=0)) is not None:
+            self._dispatch(device)
+
+    def _dispatch(self, device: UdevDevice) -> None:
+        if device.subsystem == "vfio":
+            if device.action == "add" and device.sys_name.isdigit():
+                self.devices.node_appeared(device.sys_name)
+        elif device.action == "add":
+            self.devices.consider(device.sys_name)
+        elif device.action == "remove":
+            self.devices.removed(device.sys_name)
+
+    async def _coldplug(self) -> None:
+        """Bind every matching device already present; the monitor was started before this."""
+        tasks = [t for a in list_addresses(self.binder.root) if (t := self.devices.consider(a)) is not None]
+        await asyncio.gather(*tasks)
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        loop.add_reader(self.monitor.fileno(), self._on_udev)
+        interval = watchdog_interval()
+        watchdog = loop.create_task(self._watchdog(interval)) if interval else None
+        try:
+            await self._coldplug()
+            self.ready = True
+            line = self.status_line()
+            log.info("ready: %s", line)
+            self.notifier.ready(line)
+            await self.stopping.wait()
+        finally:
+            self.notifier.stopping()
+            log.info("stopping")
+            loop.remove_reader(self.monitor.fileno())
+            if watchdog:
+                watchdog.cancel()
+            self.binder.stop.set()
+            self.devices.shutdown()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        return 0
+
+
+def run(binder: Binder, monitor: Monitor | None = None) -> int:
+    """Run the daemon until SIGTERM; returns the process exit status."""
+    binder.stop = binder.stop or threading.Event()
+    daemon = Daemon(binder, monitor or open_udev_monitor())
+    return asyncio.run(daemon.run())

@@ -1,0 +1,92 @@
+"""PCI addresses and what sysfs says about one PCI function."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from tpuboot.devices import PciIds
+from tpuboot.errors import UsageError
+from tpuboot.paths import Root
+
+PCI_DEVICES = "/sys/bus/pci/devices"
+PCI_DRIVERS = "/sys/bus/pci/drivers"
+DRIVERS_PROBE = "/sys/bus/pci/drivers_probe"
+IOMMU_GROUPS = "/sys/kernel/iommu_groups"
+
+# domain:bus:device.function; device is 5 bits (00-1f), function 3 bits (0-7).
+_DBDF = re.compile(r"(?:(?P<domain>[0-9a-f]{4}):)?(?P<bus>[0-9a-f]{2}):(?P<dev>[01][0-9a-f])\.(?P<fn>[0-7])")
+
+
+def parse_dbdf(text: str) -> str:
+    """Validate a PCI address strictly and return it as ``dddd:bb:dd.f`` (lower case)."""
+    match = _DBDF.fullmatch(text.strip().lower())
+    if not match:
+        raise UsageError(
+            f"{text!r} is not a PCI address; write it as dddd:bb:dd.f (e.g. 0000:00:04.0) or bb:dd.f"
+        )
+    domain = match["domain"] or "0000"
+    return f"{domain}:{match['bus']}:{match['dev']}.{match['fn']}"
+
+
+def list_addresses(root: Root) -> list[str]:
+    """Every PCI function the kernel knows, in address order."""
+    try:
+        return sorted(os.listdir(root.path(PCI_DEVICES)))
+    except FileNotFoundError:
+        return []
+
+
+def _link_name(path: Path) -> str | None:
+    """The last component of a symlink's target, or None when there is no link."""
+    try:
+        return os.path.basename(os.readlink(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+class PciFunction:
+    """One PCI function as sysfs shows it; every read goes to sysfs (never cached)."""
+
+    def __init__(self, root: Root, address: str) -> None:
+        self.root = root
+        self.address = address
+        self.path = root.path(f"{PCI_DEVICES}/{address}")
+
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+    def _read_hex(self, name: str) -> int | None:
+        try:
+            return int((self.path / name).read_text().strip(), 16)
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def ids(self) -> PciIds:
+        vendor, device = self._read_hex("vendor"), self._read_hex("device")
+        if vendor is None or device is None:
+            raise FileNotFoundError(f"{self.address}: vendor/device attributes missing")
+        return PciIds(vendor, device, self._read_hex("subsystem_vendor"), self._read_hex("subsystem_device"))
+
+    def driver(self) -> str | None:
+        """The bound driver's name, re-read from the ``driver`` link every time."""
+        return _link_name(self.path / "driver")
+
+    def iommu_group(self) -> str | None:
+        return _link_name(self.path / "iommu_group")
+
+    def driver_override(self) -> str | None:
+        try:
+            text = (self.path / "driver_override").read_text().strip()
+        except FileNotFoundError:
+            return None
+        return None if text in ("", "(null)") else text
+
+
+def group_members(root: Root, group: str) -> list[str]:
+    """The PCI addresses sharing IOMMU group ``group``."""
+    try:
+        return sorted(os.listdir(root.path(f"{IOMMU_GROUPS}/{group}/devices")))
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,25 @@
+"""The one place tpuboot starts a subprocess, so every call is bounded and its failure is one line."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Sequence
+
+from tpuboot.errors import TpubootError
+
+
+def run(argv: Sequence[str], timeout: float = 30.0) -> str:
+    """Run ``argv``, return its stdout; raise TpubootError with its last stderr line on failure."""
+    try:
+        done = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
+        )
+    except FileNotFoundError:
+        raise TpubootError(f"{argv[0]} not found; install it (Debian package kmod for modprobe)") from None
+    except subprocess.TimeoutExpired:
+        raise TpubootError(f"{' '.join(argv)} did not finish in {timeout:.0f} s") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        why = lines[-1] if lines else f"exit status {done.returncode}"
+        raise TpubootError(f"{' '.join(argv)} failed: {why}")
+    return done.stdout
