@@ -1,0 +1,519 @@
+"""A GCE metadata server emulator: a real HTTP server for tests, benchmarks and VM guests.
+
+Serves ``/computeMetadata/v1/instance/attributes/<k>``, ``/project/attributes/<k>`` and
+``/instance/<path>`` from a dict that can change while it runs (a change wakes waiting
+long-polls), with the real server's semantics: the request must carry ``Metadata-Flavor:
+Google`` (else 403), every answer carries it, ``ETag`` on values, 404 for a missing key,
+``wait_for_change``/``last_etag``/``timeout_sec`` long-polls, directory listings and
+``?recursive=true`` JSON. Faults (``Faults``) are injectable at run time. Every request is
+counted with its time, for the fleet benchmark.
+
+Standalone (for VM guests)::
+
+    python3 tests/mds_emulator.py --port 8080 --attributes attrs.yaml [--error-rate 0.2]
+
+``attrs.yaml`` maps attribute names to values; a mapping value (like ``tpu-env``) is
+served as its YAML text. Control endpoints, not counted and without flavor checks:
+``GET /_emulator/stats`` (JSON) and ``PUT /_emulator/v1/<path>`` (body = new value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import yaml
+
+ROOT = "/computeMetadata/v1/"
+CONTROL = "/_emulator/"
+
+#: Values a tpu-env could hold that break naive quoting, evaluation or parsing.
+HOSTILE_VALUES = {
+    "DQUOTE": 'say "hi"',
+    "SQUOTE": "it's",
+    "DOLLAR_CMD": "$(touch /tmp/tpuboot-pwned)",
+    "BACKTICK": "`touch /tmp/tpuboot-pwned`",
+    "VARIABLE": "${HOME} and $PATH",
+    "BACKSLASH": "a\\b\\",
+    "BACKSLASH_NEWLINE": "a\\\nb",
+    "NEWLINE": "line one\nline two",
+    "TRAILING_NEWLINE": "x\n",
+    "CARRIAGE_RETURN": "a\rb",
+    "TAB": "a\tb",
+    "SEMICOLON": "x; rm -rf /",
+    "UNICODE": "zoné ☃ 日本 😀",
+    "EMPTY": "",
+    "SPACES": "  padded  ",
+    "EQUALS": "a=b=c",
+    "HASH": "# not a comment",
+    "BANG": "!!1",
+}
+
+#: A realistic tpu-env (keys seen on real TPU VMs).
+SAMPLE_TPU_ENV = {
+    "ACCELERATOR_TYPE": "v5p-8",
+    "TYPE": "V5P",
+    "TOPOLOGY": "2x2x1",
+    "WORKER_ID": "0",
+    "NODE_ID": "tpu-node-1",
+    "ZONE": "us-east5-a",
+    "CHIPS_PER_HOST_BOUNDS": "2,2,1",
+    "HOST_BOUNDS": "1,1,1",
+    "WRAP": "false,false,false",
+    "ALT": "false",
+    "TPU_RUNTIME_METRICS_PORTS": "8431,8432,8433,8434",
+    "ENABLE_ICI_RESILIENCY": "true",
+    "INJECT_SLICE_BUILDER_FAULT": "",
+    "VBARCONTROL_AGENT_DOCKER_URL": "example.invalid/vbar:1.0",
+}
+
+#: Billion laughs: a few hundred bytes that expand to 10**9 items if aliases are expanded.
+ALIAS_BOMB = "\n".join(
+    ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    + [f"{chr(98 + i)}: &{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(8)]
+    + ["BOMB: *i"]
+)
+
+INVALID_YAML = "ACCELERATOR_TYPE: 'v5p-8\nTOPOLOGY: [2x2\n  : :\n"
+
+
+def yaml_quote(text: str) -> str:
+    """``text`` as a YAML double-quoted scalar that loads back exactly (PyYAML's dumper folds some breaks)."""
+    out = []
+    for char in text:
+        code = ord(char)
+        if char in '"\\':
+            out.append("\\" + char)
+        elif 0x20 <= code < 0x7F:
+            out.append(char)
+        elif code <= 0xFF:
+            out.append(f"\\x{code:02x}")
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return '"' + "".join(out) + '"'
+
+
+def tpu_env_yaml(values: Mapping[str, Any]) -> str:
+    """The YAML text of a tpu-env attribute holding ``values`` (strings kept exactly, others as YAML)."""
+    lines = []
+    for key, value in values.items():
+        text = (
+            yaml_quote(value)
+            if isinstance(value, str)
+            else yaml.safe_dump(value, default_flow_style=True).strip()
+        )
+        lines.append(f"{yaml_quote(str(key))}: {text}\n")
+    return "".join(lines)
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What goes wrong; replace the emulator's ``faults`` at any time."""
+
+    error_rate: float = 0.0  # fraction of requests answered with error_status
+    error_status: int = 503
+    status: int | None = None  # answer every request with this status
+    delay: float = 0.0  # seconds before answering
+    drop: bool = False  # send the headers and half the body, then close the connection
+    flavor: str | None = "Google"  # response Metadata-Flavor (None: leave the header out)
+    same_etag_at_once: bool = False  # long-polls answer at once with the unchanged value
+    flapping_etag: bool = False  # every answer carries a new ETag, long-polls answer at once
+    body: bytes | None = None  # serve this instead of the stored value
+    no_length: bool = False  # no Content-Length: the body ends when the connection closes
+
+
+def etag_of(value: str) -> str:
+    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+class MetadataEmulator:
+    """The emulator; use as a context manager, or start()/stop()."""
+
+    def __init__(
+        self,
+        attributes: Mapping[str, str] | None = None,
+        *,
+        project_attributes: Mapping[str, str] | None = None,
+        instance: Mapping[str, str] | None = None,
+        bind: str = "127.0.0.1",
+        port: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.values: dict[str, str] = {}
+        for key, value in (instance or {}).items():
+            self.values[f"instance/{key}"] = value
+        for key, value in (attributes or {}).items():
+            self.values[f"instance/attributes/{key}"] = value
+        for key, value in (project_attributes or {}).items():
+            self.values[f"project/attributes/{key}"] = value
+        self.faults = Faults()
+        self.bind = bind
+        self.port = port
+        self._rng = random.Random(seed)
+        self._changed = threading.Condition()
+        self._version = 0
+        self._flaps = 0
+        self._fail_next = 0
+        self._fail_status = 503
+        self._pollers = 0
+        self._stats_lock = threading.Lock()
+        self.request_times: list[float] = []
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> MetadataEmulator:
+        self._stopping.clear()
+        self._server = _Server((self.bind, self.port), _Handler, self)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="mds-emulator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Close the listening socket and every open connection: clients now get 'connection refused'."""
+        self._stopping.set()
+        with self._changed:
+            self._changed.notify_all()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server.drop_connections()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def restart(self) -> None:
+        """Serve again on the same port (after stop)."""
+        self.start()
+
+    def __enter__(self) -> MetadataEmulator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def host(self) -> str:
+        """``127.0.0.1:PORT``, the form GCE_METADATA_HOST and metadata.host take."""
+        return f"{self.bind}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}{ROOT}"
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def set(self, path: str, value: str | None) -> None:
+        """Set (None: delete) the value at ``path`` (``instance/attributes/tpu-env``); wakes long-polls."""
+        with self._changed:
+            if value is None:
+                self.values.pop(path, None)
+            else:
+                self.values[path] = value
+            self._version += 1
+            self._changed.notify_all()
+
+    def set_attribute(self, key: str, value: str | None) -> None:
+        self.set(f"instance/attributes/{key}", value)
+
+    def set_faults(self, **changes: Any) -> None:
+        self.faults = replace(Faults(), **changes)
+
+    def fail_next(self, count: int, status: int = 503) -> None:
+        """Answer the next ``count`` metadata requests with ``status``."""
+        with self._stats_lock:
+            self._fail_next = count
+            self._fail_status = status
+
+    def wait_for_pollers(self, count: int, timeout: float = 10.0) -> bool:
+        """Block until ``count`` long-polls are waiting for a change (True), or ``timeout``."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._pollers >= count, timeout=timeout)
+
+    def etag(self, path: str) -> str | None:
+        with self._changed:
+            value = self.values.get(path)
+        return None if value is None else etag_of(value)
+
+    # -- statistics ---------------------------------------------------------------------------
+
+    @property
+    def request_count(self) -> int:
+        with self._stats_lock:
+            return len(self.request_times)
+
+    def peak_rate(self, window: float = 1.0) -> float:
+        """The most requests seen in any ``window`` seconds, per second."""
+        with self._stats_lock:
+            times = sorted(self.request_times)
+        best = start = 0
+        for end, now in enumerate(times):
+            while now - times[start] >= window:
+                start += 1
+            best = max(best, end - start + 1)
+        return best / window
+
+    def _count(self) -> None:
+        with self._stats_lock:
+            self.request_times.append(time.monotonic())
+
+    # -- answering (called by the handler) -------------------------------------------------
+
+    def _injected_status(self, faults: Faults) -> int | None:
+        """The failure status to answer this request with, if any."""
+        with self._stats_lock:
+            if self._fail_next > 0:
+                self._fail_next -= 1
+                return self._fail_status
+            if faults.error_rate and self._rng.random() < faults.error_rate:
+                return faults.error_status
+        return None
+
+    def _lookup(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, str | None, str]:
+        """(status, body, etag, content type) for a metadata path, waiting if it is a long-poll."""
+        faults = self.faults
+        if query.get("wait_for_change", [""])[0] == "true" and not path.endswith("/"):
+            self._wait_for_change(path, query, faults)
+        with self._changed:
+            if path.endswith("/") or path == "":
+                return self._listing(path, query)
+            value = self.values.get(path)
+            if value is None:
+                return 404, _NOT_FOUND, None, "text/html; charset=UTF-8"
+            etag = etag_of(value)
+            if faults.flapping_etag:
+                self._flaps += 1
+                etag = etag_of(f"{value}\0{self._flaps}")
+            return 200, value, etag, "application/text"
+
+    def _wait_for_change(self, path: str, query: dict[str, list[str]], faults: Faults) -> None:
+        if faults.same_etag_at_once or faults.flapping_etag:
+            return
+        last = query.get("last_etag", [None])[0]
+        try:
+            timeout = float(query.get("timeout_sec", ["300"])[0])
+        except ValueError:
+            timeout = 300.0
+        with self._changed:
+            if path not in self.values:
+                return  # the real server answers 404 at once
+            version = self._version
+            self._pollers += 1
+            self._changed.notify_all()
+
+            def changed() -> bool:
+                if self._stopping.is_set():
+                    return True
+                if last is None:
+                    return self._version != version
+                value = self.values.get(path)
+                return value is None or etag_of(value) != last
+
+            try:
+                self._changed.wait_for(changed, timeout=min(timeout, 3600.0))
+            finally:
+                self._pollers -= 1
+
+    def _listing(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, str | None, str]:
+        children = {key[len(path) :] for key in self.values if key.startswith(path)}
+        if not children:
+            return 404, _NOT_FOUND, None, "text/html; charset=UTF-8"
+        if query.get("recursive", [""])[0] == "true":
+            tree = {key: self.values[path + key] for key in sorted(children)}
+            body = json.dumps(tree)
+            return 200, body, etag_of(body), "application/json"
+        names = sorted({child.split("/")[0] + ("/" if "/" in child else "") for child in children})
+        body = "".join(name + "\n" for name in names)
+        return 200, body, etag_of(body), "application/text"
+
+
+_NOT_FOUND = "<!DOCTYPE html>\n<title>Error 404 (Not Found)</title>\n"
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], handler: type, emulator: MetadataEmulator) -> None:
+        self.emulator = emulator
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Clients that hang up (a watch being stopped, a fault test) are normal here."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+    def drop_connections(self) -> None:
+        with self._connections_lock:
+            connections = list(self._connections)
+        for sock in connections:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "Metadata Server for VM"
+    sys_version = ""
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # quiet: tests read the counters, not a log
+
+    def do_GET(self) -> None:
+        split = urlsplit(self.path)
+        if split.path.startswith(CONTROL):
+            self._control_get(split.path)
+            return
+        emulator = self.server.emulator
+        emulator._count()
+        faults = emulator.faults
+        if faults.delay and emulator._stopping.wait(faults.delay):
+            return
+        if self.headers.get("Metadata-Flavor") != "Google" or "X-Forwarded-For" in self.headers:
+            self._send(403, "Missing Metadata-Flavor:Google header.\n", None, "text/plain", faults)
+            return
+        if faults.status is not None:
+            self._send(faults.status, f"status {faults.status}\n", None, "text/plain", faults)
+            return
+        injected = emulator._injected_status(faults)
+        if injected is not None:
+            self._send(injected, "injected failure\n", None, "text/plain", faults)
+            return
+        if not split.path.startswith(ROOT):
+            self._send(404, _NOT_FOUND, None, "text/html; charset=UTF-8", faults)
+            return
+        status, body, etag, content_type = emulator._lookup(split.path[len(ROOT) :], parse_qs(split.query))
+        if faults.body is not None and status == 200:
+            self._send_bytes(200, faults.body, etag, content_type, faults)
+            return
+        self._send(status, body, etag, content_type, faults)
+
+    def do_PUT(self) -> None:
+        split = urlsplit(self.path)
+        prefix = CONTROL + "v1/"
+        if not split.path.startswith(prefix):
+            self._send(404, _NOT_FOUND, None, "text/plain", Faults())
+            return
+        length = int(self.headers.get("Content-Length", "0"))
+        value = self.rfile.read(length).decode("utf-8")
+        self.server.emulator.set(split.path[len(prefix) :], value)
+        self._send(200, "ok\n", None, "text/plain", Faults())
+
+    def do_DELETE(self) -> None:
+        split = urlsplit(self.path)
+        prefix = CONTROL + "v1/"
+        if split.path.startswith(prefix):
+            self.server.emulator.set(split.path[len(prefix) :], None)
+        self._send(200, "ok\n", None, "text/plain", Faults())
+
+    def _control_get(self, path: str) -> None:
+        emulator = self.server.emulator
+        if path == CONTROL + "stats":
+            stats = {"requests": emulator.request_count, "peak_rate": emulator.peak_rate()}
+            self._send(200, json.dumps(stats) + "\n", None, "application/json", Faults())
+        else:
+            self._send(404, _NOT_FOUND, None, "text/plain", Faults())
+
+    def _send(self, status: int, body: str, etag: str | None, content_type: str, faults: Faults) -> None:
+        self._send_bytes(status, body.encode("utf-8", "surrogatepass"), etag, content_type, faults)
+
+    def _send_bytes(
+        self, status: int, body: bytes, etag: str | None, content_type: str, faults: Faults
+    ) -> None:
+        self.send_response(status)
+        if faults.flavor is not None:
+            self.send_header("Metadata-Flavor", faults.flavor)
+        self.send_header("Content-Type", content_type)
+        if etag is not None:
+            self.send_header("ETag", etag)
+        if faults.no_length:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if faults.drop and len(body) > 1:
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        self.wfile.write(body)
+
+
+def _load_values(path: str | None) -> dict[str, str]:
+    if path is None:
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        data = yaml.safe_load(handle) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: expected a mapping of name: value")
+    return {str(k): v if isinstance(v, str) else tpu_env_yaml(v) for k, v in data.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="GCE metadata server emulator (for tests)")
+    parser.add_argument("--bind", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--attributes", help="YAML mapping: instance attribute name -> value")
+    parser.add_argument("--project-attributes", help="YAML mapping: project attribute name -> value")
+    parser.add_argument("--instance", help="YAML mapping: instance path (like hostname) -> value")
+    parser.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered 503")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds before each answer")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    emulator = MetadataEmulator(
+        _load_values(args.attributes),
+        project_attributes=_load_values(args.project_attributes),
+        instance=_load_values(args.instance),
+        bind=args.bind,
+        port=args.port,
+        seed=args.seed,
+    )
+    emulator.set_faults(error_rate=args.error_rate, delay=args.delay)
+    done = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: done.set())
+    with emulator:
+        print(f"metadata emulator listening on {emulator.host}", flush=True)
+        done.wait()
+    stats = {"requests": emulator.request_count, "peak_rate": emulator.peak_rate()}
+    print(json.dumps(stats), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

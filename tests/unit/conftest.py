@@ -1,0 +1,92 @@
+"""Fixtures for the metadata and environment tests: an emulator on 127.0.0.1, a client, a temp Root.
+
+An autouse guard refuses any TCP connection that is not to the loopback range, so no test
+can reach a real metadata server or the internet by mistake.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import random
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
+from tpuboot.config import Config, EnvConfig, MetadataConfig
+from tpuboot.metadata import Backoff, MetadataClient
+from tpuboot.paths import Root
+
+_real_connect = socket.socket.connect
+
+
+def _loopback_only(self: socket.socket, address: object) -> None:
+    if self.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
+        host = str(address[0])
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            raise AssertionError(f"test tried to connect to {address!r}; tests may only reach 127.0.0.1")
+    _real_connect(self, address)
+
+
+@pytest.fixture(autouse=True)
+def loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test talks to anything but 127.0.0.1; no inherited override points the client elsewhere."""
+    monkeypatch.setattr(socket.socket, "connect", _loopback_only)
+    for name in (
+        "GCE_METADATA_HOST",
+        "GCE_METADATA_ROOT",
+        "http_proxy",
+        "HTTP_PROXY",
+        "no_proxy",
+        "NO_PROXY",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def emulator() -> Iterator[MetadataEmulator]:
+    """A running emulator holding the sample tpu-env and a few other keys."""
+    emu = MetadataEmulator(
+        {"tpu-env": tpu_env_yaml(SAMPLE_TPU_ENV), "startup-script": "#!/bin/sh\n"},
+        project_attributes={"ssh-keys": "alice:ssh-ed25519 AAAA alice"},
+        instance={"hostname": "t1v-n-0.example.internal", "zone": "projects/1/zones/us-east5-a"},
+    )
+    with emu:
+        yield emu
+
+
+FAST_BACKOFF = Backoff(initial=0.01, maximum=0.05)
+
+
+def make_client(emu: MetadataEmulator, *, timeout: float = 2.0, max_body: int = 1 << 20) -> MetadataClient:
+    """A client for ``emu`` with quick backoff (tests wait on deadlines, not on real boot pacing)."""
+    return MetadataClient(
+        emu.url, timeout=timeout, max_body=max_body, backoff=FAST_BACKOFF, rng=random.Random(7)
+    )
+
+
+@pytest.fixture
+def client(emulator: MetadataEmulator) -> Iterator[MetadataClient]:
+    c = make_client(emulator)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Root:
+    """A temporary host tree with /etc and /home/tpu-runtime, as on a TPU VM image."""
+    (tmp_path / "root" / "etc").mkdir(parents=True)
+    (tmp_path / "root" / "home" / "tpu-runtime").mkdir(parents=True)
+    return Root(tmp_path / "root")
+
+
+def make_config(emu: MetadataEmulator | None = None, **env: object) -> Config:
+    """A Config pointing at ``emu``, with EnvConfig fields overridden by ``env``."""
+    metadata = MetadataConfig(host=emu.host if emu else None, timeout=2.0)
+    return Config(metadata=metadata, env=EnvConfig(**env))  # type: ignore[arg-type]

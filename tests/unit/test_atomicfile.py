@@ -1,0 +1,213 @@
+"""Atomic writes: idempotent, mode/owner as asked, crash-consistent, and never through a planted symlink."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from tpuboot import atomicfile
+from tpuboot.atomicfile import FileWriteError, read_file, write_file
+from tpuboot.paths import Root
+
+IS_ROOT = os.geteuid() == 0
+
+
+def untrusted(directory: Path) -> None:
+    """Make ``directory`` writable by others, as /home/tpu-runtime is by its user."""
+    directory.chmod(0o777)
+
+
+def leftovers(directory: Path) -> list[str]:
+    return [name for name in os.listdir(directory) if ".tpuboot-" in name]
+
+
+def test_creates_file_and_missing_directories_with_given_modes(root: Root) -> None:
+    assert write_file(root, "/var/lib/tpuboot/cache.json", b"{}\n", mode=0o600, dir_mode=0o750)
+    target = root.path("/var/lib/tpuboot/cache.json")
+    assert target.read_bytes() == b"{}\n"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert stat.S_IMODE(target.parent.stat().st_mode) == 0o750
+    assert leftovers(target.parent) == []
+
+
+def test_new_file_defaults_to_0644(root: Root) -> None:
+    write_file(root, "/etc/environment", b"A=1\n")
+    assert stat.S_IMODE(root.path("/etc/environment").stat().st_mode) == 0o644
+
+
+def test_same_content_is_not_rewritten(root: Root) -> None:
+    write_file(root, "/etc/environment", b"A=1\n")
+    before = root.path("/etc/environment").stat()
+    assert not write_file(root, "/etc/environment", b"A=1\n")
+    after = root.path("/etc/environment").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_changed_content_replaces_the_file_by_rename(root: Root) -> None:
+    write_file(root, "/etc/environment", b"A=1\n")
+    before = root.path("/etc/environment").stat().st_ino
+    assert write_file(root, "/etc/environment", b"A=2\n")
+    assert root.path("/etc/environment").read_bytes() == b"A=2\n"
+    assert root.path("/etc/environment").stat().st_ino != before
+
+
+def test_existing_mode_is_kept_unless_one_is_asked(root: Root) -> None:
+    target = root.path("/etc/environment")
+    target.write_bytes(b"old\n")
+    target.chmod(0o640)
+    write_file(root, "/etc/environment", b"new\n")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    write_file(root, "/etc/environment", b"new\n", mode=0o644)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="chown needs root")
+def test_owner_is_set_and_a_wrong_owner_alone_causes_a_rewrite(root: Root) -> None:
+    write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n", owner=(0, 0))
+    target = root.path("/home/tpu-runtime/tpu-env")
+    os.chown(target, 65534, 65534)
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n", owner=(0, 0))
+    assert (target.stat().st_uid, target.stat().st_gid) == (0, 0)
+
+
+def test_read_file_returns_none_for_missing_files_and_directories(root: Root) -> None:
+    assert read_file(root, "/etc/nothing") is None
+    assert read_file(root, "/no/such/dir/file") is None
+
+
+def test_read_file_enforces_its_limit(root: Root) -> None:
+    root.path("/etc/big").write_bytes(b"x" * 100)
+    assert read_file(root, "/etc/big", limit=100) == b"x" * 100
+    with pytest.raises(FileWriteError, match="larger than 99 bytes"):
+        read_file(root, "/etc/big", limit=99)
+
+
+def test_a_directory_in_the_way_is_an_error_and_leaves_no_temp_file(root: Root) -> None:
+    root.path("/etc/environment").mkdir()
+    with pytest.raises(FileWriteError, match="cannot write /etc/environment"):
+        write_file(root, "/etc/environment", b"A=1\n")
+    assert leftovers(root.path("/etc")) == []
+
+
+# --- symlink attacks: the directory is writable by an unprivileged user ---------------------
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A file the attacker wants root to overwrite (stands for /etc/shadow)."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    return victim
+
+
+def test_symlink_planted_as_the_target_is_replaced_not_followed(root: Root, outside: Path) -> None:
+    home = root.path("/home/tpu-runtime")
+    untrusted(home)
+    (home / "tpu-env").symlink_to(outside)
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b'A="1"\n')
+    assert outside.read_bytes() == b"precious\n"
+    assert not (home / "tpu-env").is_symlink()
+    assert (home / "tpu-env").read_bytes() == b'A="1"\n'
+
+
+def test_symlink_planted_at_the_temp_name_is_never_opened(
+    root: Root, outside: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = root.path("/home/tpu-runtime")
+    untrusted(home)
+    names = iter(["deadbeef", "deadbeef", "cafef00d"])
+    monkeypatch.setattr(atomicfile.secrets, "token_hex", lambda _n: next(names))
+    (home / ".tpu-env.tpuboot-deadbeef").symlink_to(outside)
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n")
+    assert outside.read_bytes() == b"precious\n"
+    assert (home / "tpu-env").read_bytes() == b"A=1\n"
+    assert (home / ".tpu-env.tpuboot-deadbeef").is_symlink()
+
+
+def test_symlink_planted_as_an_intermediate_directory_is_refused(root: Root, tmp_path: Path) -> None:
+    home = root.path("/home/tpu-runtime")
+    untrusted(home)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (home / "conf").symlink_to(elsewhere)
+    with pytest.raises(FileWriteError, match="conf is a symbolic link in a directory others can write"):
+        write_file(root, "/home/tpu-runtime/conf/tpu-env", b"A=1\n")
+    assert os.listdir(elsewhere) == []
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs a directory owned by another user")
+def test_directory_owned_by_another_user_is_untrusted(root: Root, outside: Path) -> None:
+    home = root.path("/home/tpu-runtime")
+    os.chown(home, 65534, 65534)
+    (home / "sub").symlink_to(outside.parent)
+    with pytest.raises(FileWriteError, match="refusing to follow"):
+        write_file(root, "/home/tpu-runtime/sub/victim", b"owned\n")
+    assert outside.read_bytes() == b"precious\n"
+
+
+def test_read_refuses_a_symlink_in_an_untrusted_directory(root: Root, outside: Path) -> None:
+    home = root.path("/home/tpu-runtime")
+    untrusted(home)
+    (home / "tpu-env").symlink_to(outside)
+    with pytest.raises(FileWriteError, match="refusing to follow"):
+        read_file(root, "/home/tpu-runtime/tpu-env")
+
+
+def test_symlink_in_a_trusted_directory_is_followed_under_the_root(root: Root) -> None:
+    """Only root could have made it (e.g. a distribution's /etc link): write where it points, in the Root."""
+    root.path("/etc/default").mkdir()
+    root.path("/etc/environment").symlink_to("/etc/default/environment")
+    assert write_file(root, "/etc/environment", b"A=1\n")
+    assert root.path("/etc/environment").is_symlink()
+    assert root.path("/etc/default/environment").read_bytes() == b"A=1\n"
+    assert read_file(root, "/etc/environment") == b"A=1\n"
+
+
+def test_dotdot_cannot_climb_out_of_the_root(root: Root, tmp_path: Path) -> None:
+    write_file(root, "/../../etc/escaped", b"x\n")
+    assert root.path("/etc/escaped").read_bytes() == b"x\n"
+    assert not (tmp_path / "etc").exists()
+
+
+def test_symlink_loop_is_an_error(root: Root) -> None:
+    root.path("/etc/a").symlink_to("b")
+    root.path("/etc/b").symlink_to("a")
+    with pytest.raises(FileWriteError, match="too many levels"):
+        write_file(root, "/etc/a", b"x\n")
+
+
+# --- crash consistency -----------------------------------------------------------------------
+
+
+def test_kill_at_random_moments_leaves_old_or_new_content(root: Root) -> None:
+    """kill -9 a writer 200 times mid-rewrite: the file is always exactly one whole version."""
+    versions = [bytes([65 + i]) * (256 * 1024) + b"\n" for i in range(2)]
+    path = "/home/tpu-runtime/tpu-env"
+    write_file(root, path, versions[0])
+    rng = random.Random(1234)
+    for trial in range(200):
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the writer: alternate between the versions until killed
+            try:
+                os.close(ready_r)
+                os.write(ready_w, b"go")
+                i = trial
+                while True:
+                    i += 1
+                    write_file(root, path, versions[i % 2])
+            finally:
+                os._exit(0)
+        os.close(ready_w)
+        os.read(ready_r, 2)
+        os.close(ready_r)
+        time.sleep(rng.uniform(0, 0.004))  # the kill lands at a random point of some write
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        assert root.path(path).read_bytes() in versions, f"torn file after kill {trial}"

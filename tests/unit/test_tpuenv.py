@@ -1,0 +1,168 @@
+"""tpu-env parsing and rendering: only safe input is accepted, and the shells read back exactly the values."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import shutil
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.mds_emulator import ALIAS_BOMB, HOSTILE_VALUES, INVALID_YAML, SAMPLE_TPU_ENV, tpu_env_yaml
+from tpuboot.tpuenv import MAX_DEPTH, TpuEnvError, parse_tpu_env, render_env_file, shell_quote
+
+SHELLS = [shell for shell in ("dash", "bash") if shutil.which(shell)]
+
+
+def source_in(shell: str, env_file: Path, keys: list[str]) -> dict[str, str]:
+    """What ``set -a; . FILE`` defines in ``shell``, read back through ``env -0`` (exported values)."""
+    script = 'set -a; . "$1"; exec env -0'
+    run = subprocess.run(
+        [shell, "-c", script, shell, str(env_file)],
+        env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
+        capture_output=True,
+        check=True,
+        timeout=30,
+    )
+    assert run.stderr == b""
+    seen = dict(entry.split(b"=", 1) for entry in run.stdout.split(b"\0") if b"=" in entry)
+    return {key: seen[key.encode()].decode("utf-8") for key in keys if key.encode() in seen}
+
+
+def test_both_shells_are_present() -> None:
+    assert SHELLS == ["dash", "bash"], "install the dash and bash Debian packages"
+
+
+def test_sample_parses_in_source_order() -> None:
+    env = parse_tpu_env(tpu_env_yaml(SAMPLE_TPU_ENV))
+    assert env.values == SAMPLE_TPU_ENV
+    assert list(env.values) == list(SAMPLE_TPU_ENV)
+    assert env.skipped == {}
+
+
+def test_scalars_render_as_documented() -> None:
+    text = "INT: 8\nHEX: 0x10\nFLOAT: 1.5\nB1: yes\nB2: false\nNUL_: ~\nBLANK:\n"
+    text += "DATE: 2026-11-29\nQUOTED: '0x10'\n"
+    assert parse_tpu_env(text).values == {
+        "INT": "8",
+        "HEX": "16",
+        "FLOAT": "1.5",
+        "B1": "true",
+        "B2": "false",
+        "NUL_": "",
+        "BLANK": "",
+        "DATE": datetime.date(2026, 11, 29).isoformat(),
+        "QUOTED": "0x10",
+    }
+
+
+def test_bad_keys_and_values_are_skipped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    text = (
+        "GOOD: ok\n1BAD: x\nwith-dash: x\n'has space': x\n42: x\nPATH: /evil\nLD_PRELOAD: /evil.so\n"
+        'NESTED: {a: 1}\nLIST: [1, 2]\nNUL: "a\\0b"\nBIN: !!binary aGk=\n'
+    )
+    with caplog.at_level(logging.WARNING, logger="tpuboot.tpuenv"):
+        env = parse_tpu_env(text)
+    assert env.values == {"GOOD": "ok"}
+    assert set(env.skipped) == {
+        "'1BAD'",
+        "'with-dash'",
+        "'has space'",
+        "42",
+        "PATH",
+        "LD_PRELOAD",
+        "NESTED",
+        "LIST",
+        "NUL",
+        "BIN",
+    }
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "skipped 10 of 11 keys" in message
+    for key in env.skipped:
+        assert key in message
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("- a\n- b\n", "is a list, not a mapping"),
+        ("just text\n", "is a str, not a mapping"),
+        ("", "is empty"),
+        (INVALID_YAML, "not valid YAML .line"),
+        (ALIAS_BOMB, "anchors or aliases"),
+        ("A: &x hello\nB: *x\n", "anchors or aliases"),
+        ("A: " + "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1) + "\n", "nests deeper"),
+        ("---\nA: 1\n---\nB: 2\n", "not valid YAML"),
+    ],
+)
+def test_unusable_values_are_refused(text: str, problem: str) -> None:
+    with pytest.raises(TpuEnvError, match=problem):
+        parse_tpu_env(text)
+
+
+def test_size_is_bounded_before_parsing() -> None:
+    with pytest.raises(TpuEnvError, match="larger than 100 bytes"):
+        parse_tpu_env("A: " + "x" * 100, max_bytes=100)
+    with pytest.raises(TpuEnvError, match="larger than 100 bytes"):
+        parse_tpu_env(b"A: " + b"x" * 100, max_bytes=100)
+
+
+def test_non_utf8_bytes_are_refused() -> None:
+    with pytest.raises(TpuEnvError, match="not UTF-8"):
+        parse_tpu_env(b"A: \xff\n")
+
+
+def test_render_writes_one_double_quoted_assignment_per_key() -> None:
+    assert (
+        render_env_file({"A": "1", "EMPTY": "", "URL": "gcr.io/x:1"}) == 'A="1"\nEMPTY=""\nURL="gcr.io/x:1"\n'
+    )
+    assert shell_quote('a"$`\\b') == '"a\\"\\$\\`\\\\b"'
+
+
+def test_nul_cannot_be_quoted() -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        shell_quote("a\0b")
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_hostile_values_read_back_exactly(shell: str, tmp_path: Path) -> None:
+    env_file = tmp_path / "tpu-env"
+    env_file.write_text(render_env_file(HOSTILE_VALUES), encoding="utf-8")
+    assert source_in(shell, env_file, list(HOSTILE_VALUES)) == HOSTILE_VALUES
+    assert not Path("/tmp/tpuboot-pwned").exists()
+
+
+SPECIALS = [*"\"'$`\\\n\r\t !#&()*;<>?[]{}|~=%^", "$(", "${", "\\\n", "'\"", "\u00a0", "\u2028", "\ufeff"]
+ANY_CHARS = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\0"), max_size=4)
+VALUES = st.lists(st.one_of(st.sampled_from(SPECIALS), ANY_CHARS), max_size=10).map("".join)
+KEYS = st.from_regex(r"K_[A-Za-z0-9_]{0,6}", fullmatch=True)
+
+
+def _round_trip(values: Mapping[str, str], tmp_path: Path) -> None:
+    env_file = tmp_path / "tpu-env"
+    env_file.write_text(render_env_file(values), encoding="utf-8")
+    for shell in SHELLS:
+        assert source_in(shell, env_file, list(values)) == dict(values), shell
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.dictionaries(KEYS, VALUES, min_size=1, max_size=6))
+def test_property_any_value_survives_sourcing_in_dash_and_bash(
+    values: dict[str, str], tmp_path: Path
+) -> None:
+    _round_trip(values, tmp_path)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.dictionaries(KEYS, VALUES, min_size=1, max_size=4))
+def test_property_yaml_attribute_to_shell_is_lossless(values: dict[str, str], tmp_path: Path) -> None:
+    """The whole path: YAML as the metadata server holds it → parse → render → source."""
+    env = parse_tpu_env(tpu_env_yaml(values))
+    assert env.values == values
+    _round_trip(env.values, tmp_path)

@@ -1,0 +1,279 @@
+"""Atomic, symlink-safe file writes: the one way tpuboot writes a configuration-like file.
+
+Why so careful: some targets live in directories an unprivileged user can write
+(``/home/tpu-runtime``). A root process that opens ``/home/tpu-runtime/tpu-env`` by name
+would follow a symlink the user planted there and overwrite ``/etc/shadow``. So every path
+is walked one component at a time from the Root with directory file descriptors
+(``O_DIRECTORY | O_NOFOLLOW``, ``dir_fd=``), the new content goes to an ``O_EXCL |
+O_NOFOLLOW`` temporary file in the same directory, and ``rename`` (which replaces a
+symlink, never writes through it) puts it in place.
+
+Symlink rule: a symlink is followed only when it sits in a directory that only root (or
+this process's user) can write, since only they could have put it there; in any other
+directory it is refused (intermediate component) or replaced (final component).
+Absolute symlink targets are resolved under the Root, as a chroot would.
+
+Crash safety: temp file written and fsynced, renamed, directory fsynced; a reader (or a
+reboot) sees the old content or the new, never a mix. A crash can leave a temporary
+``.NAME.tpuboot-XXXXXXXX`` file beside the target; it is never read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from collections import deque
+
+from tpuboot.errors import TpubootError
+from tpuboot.paths import Root
+
+_MAX_SYMLINK_HOPS = 40
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TEMP_TRIES = 8
+
+
+class FileWriteError(TpubootError):
+    """A file could not be read or replaced safely."""
+
+
+def write_file(
+    root: Root,
+    path: str,
+    data: bytes,
+    *,
+    mode: int | None = None,
+    owner: tuple[int, int] | None = None,
+    dir_mode: int = 0o755,
+) -> bool:
+    """Atomically make ``path`` (absolute, under ``root``) hold ``data``; True if it was rewritten.
+
+    ``mode``/``owner`` None keep the existing file's (0644 and this process's for a new
+    file). A file that already has this content, mode and owner is left untouched, so
+    repeated runs cause no writes. Missing directories are created with ``dir_mode``.
+    """
+    try:
+        parent, name = _resolve(root, path, create=True, dir_mode=dir_mode)
+    except OSError as exc:
+        raise FileWriteError(f"cannot write {path}: {_why(exc)}; check the directories on its path") from None
+    try:
+        current = _stat_regular(parent, name)
+        want_mode = mode if mode is not None else (stat.S_IMODE(current.st_mode) if current else 0o644)
+        want_owner = owner if owner is not None else ((current.st_uid, current.st_gid) if current else None)
+        if current and _same(parent, name, current, data, want_mode, want_owner):
+            return False
+        _replace(parent, name, data, want_mode, want_owner)
+        return True
+    except OSError as exc:
+        raise FileWriteError(
+            f"cannot write {path}: {exc.strerror or exc}; check the directory and its permissions"
+        ) from None
+    finally:
+        os.close(parent)
+
+
+def read_file(root: Root, path: str, *, limit: int | None = None) -> bytes | None:
+    """The content of ``path`` (symlink-safe like write_file), or None if it does not exist.
+
+    ``limit`` bounds what is read: a longer file raises FileWriteError.
+    """
+    try:
+        parent, name = _resolve(root, path, create=False)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise FileWriteError(f"cannot read {path}: {_why(exc)}") from None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise FileWriteError(f"cannot read {path}: {_why(exc)}") from None
+    finally:
+        os.close(parent)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FileWriteError(f"cannot read {path}: not a regular file; remove it")
+        content = _read_all(fd, None if limit is None else limit + 1)
+    finally:
+        os.close(fd)
+    if limit is not None and len(content) > limit:
+        raise FileWriteError(f"cannot read {path}: larger than {limit} bytes; remove it")
+    return content
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "it is a symbolic link in a directory others can write; refusing to follow it (remove it)"
+    return f"{exc.strerror or exc}"
+
+
+def _split(path: str) -> list[str]:
+    return [part for part in path.split("/") if part not in ("", ".")]
+
+
+def _trusted(dir_fd: int) -> bool:
+    """Only root or we can create entries here: symlinks in it were not planted by others."""
+    st = os.fstat(dir_fd)
+    return st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022
+
+
+def _resolve(root: Root, path: str, *, create: bool, dir_mode: int = 0o755) -> tuple[int, str]:
+    """Walk ``path`` from the Root; return an fd of the directory holding its last component, and its name.
+
+    Raises FileNotFoundError when a directory is missing and ``create`` is false, and
+    FileWriteError when a symlink would have to be followed in an untrusted directory.
+    """
+    if not path.startswith("/"):
+        raise ValueError(f"tpuboot paths must be absolute, got {path!r}")
+    queue = deque(_split(path))
+    if not queue or queue[-1] == "..":
+        raise FileWriteError(f"{path} does not name a file; give a file path")
+    stack = [os.open(root.prefix, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    hops = 0
+    try:
+        while queue:
+            name = queue.popleft()
+            if name == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop())
+                continue
+            link = _symlink(stack[-1], name)
+            if link is not None and not queue and not _trusted(stack[-1]):
+                return os.dup(stack[-1]), name  # a planted last component: replaced, never followed
+            if link is not None:
+                if not _trusted(stack[-1]):
+                    raise FileWriteError(
+                        f"{path}: {name} is a symbolic link in a directory others can write; "
+                        "refusing to follow it (remove it)"
+                    )
+                hops += 1
+                if hops > _MAX_SYMLINK_HOPS:
+                    raise FileWriteError(f"{path}: too many levels of symbolic links; fix the links")
+                if link.startswith("/"):
+                    while len(stack) > 1:
+                        os.close(stack.pop())
+                queue.extendleft(reversed(_split(link)))
+                if not queue or queue[-1] == "..":
+                    raise FileWriteError(f"{path}: symbolic link {name} does not lead to a file; fix it")
+                continue
+            if not queue:
+                return os.dup(stack[-1]), name
+            stack.append(_open_dir(stack[-1], name, path, create, dir_mode))
+        raise FileWriteError(f"{path} does not name a file; give a file path")
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
+def _symlink(dir_fd: int, name: str) -> str | None:
+    """The target of ``name`` if it is a symlink, else None (also when it does not exist)."""
+    try:
+        return os.readlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # exists, not a symlink
+            return None
+        raise
+
+
+def _open_dir(parent: int, name: str, path: str, create: bool, dir_mode: int) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    except NotADirectoryError:
+        raise FileWriteError(f"{path}: {name} is not a directory; remove it") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink appeared between readlink and open
+            raise FileWriteError(
+                f"{path}: {name} changed into a symbolic link; refusing to follow it"
+            ) from None
+        raise
+    try:
+        os.mkdir(name, dir_mode, dir_fd=parent)
+        os.chmod(name, dir_mode, dir_fd=parent, follow_symlinks=False)  # not narrowed by umask
+    except FileExistsError:
+        pass  # created concurrently: open it below, still without following links
+    os.fsync(parent)
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        raise FileWriteError(f"{path}: cannot open {name}: {_why(exc)}") from None
+
+
+def _stat_regular(parent: int, name: str) -> os.stat_result | None:
+    """The existing target's stat if it is a regular file (a symlink or a missing name: None)."""
+    try:
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def _same(
+    parent: int, name: str, current: os.stat_result, data: bytes, mode: int, owner: tuple[int, int] | None
+) -> bool:
+    if current.st_size != len(data) or stat.S_IMODE(current.st_mode) != mode:
+        return False
+    if owner is not None and (current.st_uid, current.st_gid) != owner:
+        return False
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+    except OSError:
+        return False
+    try:
+        return _read_all(fd, len(data) + 1) == data
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int, limit: int | None) -> bytes:
+    chunks = []
+    total = 0
+    while limit is None or total < limit:
+        chunk = os.read(fd, 1 << 16 if limit is None else min(1 << 16, limit - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def _create_temp(parent: int, name: str) -> tuple[int, str]:
+    """A new temp file beside ``name``; O_EXCL|O_NOFOLLOW so a planted name is never opened."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(_TEMP_TRIES):
+        temp = f".{name}.tpuboot-{secrets.token_hex(4)}"
+        try:
+            return os.open(temp, flags, 0o600, dir_fd=parent), temp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside {name}")
+
+
+def _replace(parent: int, name: str, data: bytes, mode: int, owner: tuple[int, int] | None) -> None:
+    fd, temp = _create_temp(parent, name)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if owner is not None:
+                st = os.fstat(fd)
+                if (st.st_uid, st.st_gid) != owner:
+                    os.fchown(fd, *owner)
+            os.fchmod(fd, mode)  # after fchown, which may clear set-id bits
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp, dir_fd=parent)
+        raise
+    os.fsync(parent)

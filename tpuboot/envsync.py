@@ -1,0 +1,246 @@
+"""The runtime environment from metadata: tpu-env, its cache, and /etc/environment, in one place.
+
+This replaces the documented cloud-init scripts (configure-env-vars.sh,
+configure-gcs-timeouts.sh). ``sync_once`` runs at boot; ``watch`` keeps tpu-env current.
+
+- tpu-env comes from the ``tpu-env`` instance attribute and is written to
+  ``env.tpu_env_path``. The last good raw YAML is kept in ``env.cache_dir/tpu-env.json``
+  with its ETag and fetch time, so a boot with the metadata server down still writes
+  tpu-env. A value that fails to parse is never cached and never replaces a good file.
+- An absent attribute (404) is an answer: /etc/environment is still written, and an
+  existing tpu-env file is left as it is (it is not deleted).
+- /etc/environment gets ``env.environment`` whatever metadata says.
+
+``watch`` stops within about half a second of ``stop`` being set, even mid long-poll:
+``MetadataClient.changes`` runs a guard thread that shuts down the in-flight socket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tpuboot.atomicfile import FileWriteError, read_file, write_file
+from tpuboot.config import Config
+from tpuboot.environment import ensure_environment
+from tpuboot.errors import TpubootError
+from tpuboot.metadata import Change, MetadataAbsent, MetadataClient, MetadataError
+from tpuboot.paths import Root
+from tpuboot.tpuenv import TpuEnvError, parse_tpu_env, render_env_file
+
+log = logging.getLogger("tpuboot.envsync")
+
+TPU_ENV_ATTRIBUTE = "instance/attributes/tpu-env"
+CACHE_NAME = "tpu-env.json"
+CACHE_FORMAT = 1
+TPU_ENV_MODE = 0o644  # the runtime user must read it; only root writes it
+CACHE_MODE = 0o600
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one sync did. ``source``: metadata, cache, absent or failed; ``status``: one line for people."""
+
+    source: str
+    keys: int
+    etag: str | None
+    status: str
+    tpu_env_written: bool = False
+    environment_written: bool = False
+
+
+@dataclass(frozen=True)
+class _Cached:
+    yaml: str
+    etag: str | None
+    fetched: str  # ISO 8601 UTC
+
+
+def _now_utc() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def _short_time(iso: str) -> str:
+    """``2026-11-29T20:00Z`` from a stored timestamp (as given if it does not parse)."""
+    try:
+        when = datetime.datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return iso
+    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")
+
+
+class EnvSync:
+    """Writes tpu-env, its cache and /etc/environment from a MetadataClient (thread-safe)."""
+
+    def __init__(
+        self,
+        root: Root,
+        config: Config,
+        client: MetadataClient,
+        *,
+        clock: Callable[[], datetime.datetime] = _now_utc,
+    ) -> None:
+        self._root = root
+        self._env = config.env
+        self._metadata = config.metadata
+        self._client = client
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._etag: str | None = None
+
+    @property
+    def cache_path(self) -> str:
+        return self._env.cache_dir.rstrip("/") + "/" + CACHE_NAME
+
+    def sync_once(self, deadline_s: float) -> SyncResult:
+        """Fetch tpu-env within ``deadline_s`` seconds, write every file; metadata trouble never raises."""
+        try:
+            reply = self._client.get(TPU_ENV_ATTRIBUTE, deadline_s=deadline_s)
+        except MetadataAbsent:
+            result = self._absent()
+        except MetadataError as exc:
+            reason = "metadata server unreachable" if exc.transient else "metadata server refused"
+            log.warning("tpu-env: %s", exc, extra={"TPU_ENV_PATH": self._env.tpu_env_path})
+            result = self._from_cache(reason)
+        else:
+            result = self._from_metadata(reply.body, reply.etag)
+        result = self._with_environment(result)
+        self._report(result)
+        return result
+
+    def watch(self, stop: threading.Event, on_result: Callable[[SyncResult], None]) -> None:
+        """Rewrite tpu-env on each change of the attribute until ``stop`` is set; ``on_result`` after each."""
+        changes = self._client.changes(
+            TPU_ENV_ATTRIBUTE, stop=stop, etag=self._etag, timeout_sec=self._metadata.watch_timeout
+        )
+        for change in changes:
+            result = self._apply_change(change)
+            self._report(result)
+            on_result(result)
+
+    def _apply_change(self, change: Change) -> SyncResult:
+        if change.value is None:
+            return self._absent()
+        return self._from_metadata(change.value, change.etag)
+
+    def _absent(self) -> SyncResult:
+        with self._lock:
+            self._etag = None
+        return SyncResult(
+            "absent",
+            0,
+            None,
+            f"tpu-env: no tpu-env attribute in metadata; left {self._env.tpu_env_path} as it was",
+        )
+
+    def _from_metadata(self, body: bytes, etag: str | None) -> SyncResult:
+        try:
+            env = parse_tpu_env(body, max_bytes=self._metadata.max_body)
+        except TpuEnvError as exc:
+            log.warning(
+                "%s", exc, extra={"TPU_ENV_PATH": self._env.tpu_env_path, "METADATA_ETAG": etag or ""}
+            )
+            return self._from_cache("metadata tpu-env is invalid")
+        with self._lock:
+            try:
+                written = self._write_tpu_env(env.values)
+            except FileWriteError as exc:
+                return SyncResult("failed", len(env.values), etag, f"tpu-env: {exc}")
+            self._etag = etag
+            self._save_cache(body.decode("utf-8"), etag)
+        return SyncResult(
+            "metadata", len(env.values), etag, f"tpu-env: {_keys(len(env.values))} from metadata", written
+        )
+
+    def _from_cache(self, reason: str) -> SyncResult:
+        path = self._env.tpu_env_path
+        cached = self._load_cache()
+        if cached is None:
+            return SyncResult(
+                "failed", 0, None, f"tpu-env: {reason} and no cached copy; left {path} as it was"
+            )
+        try:
+            env = parse_tpu_env(cached.yaml)
+        except TpuEnvError as exc:
+            log.warning("cached %s", exc, extra={"TPU_ENV_CACHE": self.cache_path})
+            return SyncResult(
+                "failed", 0, None, f"tpu-env: {reason} and the cached copy is invalid; left {path} as it was"
+            )
+        with self._lock:
+            try:
+                written = self._write_tpu_env(env.values)
+            except FileWriteError as exc:
+                return SyncResult("failed", len(env.values), cached.etag, f"tpu-env: {exc}")
+        when = _short_time(cached.fetched)
+        status = f"tpu-env: {reason}, {_keys(len(env.values))} from cache of {when}"
+        return SyncResult("cache", len(env.values), cached.etag, status, written)
+
+    def _write_tpu_env(self, values: dict[str, str]) -> bool:
+        data = render_env_file(values).encode("utf-8")
+        owner = (os.geteuid(), os.getegid())
+        return write_file(self._root, self._env.tpu_env_path, data, mode=TPU_ENV_MODE, owner=owner)
+
+    def _save_cache(self, text: str, etag: str | None) -> None:
+        """Keep the last good value; a failure here costs only the next offline boot, so it only warns."""
+        record = {"format": CACHE_FORMAT, "fetched": self._clock().isoformat(), "etag": etag, "tpu_env": text}
+        data = (json.dumps(record, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
+        try:
+            write_file(self._root, self.cache_path, data, mode=CACHE_MODE)
+        except FileWriteError as exc:
+            log.warning("tpu-env cache: %s", exc, extra={"TPU_ENV_CACHE": self.cache_path})
+
+    def _load_cache(self) -> _Cached | None:
+        try:
+            raw = read_file(self._root, self.cache_path, limit=8 * max(self._metadata.max_body, 1 << 16))
+        except FileWriteError as exc:
+            log.warning("tpu-env cache: %s", exc, extra={"TPU_ENV_CACHE": self.cache_path})
+            return None
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+            cached = _Cached(record["tpu_env"], record.get("etag"), record["fetched"])
+        except (ValueError, TypeError, KeyError):
+            log.warning(
+                "tpu-env cache %s is corrupt; ignoring it (the next good fetch replaces it)",
+                self.cache_path,
+                extra={"TPU_ENV_CACHE": self.cache_path},
+            )
+            return None
+        if not isinstance(cached.yaml, str) or not isinstance(cached.fetched, str):
+            return None
+        return cached
+
+    def _with_environment(self, result: SyncResult) -> SyncResult:
+        """Also set env.environment in /etc/environment; a failure there is added to the status line."""
+        try:
+            changed = ensure_environment(self._root, self._env.environment_path, self._env.environment)
+        except TpubootError as exc:
+            log.error("%s", exc, extra={"ENVIRONMENT_PATH": self._env.environment_path})
+            return dataclasses.replace(
+                result, status=f"{result.status}; {self._env.environment_path} not written: {exc}"
+            )
+        return dataclasses.replace(result, environment_written=changed)
+
+    def _report(self, result: SyncResult) -> None:
+        level = logging.INFO if result.source in ("metadata", "absent") else logging.WARNING
+        log.log(
+            level,
+            "%s",
+            result.status,
+            extra={
+                "TPU_ENV_SOURCE": result.source,
+                "TPU_ENV_KEYS": result.keys,
+                "METADATA_ETAG": result.etag or "",
+            },
+        )
+
+
+def _keys(count: int) -> str:
+    return f"{count} key" if count == 1 else f"{count} keys"

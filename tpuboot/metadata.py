@@ -1,0 +1,484 @@
+"""The GCE metadata server client: the one module in tpuboot that speaks HTTP.
+
+Why each choice:
+- Address ``169.254.169.254``, not ``metadata.google.internal``: DNS may not work yet at boot.
+  ``GCE_METADATA_HOST`` (host[:port]; the older name ``GCE_METADATA_ROOT`` too) overrides it as
+  in google-auth and google-cloud-go, and **wins over** the config key ``metadata.host``: the
+  environment is the per-run override (tests, one-off commands), the file the standing default.
+- Proxies from the environment are ignored (``trust_env=False``): a proxy cannot reach the
+  link-local server. Redirects are not followed. Request and response both carry
+  ``Metadata-Flavor: Google``; a response without it is not from the metadata server.
+- The body is streamed and capped (``metadata.max_body``); a short body is detected even
+  where urllib3 1.26 would not check Content-Length.
+- Retries use exponential backoff with full jitter inside a deadline, so a fleet booting
+  together does not hammer the server in lockstep. 404 is an answer ("absent"), not a
+  failure, and is not retried. Each kind of failure is logged once until it changes or the
+  server recovers (as compute-image-packages' metadata_watcher does), not once per try.
+- Change watch: long-poll with ``wait_for_change``/``last_etag``/``timeout_sec`` and a read
+  timeout a little above ``timeout_sec``. Answers faster than half the poll time (errors,
+  the same ETag at once, a flapping ETag) back off exponentially and never come more than
+  once a second. ``changes`` is stopped by a threading.Event: a guard thread shuts down the
+  in-flight socket within half a second, so a 60 s long-poll does not delay shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import re
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+import urllib3
+import urllib3.connection
+from requests.adapters import HTTPAdapter
+
+from tpuboot.config import MetadataConfig
+from tpuboot.errors import ConfigError, MetadataError, UsageError
+
+log = logging.getLogger("tpuboot.metadata")
+
+DEFAULT_HOST = "169.254.169.254"
+HOST_ENV = "GCE_METADATA_HOST"
+LEGACY_HOST_ENV = "GCE_METADATA_ROOT"
+FLAVOR_HEADER = "Metadata-Flavor"
+FLAVOR = "Google"
+REQUEST_HEADERS = {FLAVOR_HEADER: FLAVOR, "Accept-Encoding": "identity"}
+
+#: Where ``tpuboot metadata get --type KIND KEY`` looks.
+KINDS = {
+    "attributes": "instance/attributes/",
+    "project-attributes": "project/attributes/",
+    "instance": "instance/",
+}
+
+#: A watch never asks more often than this (seconds), whatever the server answers.
+MIN_POLL_INTERVAL = 1.0
+#: How often the watch guard checks its stop event (seconds): the bound on stop latency.
+GUARD_PERIOD = 0.5
+
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?\Z")
+_SEGMENT = r"[A-Za-z0-9_.-]+"
+_PATH = re.compile(rf"{_SEGMENT}(/{_SEGMENT})*/?\Z")
+
+
+class MetadataAbsent(MetadataError):
+    """The server says the key does not exist (HTTP 404)."""
+
+    transient = False
+
+
+class MetadataRefused(MetadataError):
+    """The server answered something retrying will not fix (redirect, 4xx, oversized body)."""
+
+    transient = False
+
+
+class _Retryable(Exception):
+    """One try failed in a way another try may not (connection, 5xx, timeout, no flavor)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A 200 answer: the raw body and the ETag the server gave (None if it gave none)."""
+
+    body: bytes
+    etag: str | None
+
+    @property
+    def text(self) -> str:
+        try:
+            return self.body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise MetadataRefused("the metadata value is not UTF-8 text; fix the attribute") from None
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a watch saw: a new value and its ETag, or ``value`` None when the key vanished."""
+
+    value: bytes | None
+    etag: str | None
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter: try n waits uniformly in [0, min(maximum, initial * 2**n)]."""
+
+    initial: float = 0.5
+    maximum: float = 30.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        return rng.uniform(0.0, min(self.maximum, self.initial * 2.0 ** min(attempt, 32)))
+
+
+def metadata_base_url(config_host: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The server's base URL: ``$GCE_METADATA_HOST`` over config ``metadata.host`` over 169.254.169.254."""
+    env = os.environ if environ is None else environ
+    from_env = env.get(HOST_ENV) or env.get(LEGACY_HOST_ENV)
+    host = from_env or config_host or DEFAULT_HOST
+    if not _HOST.match(host):
+        where = f"${HOST_ENV}" if from_env else "metadata.host"
+        raise ConfigError(
+            f"{where}: {host!r} is not host[:port]; write it like 169.254.169.254 or 127.0.0.1:8080"
+        )
+    return f"http://{host}/computeMetadata/v1/"
+
+
+class _FailureLog:
+    """Logs a failure when its kind changes, and recovery once; not every try."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kind: str | None = None
+
+    def failed(self, kind: str, url: str, retrying: bool) -> None:
+        with self._lock:
+            if kind == self._kind:
+                return
+            self._kind = kind
+        then = "retrying with backoff" if retrying else "not retrying"
+        log.warning(
+            "metadata server %s: %s; %s (logged again only if this changes)",
+            url,
+            kind,
+            then,
+            extra={"METADATA_URL": url, "METADATA_FAILURE": kind},
+        )
+
+    def recovered(self, url: str) -> None:
+        with self._lock:
+            kind, self._kind = self._kind, None
+        if kind is not None:
+            log.info("metadata server %s: answering again (was: %s)", url, kind, extra={"METADATA_URL": url})
+
+
+class _Transport:
+    """A requests Session without proxies or retries whose sockets another thread can cut.
+
+    ``abort`` shuts down every socket the session opened (and any it opens afterwards): a
+    request blocked in a long-poll then fails at once instead of after ``timeout_sec``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+        self.aborted = False
+        self.session = requests.Session()
+        self.session.trust_env = False  # no *_PROXY, no .netrc
+        adapter = _TrackingAdapter(self, max_retries=0)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+
+    def track(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.add(sock)
+            if self.aborted:
+                _shutdown(sock)
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+            for sock in list(self._sockets):
+                _shutdown(sock)
+
+    def close(self) -> None:
+        self.abort()
+        self.session.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """Wake any thread blocked on ``sock``; the owner still closes it (no fd-reuse race)."""
+    with contextlib.suppress(OSError):  # already closed or never connected
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class _TrackingAdapter(HTTPAdapter):
+    """Hands every new connection's socket to its _Transport."""
+
+    def __init__(self, transport: _Transport, **kwargs: Any) -> None:
+        self._transport = transport  # before super().__init__, which builds the pool manager
+        super().__init__(**kwargs)
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        transport = self._transport
+
+        class Connection(urllib3.connection.HTTPConnection):
+            def connect(self) -> None:
+                super().connect()
+                transport.track(self.sock)
+
+        class Pool(urllib3.HTTPConnectionPool):
+            ConnectionCls = Connection
+
+        self.poolmanager.pool_classes_by_scheme = {**self.poolmanager.pool_classes_by_scheme, "http": Pool}
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """A short, stable name for why a try failed (the unit of 'log once per kind')."""
+    text = str(exc)
+    if isinstance(exc, requests.Timeout) or "timed out" in text:
+        return "timed out"
+    if "Connection refused" in text:
+        return "connection refused"
+    if "unreachable" in text or "No route to host" in text:
+        return "network unreachable"
+    if isinstance(exc, requests.exceptions.ChunkedEncodingError) or any(
+        word in text
+        for word in ("IncompleteRead", "RemoteDisconnected", "aborted", "reset by peer", "Broken pipe")
+    ):
+        return "connection dropped"
+    return f"request failed ({type(exc).__name__})"
+
+
+class MetadataClient:
+    """Reads the metadata server; thread-safe. Build it with ``from_config``."""
+
+    def __init__(
+        self,
+        base_url: str = f"http://{DEFAULT_HOST}/computeMetadata/v1/",
+        *,
+        timeout: float = 5.0,
+        max_body: int = 1 << 20,
+        backoff: Backoff | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.base_url = base_url if base_url.endswith("/") else base_url + "/"
+        self.timeout = timeout
+        self.max_body = max_body
+        self.backoff = backoff or Backoff()
+        self._rng = rng or random.Random()
+        self._rng_lock = threading.Lock()
+        self._failures = _FailureLog()
+        self._transport = _Transport()
+        self._closed = threading.Event()
+
+    @classmethod
+    def from_config(cls, config: MetadataConfig, environ: Mapping[str, str] | None = None) -> MetadataClient:
+        return cls(metadata_base_url(config.host, environ), timeout=config.timeout, max_body=config.max_body)
+
+    def close(self) -> None:
+        """Abort requests in flight and refuse new ones (safe from any thread)."""
+        self._closed.set()
+        self._transport.close()
+
+    def url(self, path: str) -> str:
+        """The full URL of ``path`` (relative, like ``instance/attributes/tpu-env``)."""
+        if not _PATH.match(path) or any(part in (".", "..") for part in path.split("/")):
+            raise ValueError(f"not a metadata path: {path!r}")
+        return self.base_url + path
+
+    def get(self, path: str, *, deadline_s: float) -> Reply:
+        """The value at ``path``, retrying within ``deadline_s`` seconds.
+
+        Raises MetadataAbsent (404), MetadataRefused (an answer retrying cannot fix), or
+        MetadataError (no usable answer before the deadline).
+        """
+        url = self.url(path)
+        deadline = time.monotonic() + deadline_s
+        attempt = 0
+        while True:
+            if self._closed.is_set():
+                raise MetadataError(f"metadata request for {path} cancelled: tpuboot is stopping")
+            remaining = max(0.05, deadline - time.monotonic())
+            limit = min(self.timeout, remaining)
+            try:
+                reply = self._try(self._transport, url, {}, (limit, limit), deadline)
+            except _Retryable as failure:
+                self._failures.failed(failure.kind, url, retrying=True)
+                delay = self._delay(attempt)
+                attempt += 1
+                if time.monotonic() + delay >= deadline:
+                    raise MetadataError(
+                        f"metadata server {self.base_url}: {failure.kind} ({attempt} tries in "
+                        f"{deadline_s:g} s); check the VM's network, or metadata.host / ${HOST_ENV}"
+                    ) from None
+                self._closed.wait(delay)
+                continue
+            except MetadataRefused as refused:
+                self._failures.failed(str(refused), url, retrying=False)
+                raise
+            except MetadataAbsent:
+                self._failures.recovered(url)
+                raise
+            self._failures.recovered(url)
+            return reply
+
+    def wait_for_change(self, path: str, *, etag: str | None, timeout_sec: int) -> Reply:
+        """One long-poll, no retry: returns when the ETag differs from ``etag`` or after ``timeout_sec``."""
+        return self._poll(self._transport, self.url(path), etag, timeout_sec)
+
+    def changes(
+        self, path: str, *, stop: threading.Event, etag: str | None = None, timeout_sec: int = 60
+    ) -> Iterator[Change]:
+        """Yield each change of ``path`` until ``stop`` is set (then return within ~0.5 s).
+
+        With ``etag`` None the current value is yielded first. Failures are logged once
+        per kind and retried with backoff forever; a vanished key yields ``Change(None,
+        None)`` once, then is polled for with backoff.
+        """
+        url = self.url(path)
+        transport = _Transport()
+        finished = threading.Event()
+        guard = threading.Thread(
+            target=_abort_when_stopped,
+            args=(stop, finished, transport),
+            name="tpuboot-watch-guard",
+            daemon=True,
+        )
+        guard.start()
+        try:
+            yield from self._watch(transport, url, stop, etag, max(1, timeout_sec))
+        finally:
+            finished.set()
+            transport.close()
+
+    def _watch(
+        self, transport: _Transport, url: str, stop: threading.Event, etag: str | None, timeout_sec: int
+    ) -> Iterator[Change]:
+        attempt = 0
+        absent = False
+        last_body: bytes | None = None
+        while not stop.is_set():
+            started = time.monotonic()
+            change: Change | None = None
+            try:
+                reply = self._poll(transport, url, etag, timeout_sec)
+            except _Retryable as failure:
+                if stop.is_set():
+                    return
+                self._failures.failed(failure.kind, url, retrying=True)
+            except MetadataRefused as refused:
+                self._failures.failed(str(refused), url, retrying=True)
+            except MetadataAbsent:
+                self._failures.recovered(url)
+                if not absent:
+                    change = Change(None, None)
+                absent, etag, last_body = True, None, None
+            else:
+                self._failures.recovered(url)
+                if reply.etag != etag or (reply.etag is None and reply.body != last_body):
+                    change = Change(reply.body, reply.etag)
+                absent, etag, last_body = False, reply.etag, reply.body
+            if change is not None and not stop.is_set():
+                yield change
+            elapsed = time.monotonic() - started
+            if elapsed >= timeout_sec / 2:  # a real long-poll: the server behaves
+                attempt = 0
+                continue
+            wait = max(MIN_POLL_INTERVAL - elapsed, self._delay(attempt))
+            attempt += 1
+            if stop.wait(wait):
+                return
+
+    def _poll(self, transport: _Transport, url: str, etag: str | None, timeout_sec: int) -> Reply:
+        """A long-poll if we know an ETag, else a plain read (to learn the value and its ETag)."""
+        if etag is None:
+            params: dict[str, str] = {}
+            timeouts = (min(self.timeout, 1.0), self.timeout)
+        else:
+            params = {"wait_for_change": "true", "last_etag": etag, "timeout_sec": str(timeout_sec)}
+            timeouts = (min(self.timeout, 1.0), timeout_sec + self.timeout)
+        return self._try(transport, url, params, timeouts, None)
+
+    def _delay(self, attempt: int) -> float:
+        with self._rng_lock:
+            return self.backoff.delay(attempt, self._rng)
+
+    def _try(
+        self,
+        transport: _Transport,
+        url: str,
+        params: dict[str, str],
+        timeouts: tuple[float, float],
+        deadline: float | None,
+    ) -> Reply:
+        """One request; raises _Retryable, MetadataAbsent or MetadataRefused."""
+        try:
+            with transport.session.get(
+                url,
+                params=params,
+                headers=REQUEST_HEADERS,
+                timeout=timeouts,
+                stream=True,
+                allow_redirects=False,
+            ) as response:
+                self._check_answer(response)
+                return Reply(self._read_body(response, deadline), response.headers.get("ETag"))
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+            raise _Retryable(_failure_kind(exc)) from None
+
+    def _check_answer(self, response: requests.Response) -> None:
+        flavor = response.headers.get(FLAVOR_HEADER)
+        if flavor != FLAVOR:
+            raise _Retryable(
+                f"answer without the {FLAVOR_HEADER}: {FLAVOR} header (not the metadata server?)"
+                if flavor is None
+                else f"answer with {FLAVOR_HEADER}: {flavor[:40]!r} (not the metadata server?)"
+            )
+        status = response.status_code
+        if status == 404:
+            raise MetadataAbsent(f"{response.url}: no such metadata key")
+        if status >= 500 or status == 429:
+            raise _Retryable(f"HTTP {status}")
+        if status != 200:
+            raise MetadataRefused(
+                f"metadata server answered HTTP {status} for {response.url}; check the key and the request"
+            )
+
+    def _read_body(self, response: requests.Response, deadline: float | None) -> bytes:
+        declared = response.headers.get("Content-Length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise MetadataRefused(self._too_big())
+        chunks: list[bytes] = []
+        size = 0
+        for chunk in response.iter_content(1 << 16):
+            size += len(chunk)
+            if size > self.max_body:
+                raise MetadataRefused(self._too_big())
+            if deadline is not None and time.monotonic() > deadline:
+                raise _Retryable("timed out")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        encoded = response.headers.get("Content-Encoding", "identity") != "identity"
+        if declared is not None and not encoded and declared.isdigit() and len(body) != int(declared):
+            raise _Retryable("connection dropped")
+        return body
+
+    def _too_big(self) -> str:
+        return f"metadata value over {self.max_body} bytes; raise metadata.max_body or shrink the value"
+
+
+def _abort_when_stopped(stop: threading.Event, finished: threading.Event, transport: _Transport) -> None:
+    """Guard thread of a watch: cut its socket once ``stop`` is set; exit when the watch ends."""
+    while not finished.is_set():
+        if stop.wait(GUARD_PERIOD):
+            transport.abort()
+            return
+
+
+def metadata_get(client: MetadataClient, kind: str, key: str, *, deadline_s: float = 15.0) -> str:
+    """The text of one metadata key, for ``tpuboot metadata get``; MetadataAbsent if it does not exist."""
+    if kind not in KINDS:
+        raise UsageError(f"unknown metadata type {kind!r}; use one of {', '.join(KINDS)}")
+    path = KINDS[kind] + key
+    if not key or not _PATH.match(path) or any(part in (".", "..") for part in key.split("/")):
+        raise UsageError(
+            f"{key!r} is not a metadata key; use letters, digits, '-', '_', '.' (and '/' for instance)"
+        )
+    if kind != "instance" and "/" in key:
+        raise UsageError(f"{key!r}: attribute names have no '/'; use --type instance for paths")
+    return client.get(path, deadline_s=deadline_s).text
