@@ -1,0 +1,557 @@
+"""Which of the settings a TPU OS image needs are in force: the kernel command line, transparent
+huge pages, memlock/nofile limits for logins, services and container runtimes, the accel udev rule.
+
+Each check reads files through a Root, so it runs the same on the host, against an image tree
+(``--root``) and on a test's temporary tree. A fact that exists only on a running system
+(``/proc/cmdline``, sysfs) is SKIP where it is absent, not FAIL. Where the root is the host and
+systemd runs, the limits are taken from ``systemctl show`` (what is in force, not only what the
+files say); elsewhere from the unit and drop-in files, resolved as systemd does.
+
+Checks are plain functions registered in a :class:`Checks`: ``tpuboot doctor`` can make its own
+registry, or reuse these functions, and report with the same :class:`CheckResult`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from tpuboot import subproc
+from tpuboot.errors import TpubootError
+from tpuboot.paths import Root
+
+Status = Literal["PASS", "FAIL", "SKIP"]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check's verdict. ``fix`` is a one-line instruction, given for a FAIL."""
+
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+def passed(detail: str) -> CheckResult:
+    return CheckResult("", "PASS", detail)
+
+
+def failed(detail: str, fix: str) -> CheckResult:
+    return CheckResult("", "FAIL", detail, fix)
+
+
+def skipped(detail: str) -> CheckResult:
+    return CheckResult("", "SKIP", detail)
+
+
+Check = Callable[[Root], CheckResult]
+
+
+class Checks:
+    """Named checks, run in the order they were added; each result carries its check's name."""
+
+    def __init__(self) -> None:
+        self._checks: dict[str, Check] = {}
+
+    def add(self, name: str) -> Callable[[Check], Check]:
+        """Decorator: register ``func`` as the check ``name``."""
+
+        def register(func: Check) -> Check:
+            if name in self._checks:
+                raise ValueError(f"check {name!r} is registered twice")
+            self._checks[name] = func
+            return func
+
+        return register
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._checks)
+
+    def run(self, root: Root) -> list[CheckResult]:
+        """Every check's result; a check that cannot read what it needs FAILs alone."""
+        results = []
+        for name, func in self._checks.items():
+            try:
+                result = func(root)
+            except (OSError, UnicodeDecodeError) as exc:
+                result = failed(f"cannot read: {exc}", "run as root, or fix the file's permissions")
+            results.append(dataclasses.replace(result, name=name))
+        return results
+
+
+IMAGE_CHECKS = Checks()
+
+
+def run_checks(root: Root) -> list[CheckResult]:
+    """The image checks against ``root`` (``tpuboot image-check``)."""
+    return IMAGE_CHECKS.run(root)
+
+
+# --- Reading files under the root ---------------------------------------------------------------
+
+
+def _read(root: Root, path: str) -> str | None:
+    """The text of ``path`` under ``root``, or None if it does not exist."""
+    try:
+        return root.path(path).read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _masked(path: Path) -> bool:
+    """A symlink to /dev/null: hides the files of that name in lower-priority directories."""
+    return path.is_symlink() and os.readlink(path) == "/dev/null"
+
+
+def _layered(root: Root, dirs: tuple[str, ...], pattern: str) -> list[tuple[str, Path]]:
+    """Files matching ``pattern`` in ``dirs`` (highest priority first), as systemd and udev merge
+    them: the first directory holding a name wins, masked names drop out, sorted by name."""
+    chosen: dict[str, Path] = {}
+    for directory in dirs:
+        real = root.path(directory)
+        if not real.is_dir():
+            continue
+        for entry in real.iterdir():
+            if entry.name not in chosen and fnmatch.fnmatchcase(entry.name, pattern):
+                chosen[entry.name] = entry
+    return [
+        (root.strip(path), path) for _, path in sorted(chosen.items()) if not _masked(path) and path.is_file()
+    ]
+
+
+# --- Kernel command line and transparent huge pages -------------------------------------------
+
+GRUB_DROPIN = "/etc/default/grub.d/tpuboot.cfg"
+
+
+def _cmdline(root: Root) -> list[tuple[str, str | None]] | None:
+    """``/proc/cmdline`` as (name, value) pairs in order, or None on a tree that is not running."""
+    text = _read(root, "/proc/cmdline")
+    if text is None:
+        return None
+    params = []
+    for word in re.findall(r'(?:[^\s"]+|"[^"]*")+', text):
+        name, eq, value = word.partition("=")
+        params.append((name, value.replace('"', "") if eq else None))
+    return params
+
+
+def _machine(root: Root) -> str:
+    """The running kernel's architecture (``/proc/sys/kernel/arch``; the host's if unreadable)."""
+    text = _read(root, "/proc/sys/kernel/arch")
+    return text.strip() if text else os.uname().machine
+
+
+def _cmdline_fix(param: str, root: Root) -> str:
+    if root.path(GRUB_DROPIN).exists():
+        return f"{GRUB_DROPIN} adds {param} unless /etc/default/grub sets it: fix that, update-grub, reboot"
+    return f"add {param} to the kernel command line: install tpuboot (its GRUB drop-in), update-grub, reboot"
+
+
+def _cmdline_check(root: Root, name: str, want: str, ok: Callable[[list[str | None]], bool]) -> CheckResult:
+    """``ok`` gets every value ``name`` has on the command line, in order."""
+    params = _cmdline(root)
+    if params is None:
+        return skipped("no /proc/cmdline: not a running system")
+    values = [value for key, value in params if key == name]
+    if ok(values):
+        return passed(f"kernel command line has {want}")
+    found = " ".join(f"{name}={v}" if v is not None else name for v in values) or f"no {name}="
+    return failed(f"kernel command line lacks {want} ({found})", _cmdline_fix(want, root))
+
+
+@IMAGE_CHECKS.add("cmdline-idle-poll")
+def check_idle_poll(root: Root) -> CheckResult:
+    """idle=poll: CPUs never enter low-power idle states (latency)."""
+    return _cmdline_check(root, "idle", "idle=poll", lambda values: values[-1:] == ["poll"])
+
+
+@IMAGE_CHECKS.add("cmdline-transparent-hugepage")
+def check_thp_cmdline(root: Root) -> CheckResult:
+    return _cmdline_check(
+        root, "transparent_hugepage", "transparent_hugepage=always", lambda values: values[-1:] == ["always"]
+    )
+
+
+def _intel_iommu_ok(values: list[str | None]) -> bool:
+    """Options accumulate over every intel_iommu= in order; the last on/off and sm_on/sm_off win."""
+    on = scalable = False
+    for value in values:
+        for option in (value or "").split(","):
+            if option in ("on", "off"):
+                on = option == "on"
+            elif option in ("sm_on", "sm_off"):
+                scalable = option == "sm_on"
+    return on and scalable
+
+
+@IMAGE_CHECKS.add("cmdline-intel-iommu")
+def check_intel_iommu(root: Root) -> CheckResult:
+    """intel_iommu=on,sm_on: the IOMMU in scalable mode, which vfio-pci needs (x86_64 only)."""
+    machine = _machine(root)
+    if machine != "x86_64":
+        return skipped(f"not needed on {machine}")
+    return _cmdline_check(root, "intel_iommu", "intel_iommu=on,sm_on", _intel_iommu_ok)
+
+
+@IMAGE_CHECKS.add("thp-enabled")
+def check_thp_enabled(root: Root) -> CheckResult:
+    """What the kernel does now, whatever the command line said."""
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    text = _read(root, path)
+    if text is None:
+        return skipped(f"no {path}: not a running system, or a kernel without THP")
+    match = re.search(r"\[(\w+)\]", text)
+    mode = match.group(1) if match else text.strip()
+    if mode == "always":
+        return passed("transparent huge pages: always")
+    return failed(
+        f"transparent huge pages: {mode}",
+        f"echo always > {path} now; transparent_hugepage=always on the kernel command line for every boot",
+    )
+
+
+# --- Limits --------------------------------------------------------------------------------------
+
+MIN_NOFILE = 100_000
+UNLIMITED = math.inf
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A resource limit and where it comes from; soft or hard None: not set, a default applies."""
+
+    soft: float | None
+    hard: float | None
+    source: str
+
+    def at_least(self, minimum: float) -> bool:
+        return all(value is not None and value >= minimum for value in (self.soft, self.hard))
+
+    def __str__(self) -> str:
+        if self.soft is None and self.hard is None:
+            return self.source
+
+        def show(value: float | None) -> str:
+            if value is None:
+                return "default"
+            return "unlimited" if value == UNLIMITED else str(int(value))
+
+        text = show(self.soft) if self.soft == self.hard else f"{show(self.soft)}:{show(self.hard)}"
+        return f"{text} ({self.source})"
+
+
+NOT_SET = Limit(None, None, "not set")
+ITEMS = {"memlock": UNLIMITED, "nofile": MIN_NOFILE}  # what the TPU runtime needs of each
+WANT = {"memlock": "unlimited", "nofile": str(MIN_NOFILE)}
+
+
+def _judge(what: str, limits: dict[str, Limit], fix: str) -> CheckResult:
+    detail = f"{what}: " + ", ".join(f"{item} {limit}" for item, limit in limits.items())
+    if all(limit.at_least(ITEMS[item]) for item, limit in limits.items()):
+        return passed(detail)
+    return failed(f"{detail}; need memlock unlimited and nofile >= {MIN_NOFILE}", fix)
+
+
+# PAM (pam_limits): logins only.
+
+PAM_LIMITS = "/etc/security/limits.conf"
+PAM_LIMITS_DIR = "/etc/security/limits.d"
+PAM_DROPIN = "/etc/security/limits.d/tpuboot.conf"
+
+
+def _pam_value(text: str) -> float:
+    if text in ("unlimited", "infinity", "-1"):
+        return UNLIMITED
+    return float(int(text))
+
+
+def pam_limit(root: Root, user: str, item: str) -> Limit:
+    """The limit pam_limits gives ``user`` (``*``: any user but root) for ``item``.
+
+    As pam_limits: limits.conf, then limits.d/*.conf by name; an entry naming the user beats a
+    ``*`` entry, a later entry beats an earlier one of the same kind; ``*`` never applies to
+    root. Group entries are ignored (membership is per user)."""
+    files = [(PAM_LIMITS, root.path(PAM_LIMITS))] if root.path(PAM_LIMITS).is_file() else []
+    files += _layered(root, (PAM_LIMITS_DIR,), "*.conf")
+    best: dict[str, tuple[int, float, str]] = {}  # soft/hard -> (rank: 0 by name, 1 for *; value; file)
+    for shown, real in files:
+        for line in real.read_text(encoding="utf-8").splitlines():
+            fields = line.split("#", 1)[0].split()
+            if len(fields) != 4 or fields[2] != item:
+                continue
+            domain, kind, _, value = fields
+            if domain == user and user != "*":
+                rank = 0
+            elif domain == "*" and user != "root":
+                rank = 1
+            else:
+                continue
+            try:
+                number = _pam_value(value)
+            except ValueError:
+                continue  # pam_limits skips a malformed value too
+            for which in ("soft", "hard"):
+                if kind in (which, "-") and rank <= best.get(which, (2,))[0]:
+                    best[which] = (rank, number, shown)
+    if not best:
+        return NOT_SET
+    soft, hard = (best[which][1] if which in best else None for which in ("soft", "hard"))
+    return Limit(soft, hard, ", ".join(sorted({entry[2] for entry in best.values()})))
+
+
+def _pam_check(root: Root, item: str) -> CheckResult:
+    limits = {user: pam_limit(root, user, item) for user in ("*", "root")}
+    detail = f"PAM {item}: " + "; ".join(f"{user} {limit}" for user, limit in limits.items())
+    if all(limit.at_least(ITEMS[item]) for limit in limits.values()):
+        return passed(detail)
+    want = WANT[item]
+    return failed(
+        f"{detail}; need {want} for both",
+        f"install tpuboot ({PAM_DROPIN}) or add '* - {item} {want}' and 'root - {item} {want}' "
+        f"to a file in {PAM_LIMITS_DIR}/",
+    )
+
+
+@IMAGE_CHECKS.add("pam-memlock")
+def check_pam_memlock(root: Root) -> CheckResult:
+    """Locked-memory limit for logins: libtpu's "Couldn't mmap" otherwise."""
+    return _pam_check(root, "memlock")
+
+
+@IMAGE_CHECKS.add("pam-nofile")
+def check_pam_nofile(root: Root) -> CheckResult:
+    return _pam_check(root, "nofile")
+
+
+# systemd: services, and the containers the container runtimes start.
+
+UNIT_DIRS = (
+    "/etc/systemd/system",
+    "/run/systemd/system",
+    "/usr/local/lib/systemd/system",
+    "/usr/lib/systemd/system",
+    "/lib/systemd/system",
+)
+MANAGER_CONF = "/etc/systemd/system.conf"
+MANAGER_DROPIN_DIRS = tuple(f"{d}.conf.d" for d in UNIT_DIRS)
+MANAGER_DROPIN = "/usr/lib/systemd/system.conf.d/50-tpuboot.conf"
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50, "E": 1 << 60}
+
+
+def parse_rlimit(text: str, source: str) -> Limit:
+    """A systemd ``Limit*=`` value: ``infinity``, ``N`` (K, M, G... suffixes) or ``SOFT:HARD``."""
+
+    def one(part: str) -> float:
+        part = part.strip()
+        if part == "infinity":
+            return UNLIMITED
+        match = re.fullmatch(r"(\d+)\s*([KMGTPE]?)i?B?", part)
+        if not match:
+            raise ValueError(f"{text!r} is not a resource limit")
+        return float(int(match.group(1)) * _SUFFIX[match.group(2)])
+
+    soft, _, hard = text.partition(":")
+    return Limit(one(soft), one(hard or soft), source)
+
+
+def _ini(text: str) -> Iterator[tuple[str, str, str]]:
+    """(section, key, value) from a systemd unit or configuration file, continuations joined."""
+    section, pending = "", ""
+    for raw in text.splitlines():
+        line = pending + raw.strip()
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        elif "=" in line:
+            key, _, value = line.partition("=")
+            yield section, key.strip(), value.strip()
+
+
+def _file_limits(files: list[tuple[str, Path]], section: str, prefix: str) -> dict[str, Limit | None]:
+    """``{prefix}MEMLOCK`` and ``{prefix}NOFILE`` from ``files`` read in order (the last setting
+    wins, an empty one resets); None for an item none of them sets."""
+    keys = {f"{prefix}{item.upper()}": item for item in ITEMS}
+    found: dict[str, tuple[str, str]] = {}
+    for shown, real in files:
+        for sect, key, value in _ini(real.read_text(encoding="utf-8")):
+            if sect == section and key in keys:
+                found[keys[key]] = (value, shown)
+    out: dict[str, Limit | None] = {}
+    for item in ITEMS:
+        value, shown = found.get(item, ("", ""))
+        try:
+            out[item] = parse_rlimit(value, shown) if value else None
+        except ValueError:
+            out[item] = Limit(None, None, f"{value!r} in {shown} is unreadable")
+    return out
+
+
+def _live_systemd(root: Root) -> bool:
+    """True when ``systemctl show`` can tell what is in force: the host, with systemd running."""
+    return root.is_host and root.path("/run/systemd/system").is_dir()
+
+
+def _systemctl_show(unit: str | None, properties: list[str]) -> dict[str, str] | None:
+    """``systemctl show`` of the manager (``unit`` None) or of a unit; None if it cannot answer."""
+    argv = ["systemctl", "show", *(f"--property={p}" for p in properties), *([unit] if unit else [])]
+    try:
+        out = subproc.run(argv, timeout=10)
+    except TpubootError:
+        return None
+    return dict(line.partition("=")[::2] for line in out.splitlines() if "=" in line)
+
+
+def _shown_limits(
+    unit: str | None, prefix: str, extra: tuple[str, ...] = ()
+) -> tuple[dict[str, Limit], dict[str, str]] | None:
+    """The limits ``systemctl show`` reports (hard ``{prefix}X``, soft ``{prefix}XSoft``)."""
+    names = [f"{prefix}{item.upper()}{soft}" for item in ITEMS for soft in ("", "Soft")]
+    shown = _systemctl_show(unit, [*names, *extra])
+    if shown is None:
+        return None
+    limits = {}
+    for item in ITEMS:
+        hard, soft = shown.get(f"{prefix}{item.upper()}", ""), shown.get(f"{prefix}{item.upper()}Soft", "")
+        try:
+            limits[item] = parse_rlimit(f"{soft or hard}:{hard}", "systemctl show")
+        except ValueError:
+            limits[item] = Limit(None, None, f"systemctl show says {soft}:{hard}")
+    return limits, shown
+
+
+def manager_limits(root: Root) -> dict[str, Limit]:
+    """systemd's default limits for every service that does not set its own."""
+    if _live_systemd(root) and (live := _shown_limits(None, "DefaultLimit")) is not None:
+        return live[0]
+    files = [(MANAGER_CONF, root.path(MANAGER_CONF))] if root.path(MANAGER_CONF).is_file() else []
+    files += _layered(root, MANAGER_DROPIN_DIRS, "*.conf")
+    limits = _file_limits(files, "Manager", "DefaultLimit")
+    return {item: limit or Limit(None, None, "systemd's built-in default") for item, limit in limits.items()}
+
+
+@IMAGE_CHECKS.add("systemd-default-limits")
+def check_manager_limits(root: Root) -> CheckResult:
+    """Every service's limits unless its unit sets its own: PAM limits never reach services."""
+    fix = (
+        f"install tpuboot ({MANAGER_DROPIN}) or set DefaultLimitMEMLOCK=infinity and "
+        f"DefaultLimitNOFILE={MIN_NOFILE} in /etc/systemd/system.conf.d/, then reboot"
+    )
+    return _judge("systemd defaults", manager_limits(root), fix)
+
+
+def _unit_file(root: Root, unit: str) -> Path | None:
+    """The unit's file under the root (an alias symlink followed), None if absent or masked."""
+    candidates = [root.path(f"{d}/{unit}") for d in UNIT_DIRS]
+    path = next((p for p in candidates if p.is_symlink() or p.exists()), None)
+    if path is None or _masked(path):
+        return None
+    if path.is_symlink():  # e.g. /etc/systemd/system/x.service -> /lib/systemd/system/x.service
+        target = os.readlink(path)
+        path = root.path(target) if target.startswith("/") else path.parent / target
+    return path if path.is_file() else None
+
+
+def unit_limits(root: Root, unit: str) -> dict[str, Limit] | None:
+    """A service's memlock and nofile limits; None if the unit is not installed (or masked)."""
+    if _live_systemd(root) and (live := _shown_limits(unit, "Limit", ("LoadState",))) is not None:
+        limits, shown = live
+        return limits if shown.get("LoadState") == "loaded" else None
+    path = _unit_file(root, unit)
+    if path is None:
+        return None
+    kind = unit.rsplit(".", 1)[-1]
+    dropins = _layered(root, tuple(f"{d}/{unit}.d" for d in UNIT_DIRS), "*.conf")
+    dropins += _layered(root, tuple(f"{d}/{kind}.d" for d in UNIT_DIRS), "*.conf")  # for every service
+    dropins.sort(key=lambda item: os.path.basename(item[0]))
+    own = _file_limits([(root.strip(path), path), *dropins], "Service", "Limit")
+    default = manager_limits(root)
+    return {
+        item: limit or dataclasses.replace(default[item], source=f"default: {default[item].source}")
+        for item, limit in own.items()
+    }
+
+
+def _runtime_check(unit: str) -> Check:
+    def check(root: Root) -> CheckResult:
+        limits = unit_limits(root, unit)
+        if limits is None:
+            return skipped(f"{unit} is not installed")
+        fix = (
+            f"install tpuboot (/usr/lib/systemd/system/{unit}.d/50-tpuboot.conf) or set "
+            f"LimitMEMLOCK=infinity and LimitNOFILE={MIN_NOFILE} in /etc/systemd/system/{unit}.d/, "
+            f"daemon-reload, restart {unit}"
+        )
+        return _judge(unit, limits, fix)
+
+    check.__doc__ = f"{unit}'s limits, which its containers inherit."
+    return check
+
+
+IMAGE_CHECKS.add("docker-limits")(_runtime_check("docker.service"))
+IMAGE_CHECKS.add("containerd-limits")(_runtime_check("containerd.service"))
+
+
+# --- udev --------------------------------------------------------------------------------------
+
+UDEV_RULES_DIRS = (
+    "/etc/udev/rules.d",
+    "/run/udev/rules.d",
+    "/usr/local/lib/udev/rules.d",
+    "/usr/lib/udev/rules.d",
+    "/lib/udev/rules.d",
+)
+_UDEV_TOKEN = re.compile(r'([A-Z_]+(?:\{[^}]*\})?)\s*(==|!=|\+=|-=|:=|=)\s*"([^"]*)"')
+
+
+def _udev_rules(text: str) -> Iterator[list[tuple[str, str, str]]]:
+    """Each rule in a rules file as its (key, operator, value) tokens."""
+    pending = ""
+    for raw in text.splitlines():
+        line = pending + raw.strip()
+        if line.endswith("\\"):
+            pending = line[:-1]
+            continue
+        pending = ""
+        if line and not line.startswith("#"):
+            yield _UDEV_TOKEN.findall(line)
+
+
+def _grants_accel(rule: list[tuple[str, str, str]]) -> bool:
+    kernel = [v for k, op, v in rule if k == "KERNEL" and op == "=="]
+    removing = any(k == "ACTION" and op == "==" and v == "remove" for k, op, v in rule)
+    mode = [v for k, op, v in rule if k == "MODE" and op in ("=", ":=")]
+    return (
+        not removing
+        and any(fnmatch.fnmatchcase("accel0", pattern) for p in kernel for pattern in p.split("|"))
+        and mode[-1:] == ["0666"]
+    )
+
+
+@IMAGE_CHECKS.add("accel-udev-rule")
+def check_accel_rule(root: Root) -> CheckResult:
+    """/dev/accel* (TPU v2 to v5e, the kernel's accel driver) open to every user."""
+    for shown, real in _layered(root, UDEV_RULES_DIRS, "*.rules"):
+        if any(_grants_accel(rule) for rule in _udev_rules(real.read_text(encoding="utf-8"))):
+            return passed(f"{shown} gives accel* mode 0666")
+    return failed(
+        "no udev rule gives accel* mode 0666",
+        'install tpuboot (70-tpuboot.rules) or put KERNEL=="accel*", MODE="0666" in /etc/udev/rules.d/',
+    )
