@@ -1,0 +1,645 @@
+"""Build and cache what a VM boots: kernel, initramfs, Debian guest tree, disk images.
+
+Everything expensive lives under :func:`hostenv.cache_dir` in folders named by a
+hash of the step's inputs (package versions, guest files, and the source of the
+function that builds it), so a step is redone only when something it depends on
+changes. Each artifact is built under a temporary name and renamed into place:
+an interrupted build never leaves something that looks finished.
+
+Layout::
+
+    kernel/<package>_<version>/   root/ (dpkg-deb -x, depmod run), vmlinux
+    initramfs/<key>.cpio          busybox + root-disk modules + guest/initramfs-init
+    base/<key>/                   debootstrap --variant=minbase (the slow step, ~1 min)
+    tree/<key>/                   base + kernel modules + tester user + agent + quiet boot
+
+Disk images are not cached here: each test session makes its own with
+:func:`build_image`, after a caller-supplied install hook has put the software
+under test into a copy of the tree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import hostenv, kernelimage
+from .hostenv import HostError, run
+
+log = logging.getLogger("tpuboot.vm")
+
+SUITE = "bookworm"
+KERNEL_META = "linux-image-amd64"
+GUEST_DIR = Path(__file__).resolve().parent / "guest"
+# Where the tree carries the bench's guest-side scripts (agent, vfio_read.py).
+GUEST_LIBEXEC = "/usr/local/libexec/tpuboot-test"
+AGENT_UNIT = "tpuboot-test-agent.service"
+PROBE_MARKER = "TPUBOOT-PROBE-OK"
+HOSTNAME = "tpuboot-vm"
+TESTER = "tester"
+TESTER_UID = 1000
+
+GUEST_PACKAGES = (
+    "systemd",
+    "systemd-sysv",
+    "udev",
+    "kmod",
+    "dbus",  # systemd-logind and busctl need it; without it boot ends "degraded"
+    "python3",
+    "python3-pyudev",
+    "python3-yaml",
+    "python3-requests",
+    "python3-systemd",
+    "python3-prometheus-client",
+    "procps",
+    "pciutils",  # lspci for humans reading a failing test's output
+)
+
+# Modules the initramfs needs to mount the root disk, each with the config symbol
+# that says whether Debian built it in (=y, nothing to load) or as a module (=m).
+# crc32c_generic must precede ext4: ext4 only soft-depends on crc32c.
+ROOT_MODULES = (
+    ("crc32c_generic", "CONFIG_CRYPTO_CRC32C"),
+    ("virtio_pci", "CONFIG_VIRTIO_PCI"),
+    ("virtio_blk", "CONFIG_VIRTIO_BLK"),
+    ("ext4", "CONFIG_EXT4_FS"),
+)
+
+# Units that slow the boot, need a network, or talk on the console.
+MASKED_UNITS = (
+    "apt-daily.timer",
+    "apt-daily-upgrade.timer",
+    "dpkg-db-backup.timer",
+    "e2scrub_all.timer",
+    "e2scrub_reap.service",
+    "fstrim.timer",
+    "man-db.timer",
+    "logrotate.timer",
+    "systemd-tmpfiles-clean.timer",
+    "systemd-timesyncd.service",
+    "systemd-networkd.service",
+    "systemd-networkd.socket",
+    "systemd-networkd-wait-online.service",
+    "systemd-resolved.service",
+    "systemd-firstboot.service",
+    "getty@.service",
+    "serial-getty@.service",
+    "console-getty.service",
+)
+
+BUILD_TIMEOUT = 900.0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _digest(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def _source(*objs: object) -> str:
+    """Source text of the functions that build a step: editing them rebuilds it."""
+    return "".join(inspect.getsource(obj) for obj in objs)  # type: ignore[arg-type]
+
+
+def _mounts_below(path: Path) -> list[str]:
+    prefix = str(path.resolve()) + "/"
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1].replace("\\040", " ") for line in f]
+    return sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete ``path`` without ever following a leftover mount (debootstrap mounts /proc)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+        return
+    if not path.exists():
+        return
+    for point in _mounts_below(path):
+        subprocess.run(["umount", "-l", point], check=False, capture_output=True, timeout=30)
+    run(["rm", "-rf", "--one-file-system", path], timeout=300)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep(parent: Path) -> None:
+    """Remove temporaries that an interrupted build (a dead process) left in ``parent``."""
+    for entry in parent.glob(".*.tmp-*"):
+        pid = entry.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not _pid_alive(int(pid)):
+            log.info("removing leftover %s", entry)
+            remove_tree(entry)
+
+
+@contextmanager
+def _building(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``final``; rename it into place only on success."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(final.parent)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    remove_tree(tmp)
+    try:
+        yield tmp
+        os.rename(tmp, final)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+
+
+def _prune(parent: Path, keep: Path, *, keep_count: int = 2) -> None:
+    """Keep the newest ``keep_count`` entries (always ``keep``); old keys only waste disk."""
+    entries = sorted(
+        (p for p in parent.iterdir() if not p.name.startswith(".") and p != keep),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in entries[keep_count - 1 :]:
+        log.info("pruning old artifact %s", old)
+        remove_tree(old)
+
+
+@contextmanager
+def _timed(what: str) -> Iterator[None]:
+    start = time.monotonic()
+    log.info("%s ...", what)
+    yield
+    log.info("%s done in %.1fs", what, time.monotonic() - start)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """Debian's kernel, unpacked. ``release`` is what ``uname -r`` prints in the guest."""
+
+    package: str
+    version: str
+    release: str
+    root: Path
+
+    @property
+    def vmlinuz(self) -> Path:
+        return self.root / "root" / "boot" / f"vmlinuz-{self.release}"
+
+    @property
+    def vmlinux(self) -> Path | None:
+        path = self.root / "vmlinux"
+        return path if path.is_file() else None
+
+    @property
+    def boot_image(self) -> Path:
+        """The uncompressed ELF for PVH boot when extraction worked, else the bzImage."""
+        return self.vmlinux or self.vmlinuz
+
+    @property
+    def config(self) -> Path:
+        return self.root / "root" / "boot" / f"config-{self.release}"
+
+    @property
+    def modules(self) -> Path:
+        return self.root / "root" / "lib" / "modules" / self.release
+
+    def config_value(self, symbol: str) -> str | None:
+        """``y``, ``m``, a string, or None when unset."""
+        for line in self.config.read_text().splitlines():
+            if line.startswith(symbol + "="):
+                return line.split("=", 1)[1]
+        return None
+
+
+def resolve_kernel_package() -> tuple[str, str]:
+    """The real package (and candidate version) behind ``linux-image-amd64``."""
+    out = run(["apt-cache", "depends", KERNEL_META], timeout=60)
+    names = re.findall(r"^\s+Depends:\s+(linux-image-[^\s<>]+)\s*$", out, re.M)
+    names = [n for n in names if n != KERNEL_META]
+    if not names:
+        raise HostError(f"apt-cache depends {KERNEL_META} names no kernel package (run apt-get update?)")
+    package = names[0]
+    policy = run(["apt-cache", "policy", package], timeout=60)
+    match = re.search(r"Candidate:\s+(\S+)", policy)
+    if not match or match[1] == "(none)":
+        raise HostError(f"no installable version of {package} (run apt-get update?)")
+    return package, match[1]
+
+
+def _unpack_kernel(tmp: Path, package: str, version: str) -> None:
+    tmp.mkdir()
+    run(
+        ["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", f"{package}={version}"],
+        cwd=tmp,
+        timeout=600,
+    )
+    debs = list(tmp.glob("*.deb"))
+    if len(debs) != 1:
+        raise HostError(f"apt-get download {package} left {len(debs)} .deb files")
+    run(["dpkg-deb", "-x", debs[0], tmp / "root"], timeout=300)
+    debs[0].unlink()
+    vmlinuz = sorted((tmp / "root" / "boot").glob("vmlinuz-*"))
+    if len(vmlinuz) != 1:
+        raise HostError(f"{package} holds {len(vmlinuz)} vmlinuz files")
+    release = vmlinuz[0].name.removeprefix("vmlinuz-")
+    run(["depmod", "-b", tmp / "root", release], timeout=300)
+    try:
+        (tmp / "vmlinux").write_bytes(kernelimage.extract_vmlinux(vmlinuz[0].read_bytes()))
+    except kernelimage.KernelImageError as exc:
+        log.warning("cannot extract vmlinux (%s): booting the slower bzImage", exc)
+    meta = {"package": package, "version": version, "release": release}
+    (tmp / "kernel.json").write_text(json.dumps(meta))
+
+
+def _load_kernel(root: Path) -> Kernel:
+    meta = json.loads((root / "kernel.json").read_text())
+    return Kernel(meta["package"], meta["version"], meta["release"], root)
+
+
+def ensure_kernel(cache: Path | None = None) -> Kernel:
+    """Download and unpack the current ``linux-image-amd64`` kernel (cached by version)."""
+    parent = (cache or hostenv.cache_dir()) / "kernel"
+    try:
+        package, version = resolve_kernel_package()
+    except HostError:
+        # Offline, or apt lists gone: a kernel cached earlier still does the job.
+        cached = sorted(parent.glob("linux-image-*/kernel.json"), key=lambda p: p.stat().st_mtime)
+        if not cached:
+            raise
+        log.warning("cannot resolve %s; using cached %s", KERNEL_META, cached[-1].parent.name)
+        return _load_kernel(cached[-1].parent)
+    final = parent / f"{package}_{version}"
+    if not final.is_dir():
+        with _timed(f"kernel {package} {version}"), _building(final) as tmp:
+            _unpack_kernel(tmp, package, version)
+        _prune(parent, final)
+    return _load_kernel(final)
+
+
+# --------------------------------------------------------------------------- initramfs
+
+
+class _Cpio:
+    """Minimal writer of the ``newc`` cpio format the kernel unpacks as initramfs."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.ino = 1
+
+    def _entry(self, name: str, mode: int, body: bytes = b"", rdev: tuple[int, int] = (0, 0)) -> None:
+        fields = [self.ino, mode, 0, 0, 1, 0, len(body), 0, 0, rdev[0], rdev[1], len(name) + 1, 0]
+        self.ino += 1
+        self.data += b"070701" + b"".join(b"%08x" % f for f in fields) + name.encode() + b"\0"
+        self.data += b"\0" * (-len(self.data) % 4)
+        self.data += body
+        self.data += b"\0" * (-len(self.data) % 4)
+
+    def directory(self, name: str) -> None:
+        self._entry(name, stat.S_IFDIR | 0o755)
+
+    def file(self, name: str, body: bytes, mode: int = 0o644) -> None:
+        self._entry(name, stat.S_IFREG | mode, body)
+
+    def symlink(self, name: str, target: str) -> None:
+        self._entry(name, stat.S_IFLNK | 0o777, target.encode())
+
+    def chardev(self, name: str, major: int, minor: int, mode: int = 0o600) -> None:
+        self._entry(name, stat.S_IFCHR | mode, rdev=(major, minor))
+
+    def finish(self) -> bytes:
+        self._entry("TRAILER!!!", 0)
+        return bytes(self.data)
+
+
+def root_module_order(kernel: Kernel) -> list[Path]:
+    """The .ko files (relative to the modules dir) to insmod, dependencies first."""
+    deps: dict[str, list[str]] = {}
+    paths: dict[str, str] = {}
+    for line in (kernel.modules / "modules.dep").read_text().splitlines():
+        target, _, rest = line.partition(":")
+        name = Path(target).name.split(".ko")[0].replace("-", "_")
+        paths[name] = target
+        deps[target] = rest.split()
+    order: list[str] = []
+
+    def visit(target: str) -> None:
+        for dep in deps.get(target, []):
+            visit(dep)
+        if target not in order:
+            order.append(target)
+
+    for module, symbol in ROOT_MODULES:
+        value = kernel.config_value(symbol)
+        if value == "y":
+            continue
+        if value != "m" or module not in paths:
+            raise HostError(
+                f"{kernel.release}: {symbol}={value} and no {module}.ko: cannot mount the root disk"
+            )
+        visit(paths[module])
+    return [Path(p) for p in order]
+
+
+def _write_initramfs(dest: Path, kernel: Kernel, init: str, busybox: bytes) -> None:
+    cpio = _Cpio()
+    for d in ("bin", "dev", "proc", "sys", "newroot", "lib", "lib/modules"):
+        cpio.directory(d)
+    cpio.chardev("dev/console", 5, 1)
+    cpio.file("bin/busybox", busybox, 0o755)
+    cpio.symlink("bin/sh", "busybox")
+    cpio.file("init", init.encode(), 0o755)
+    order = root_module_order(kernel)
+    for ko in order:
+        cpio.file(f"lib/modules/{ko.name}", (kernel.modules / ko).read_bytes())
+    cpio.file("lib/modules/load-order", "".join(f"{ko.name}\n" for ko in order).encode())
+    dest.write_bytes(cpio.finish())
+
+
+def ensure_initramfs(kernel: Kernel, cache: Path | None = None) -> Path:
+    """Busybox initramfs for ``kernel``: loads the root-disk modules, switch_root to systemd.
+
+    Uncompressed: under TCG, unpacking gzip costs more than loading 4 MB more.
+    """
+    parent = (cache or hostenv.cache_dir()) / "initramfs"
+    init = (GUEST_DIR / "initramfs-init").read_text().replace("@@PROBE_MARKER@@", PROBE_MARKER)
+    busybox = hostenv.BUSYBOX.read_bytes()
+    key = _digest(
+        kernel.root.name,
+        init,
+        busybox,
+        _source(_Cpio, root_module_order, _write_initramfs),
+        repr(ROOT_MODULES),
+    )
+    final = parent / f"{key}.cpio"
+    if not final.is_file():
+        with _timed("initramfs"), _building(final) as tmp:
+            _write_initramfs(tmp, kernel, init, busybox)
+        _prune(parent, final)
+    return final
+
+
+# --------------------------------------------------------------------------- guest tree
+
+
+def _debootstrap(tmp: Path) -> None:
+    mirror = hostenv.debian_mirror(SUITE)
+    argv = ["debootstrap", "--variant=minbase", "--include=" + ",".join(GUEST_PACKAGES)]
+    if mirror.signed_by and Path(mirror.signed_by).is_file():
+        argv.append(f"--keyring={mirror.signed_by}")
+    run([*argv, SUITE, tmp, mirror.uri], timeout=BUILD_TIMEOUT)
+    # The downloaded .debs are 50 MB the image would carry for nothing.
+    for deb in (tmp / "var/cache/apt/archives").glob("*.deb"):
+        deb.unlink()
+
+
+def ensure_base(cache: Path | None = None) -> Path:
+    """A plain ``debootstrap --variant=minbase`` tree with :data:`GUEST_PACKAGES`."""
+    parent = (cache or hostenv.cache_dir()) / "base"
+    key = _digest(SUITE, *sorted(GUEST_PACKAGES), _source(_debootstrap))
+    final = parent / key
+    if not final.is_dir():
+        with _timed(f"debootstrap {SUITE}"), _building(final) as tmp:
+            _debootstrap(tmp)
+        _prune(parent, final)
+    return final
+
+
+def _guest_files() -> list[Path]:
+    return sorted(p for p in GUEST_DIR.iterdir() if p.is_file() and p.name != "initramfs-init")
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+
+
+def _mask(tree: Path, units: Iterable[str]) -> None:
+    etc = tree / "etc/systemd/system"
+    for unit in units:
+        link = etc / unit
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to("/dev/null")
+
+
+def _customize(tree: Path, kernel: Kernel) -> None:
+    """Turn a debootstrap tree into the bench's guest (runs on a copy of the base)."""
+    modules = tree / "usr/lib/modules" / kernel.release
+    modules.parent.mkdir(parents=True, exist_ok=True)
+    run(["cp", "-a", kernel.modules, modules], timeout=300)
+    for name in (f"config-{kernel.release}", f"System.map-{kernel.release}"):
+        shutil.copy2(kernel.root / "root/boot" / name, tree / "boot" / name)
+    run(["depmod", "-b", tree, kernel.release], timeout=300)
+
+    run(
+        [
+            "useradd",
+            "--root",
+            tree,
+            "--uid",
+            str(TESTER_UID),
+            "--user-group",
+            "--create-home",
+            "--shell",
+            "/bin/bash",
+            TESTER,
+        ],
+        timeout=60,
+    )
+    _write(tree / "etc/hostname", HOSTNAME + "\n")
+    _write(tree / "etc/hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost\n")
+    _write(tree / "etc/fstab", "/dev/vda\t/\text4\trw,errors=remount-ro\t0\t0\n")
+    # No network interface exists: resolving anything must fail fast, not wait.
+    _write(tree / "etc/resolv.conf", "")
+    _write(tree / "etc/systemd/journald.conf.d/tpuboot-test.conf", "[Journal]\nStorage=volatile\n")
+    _write(tree / "etc/systemd/system.conf.d/tpuboot-test.conf", "[Manager]\nShowStatus=no\n")
+
+    _mask(tree, MASKED_UNITS)
+    default = tree / "etc/systemd/system/default.target"
+    default.unlink(missing_ok=True)
+    default.symlink_to("/lib/systemd/system/multi-user.target")
+
+    libexec = tree / GUEST_LIBEXEC.lstrip("/")
+    libexec.mkdir(parents=True, exist_ok=True)
+    for src in _guest_files():
+        if src.suffix == ".service":
+            shutil.copy2(src, tree / "etc/systemd/system" / src.name)
+        else:
+            shutil.copy2(src, libexec / src.name)
+            (libexec / src.name).chmod(0o755)
+    wants = tree / "etc/systemd/system/sysinit.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    (wants / AGENT_UNIT).symlink_to(f"/etc/systemd/system/{AGENT_UNIT}")
+
+
+def ensure_tree(kernel: Kernel, cache: Path | None = None) -> Path:
+    """The guest's root tree: base + kernel modules + user ``tester`` + command agent."""
+    cache = cache or hostenv.cache_dir()
+    base = ensure_base(cache)
+    parent = cache / "tree"
+    guest = [p.name.encode() + p.read_bytes() for p in _guest_files()]
+    key = _digest(
+        base.name,
+        kernel.root.name,
+        *guest,
+        _source(_customize, _mask, _write),
+        repr((MASKED_UNITS, HOSTNAME, TESTER, TESTER_UID, GUEST_LIBEXEC)),
+    )
+    final = parent / key
+    if not final.is_dir():
+        with _timed("guest tree"), _building(final) as tmp:
+            run(["cp", "-a", "--reflink=auto", base, tmp], timeout=300)
+            _customize(tmp, kernel)
+        _prune(parent, final)
+    return final
+
+
+# --------------------------------------------------------------------------- all together
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """Everything cached that a VM needs besides its disk image."""
+
+    kernel: Kernel
+    initrd: Path
+    tree: Path
+
+    @property
+    def boot_kernel(self) -> Path:
+        """The file to give QEMU's ``-kernel`` (vmlinux when available)."""
+        return self.kernel.boot_image
+
+
+def ensure_artifacts(
+    cache: Path | None = None,
+    *,
+    on_boot_files: Callable[[Kernel, Path], None] | None = None,
+) -> Artifacts:
+    """Build (or find) kernel, initramfs and guest tree.
+
+    ``on_boot_files(kernel, initrd)`` runs as soon as the kernel and initramfs exist,
+    before the slow tree step: the pytest fixture starts the accelerator probe there.
+    """
+    problem = hostenv.host_problem()
+    if problem:
+        raise HostError(problem)
+    cache = cache or hostenv.cache_dir()
+    kernel = ensure_kernel(cache)
+    initrd = ensure_initramfs(kernel, cache)
+    if on_boot_files:
+        on_boot_files(kernel, initrd)
+    return Artifacts(kernel, initrd, ensure_tree(kernel, cache))
+
+
+# --------------------------------------------------------------------------- images
+
+InstallHook = Callable[[Path], None]
+"""``install(tree)``: put the software under test into a copy of the guest tree."""
+
+
+def _stamp_updated(tree: Path) -> None:
+    """Mark /etc and /var as up to date with /usr: skips ConditionNeedsUpdate units at boot.
+
+    The disk is booted with snapshot=on, so they would otherwise run at every boot.
+    """
+    seconds = int(time.time())
+    ns = seconds * 1_000_000_000
+    usr = tree / "usr"
+    os.utime(usr, ns=(ns, ns), follow_symlinks=False)
+    for name in ("etc/.updated", "var/.updated"):
+        path = tree / name
+        path.write_text(f"# This file was created by the tpuboot test bench.\nTIMESTAMP_NSEC={ns}\n")
+        os.utime(path, ns=(ns, ns))
+
+
+def _tree_bytes(tree: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(tree):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+@contextmanager
+def writable_copy(tree: Path, work: Path) -> Iterator[Path]:
+    """A writable view of ``tree`` that leaves ``tree`` untouched.
+
+    An overlayfs mount costs nothing; where the host refuses it, a full copy
+    (about 10 s for the 700 MB tree) does the same job.
+    """
+    remove_tree(work)
+    upper, scratch, merged = work / "upper", work / "work", work / "merged"
+    for d in (upper, scratch, merged):
+        d.mkdir(parents=True)
+    try:
+        try:
+            run(
+                ["mount", "-t", "overlay", "overlay", "-o",
+                 f"lowerdir={tree},upperdir={upper},workdir={scratch}", merged],
+                timeout=30,
+            )  # fmt: skip
+        except HostError as exc:
+            log.info("overlayfs unavailable (%s); copying the tree", str(exc).splitlines()[0])
+            merged.rmdir()
+            run(["cp", "-a", "--reflink=auto", tree, merged], timeout=600)
+        yield merged
+    finally:
+        if merged.is_mount():
+            # Innermost first: a hook may have mounted /proc or /dev inside for a chroot.
+            for point in [*_mounts_below(merged), str(merged)]:
+                subprocess.run(["umount", "-l", point], check=False, capture_output=True, timeout=30)
+        remove_tree(work)
+
+
+def build_image(
+    artifacts: Artifacts,
+    dest: Path,
+    install: InstallHook | None = None,
+    *,
+    headroom_mb: int = 512,
+) -> Path:
+    """Run ``install`` on a writable view of the cached tree and make an ext4 image at ``dest``.
+
+    The cached tree itself is never modified. Boot the image with ``snapshot=on``
+    (``VM`` does) so one image serves many boots. ``headroom_mb`` of free space
+    is left for what tests write in the guest.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = dest.with_name(f".{dest.name}.tmp-tree-{os.getpid()}")
+    with _timed(f"image {dest.name}"), writable_copy(artifacts.tree, work) as tree:
+        if install is not None:
+            install(tree)
+        _stamp_updated(tree)
+        size_mb = int(_tree_bytes(tree) * 1.3 / 2**20) + headroom_mb
+        with _building(dest) as tmp:
+            run(["mkfs.ext4", "-q", "-F", "-L", "tpuboot-root", "-d", tree, tmp, f"{size_mb}M"], timeout=600)
+    return dest

@@ -1,0 +1,208 @@
+"""pytest integration of the real-kernel bench.
+
+* Every test under ``tests/vm`` carries the ``vm`` marker (added here), so
+  ``-m "not vm"`` leaves them out.
+* A host that cannot run them (not root, qemu or another tool missing) fails
+  them with one clear line, or skips them when ``TPUBOOT_SKIP_VM=1``.
+* Fixtures: ``vm_artifacts`` (session: kernel, initramfs, tree; probes the
+  accelerator meanwhile), ``vm_image_factory`` (session: images from install
+  hooks), ``vm_image`` (the bare bench image), ``vm_factory`` (per test: start
+  and boot VMs, all stopped at teardown).
+* A failing VM test's report gets, per VM it used, the guest journal's tail and
+  the console's tail.
+* Each VM test's call phase is limited to ``$TPUBOOT_VM_TEST_TIMEOUT`` seconds
+  (default 600) or ``@pytest.mark.vm(timeout=N)``; then it fails with
+  VMTestTimeout and the VMs are cleaned up like on any failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import signal
+import threading
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+
+from . import accel, hostenv, machine
+from .artifacts import Artifacts, InstallHook, build_image, ensure_artifacts, remove_tree
+from .machine import VM, VMTestTimeout
+
+log = logging.getLogger("tpuboot.vm")
+
+SKIP_ENV = "TPUBOOT_SKIP_VM"
+TIMEOUT_ENV = "TPUBOOT_VM_TEST_TIMEOUT"
+DEFAULT_TEST_TIMEOUT = 600.0
+HERE = Path(__file__).resolve().parent
+_FIRST_SERIAL = pytest.StashKey[int]()
+
+
+class ImageFactory(Protocol):
+    def __call__(self, install: InstallHook | None = None, *, key: str = "base") -> Path: ...
+
+
+class VMFactory(Protocol):
+    def __call__(
+        self, image: Path | None = None, *, boot: bool = True, boot_timeout: float = 240.0, **kwargs: Any
+    ) -> VM: ...
+
+
+# --------------------------------------------------------------------------- marker, host check
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in item.path.resolve().parents:
+            item.add_marker(pytest.mark.vm)
+
+
+@functools.cache
+def _host_problem() -> str | None:
+    return hostenv.host_problem()
+
+
+def _is_vm_test(item: pytest.Item) -> bool:
+    return item.get_closest_marker("vm") is not None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not _is_vm_test(item):
+        return
+    problem = _host_problem()
+    if problem:
+        if os.environ.get(SKIP_ENV) == "1":
+            pytest.skip(f"VM tests skipped ({SKIP_ENV}=1): {problem}")
+        pytest.fail(f"VM tests cannot run: {problem} (set {SKIP_ENV}=1 to skip them)", pytrace=False)
+    item.stash[_FIRST_SERIAL] = machine.next_serial()
+
+
+# --------------------------------------------------------------------------- per-test timeout
+
+
+def _test_timeout(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("vm")
+    if marker is not None and "timeout" in marker.kwargs:
+        return float(marker.kwargs["timeout"])
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TEST_TIMEOUT))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
+    if not _is_vm_test(item) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    limit = _test_timeout(item)
+
+    def expire(signum: int, frame: Any) -> None:
+        raise VMTestTimeout(f"{item.nodeid} exceeded its {limit:.0f}s limit ({TIMEOUT_ENV})")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# --------------------------------------------------------------------------- failure report
+
+
+def _journal_for_report(vm: VM) -> str:
+    if vm.running and vm.agent is not None and not vm.agent.closed:
+        with contextlib.suppress(Exception):
+            if vm.agent.ping(timeout=3.0):
+                return vm.journal(lines=300, timeout=30)
+    return vm.final_journal or "(guest not reachable: no journal; see the console)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.failed and _is_vm_test(item):
+        first = item.stash.get(_FIRST_SERIAL, None)
+        vms = machine.vms_started_since(first) if first is not None else []
+        vms += [vm for vm in machine.live_vms() if vm not in vms]
+        for vm in vms:
+            report.sections.append((f"guest journal ({vm.name}, last 300 lines)", _journal_for_report(vm)))
+            report.sections.append((f"guest console ({vm.name}, last 80 lines)", vm.console_tail(80)))
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def vm_artifacts() -> Artifacts:
+    """Kernel, initramfs and guest tree (cached); the KVM/TCG probe runs meanwhile."""
+
+    def start_probe(kernel: Any, initrd: Path) -> None:
+        # Not joined: it overlaps the tree and image builds; the first VM.start waits for it.
+        threading.Thread(
+            target=accel.select_accel, args=(kernel.boot_image, initrd), name="accel-probe", daemon=True
+        ).start()
+
+    return ensure_artifacts(on_boot_files=start_probe)
+
+
+@pytest.fixture(scope="session")
+def vm_image_factory(
+    vm_artifacts: Artifacts, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ImageFactory]:
+    """``make(install=None, *, key="base") -> Path``: one ext4 image per key for the session.
+
+    ``install(tree)`` puts the software under test into a copy of the guest tree.
+    Images are deleted at the end of the session (they are ~1 GB each).
+    """
+    folder = tmp_path_factory.mktemp("vm-images")
+    images: dict[str, Path] = {}
+
+    def make(install: InstallHook | None = None, *, key: str = "base") -> Path:
+        if key not in images:
+            images[key] = build_image(vm_artifacts, folder / f"{key}.ext4", install)
+        return images[key]
+
+    yield make
+    remove_tree(folder)
+
+
+@pytest.fixture(scope="session")
+def vm_image(vm_image_factory: ImageFactory) -> Path:
+    """The bench's image with nothing installed."""
+    return vm_image_factory()
+
+
+@pytest.fixture
+def vm_factory(
+    vm_artifacts: Artifacts, vm_image_factory: ImageFactory, request: pytest.FixtureRequest
+) -> Iterator[VMFactory]:
+    """``start(image=None, *, boot=True, boot_timeout=240, **VM kwargs) -> VM``.
+
+    Starts (and by default boots) a VM for this test; all are shut down at teardown.
+    """
+    started: list[VM] = []
+
+    def start(
+        image: Path | None = None, *, boot: bool = True, boot_timeout: float = 240.0, **kwargs: Any
+    ) -> VM:
+        kwargs.setdefault("name", f"{request.node.name}-{len(started)}")
+        vm = VM.from_artifacts(vm_artifacts, image or vm_image_factory(), **kwargs)
+        started.append(vm)
+        vm.start()
+        if boot:
+            vm.wait_booted(boot_timeout)
+        return vm
+
+    yield start
+    for vm in started:
+        try:
+            vm.shutdown(timeout=20)
+        except BaseException:
+            vm.kill()
+            raise
