@@ -14,7 +14,8 @@ Standalone (for VM guests)::
 
 ``attrs.yaml`` maps attribute names to values; a mapping value (like ``tpu-env``) is
 served as its YAML text. Control endpoints, not counted and without flavor checks:
-``GET /_emulator/stats`` (JSON) and ``PUT /_emulator/v1/<path>`` (body = new value).
+``GET /_emulator/stats`` (JSON), ``PUT /_emulator/v1/<path>`` (body = new value; DELETE
+removes it) and ``PUT /_emulator/faults`` (body = JSON object of ``Faults`` fields).
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class MetadataEmulator:
         self._fail_status = 503
         self._pollers = 0
         self._stats_lock = threading.Lock()
+        self._counted = threading.Condition(self._stats_lock)
         self.request_times: list[float] = []
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -183,7 +185,9 @@ class MetadataEmulator:
         self._stopping.clear()
         self._server = _Server((self.bind, self.port), _Handler, self)
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="mds-emulator", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.05,), name="mds-emulator", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -272,9 +276,15 @@ class MetadataEmulator:
             best = max(best, end - start + 1)
         return best / window
 
+    def wait_for_requests(self, count: int, timeout: float = 10.0) -> bool:
+        """Block until ``count`` metadata requests have arrived in total (True), or ``timeout``."""
+        with self._counted:
+            return self._counted.wait_for(lambda: len(self.request_times) >= count, timeout=timeout)
+
     def _count(self) -> None:
-        with self._stats_lock:
+        with self._counted:
             self.request_times.append(time.monotonic())
+            self._counted.notify_all()
 
     # -- answering (called by the handler) -------------------------------------------------
 
@@ -412,7 +422,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(injected, "injected failure\n", None, "text/plain", faults)
             return
         if not split.path.startswith(ROOT):
-            self._send(404, _NOT_FOUND, None, "text/html; charset=UTF-8", faults)
+            above = {"/": "computeMetadata/\n", "/computeMetadata/": "v1/\n"}.get(split.path)
+            if above is None:
+                self._send(404, _NOT_FOUND, None, "text/html; charset=UTF-8", faults)
+            else:  # google-auth's ping asks for "/"
+                self._send(200, above, None, "application/text", faults)
             return
         status, body, etag, content_type = emulator._lookup(split.path[len(ROOT) :], parse_qs(split.query))
         if faults.body is not None and status == 200:
@@ -423,6 +437,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PUT(self) -> None:
         split = urlsplit(self.path)
         prefix = CONTROL + "v1/"
+        if split.path == CONTROL + "faults":  # body: JSON object of Faults fields
+            length = int(self.headers.get("Content-Length", "0"))
+            self.server.emulator.set_faults(**json.loads(self.rfile.read(length) or b"{}"))
+            self._send(200, "ok\n", None, "text/plain", Faults())
+            return
         if not split.path.startswith(prefix):
             self._send(404, _NOT_FOUND, None, "text/plain", Faults())
             return

@@ -105,7 +105,7 @@ class EnvSync:
         except MetadataAbsent:
             result = self._absent()
         except MetadataError as exc:
-            reason = "metadata server unreachable" if exc.transient else "metadata server refused"
+            reason = "metadata server unreachable" if exc.transient else "metadata answer unusable"
             log.warning("tpu-env: %s", exc, extra={"TPU_ENV_PATH": self._env.tpu_env_path})
             result = self._from_cache(reason)
         else:

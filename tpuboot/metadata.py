@@ -255,11 +255,13 @@ class MetadataClient:
         max_body: int = 1 << 20,
         backoff: Backoff | None = None,
         rng: random.Random | None = None,
+        min_poll_interval: float = MIN_POLL_INTERVAL,
     ) -> None:
         self.base_url = base_url if base_url.endswith("/") else base_url + "/"
         self.timeout = timeout
         self.max_body = max_body
         self.backoff = backoff or Backoff()
+        self.min_poll_interval = min_poll_interval
         self._rng = rng or random.Random()
         self._rng_lock = threading.Lock()
         self._failures = _FailureLog()
@@ -309,8 +311,7 @@ class MetadataClient:
                 self._closed.wait(delay)
                 continue
             except MetadataRefused as refused:
-                self._failures.failed(str(refused), url, retrying=False)
-                raise
+                raise MetadataRefused(f"metadata server {url}: {refused}") from None  # the caller logs it
             except MetadataAbsent:
                 self._failures.recovered(url)
                 raise
@@ -379,7 +380,7 @@ class MetadataClient:
             if elapsed >= timeout_sec / 2:  # a real long-poll: the server behaves
                 attempt = 0
                 continue
-            wait = max(MIN_POLL_INTERVAL - elapsed, self._delay(attempt))
+            wait = max(self.min_poll_interval - elapsed, self._delay(attempt))
             attempt += 1
             if stop.wait(wait):
                 return
@@ -431,13 +432,11 @@ class MetadataClient:
             )
         status = response.status_code
         if status == 404:
-            raise MetadataAbsent(f"{response.url}: no such metadata key")
+            raise MetadataAbsent(f"{response.url.split('?')[0]}: no such metadata key")
         if status >= 500 or status == 429:
             raise _Retryable(f"HTTP {status}")
         if status != 200:
-            raise MetadataRefused(
-                f"metadata server answered HTTP {status} for {response.url}; check the key and the request"
-            )
+            raise MetadataRefused(f"answered HTTP {status}; check the key and the request")
 
     def _read_body(self, response: requests.Response, deadline: float | None) -> bytes:
         declared = response.headers.get("Content-Length")

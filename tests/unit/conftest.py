@@ -67,7 +67,12 @@ FAST_BACKOFF = Backoff(initial=0.01, maximum=0.05)
 def make_client(emu: MetadataEmulator, *, timeout: float = 2.0, max_body: int = 1 << 20) -> MetadataClient:
     """A client for ``emu`` with quick backoff (tests wait on deadlines, not on real boot pacing)."""
     return MetadataClient(
-        emu.url, timeout=timeout, max_body=max_body, backoff=FAST_BACKOFF, rng=random.Random(7)
+        emu.url,
+        timeout=timeout,
+        max_body=max_body,
+        backoff=FAST_BACKOFF,
+        rng=random.Random(7),
+        min_poll_interval=0.05,
     )
 
 

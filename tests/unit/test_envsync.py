@@ -1,0 +1,257 @@
+"""EnvSync: boot sync from metadata or cache, the fault matrix, and the change watch."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import subprocess
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from tests.mds_emulator import (
+    ALIAS_BOMB,
+    HOSTILE_VALUES,
+    INVALID_YAML,
+    SAMPLE_TPU_ENV,
+    MetadataEmulator,
+    tpu_env_yaml,
+)
+from tests.unit.conftest import make_client, make_config
+from tpuboot.config import DEFAULT_ENVIRONMENT
+from tpuboot.envsync import EnvSync, SyncResult
+from tpuboot.metadata import MetadataClient
+from tpuboot.paths import Root
+from tpuboot.tpuenv import render_env_file
+
+TPU_ENV = "/home/tpu-runtime/tpu-env"
+CACHE = "/var/lib/tpuboot/tpu-env.json"
+FETCHED = datetime.datetime(2026, 11, 29, 20, 0, 30, tzinfo=datetime.UTC)
+GOOD = render_env_file(SAMPLE_TPU_ENV).encode()
+
+
+@pytest.fixture
+def sync_client(emulator: MetadataEmulator) -> Iterator[MetadataClient]:
+    client = make_client(emulator, timeout=0.3)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def sync(root: Root, emulator: MetadataEmulator, sync_client: MetadataClient) -> EnvSync:
+    return EnvSync(root, make_config(emulator), sync_client, clock=lambda: FETCHED)
+
+
+def environment_lines(root: Root) -> list[str]:
+    return root.path("/etc/environment").read_text().splitlines()
+
+
+def test_boot_from_metadata_writes_tpu_env_cache_and_environment(
+    sync: EnvSync, root: Root, emulator: MetadataEmulator
+) -> None:
+    result = sync.sync_once(deadline_s=5)
+    assert result == SyncResult(
+        "metadata",
+        14,
+        emulator.etag("instance/attributes/tpu-env"),
+        "tpu-env: 14 keys from metadata",
+        True,
+        True,
+    )
+    assert root.path(TPU_ENV).read_bytes() == GOOD
+    assert root.path(TPU_ENV).stat().st_mode & 0o777 == 0o644
+    cache = json.loads(root.path(CACHE).read_text())
+    assert cache["tpu_env"] == tpu_env_yaml(SAMPLE_TPU_ENV)
+    assert cache["etag"] == result.etag
+    assert environment_lines(root) == [f"{key}={value}" for key, value in DEFAULT_ENVIRONMENT.items()]
+
+
+def test_second_boot_rewrites_nothing_visible(sync: EnvSync, root: Root) -> None:
+    sync.sync_once(deadline_s=5)
+    inodes = (root.path(TPU_ENV).stat().st_ino, root.path("/etc/environment").stat().st_ino)
+    again = sync.sync_once(deadline_s=5)
+    assert (again.source, again.tpu_env_written, again.environment_written) == ("metadata", False, False)
+    assert (root.path(TPU_ENV).stat().st_ino, root.path("/etc/environment").stat().st_ino) == inodes
+
+
+def test_unreachable_server_writes_tpu_env_from_cache(
+    root: Root, emulator: MetadataEmulator, sync_client: MetadataClient
+) -> None:
+    EnvSync(root, make_config(emulator), sync_client, clock=lambda: FETCHED).sync_once(deadline_s=5)
+    root.path(TPU_ENV).unlink()  # a fresh boot disk would not have it either
+    emulator.stop()
+    result = EnvSync(root, make_config(emulator), sync_client).sync_once(deadline_s=0.5)
+    assert result.source == "cache"
+    assert result.status == "tpu-env: metadata server unreachable, 14 keys from cache of 2026-11-29T20:00Z"
+    assert root.path(TPU_ENV).read_bytes() == GOOD
+
+
+def test_unreachable_server_and_no_cache_leaves_the_file_alone(
+    root: Root, emulator: MetadataEmulator, sync_client: MetadataClient
+) -> None:
+    root.path(TPU_ENV).write_bytes(b'OLD="1"\n')
+    emulator.stop()
+    result = EnvSync(root, make_config(emulator), sync_client).sync_once(deadline_s=0.5)
+    assert result.source == "failed"
+    assert result.status == (
+        f"tpu-env: metadata server unreachable and no cached copy; left {TPU_ENV} as it was"
+    )
+    assert root.path(TPU_ENV).read_bytes() == b'OLD="1"\n'
+    assert environment_lines(root)  # /etc/environment does not depend on metadata
+
+
+def test_absent_attribute_writes_environment_only(
+    sync: EnvSync, root: Root, emulator: MetadataEmulator
+) -> None:
+    emulator.set_attribute("tpu-env", None)
+    result = sync.sync_once(deadline_s=5)
+    assert (result.source, result.keys, result.etag) == ("absent", 0, None)
+    assert result.status == f"tpu-env: no tpu-env attribute in metadata; left {TPU_ENV} as it was"
+    assert not root.path(TPU_ENV).exists()
+    assert result.environment_written
+    assert emulator.request_count == 1
+
+
+def test_corrupt_cache_is_ignored_with_a_warning(
+    root: Root, emulator: MetadataEmulator, sync_client: MetadataClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    root.path("/var/lib/tpuboot").mkdir(parents=True)
+    root.path(CACHE).write_text("{not json")
+    emulator.stop()
+    with caplog.at_level(logging.WARNING):
+        result = EnvSync(root, make_config(emulator), sync_client).sync_once(deadline_s=0.3)
+    assert result.source == "failed"
+    assert any("is corrupt" in record.getMessage() for record in caplog.records)
+
+
+def test_bad_environment_config_is_reported_without_stopping_tpu_env(
+    root: Root, emulator: MetadataEmulator, sync_client: MetadataClient
+) -> None:
+    config = make_config(emulator, environment={"BAD": 'has "quotes"'})
+    result = EnvSync(root, config, sync_client).sync_once(deadline_s=5)
+    assert result.source == "metadata"
+    assert "/etc/environment not written: env.environment.BAD" in result.status
+    assert root.path(TPU_ENV).read_bytes() == GOOD
+
+
+def test_hostile_values_are_written_so_the_shell_reads_them_verbatim(
+    sync: EnvSync, root: Root, emulator: MetadataEmulator
+) -> None:
+    emulator.set_attribute("tpu-env", tpu_env_yaml(HOSTILE_VALUES))
+    assert sync.sync_once(deadline_s=5).keys == len(HOSTILE_VALUES)
+    script = 'set -a; . "$1"; shift; for k do eval "v=\\$$k"; printf "%s\\0" "$v"; done'
+    for shell in ("dash", "bash"):
+        run = subprocess.run(
+            [shell, "-c", script, shell, str(root.path(TPU_ENV)), *HOSTILE_VALUES],
+            capture_output=True,
+            check=True,
+        )
+        assert run.stdout.split(b"\0")[:-1] == [v.encode() for v in HOSTILE_VALUES.values()], shell
+
+
+# --- the fault matrix: each fault ends in a clear log line and an intact tpu-env ---------------
+
+FAULTS = {
+    "refused": ({}, "connection refused"),
+    "delay": ({"delay": 2.0}, "timed out"),
+    "5xx": ({"status": 503}, "HTTP 503"),
+    "drop mid-response": ({"drop": True}, "connection dropped"),
+    "missing flavor": ({"flavor": None}, "without the Metadata-Flavor: Google header"),
+    "wrong flavor": ({"flavor": "Evil"}, "with Metadata-Flavor: 'Evil'"),
+    "huge body": ({"body": b"A: " + b"x" * (2 << 20)}, "over 1048576 bytes"),
+    "huge body, no length": ({"body": b"A: " + b"x" * (2 << 20), "no_length": True}, "over 1048576 bytes"),
+    "redirect": ({"status": 302}, "HTTP 302"),
+    "forbidden": ({"status": 403}, "HTTP 403"),
+    "invalid YAML": ({"body": INVALID_YAML.encode()}, "tpu-env is not valid YAML (line"),
+    "alias bomb": ({"body": ALIAS_BOMB.encode()}, "anchors or aliases"),
+    "not a mapping": ({"body": b"- a\n- b\n"}, "not a mapping"),
+    "not UTF-8": ({"body": b"A: \xff\xfe\n"}, "not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_fault_leaves_a_clear_log_line_and_an_intact_tpu_env(
+    name: str, sync: EnvSync, root: Root, emulator: MetadataEmulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    faults, message = FAULTS[name]
+    sync.sync_once(deadline_s=5)
+    root.path(TPU_ENV).unlink()  # must come back from the cache, whole
+    if name == "refused":
+        emulator.stop()
+    else:
+        emulator.set_faults(**faults)
+    with caplog.at_level(logging.INFO, logger="tpuboot"):
+        result = sync.sync_once(deadline_s=0.6)
+    assert result.source == "cache"
+    assert result.status.startswith("tpu-env: metadata ")
+    assert result.status.endswith(", 14 keys from cache of 2026-11-29T20:00Z")
+    assert root.path(TPU_ENV).read_bytes() == GOOD
+    logged = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert any(message in line for line in logged), logged
+    assert any(line == result.status for line in logged)
+    assert all("\n" not in line for line in logged)
+    cache = json.loads(root.path(CACHE).read_text())
+    assert cache["tpu_env"] == tpu_env_yaml(SAMPLE_TPU_ENV)  # a bad value never replaces the good copy
+
+
+# --- the watch --------------------------------------------------------------------------------
+
+
+def run_watch(
+    sync: EnvSync, stop: threading.Event, results: list[SyncResult], seen: threading.Event
+) -> threading.Thread:
+    def on_result(result: SyncResult) -> None:
+        results.append(result)
+        seen.set()
+
+    worker = threading.Thread(target=sync.watch, args=(stop, on_result), name="watch")
+    worker.start()
+    return worker
+
+
+def test_watch_rewrites_tpu_env_on_change_and_stops_promptly(
+    sync: EnvSync, root: Root, emulator: MetadataEmulator
+) -> None:
+    sync.sync_once(deadline_s=5)
+    stop, seen, results = threading.Event(), threading.Event(), []
+    worker = run_watch(sync, stop, results, seen)
+    assert emulator.wait_for_pollers(1)
+    emulator.set_attribute("tpu-env", tpu_env_yaml({"ACCELERATOR_TYPE": "v5p-16", "WORKER_ID": "1"}))
+    assert seen.wait(10)
+    assert results[0].source == "metadata"
+    assert results[0].status == "tpu-env: 2 keys from metadata"
+    assert root.path(TPU_ENV).read_text() == 'ACCELERATOR_TYPE="v5p-16"\nWORKER_ID="1"\n'
+    assert emulator.wait_for_pollers(1)  # waiting again, with the new ETag
+    stop.set()
+    worker.join(timeout=5)
+    assert not worker.is_alive()
+
+
+def test_watch_keeps_the_good_file_when_the_new_value_is_invalid(
+    sync: EnvSync, root: Root, emulator: MetadataEmulator
+) -> None:
+    sync.sync_once(deadline_s=5)
+    stop, seen, results = threading.Event(), threading.Event(), []
+    worker = run_watch(sync, stop, results, seen)
+    assert emulator.wait_for_pollers(1)
+    emulator.set_attribute("tpu-env", ALIAS_BOMB)
+    assert seen.wait(10)
+    stop.set()
+    worker.join(timeout=5)
+    assert results[0].source == "cache"
+    assert results[0].status.startswith("tpu-env: metadata tpu-env is invalid, 14 keys from cache of ")
+    assert root.path(TPU_ENV).read_bytes() == GOOD
+
+
+def test_watch_without_a_prior_sync_writes_the_current_value(
+    sync: EnvSync, root: Root, emulator: MetadataEmulator
+) -> None:
+    stop, seen, results = threading.Event(), threading.Event(), []
+    worker = run_watch(sync, stop, results, seen)
+    assert seen.wait(10)
+    stop.set()
+    worker.join(timeout=5)
+    assert results[0].status == "tpu-env: 14 keys from metadata"
+    assert root.path(TPU_ENV).read_bytes() == GOOD

@@ -1,0 +1,416 @@
+"""The metadata client against the emulator: answers, faults, backoff, long-polls, google-auth agreement."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, etag_of, tpu_env_yaml
+from tests.unit.conftest import make_client
+from tpuboot.config import MetadataConfig
+from tpuboot.errors import ConfigError, MetadataError, UsageError
+from tpuboot.metadata import (
+    GUARD_PERIOD,
+    MIN_POLL_INTERVAL,
+    Backoff,
+    Change,
+    MetadataAbsent,
+    MetadataClient,
+    MetadataRefused,
+    metadata_base_url,
+    metadata_get,
+)
+
+TPU_ENV = "instance/attributes/tpu-env"
+
+
+# --- where the server is ---------------------------------------------------------------------
+
+
+def test_default_base_is_the_link_local_address() -> None:
+    assert metadata_base_url(None, {}) == "http://169.254.169.254/computeMetadata/v1/"
+
+
+def test_environment_overrides_config_like_google_auth() -> None:
+    assert metadata_base_url("10.0.0.1", {}) == "http://10.0.0.1/computeMetadata/v1/"
+    env = {"GCE_METADATA_HOST": "127.0.0.1:8080"}
+    assert metadata_base_url("10.0.0.1", env) == "http://127.0.0.1:8080/computeMetadata/v1/"
+    assert metadata_base_url(None, {"GCE_METADATA_ROOT": "[::1]:80"}) == "http://[::1]:80/computeMetadata/v1/"
+
+
+@pytest.mark.parametrize("host", ["http://127.0.0.1", "127.0.0.1/x", "a b", "127.0.0.1:port"])
+def test_malformed_host_is_a_config_error(host: str) -> None:
+    with pytest.raises(ConfigError, match=r"metadata\.host: .* is not host\[:port\]"):
+        metadata_base_url(host, {})
+    with pytest.raises(ConfigError, match=r"\$GCE_METADATA_HOST"):
+        metadata_base_url(None, {"GCE_METADATA_HOST": host})
+
+
+def test_from_config_uses_timeout_and_body_cap() -> None:
+    client = MetadataClient.from_config(MetadataConfig(host="127.0.0.1:1", timeout=3.0, max_body=99), {})
+    assert (client.base_url, client.timeout, client.max_body) == (
+        "http://127.0.0.1:1/computeMetadata/v1/",
+        3.0,
+        99,
+    )
+    client.close()
+
+
+# --- answers ---------------------------------------------------------------------------------
+
+
+def test_get_returns_value_and_etag(client: MetadataClient, emulator: MetadataEmulator) -> None:
+    reply = client.get(TPU_ENV, deadline_s=5)
+    assert reply.text == tpu_env_yaml(SAMPLE_TPU_ENV)
+    assert reply.etag == emulator.etag(TPU_ENV)
+
+
+def test_absent_key_is_a_distinct_answer_and_not_retried(
+    client: MetadataClient, emulator: MetadataEmulator
+) -> None:
+    with pytest.raises(MetadataAbsent, match="no such metadata key"):
+        client.get("instance/attributes/nope", deadline_s=5)
+    assert emulator.request_count == 1
+
+
+def test_emulator_requires_the_flavor_header(emulator: MetadataEmulator) -> None:
+    plain = requests.get(emulator.url + TPU_ENV, timeout=5)
+    assert plain.status_code == 403
+    assert plain.headers["Metadata-Flavor"] == "Google"
+
+
+def test_proxy_variables_are_ignored(client: MetadataClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    assert client.get(TPU_ENV, deadline_s=5).body
+
+
+def test_transient_errors_are_retried(client: MetadataClient, emulator: MetadataEmulator) -> None:
+    emulator.fail_next(3, status=503)
+    assert client.get(TPU_ENV, deadline_s=10).body
+    assert emulator.request_count == 4
+
+
+@pytest.mark.parametrize(("status", "text"), [(302, "HTTP 302"), (403, "HTTP 403"), (400, "HTTP 400")])
+def test_answers_retrying_cannot_fix_are_not_retried(
+    client: MetadataClient, emulator: MetadataEmulator, status: int, text: str
+) -> None:
+    emulator.set_faults(status=status)
+    with pytest.raises(MetadataRefused, match=text):
+        client.get(TPU_ENV, deadline_s=5)
+    assert emulator.request_count == 1
+
+
+@pytest.mark.parametrize(
+    ("faults", "kind"),
+    [
+        ({"status": 503}, "HTTP 503"),
+        ({"flavor": None}, "without the Metadata-Flavor: Google header"),
+        ({"flavor": "Evil"}, "with Metadata-Flavor: 'Evil'"),
+        ({"drop": True}, "connection dropped"),
+        ({"delay": 1.0}, "timed out"),
+    ],
+)
+def test_failures_end_at_the_deadline_logged_once(
+    emulator: MetadataEmulator, caplog: pytest.LogCaptureFixture, faults: dict[str, object], kind: str
+) -> None:
+    client = make_client(emulator, timeout=0.2)
+    emulator.set_faults(**faults)
+    with (
+        caplog.at_level(logging.WARNING, logger="tpuboot.metadata"),
+        pytest.raises(MetadataError, match=kind),
+    ):
+        client.get(TPU_ENV, deadline_s=0.6)
+    warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1, [record.getMessage() for record in warnings]
+    assert kind in warnings[0].getMessage()
+    assert emulator.request_count >= 2 or faults.get("delay")
+    client.close()
+
+
+def test_connection_refused(emulator: MetadataEmulator) -> None:
+    client = make_client(emulator)
+    emulator.stop()
+    with pytest.raises(MetadataError, match="connection refused"):
+        client.get(TPU_ENV, deadline_s=0.5)
+    client.close()
+
+
+def test_recovery_is_logged_and_a_new_failure_logged_again(
+    client: MetadataClient, emulator: MetadataEmulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="tpuboot.metadata"):
+        emulator.fail_next(5)
+        client.get(TPU_ENV, deadline_s=10)
+        emulator.fail_next(2)
+        client.get(TPU_ENV, deadline_s=10)
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("HTTP 503; retrying" in message for message in messages) == 2
+    assert sum("answering again (was: HTTP 503)" in message for message in messages) == 2
+
+
+def test_oversized_body_is_refused_by_its_declared_length(emulator: MetadataEmulator) -> None:
+    client = make_client(emulator, max_body=1000)
+    emulator.set_attribute("tpu-env", "A: " + "x" * 2000)
+    with pytest.raises(MetadataRefused, match="over 1000 bytes"):
+        client.get(TPU_ENV, deadline_s=5)
+    assert emulator.request_count == 1
+    client.close()
+
+
+def test_oversized_body_without_length_is_cut_while_streaming(emulator: MetadataEmulator) -> None:
+    client = make_client(emulator, max_body=100_000)
+    emulator.set_faults(no_length=True, body=b"x" * 5_000_000)
+    with pytest.raises(MetadataRefused, match="over 100000 bytes"):
+        client.get(TPU_ENV, deadline_s=5)
+    client.close()
+
+
+def test_body_without_length_is_read_to_the_end(client: MetadataClient, emulator: MetadataEmulator) -> None:
+    emulator.set_faults(no_length=True)
+    assert client.get(TPU_ENV, deadline_s=5).text == tpu_env_yaml(SAMPLE_TPU_ENV)
+
+
+def test_close_from_another_thread_interrupts_a_blocked_request(emulator: MetadataEmulator) -> None:
+    client = make_client(emulator, timeout=30)
+    emulator.set_faults(delay=30)
+    failure: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            client.get(TPU_ENV, deadline_s=60)
+        except MetadataError as exc:
+            failure.append(exc)
+
+    worker = threading.Thread(target=fetch)
+    worker.start()
+    assert emulator.wait_for_requests(1)  # in flight: the server has it and is delaying its answer
+    client.close()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert failure and "tpuboot is stopping" in str(failure[0])
+
+
+def test_backoff_is_full_jitter_under_an_exponential_cap() -> None:
+    backoff = Backoff(initial=0.5, maximum=4.0)
+    rng = random.Random(3)
+    for attempt in range(12):
+        ceiling = min(4.0, 0.5 * 2**attempt)
+        delays = [backoff.delay(attempt, rng) for _ in range(200)]
+        assert all(0 <= d <= ceiling for d in delays)
+        assert max(delays) > ceiling * 0.8  # spread over the whole range, not fixed
+
+
+# --- the CLI helper --------------------------------------------------------------------------
+
+
+def test_metadata_get_kinds(client: MetadataClient) -> None:
+    assert metadata_get(client, "attributes", "startup-script") == "#!/bin/sh\n"
+    assert metadata_get(client, "project-attributes", "ssh-keys") == "alice:ssh-ed25519 AAAA alice"
+    assert metadata_get(client, "instance", "hostname") == "t1v-n-0.example.internal"
+    with pytest.raises(MetadataAbsent):
+        metadata_get(client, "attributes", "missing")
+
+
+@pytest.mark.parametrize(
+    ("kind", "key"),
+    [
+        ("attrs", "x"),
+        ("attributes", ""),
+        ("attributes", "../x"),
+        ("attributes", "a/b"),
+        ("instance", "a/../b"),
+    ],
+)
+def test_metadata_get_refuses_malformed_requests(client: MetadataClient, kind: str, key: str) -> None:
+    with pytest.raises(UsageError):
+        metadata_get(client, kind, key)
+
+
+# --- long-polls and the change watch ----------------------------------------------------------
+
+
+def test_wait_for_change_returns_the_new_value(client: MetadataClient, emulator: MetadataEmulator) -> None:
+    etag = emulator.etag(TPU_ENV)
+    changer = threading.Thread(
+        target=lambda: emulator.wait_for_pollers(1) and emulator.set_attribute("tpu-env", "A: '2'\n")
+    )
+    changer.start()
+    reply = client.wait_for_change(TPU_ENV, etag=etag, timeout_sec=30)
+    changer.join()
+    assert (reply.body, reply.etag) == (b"A: '2'\n", etag_of("A: '2'\n"))
+
+
+def test_wait_for_change_times_out_with_the_same_etag(
+    client: MetadataClient, emulator: MetadataEmulator
+) -> None:
+    etag = emulator.etag(TPU_ENV)
+    assert client.wait_for_change(TPU_ENV, etag=etag, timeout_sec=1).etag == etag
+
+
+class RecordingStop(threading.Event):
+    """A stop event that records the watch's waits and skips them; sets itself after ``limit`` waits."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if threading.current_thread().name == "tpuboot-watch-guard":
+            return super().wait(timeout)
+        assert timeout is not None
+        self.waits.append(timeout)
+        if len(self.waits) >= self.limit:
+            self.set()
+        return self.is_set()
+
+
+class Ceiling(random.Random):
+    """Jitter that always picks the top of the range, so backoff growth is visible."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def drain(changes: Iterator[Change]) -> list[Change]:
+    return list(changes)
+
+
+@pytest.mark.parametrize("faults", [{"same_etag_at_once": True}, {"flapping_etag": True}, {"status": 503}])
+def test_misbehaving_server_gets_backoff_not_a_tight_loop(
+    emulator: MetadataEmulator, faults: dict[str, object]
+) -> None:
+    client = MetadataClient(emulator.url, timeout=2, backoff=Backoff(0.5, 8.0), rng=Ceiling())
+    etag = emulator.etag(TPU_ENV)
+    emulator.set_faults(**faults)
+    stop = RecordingStop(limit=6)
+    drain(client.changes(TPU_ENV, stop=stop, etag=etag, timeout_sec=30))
+    assert emulator.request_count == 6  # one request per wait: nothing between them
+    # Each wait is the backoff ceiling (0.5, 1, 2, 4, 8, 8) but at least what is left of MIN_POLL_INTERVAL.
+    assert 0.5 <= stop.waits[0] <= MIN_POLL_INTERVAL
+    assert stop.waits[1:] == [1.0, 2.0, 4.0, 8.0, 8.0]
+    client.close()
+
+
+def test_changes_yields_current_value_first_then_each_change(emulator: MetadataEmulator) -> None:
+    client = make_client(emulator)
+    stop = threading.Event()
+    seen: list[Change] = []
+    got_two = threading.Event()
+
+    def consume() -> None:
+        for change in client.changes(TPU_ENV, stop=stop, timeout_sec=30):
+            seen.append(change)
+            if len(seen) == 2:
+                got_two.set()
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    assert emulator.wait_for_pollers(1)
+    emulator.set_attribute("tpu-env", "A: '1'\n")
+    assert got_two.wait(10)
+    stop.set()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    assert seen[0] == Change(tpu_env_yaml(SAMPLE_TPU_ENV).encode(), emulator.etag(TPU_ENV) and seen[0].etag)
+    assert seen[1] == Change(b"A: '1'\n", etag_of("A: '1'\n"))
+    client.close()
+
+
+def test_stop_interrupts_a_long_poll_in_flight(emulator: MetadataEmulator) -> None:
+    client = make_client(emulator)
+    stop = threading.Event()
+    worker = threading.Thread(
+        target=drain,
+        args=(client.changes(TPU_ENV, stop=stop, etag=emulator.etag(TPU_ENV), timeout_sec=3600),),
+    )
+    worker.start()
+    assert emulator.wait_for_pollers(1)
+    stop.set()
+    worker.join(timeout=10 * GUARD_PERIOD)
+    assert not worker.is_alive()
+    client.close()
+
+
+def test_vanished_key_is_reported_once_then_polled_until_back(emulator: MetadataEmulator) -> None:
+    client = make_client(emulator)
+    stop = threading.Event()
+    seen: list[Change] = []
+    back = threading.Event()
+
+    def consume() -> None:
+        for change in client.changes(TPU_ENV, stop=stop, etag=emulator.etag(TPU_ENV), timeout_sec=30):
+            seen.append(change)
+            if change.value is not None:
+                back.set()
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    assert emulator.wait_for_pollers(1)
+    emulator.set_attribute("tpu-env", None)
+    assert emulator.wait_for_requests(emulator.request_count + 4)  # several 404 answers, reported once
+    emulator.set_attribute("tpu-env", "B: '2'\n")
+    assert back.wait(20)
+    stop.set()
+    worker.join(timeout=10)
+    assert seen == [Change(None, None), Change(b"B: '2'\n", etag_of("B: '2'\n"))]
+    client.close()
+
+
+# --- google-auth, the reference client, agrees with the emulator ---------------------------
+
+GOOGLE_AUTH_PROBE = """
+import ipaddress, json, socket, sys
+real_connect = socket.socket.connect
+def loopback_only(sock, address):
+    if sock.family in (socket.AF_INET, socket.AF_INET6) and not ipaddress.ip_address(address[0]).is_loopback:
+        raise OSError(f"probe may only reach 127.0.0.1, not {address}")
+    real_connect(sock, address)
+socket.socket.connect = loopback_only
+import google.auth.transport.requests as transport
+from google.auth.compute_engine import _metadata
+request = transport.Request()
+print(json.dumps({
+    "ping": _metadata.ping(request),
+    "tpu_env": _metadata.get(request, "instance/attributes/tpu-env"),
+    "hostname": _metadata.get(request, "instance/hostname"),
+    "ssh_keys": _metadata.get(request, "project/attributes/ssh-keys"),
+    "listing": _metadata.get(request, "instance/attributes/"),
+    "recursive": _metadata.get(request, "instance/attributes/", recursive=True),
+    "missing": _metadata.get(request, "instance/attributes/nope", return_none_for_not_found_error=True),
+}))
+"""
+
+
+def test_google_auth_reads_the_emulator_like_our_client(
+    client: MetadataClient, emulator: MetadataEmulator
+) -> None:
+    pytest.importorskip("google.auth", reason="pip install google-auth (scripts/test-requirements.txt)")
+    env = {
+        "GCE_METADATA_HOST": emulator.host,
+        "GCE_METADATA_IP": emulator.host,
+        "NO_PROXY": "*",
+        "PATH": "/usr/bin:/bin",
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", GOOGLE_AUTH_PROBE], env=env, capture_output=True, check=True, timeout=60
+    )
+    seen = json.loads(run.stdout)
+    assert seen["ping"] is True
+    assert seen["tpu_env"] == client.get(TPU_ENV, deadline_s=5).text
+    assert seen["hostname"] == metadata_get(client, "instance", "hostname")
+    assert seen["ssh_keys"] == metadata_get(client, "project-attributes", "ssh-keys")
+    assert seen["listing"] == "startup-script\ntpu-env\n"
+    assert seen["recursive"] == {"startup-script": "#!/bin/sh\n", "tpu-env": tpu_env_yaml(SAMPLE_TPU_ENV)}
+    assert seen["missing"] is None
+    with pytest.raises(MetadataAbsent):
+        client.get("instance/attributes/nope", deadline_s=5)
