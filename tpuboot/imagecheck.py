@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from tpuboot import subproc
+from tpuboot.atomicfile import read_file
 from tpuboot.errors import TpubootError
 from tpuboot.paths import Root
 
@@ -85,7 +86,7 @@ class Checks:
         for name, func in self._checks.items():
             try:
                 result = func(root)
-            except (OSError, UnicodeDecodeError) as exc:
+            except (OSError, UnicodeDecodeError, TpubootError) as exc:
                 result = failed(f"cannot read: {exc}", "run as root, or fix the file's permissions")
             results.append(dataclasses.replace(result, name=name))
         return results
@@ -102,12 +103,14 @@ def run_checks(root: Root) -> list[CheckResult]:
 # --- Reading files under the root ---------------------------------------------------------------
 
 
+MAX_FILE_BYTES = 1 << 20  # configuration files and /proc entries; anything bigger is not one
+
+
 def _read(root: Root, path: str) -> str | None:
-    """The text of ``path`` under ``root``, or None if it does not exist."""
-    try:
-        return root.path(path).read_text(encoding="utf-8")
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+    """The text of ``path`` under ``root`` (absolute symlinks followed under it, as in an image
+    tree), or None if it does not exist."""
+    data = read_file(root, path, limit=MAX_FILE_BYTES)
+    return None if data is None else data.decode("utf-8")
 
 
 def _masked(path: Path) -> bool:
@@ -115,7 +118,7 @@ def _masked(path: Path) -> bool:
     return path.is_symlink() and os.readlink(path) == "/dev/null"
 
 
-def _layered(root: Root, dirs: tuple[str, ...], pattern: str) -> list[tuple[str, Path]]:
+def _layered(root: Root, dirs: tuple[str, ...], pattern: str) -> list[str]:
     """Files matching ``pattern`` in ``dirs`` (highest priority first), as systemd and udev merge
     them: the first directory holding a name wins, masked names drop out, sorted by name."""
     chosen: dict[str, Path] = {}
@@ -126,9 +129,15 @@ def _layered(root: Root, dirs: tuple[str, ...], pattern: str) -> list[tuple[str,
         for entry in real.iterdir():
             if entry.name not in chosen and fnmatch.fnmatchcase(entry.name, pattern):
                 chosen[entry.name] = entry
-    return [
-        (root.strip(path), path) for _, path in sorted(chosen.items()) if not _masked(path) and path.is_file()
-    ]
+    return [root.strip(path) for _, path in sorted(chosen.items()) if not _masked(path) and not path.is_dir()]
+
+
+def _texts(root: Root, paths: list[str]) -> Iterator[tuple[str, str]]:
+    """(path, text) of each of ``paths`` that exists."""
+    for path in paths:
+        text = _read(root, path)
+        if text is not None:
+            yield path, text
 
 
 # --- Kernel command line and transparent huge pages -------------------------------------------
@@ -284,11 +293,10 @@ def pam_limit(root: Root, user: str, item: str) -> Limit:
     As pam_limits: limits.conf, then limits.d/*.conf by name; an entry naming the user beats a
     ``*`` entry, a later entry beats an earlier one of the same kind; ``*`` never applies to
     root. Group entries are ignored (membership is per user)."""
-    files = [(PAM_LIMITS, root.path(PAM_LIMITS))] if root.path(PAM_LIMITS).is_file() else []
-    files += _layered(root, (PAM_LIMITS_DIR,), "*.conf")
+    files = [PAM_LIMITS, *_layered(root, (PAM_LIMITS_DIR,), "*.conf")]
     best: dict[str, tuple[int, float, str]] = {}  # soft/hard -> (rank: 0 by name, 1 for *; value; file)
-    for shown, real in files:
-        for line in real.read_text(encoding="utf-8").splitlines():
+    for shown, text in _texts(root, files):
+        for line in text.splitlines():
             fields = line.split("#", 1)[0].split()
             if len(fields) != 4 or fields[2] != item:
                 continue
@@ -385,13 +393,13 @@ def _ini(text: str) -> Iterator[tuple[str, str, str]]:
             yield section, key.strip(), value.strip()
 
 
-def _file_limits(files: list[tuple[str, Path]], section: str, prefix: str) -> dict[str, Limit | None]:
+def _file_limits(root: Root, files: list[str], section: str, prefix: str) -> dict[str, Limit | None]:
     """``{prefix}MEMLOCK`` and ``{prefix}NOFILE`` from ``files`` read in order (the last setting
     wins, an empty one resets); None for an item none of them sets."""
     keys = {f"{prefix}{item.upper()}": item for item in ITEMS}
     found: dict[str, tuple[str, str]] = {}
-    for shown, real in files:
-        for sect, key, value in _ini(real.read_text(encoding="utf-8")):
+    for shown, text in _texts(root, files):
+        for sect, key, value in _ini(text):
             if sect == section and key in keys:
                 found[keys[key]] = (value, shown)
     out: dict[str, Limit | None] = {}
@@ -441,9 +449,8 @@ def manager_limits(root: Root) -> dict[str, Limit]:
     """systemd's default limits for every service that does not set its own."""
     if _live_systemd(root) and (live := _shown_limits(None, "DefaultLimit")) is not None:
         return live[0]
-    files = [(MANAGER_CONF, root.path(MANAGER_CONF))] if root.path(MANAGER_CONF).is_file() else []
-    files += _layered(root, MANAGER_DROPIN_DIRS, "*.conf")
-    limits = _file_limits(files, "Manager", "DefaultLimit")
+    files = [MANAGER_CONF, *_layered(root, MANAGER_DROPIN_DIRS, "*.conf")]
+    limits = _file_limits(root, files, "Manager", "DefaultLimit")
     return {item: limit or Limit(None, None, "systemd's built-in default") for item, limit in limits.items()}
 
 
@@ -457,16 +464,12 @@ def check_manager_limits(root: Root) -> CheckResult:
     return _judge("systemd defaults", manager_limits(root), fix)
 
 
-def _unit_file(root: Root, unit: str) -> Path | None:
-    """The unit's file under the root (an alias symlink followed), None if absent or masked."""
-    candidates = [root.path(f"{d}/{unit}") for d in UNIT_DIRS]
-    path = next((p for p in candidates if p.is_symlink() or p.exists()), None)
-    if path is None or _masked(path):
+def _unit_file(root: Root, unit: str) -> str | None:
+    """The unit's file (maybe an alias symlink, read under the root), None if absent or masked."""
+    path = next((f"{d}/{unit}" for d in UNIT_DIRS if os.path.lexists(root.path(f"{d}/{unit}"))), None)
+    if path is None or _masked(root.path(path)) or _read(root, path) is None:
         return None
-    if path.is_symlink():  # e.g. /etc/systemd/system/x.service -> /lib/systemd/system/x.service
-        target = os.readlink(path)
-        path = root.path(target) if target.startswith("/") else path.parent / target
-    return path if path.is_file() else None
+    return path
 
 
 def unit_limits(root: Root, unit: str) -> dict[str, Limit] | None:
@@ -480,8 +483,8 @@ def unit_limits(root: Root, unit: str) -> dict[str, Limit] | None:
     kind = unit.rsplit(".", 1)[-1]
     dropins = _layered(root, tuple(f"{d}/{unit}.d" for d in UNIT_DIRS), "*.conf")
     dropins += _layered(root, tuple(f"{d}/{kind}.d" for d in UNIT_DIRS), "*.conf")  # for every service
-    dropins.sort(key=lambda item: os.path.basename(item[0]))
-    own = _file_limits([(root.strip(path), path), *dropins], "Service", "Limit")
+    dropins.sort(key=os.path.basename)
+    own = _file_limits(root, [path, *dropins], "Service", "Limit")
     default = manager_limits(root)
     return {
         item: limit or dataclasses.replace(default[item], source=f"default: {default[item].source}")
@@ -548,8 +551,8 @@ def _grants_accel(rule: list[tuple[str, str, str]]) -> bool:
 @IMAGE_CHECKS.add("accel-udev-rule")
 def check_accel_rule(root: Root) -> CheckResult:
     """/dev/accel* (TPU v2 to v5e, the kernel's accel driver) open to every user."""
-    for shown, real in _layered(root, UDEV_RULES_DIRS, "*.rules"):
-        if any(_grants_accel(rule) for rule in _udev_rules(real.read_text(encoding="utf-8"))):
+    for shown, text in _texts(root, _layered(root, UDEV_RULES_DIRS, "*.rules")):
+        if any(_grants_accel(rule) for rule in _udev_rules(text)):
             return passed(f"{shown} gives accel* mode 0666")
     return failed(
         "no udev rule gives accel* mode 0666",
