@@ -345,9 +345,10 @@ def test_default_config_lists_every_key_commented_with_its_default():
     assert re.search(r"^#devices: \[\]$", text, re.MULTILINE)
 
 
-def test_changelog_version_is_the_package_version():
+def test_changelog_and_man_page_carry_the_package_version():
     first = (TOP / "debian/changelog").read_text().splitlines()[0]
     assert first.startswith(f"tpuboot ({tpuboot.__version__}) ")
+    assert f'"tpuboot {tpuboot.__version__}"' in (TOP / "doc/tpuboot.8").read_text().splitlines()[1]
 
 
 @needs_systemd_analyze
