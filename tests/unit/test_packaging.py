@@ -28,8 +28,9 @@ TOP = Path(__file__).resolve().parents[2]
 SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 BUILD_TOOLS = ("dpkg-buildpackage", "dh", "dh_python3", "lintian", "dpkg-deb")
 
+HAVE_BUILD_TOOLS = all(shutil.which(tool, path=SYSTEM_PATH) for tool in BUILD_TOOLS)
 needs_build_tools = pytest.mark.skipif(
-    any(shutil.which(tool, path=SYSTEM_PATH) is None for tool in BUILD_TOOLS),
+    not HAVE_BUILD_TOOLS,
     reason="Debian build tools missing: apt-get install the build packages in scripts/host-packages.txt",
 )
 needs_systemd_analyze = pytest.mark.skipif(
@@ -58,7 +59,7 @@ BUILD_LEFTOVERS = (
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output directory of scripts/build-deb --source (the .deb, .dsc, .changes ...)."""
-    if any(shutil.which(tool, path=SYSTEM_PATH) is None for tool in BUILD_TOOLS):
+    if not HAVE_BUILD_TOOLS:
         pytest.skip("Debian build tools missing")
     before = {path for path in BUILD_LEFTOVERS if (TOP / path).exists()}
     out = tmp_path_factory.mktemp("deb")
