@@ -362,6 +362,7 @@ _NOT_FOUND = "<!DOCTYPE html>\n<title>Error 404 (Not Found)</title>\n"
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 1024  # a fleet connects at once; the default backlog of 5 drops SYNs
 
     def __init__(self, address: tuple[str, int], handler: type, emulator: MetadataEmulator) -> None:
         self.emulator = emulator
@@ -460,7 +461,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _control_get(self, path: str) -> None:
         emulator = self.server.emulator
         if path == CONTROL + "stats":
-            stats = {"requests": emulator.request_count, "peak_rate": emulator.peak_rate()}
+            stats = {
+                "requests": emulator.request_count,
+                "peak_rate": emulator.peak_rate(),
+                "peak_rate_100ms": emulator.peak_rate(0.1),
+            }
             self._send(200, json.dumps(stats) + "\n", None, "application/json", Faults())
         else:
             self._send(404, _NOT_FOUND, None, "text/plain", Faults())

@@ -10,10 +10,12 @@ Why each choice:
   ``Metadata-Flavor: Google``; a response without it is not from the metadata server.
 - The body is streamed and capped (``metadata.max_body``); a short body is detected even
   where urllib3 1.26 would not check Content-Length.
-- Retries use exponential backoff with full jitter inside a deadline, so a fleet booting
-  together does not hammer the server in lockstep. 404 is an answer ("absent"), not a
-  failure, and is not retried. Each kind of failure is logged once until it changes or the
-  server recovers (as compute-image-packages' metadata_watcher does), not once per try.
+- Retries use exponential backoff with full jitter above a 0.5 s floor inside a deadline,
+  so a fleet booting together does not hammer the server in lockstep and no host asks more
+  than twice a second; a wait that would pass the deadline is shortened for a last try.
+  404 is an answer ("absent"), not a failure, and is not retried. Each kind of failure is
+  logged once until it changes or the server recovers (as compute-image-packages'
+  metadata_watcher does), not once per try.
 - Change watch: long-poll with ``wait_for_change``/``last_etag``/``timeout_sec`` and a read
   timeout a little above ``timeout_sec``. Answers faster than half the poll time (errors,
   the same ETag at once, a flapping ETag) back off exponentially and never come more than
@@ -115,13 +117,18 @@ class Change:
 
 @dataclass(frozen=True)
 class Backoff:
-    """Exponential backoff with full jitter: try n waits uniformly in [0, min(maximum, initial * 2**n)]."""
+    """Exponential backoff, full jitter above a floor: wait n is floor + U(0, min(maximum, initial * 2**n)).
 
-    initial: float = 0.5
-    maximum: float = 30.0
+    The jitter spreads a fleet's retries; the floor caps one host at 1/floor requests a
+    second (2/s) whatever the jitter draws; the maximum bounds the wait once the server is back.
+    """
+
+    initial: float = 1.0
+    maximum: float = 4.0
+    floor: float = 0.5
 
     def delay(self, attempt: int, rng: random.Random) -> float:
-        return rng.uniform(0.0, min(self.maximum, self.initial * 2.0 ** min(attempt, 32)))
+        return self.floor + rng.uniform(0.0, min(self.maximum, self.initial * 2.0 ** min(attempt, 32)))
 
 
 def metadata_base_url(config_host: str | None = None, environ: Mapping[str, str] | None = None) -> str:
@@ -301,9 +308,9 @@ class MetadataClient:
                 reply = self._try(self._transport, url, {}, (limit, limit), deadline)
             except _Retryable as failure:
                 self._failures.failed(failure.kind, url, retrying=True)
-                delay = self._delay(attempt)
                 attempt += 1
-                if time.monotonic() + delay >= deadline:
+                delay = self._last_chance(self._delay(attempt - 1), deadline)
+                if delay is None:
                     raise MetadataError(
                         f"metadata server {self.base_url}: {failure.kind} ({attempt} tries in "
                         f"{deadline_s:g} s); check the VM's network, or metadata.host / ${HOST_ENV}"
@@ -394,6 +401,15 @@ class MetadataClient:
             params = {"wait_for_change": "true", "last_etag": etag, "timeout_sec": str(timeout_sec)}
             timeouts = (min(self.timeout, 1.0), timeout_sec + self.timeout)
         return self._try(transport, url, params, timeouts, None)
+
+    def _last_chance(self, delay: float, deadline: float) -> float | None:
+        """``delay``, shortened to 80% of the time left so a recovery just before the deadline is seen.
+
+        None when even the floor no longer fits: the caller gives up instead of retrying faster.
+        """
+        remaining = deadline - time.monotonic()
+        delay = min(delay, 0.8 * remaining)
+        return delay if delay >= self.backoff.floor else None
 
     def _delay(self, attempt: int) -> float:
         with self._rng_lock:

@@ -61,7 +61,7 @@ def emulator() -> Iterator[MetadataEmulator]:
         yield emu
 
 
-FAST_BACKOFF = Backoff(initial=0.01, maximum=0.05)
+FAST_BACKOFF = Backoff(initial=0.01, maximum=0.05, floor=0.01)
 
 
 def make_client(emu: MetadataEmulator, *, timeout: float = 2.0, max_body: int = 1 << 20) -> MetadataClient:

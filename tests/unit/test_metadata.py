@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -199,14 +200,25 @@ def test_close_from_another_thread_interrupts_a_blocked_request(emulator: Metada
     assert failure and "tpuboot is stopping" in str(failure[0])
 
 
-def test_backoff_is_full_jitter_under_an_exponential_cap() -> None:
-    backoff = Backoff(initial=0.5, maximum=4.0)
+def test_backoff_is_full_jitter_above_a_floor_under_an_exponential_cap() -> None:
+    backoff = Backoff(initial=0.5, maximum=4.0, floor=0.5)
     rng = random.Random(3)
     for attempt in range(12):
         ceiling = min(4.0, 0.5 * 2**attempt)
         delays = [backoff.delay(attempt, rng) for _ in range(200)]
-        assert all(0 <= d <= ceiling for d in delays)
-        assert max(delays) > ceiling * 0.8  # spread over the whole range, not fixed
+        assert all(0.5 <= d <= 0.5 + ceiling for d in delays)
+        assert max(delays) - min(delays) > ceiling * 0.8  # spread over the whole range, not fixed
+
+
+def test_no_host_asks_more_than_twice_a_second_even_near_the_deadline(emulator: MetadataEmulator) -> None:
+    client = MetadataClient(emulator.url, timeout=0.5, rng=random.Random(5))  # the default backoff
+    emulator.set_faults(status=503)
+    with pytest.raises(MetadataError, match="HTTP 503"):
+        client.get(TPU_ENV, deadline_s=3.0)
+    times = emulator.request_times
+    assert len(times) >= 3  # retried, including a shortened last wait
+    assert all(later - earlier >= 0.5 for earlier, later in itertools.pairwise(times))
+    client.close()
 
 
 # --- the CLI helper --------------------------------------------------------------------------
@@ -289,7 +301,7 @@ def drain(changes: Iterator[Change]) -> list[Change]:
 def test_misbehaving_server_gets_backoff_not_a_tight_loop(
     emulator: MetadataEmulator, faults: dict[str, object]
 ) -> None:
-    client = MetadataClient(emulator.url, timeout=2, backoff=Backoff(0.5, 8.0), rng=Ceiling())
+    client = MetadataClient(emulator.url, timeout=2, backoff=Backoff(0.5, 8.0, floor=0.0), rng=Ceiling())
     etag = emulator.etag(TPU_ENV)
     emulator.set_faults(**faults)
     stop = RecordingStop(limit=6)
