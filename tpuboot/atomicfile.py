@@ -194,16 +194,19 @@ def _open_dir(parent: int, name: str, path: str, create: bool, dir_mode: int) ->
                 f"{path}: {name} changed into a symbolic link; refusing to follow it"
             ) from None
         raise
+    made = True
     try:
         os.mkdir(name, dir_mode, dir_fd=parent)
-        os.chmod(name, dir_mode, dir_fd=parent, follow_symlinks=False)  # not narrowed by umask
     except FileExistsError:
-        pass  # created concurrently: open it below, still without following links
+        made = False  # created concurrently: open it below, still without following links
     os.fsync(parent)
     try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
     except OSError as exc:
         raise FileWriteError(f"{path}: cannot open {name}: {_why(exc)}") from None
+    if made:
+        os.fchmod(fd, dir_mode)  # the mode asked for, not narrowed by the umask
+    return fd
 
 
 def _stat_regular(parent: int, name: str) -> os.stat_result | None:

@@ -12,7 +12,9 @@ configure-gcs-timeouts.sh). ``sync_once`` runs at boot; ``watch`` keeps tpu-env 
 - /etc/environment gets ``env.environment`` whatever metadata says.
 
 ``watch`` stops within about half a second of ``stop`` being set, even mid long-poll:
-``MetadataClient.changes`` runs a guard thread that shuts down the in-flight socket.
+``MetadataClient.changes`` runs a guard thread that shuts down the in-flight socket. Start
+it after ``sync_once`` has returned: it continues from that sync's ETag (without one it
+first reads and writes the current value).
 """
 
 from __future__ import annotations

@@ -409,7 +409,7 @@ class MetadataClient:
         """
         remaining = deadline - time.monotonic()
         delay = min(delay, 0.8 * remaining)
-        return delay if delay >= self.backoff.floor else None
+        return delay if delay >= max(self.backoff.floor, 0.01) else None
 
     def _delay(self, attempt: int) -> float:
         with self._rng_lock:

@@ -10,10 +10,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
 
+from tests import mds_emulator
 from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, etag_of, tpu_env_yaml
 from tests.unit.conftest import make_client
 from tpuboot.config import MetadataConfig
@@ -29,6 +31,7 @@ from tpuboot.metadata import (
     metadata_base_url,
     metadata_get,
 )
+from tpuboot.tpuenv import parse_tpu_env
 
 TPU_ENV = "instance/attributes/tpu-env"
 
@@ -426,3 +429,27 @@ def test_google_auth_reads_the_emulator_like_our_client(
     assert seen["missing"] is None
     with pytest.raises(MetadataAbsent):
         client.get("instance/attributes/nope", deadline_s=5)
+
+
+def test_emulator_runs_standalone_for_vm_guests(tmp_path: Path) -> None:
+    attributes = tmp_path / "attributes.yaml"
+    attributes.write_text("tpu-env:\n  ACCELERATOR_TYPE: v5p-8\n  WORKER_ID: '0'\nplain: text\n")
+    emulator = subprocess.Popen(
+        [sys.executable, str(Path(mds_emulator.__file__)), "--port", "0", "--attributes", str(attributes)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert emulator.stdout is not None
+        host = emulator.stdout.readline().split()[-1]
+        client = MetadataClient(f"http://{host}/computeMetadata/v1/", timeout=5)
+        assert parse_tpu_env(client.get(TPU_ENV, deadline_s=10).body).values == {
+            "ACCELERATOR_TYPE": "v5p-8",
+            "WORKER_ID": "0",
+        }
+        assert metadata_get(client, "attributes", "plain") == "text"
+        client.close()
+    finally:
+        emulator.terminate()
+        out, _ = emulator.communicate(timeout=10)
+    assert json.loads(out)["requests"] == 2
