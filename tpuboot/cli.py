@@ -1,4 +1,4 @@
-"""The `tpuboot` command line. Exit status: 0 ok, 1 failed, 2 usage."""
+"""The `tpuboot` command line. Exit status: 0 ok, 1 failed, 2 usage, 3 metadata key not set."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from tpuboot.status import survey
 from tpuboot.vfio import Binder
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
+METADATA_KINDS = ("attributes", "project-attributes", "instance")  # tpuboot.metadata.KINDS
 log = logging.getLogger("tpuboot.cli")
 
 
@@ -44,8 +46,13 @@ def _addresses(texts: Sequence[str]) -> list[str]:
     return [parse_dbdf(text) for text in texts]
 
 
+# Commands import what only they need, so `tpuboot bind` starts without requests and friends.
+
+
 def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot import daemon
+    from tpuboot.envsync import EnvSync
+    from tpuboot.metadata import MetadataClient
 
     try:
         config = ctx.config
@@ -53,7 +60,12 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
         log.error("%s; running with built-in defaults", exc)
         ctx._config = config = Config()
     binder = Binder(ctx.root, DeviceTable(config.devices), config.vfio)
-    return daemon.run(binder)
+    env = None
+    if config.env.enabled:
+        client = MetadataClient.from_config(config.metadata)
+        sync = EnvSync(ctx.root, config, client)
+        env = daemon.EnvJob(sync, client, config.metadata.boot_deadline, config.metadata.watch)
+    return daemon.run(binder, env)
 
 
 def cmd_bind(ctx: Context, args: argparse.Namespace) -> int:
@@ -102,11 +114,55 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_FAILED if any(t.problem and t.managed for t in tpus) else EXIT_OK
 
 
+def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.metadata import MetadataAbsent, MetadataClient, metadata_get
+
+    client = MetadataClient.from_config(ctx.config.metadata)
+    try:
+        value = metadata_get(client, args.type, args.key, deadline_s=args.deadline)
+    except MetadataAbsent:
+        if args.default is None:
+            print(
+                f"tpuboot: metadata {args.type} {args.key!r} is not set; pass --default to accept that",
+                file=sys.stderr,
+            )
+            return EXIT_ABSENT
+        value = args.default
+    sys.stdout.write(value if not sys.stdout.isatty() or value.endswith("\n") else value + "\n")
+    return EXIT_OK
+
+
+def cmd_env(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.envsync import EnvSync
+    from tpuboot.metadata import MetadataClient
+
+    config = ctx.config
+    client = MetadataClient.from_config(config.metadata)
+    result = EnvSync(ctx.root, config, client).sync_once(args.deadline or config.metadata.boot_deadline)
+    print(result.status)
+    if args.print and result.source in ("metadata", "cache"):
+        sys.stdout.write(ctx.root.path(config.env.tpu_env_path).read_text(encoding="utf-8"))
+    return EXIT_OK if result.source in ("metadata", "absent") else EXIT_FAILED
+
+
+def cmd_image_check(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.imagecheck import run_checks
+
+    results = run_checks(ctx.root)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=2))
+    else:
+        for r in results:
+            fix = f"  fix: {r.fix}" if r.status == "FAIL" and r.fix else ""
+            print(f"{r.status:<4}  {r.name}: {r.detail}{fix}")
+    return EXIT_FAILED if any(r.status == "FAIL" for r in results) else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpuboot",
         description="Boot-time agent for Cloud TPU VMs.",
-        epilog="Exit status: 0 ok, 1 failed, 2 usage error.",
+        epilog="Exit status: 0 ok, 1 failed, 2 usage error, 3 metadata key not set.",
     )
     parser.add_argument("--version", action="version", version=f"tpuboot {__version__}")
     parser.add_argument(
@@ -133,6 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--force", action="store_true", help="also act on a device that is not a TPU")
     p = command("status", cmd_status, "show every TPU: generation, driver, IOMMU group, node, viability")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command("env", cmd_env, "fetch tpu-env once and write it and /etc/environment")
+    p.add_argument("--print", action="store_true", help="also print the tpu-env file written")
+    p.add_argument("--deadline", type=float, metavar="S", help="give up on the server after S seconds")
+    meta = sub.add_parser(
+        "metadata", help="read the GCE metadata server", description="read the GCE metadata server"
+    )
+    meta_sub = meta.add_subparsers(dest="metadata_command", required=True, metavar="ACTION")
+    p = meta_sub.add_parser(
+        "get", help="print one metadata value (raw text)", description="print one metadata value"
+    )
+    p.set_defaults(func=cmd_metadata_get)
+    p.add_argument("key", metavar="KEY", help="attribute name (or path, with --type instance)")
+    p.add_argument("--default", metavar="VALUE", help="print VALUE when the key is not set (exit 0)")
+    p.add_argument("--type", choices=METADATA_KINDS, default="attributes", help="where KEY lives")
+    p.add_argument("--deadline", type=float, default=15.0, metavar="S", help="retry for at most S seconds")
     return parser
 
 

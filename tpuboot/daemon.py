@@ -6,6 +6,7 @@ The loop owns no polling: it wakes for a udev event, a retry timer, the watchdog
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import threading
@@ -13,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from tpuboot.binding import DeviceAgent
+from tpuboot.envsync import EnvSync, SyncResult
+from tpuboot.metadata import MetadataClient
 from tpuboot.notify import Notifier, watchdog_interval
 from tpuboot.pci import list_addresses
 from tpuboot.vfio import Binder
@@ -42,18 +45,57 @@ def open_udev_monitor() -> Monitor:
     return monitor
 
 
+class EnvJob:
+    """The runtime-environment side: one sync before READY, then a watch thread."""
+
+    def __init__(self, sync: EnvSync, client: MetadataClient, deadline: float, watch: bool) -> None:
+        self.sync = sync
+        self.client = client
+        self.deadline = deadline
+        self.watch = watch
+        self.stop = threading.Event()
+        self.status = "tpu-env: pending"
+
+
 class Daemon:
-    def __init__(self, binder: Binder, monitor: Monitor, notifier: Notifier | None = None) -> None:
+    def __init__(
+        self,
+        binder: Binder,
+        monitor: Monitor,
+        notifier: Notifier | None = None,
+        env: EnvJob | None = None,
+    ) -> None:
         self.binder = binder
         self.monitor = monitor
         self.notifier = notifier or Notifier()
-        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tpuboot-bind")
+        self.env = env
+        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tpuboot")
         self.devices = DeviceAgent(binder, self.executor, self._publish)
         self.ready = False
         self.stopping = asyncio.Event()
 
     def status_line(self) -> str:
-        return self.devices.summary()
+        parts = [self.devices.summary()]
+        if self.env is not None:
+            parts.append(self.env.status)
+        return "; ".join(parts)
+
+    def _env_result(self, result: SyncResult) -> None:
+        assert self.env is not None
+        self.env.status = result.status
+        self._publish()
+
+    async def _env_boot(self) -> None:
+        """Write tpu-env (from metadata or cache) within the boot deadline, then keep watching."""
+        if self.env is None:
+            return
+        env, loop = self.env, asyncio.get_running_loop()
+        self._env_result(await loop.run_in_executor(self.executor, env.sync.sync_once, env.deadline))
+        if env.watch:
+            report = functools.partial(loop.call_soon_threadsafe, self._env_result)
+            threading.Thread(
+                target=env.sync.watch, args=(env.stop, report), name="tpuboot-env-watch", daemon=True
+            ).start()
 
     def _publish(self) -> None:
         if self.ready:
@@ -90,7 +132,7 @@ class Daemon:
         interval = watchdog_interval()
         watchdog = loop.create_task(self._watchdog(interval)) if interval else None
         try:
-            await self._coldplug()
+            await asyncio.gather(self._coldplug(), self._env_boot())
             self.ready = True
             line = self.status_line()
             log.info("ready: %s", line)
@@ -103,13 +145,15 @@ class Daemon:
             if watchdog:
                 watchdog.cancel()
             self.binder.stop.set()
+            if self.env is not None:
+                self.env.stop.set()
+                self.env.client.close()  # cuts short a boot-time fetch in flight
             self.devices.shutdown()
             self.executor.shutdown(wait=False, cancel_futures=True)
         return 0
 
 
-def run(binder: Binder, monitor: Monitor | None = None) -> int:
+def run(binder: Binder, env: EnvJob | None = None) -> int:
     """Run the daemon until SIGTERM; returns the process exit status."""
-    binder.stop = binder.stop or threading.Event()
-    daemon = Daemon(binder, monitor or open_udev_monitor())
+    daemon = Daemon(binder, open_udev_monitor(), env=env)
     return asyncio.run(daemon.run())

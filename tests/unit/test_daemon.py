@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot import binding
-from tpuboot.daemon import Daemon
+from tpuboot.daemon import Daemon, EnvJob
+from tpuboot.envsync import EnvSync
 from tpuboot.notify import Notifier
 
 
@@ -169,6 +171,49 @@ def test_vfio_node_event_reapplies_mode(kernel):
         os.chmod(node, 0o600)  # as a udev rule running late would
         monitor.push("add", "vfio", "4")
         await until(lambda: os.stat(node).st_mode & 0o777 == 0o666)
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_ready_waits_for_tpu_env_and_a_change_is_picked_up(kernel, emulator, root):
+    client = make_client(emulator)
+    sync = EnvSync(root, make_config(emulator), client)
+    env_file = root.path("/home/tpu-runtime/tpu-env")
+
+    async def scenario():
+        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), EnvJob(sync, client, 5.0, True))
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        assert env_file.exists()  # READY came after tpu-env was written
+        ready = daemon.notifier.sent[0]
+        assert ready.startswith("READY=1\nSTATUS=4 TPUs bound to vfio-pci; tpu-env: ")
+        assert "keys from metadata" in ready
+        emulator.set_attribute("tpu-env", "WORKER_ID: '7'\n")
+        await until(lambda: daemon.notifier.last_status.endswith("tpu-env: 1 key from metadata"))
+        assert env_file.read_text() == 'WORKER_ID="7"\n'
+        daemon.stopping.set()
+        await asyncio.wait_for(task, 2.0)
+
+    asyncio.run(scenario())
+
+
+def test_metadata_down_serves_tpu_env_from_cache_and_keeps_running(kernel, emulator, root):
+    config = make_config(emulator)
+    EnvSync(root, config, make_client(emulator)).sync_once(5.0)  # a good boot fills the cache
+    root.path("/home/tpu-runtime/tpu-env").unlink()
+    emulator.stop()
+    client = make_client(emulator, timeout=0.2)
+
+    async def scenario():
+        job = EnvJob(EnvSync(root, config, client), client, 0.5, False)
+        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), job)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        assert "metadata server unreachable" in daemon.notifier.last_status
+        assert "from cache of" in daemon.notifier.last_status
+        assert root.path("/home/tpu-runtime/tpu-env").exists()
         daemon.stopping.set()
         await task
 

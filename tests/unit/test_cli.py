@@ -1,0 +1,102 @@
+"""The command line: exit codes, one-line errors, and nothing touched on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.mds_emulator import MetadataEmulator
+from tests.unit.fakekernel import FakeKernel
+from tests.unit.test_vfio import V5P, add_tpu
+from tpuboot import cli, metadata
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    k = FakeKernel(tmp_path / "root")
+    add_tpu(k, "0000:00:04.0", V5P, driver="vfio-pci", group="4")
+    k.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")
+    return k
+
+
+def run(kernel: FakeKernel, *argv: str) -> int:
+    return cli.main(["--root", str(kernel.top), *argv])
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_malformed_address_is_a_usage_error_and_touches_nothing(kernel, capsys):
+    before = kernel.override("0000:00:04.0")
+    assert run(kernel, "bind", "0000:00:04.0", "00:04x0") == cli.EXIT_USAGE
+    assert "write it as dddd:bb:dd.f" in one_line(capsys.readouterr().err)
+    assert kernel.override("0000:00:04.0") == before  # the valid address was not bound either
+
+
+def test_bind_refuses_the_boot_disk_without_force(kernel, capsys):
+    assert run(kernel, "bind", "00:02.0") == cli.EXIT_FAILED
+    err = one_line(capsys.readouterr().err)
+    assert "not a TPU and is driven by virtio-pci" in err and "--force" in err
+    assert kernel.driver("0000:00:02.0") == "virtio-pci"
+    assert kernel.override("0000:00:02.0") == "(null)"
+
+
+def test_unknown_command_is_a_usage_error(kernel, capsys):
+    with pytest.raises(SystemExit) as info:
+        run(kernel, "frobnicate")
+    assert info.value.code == cli.EXIT_USAGE
+
+
+def test_bad_config_fails_with_file_and_key(kernel, tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("vfio: {mode: 1}\n")
+    assert cli.main(["--root", "/", "--config", str(config), "status"]) == cli.EXIT_FAILED
+    assert f"{config}: vfio: unknown key 'mode'" in one_line(capsys.readouterr().err)
+
+
+def test_status_json_reports_each_tpu(kernel, capsys):
+    kernel.p("/dev/vfio/4").chmod(0o666)
+    assert run(kernel, "status", "--json") == cli.EXIT_OK
+    (tpu,) = json.loads(capsys.readouterr().out)
+    assert tpu["address"] == "0000:00:04.0"
+    assert (tpu["kind"], tpu["driver"], tpu["iommu_group"]) == ("TPU v5p", "vfio-pci", "4")
+    assert (tpu["node"], tpu["node_mode"]) == ("/dev/vfio/4", "0666")
+    assert (tpu["viable"], tpu["problem"]) == (True, None)
+
+
+def test_status_fails_when_a_tpu_is_not_usable(kernel, capsys):
+    assert run(kernel, "status") == cli.EXIT_FAILED  # the node is still 0600
+    assert "/dev/vfio/4 has mode 0600, not 0666" in capsys.readouterr().out
+
+
+def test_metadata_kinds_match_the_client():
+    assert set(cli.METADATA_KINDS) == set(metadata.KINDS)
+
+
+def test_metadata_get_prints_the_raw_value(emulator: MetadataEmulator, monkeypatch, capsys):
+    monkeypatch.setenv("GCE_METADATA_HOST", emulator.host)
+    emulator.set_attribute("greeting", 'it\'s "quoted" $HOME\n')
+    assert cli.main(["metadata", "get", "greeting"]) == cli.EXIT_OK
+    assert capsys.readouterr().out == 'it\'s "quoted" $HOME\n'
+
+
+def test_metadata_get_absent_key(emulator: MetadataEmulator, monkeypatch, capsys):
+    monkeypatch.setenv("GCE_METADATA_HOST", emulator.host)
+    assert cli.main(["metadata", "get", "nope"]) == cli.EXIT_ABSENT
+    assert "not set; pass --default" in one_line(capsys.readouterr().err)
+    assert cli.main(["metadata", "get", "nope", "--default", "fallback"]) == cli.EXIT_OK
+    assert capsys.readouterr().out == "fallback"
+
+
+def test_env_writes_tpu_env_and_environment(emulator: MetadataEmulator, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("GCE_METADATA_HOST", emulator.host)
+    top = tmp_path / "root"
+    (top / "etc").mkdir(parents=True)
+    assert cli.main(["--root", str(top), "env"]) == cli.EXIT_OK
+    assert "from metadata" in one_line(capsys.readouterr().out)
+    assert 'ACCELERATOR_TYPE="' in (top / "home/tpu-runtime/tpu-env").read_text()
+    assert "CLOUDSDK_PYTHON=/usr/bin/python3" in (top / "etc/environment").read_text()
