@@ -133,10 +133,14 @@ class AgentClient:
             self.noise += line[-4096:] + b"\n"
             del self.noise[:-65536]
             return
-        if not isinstance(msg, dict):
+        kind = msg.get("kind") if isinstance(msg, dict) else None
+        if kind not in ("reply", "pong", "ready"):
+            # Our own request echoed by the guest tty before the agent made it raw.
+            self.noise += line[-4096:] + b"\n"
+            del self.noise[:-65536]
             return
         with self._cond:
-            if msg.get("event") == "ready":
+            if kind == "ready":
                 self.ready_events.append(msg)
             elif isinstance(msg.get("id"), int):
                 self._replies[msg["id"]] = msg
@@ -164,10 +168,31 @@ class AgentClient:
                 self._cond.wait(left)
             return self._replies.pop(msg_id)
 
+    def ready_count(self) -> int:
+        """A mark for :meth:`wait_ready`: only ready events after it count."""
+        with self._cond:
+            return len(self.ready_events)
+
+    def wait_ready(self, since: int = 0, timeout: float = 1.0) -> dict[str, Any] | None:
+        """The first ``ready`` event (sent once per agent start) after mark ``since``, or None.
+
+        Waiting for it instead of pinging keeps the host silent until the agent has
+        made the line raw, so nothing is echoed back.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self.ready_events) <= since:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return None
+                self._cond.wait(left)
+            return self.ready_events[since]
+
     def ping(self, timeout: float = 1.0) -> dict[str, Any] | None:
         """The agent's pong (boot_id, uptime), or None if it did not answer in time."""
         try:
-            return self.request({"op": "ping"}, timeout)
+            pong = self.request({"op": "ping"}, timeout)
+            return pong if pong.get("kind") == "pong" else None
         except AgentError:
             if self._closed:
                 raise

@@ -30,7 +30,7 @@ import shutil
 import stat
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +167,7 @@ def _building(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         os.rename(tmp, final)
+        os.utime(final)  # cp -a kept the source's mtime; _prune goes by age
     except BaseException:
         remove_tree(tmp)
         raise
@@ -476,7 +477,7 @@ def _customize(tree: Path, kernel: Kernel) -> None:
     # No network interface exists: resolving anything must fail fast, not wait.
     _write(tree / "etc/resolv.conf", "")
     _write(tree / "etc/systemd/journald.conf.d/tpuboot-test.conf", "[Journal]\nStorage=volatile\n")
-    _write(tree / "etc/systemd/system.conf.d/tpuboot-test.conf", "[Manager]\nShowStatus=no\n")
+    _write(tree / "etc/systemd/system.conf.d/tpuboot-test.conf", "[Manager]\nShowStatus=auto\n")
 
     _mask(tree, MASKED_UNITS)
     default = tree / "etc/systemd/system/default.target"
@@ -560,6 +561,50 @@ def ensure_artifacts(
 
 InstallHook = Callable[[Path], None]
 """``install(tree)``: put the software under test into a copy of the guest tree."""
+
+
+def in_tree(tree: Path, guest_path: str) -> Path:
+    """Where the guest's absolute ``guest_path`` lives in ``tree``.
+
+    Use it in install hooks: ``tree / "/etc/x"`` is the host's /etc/x (pathlib
+    drops ``tree`` before an absolute part).
+    """
+    rel = guest_path.lstrip("/")
+    if not rel or ".." in Path(rel).parts:
+        raise ValueError(f"not a path inside the guest: {guest_path!r}")
+    return tree / rel
+
+
+CHROOT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "DEBIAN_FRONTEND": "noninteractive",
+}
+
+
+def chroot_run(tree: Path, argv: Sequence[str], *, timeout: float = 300.0) -> str:
+    """Run ``argv`` inside ``tree`` with chroot, for install hooks; returns stdout.
+
+    Nothing is mounted inside (no /proc): enough for dpkg, useradd, systemctl enable.
+    """
+    return run(["chroot", tree, *argv], timeout=timeout, env=CHROOT_ENV)
+
+
+def install_debs(tree: Path, debs: Sequence[Path]) -> None:
+    """``dpkg -i`` the given .deb files into ``tree`` (their dependencies must be there).
+
+    No service starts: the chroot has no running systemd, so deb-systemd-invoke skips.
+    """
+    staging = tree / "tmp/tpuboot-debs"
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        names = []
+        for deb in debs:
+            shutil.copy2(deb, staging / Path(deb).name)
+            names.append(f"/tmp/tpuboot-debs/{Path(deb).name}")
+        chroot_run(tree, ["dpkg", "-i", *names])
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _stamp_updated(tree: Path) -> None:

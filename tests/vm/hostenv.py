@@ -29,7 +29,8 @@ REQUIRED_TOOLS = (
     "depmod",
     "mkfs.ext4",
     "useradd",
-    "systemctl",
+    "chroot",
+    "mount",
 )
 BUSYBOX = Path("/bin/busybox")
 
@@ -50,15 +51,13 @@ def host_problem() -> str | None:
     """One line saying why VM tests cannot run here, or None when they can."""
     problems: list[str] = []
     if os.geteuid() != 0:
-        problems.append("not running as root (debootstrap, chroot and mkfs need it)")
+        problems.append("not running as root (debootstrap, chroot, mount and mkfs need it)")
     missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
-    if missing:
-        problems.append("missing host tools: " + ", ".join(missing))
     if not BUSYBOX.is_file():
-        problems.append(f"{BUSYBOX} missing (install busybox-static)")
-    if not problems:
-        return None
-    return "; ".join(problems) + " -- see scripts/host-packages.txt"
+        missing.append(f"{BUSYBOX} (busybox-static)")
+    if missing:
+        problems.append(f"missing on the host: {', '.join(missing)} (install scripts/host-packages.txt)")
+    return "; ".join(problems) or None
 
 
 def run(

@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,6 +45,8 @@ log = logging.getLogger("tpuboot.vm")
 
 KEEP_ENV = "TPUBOOT_VM_KEEP"  # set to 1 to keep each VM's work folder (console log, sockets)
 HOTPLUG_PORT_PREFIX = "hp"
+WORKDIR_PREFIX = "tpuboot-vm-"
+_ANSI = re.compile(r"\x1b(?:\[[0-9;?]*[A-Za-z]|[@-Z\\-_])")
 ROOT_DISK_ID = "rootdisk"
 
 
@@ -123,6 +126,22 @@ def _kill_leftovers() -> None:
         vm.kill()
 
 
+def _opt(path: Path) -> str:
+    """A path as a QEMU option value (a comma is written as two)."""
+    return str(path).replace(",", ",,")
+
+
+def _sweep_workdirs() -> None:
+    """Remove work folders of VMs whose Python process died without cleaning up (SIGKILL)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
+        try:
+            owner = int((folder / "owner.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if owner != os.getpid() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG = 1: the kernel kills QEMU when the thread that forked it ends.
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
@@ -172,6 +191,9 @@ class VM:
         self.reboot_allowed = reboot
         self.quiet = quiet
         self.name = name
+        # For QEMU's -name and the work folder: no commas (QEMU option syntax), short
+        # enough for the 108-byte limit on unix socket paths.
+        self._safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:40]
         self._workdir_arg = workdir
         self.workdir: Path | None = None
         self.serial = 0
@@ -182,6 +204,7 @@ class VM:
         self.boot_status: BootStatus | None = None
         self.final_journal: str | None = None  # captured at close after a failure
         self._console_text: str | None = None
+        self._ready_mark = 0  # agent ready events before this index belong to earlier boots
         self._lock = threading.Lock()
 
     @classmethod
@@ -206,7 +229,7 @@ class VM:
         assert self.workdir is not None and self.accel is not None
         machine = "q35,kernel-irqchip=split" if self.accel == "kvm" else "q35"
         argv = [
-            QEMU, "-name", f"tpuboot-{self.name}", "-machine", machine, *accel_args(self.accel),
+            QEMU, "-name", f"tpuboot-{self._safe_name}", "-machine", machine, *accel_args(self.accel),
             "-nodefaults", "-nographic", "-no-user-config", "-smp", str(self.smp), "-m", str(self.memory),
         ]  # fmt: skip
         if not self.reboot_allowed:
@@ -216,13 +239,13 @@ class VM:
             argv += ["-device", "intel-iommu,intremap=on"]
         argv += [
             "-kernel", str(self.kernel), "-initrd", str(self.initrd), "-append", self.kernel_cmdline(),
-            "-drive", f"file={self.image},format=raw,if=none,id={ROOT_DISK_ID},snapshot=on",
+            "-drive", f"file={_opt(self.image)},format=raw,if=none,id={ROOT_DISK_ID},snapshot=on",
             "-device", f"virtio-blk-pci,drive={ROOT_DISK_ID},id={ROOT_DISK_ID}-dev",
-            "-chardev", f"file,id=console,path={self.console_path}",
+            "-chardev", f"file,id=console,path={_opt(self.console_path)}",
             "-serial", "chardev:console",
-            "-chardev", f"socket,id=agent,path={self.workdir / 'agent.sock'},server=on,wait=off",
+            "-chardev", f"socket,id=agent,path={_opt(self.workdir / 'agent.sock')},server=on,wait=off",
             "-serial", "chardev:agent",
-            "-chardev", f"socket,id=qmp,path={self.workdir / 'qmp.sock'},server=on,wait=off",
+            "-chardev", f"socket,id=qmp,path={_opt(self.workdir / 'qmp.sock')},server=on,wait=off",
             "-mon", "chardev=qmp,mode=control",
         ]  # fmt: skip
         for i, port in enumerate(self.hotplug_ports):
@@ -253,7 +276,9 @@ class VM:
             self.workdir = Path(self._workdir_arg)
             self.workdir.mkdir(parents=True, exist_ok=True)
         else:
-            self.workdir = Path(tempfile.mkdtemp(prefix=f"tpuboot-{self.name}-"))
+            _sweep_workdirs()
+            self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{self._safe_name}-"))
+        (self.workdir / "owner.pid").write_text(str(os.getpid()))
         argv = self.qemu_argv()
         (self.workdir / "qemu-argv.json").write_text(json.dumps(argv, indent=1))
         in_main = threading.current_thread() is threading.main_thread()
@@ -311,15 +336,7 @@ class VM:
         if self.agent is None:
             raise VMError(f"{self.name}: not started")
         deadline = time.monotonic() + timeout
-        while True:
-            self._check_alive("booting")
-            if self.agent.ping(timeout=1.0):
-                break
-            if time.monotonic() > deadline:
-                raise VMError(
-                    f"{self.name}: guest agent silent after {timeout:.0f}s\n"
-                    f"--- console tail ---\n{self.console_tail(60)}"
-                )
+        self._wait_agent(self._ready_mark, deadline, "booting")
         agent_at = time.monotonic()
         left = max(deadline - time.monotonic(), 5.0)
         state = self.run(["systemctl", "is-system-running", "--wait"], timeout=left).stdout.strip()
@@ -336,6 +353,30 @@ class VM:
             f"; failed units: {', '.join(failed)}" if failed else "",
         )  # fmt: skip
         return self.boot_status
+
+    def _wait_agent(self, mark: int, deadline: float, doing: str) -> dict[str, Any]:
+        """Wait for the agent's ready event after ``mark``; then a ping proves the round trip."""
+        assert self.agent is not None
+        last_ping = time.monotonic()
+        while True:
+            self._check_alive(doing)
+            ready = self.agent.wait_ready(mark, timeout=min(2.0, max(deadline - time.monotonic(), 0.0)))
+            if ready is not None:
+                pong = self.agent.ping(timeout=max(deadline - time.monotonic(), 10.0))
+                if pong is not None:
+                    return pong
+            elif time.monotonic() - last_ping > 20.0:
+                # Fallback in case the ready line was garbled: rarely, so that pings do
+                # not queue up in the UART before the agent opens it.
+                last_ping = time.monotonic()
+                pong = self.agent.ping(timeout=1.0)
+                if pong is not None:
+                    return pong
+            if time.monotonic() > deadline:
+                raise VMError(
+                    f"{self.name}: guest agent silent while {doing}\n"
+                    f"--- console tail ---\n{self.console_tail(60)}"
+                )
 
     def failed_units(self) -> tuple[str, ...]:
         out = self.run(["systemctl", "--failed", "--plain", "--no-legend", "--no-pager"], timeout=30).stdout
@@ -355,16 +396,16 @@ class VM:
         before = self.agent.ping(timeout=10.0)
         if not before:
             raise VMError(f"{self.name}: agent not answering before reboot")
-        self.run(["systemctl", "reboot", "--no-block"], timeout=30, check=True)
         deadline = time.monotonic() + timeout
+        mark = self.agent.ready_count()
+        self.run(["systemctl", "reboot", "--no-block"], timeout=30, check=True)
         while True:
-            self._check_alive("rebooting")
-            pong = self.agent.ping(timeout=1.0)
-            if pong and pong.get("boot_id") != before.get("boot_id"):
+            pong = self._wait_agent(mark, deadline, "rebooting")
+            if pong.get("boot_id") != before.get("boot_id"):
                 break
-            if time.monotonic() > deadline:
-                raise VMError(f"{self.name}: no new boot within {timeout:.0f}s\n{self.console_tail(60)}")
+            mark = self.agent.ready_count()  # the agent restarted within the old boot
         self.started_at = time.monotonic() - float(pong.get("uptime", 0.0))
+        self._ready_mark = self.agent.ready_count() - 1
         return self.wait_booted(max(deadline - time.monotonic(), 30.0))
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -524,7 +565,9 @@ class VM:
         return self._console_text if self._console_text is not None else self._read_console()
 
     def console_tail(self, lines: int = 50) -> str:
-        return "\n".join(self.console_log().splitlines()[-lines:])
+        """The last ``lines`` of the console, terminal escape sequences removed."""
+        text = _ANSI.sub("", self.console_log()).replace("\r", "")
+        return "\n".join(text.splitlines()[-lines:])
 
     # ------------------------------------------------------------------ QMP
 

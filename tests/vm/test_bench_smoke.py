@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from .artifacts import GUEST_LIBEXEC, TESTER, Artifacts
+from .artifacts import GUEST_LIBEXEC, TESTER, Artifacts, in_tree, install_debs
+from .conftest import ImageFactory
+from .hostenv import run
 from .machine import VM, PciDevice
 
 pytestmark = pytest.mark.vm
@@ -23,12 +25,44 @@ EDU_ID_REGISTER = "0x010000ed"  # BAR0 offset 0 of the edu device
 VFIO_READ = f"{GUEST_LIBEXEC}/vfio_read.py"
 
 
+PROBE_PACKAGE = "tpuboot-bench-probe"
+HOOK_MARKER = "/etc/tpuboot-bench/installed-by-hook"
+
+
+def _probe_deb(folder: Path) -> Path:
+    """A tiny .deb built here (no registry): proves install hooks can dpkg -i."""
+    root = folder / PROBE_PACKAGE
+    (root / "DEBIAN").mkdir(parents=True)
+    (root / "DEBIAN/control").write_text(
+        f"Package: {PROBE_PACKAGE}\nVersion: 1.0\nArchitecture: all\n"
+        "Maintainer: tpuboot test bench <bench@localhost>\nDescription: bench smoke-test package\n"
+    )
+    (root / "usr/share" / PROBE_PACKAGE).mkdir(parents=True)
+    (root / "usr/share" / PROBE_PACKAGE / "README").write_text("installed by dpkg in an install hook\n")
+    deb = folder / f"{PROBE_PACKAGE}.deb"
+    run(["dpkg-deb", "--root-owner-group", "--build", root, deb], timeout=60)
+    return deb
+
+
 @pytest.fixture(scope="module")
-def vm(vm_artifacts: Artifacts, vm_image: Path) -> Iterator[VM]:
+def smoke_image(vm_image_factory: ImageFactory, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    deb = _probe_deb(tmp_path_factory.mktemp("probe-deb"))
+
+    def install(tree: Path) -> None:
+        marker = in_tree(tree, HOOK_MARKER)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("yes\n")
+        install_debs(tree, [deb])
+
+    return vm_image_factory(install, key="bench-smoke")
+
+
+@pytest.fixture(scope="module")
+def vm(vm_artifacts: Artifacts, smoke_image: Path) -> Iterator[VM]:
     """One guest for the whole module: 2 edu, 1 virtio-rng, 2 empty hotplug ports."""
     with VM.from_artifacts(
         vm_artifacts,
-        vm_image,
+        smoke_image,
         devices=["edu", "edu", "virtio-rng-pci"],
         hotplug_ports=2,
         name="bench-smoke",
@@ -48,6 +82,12 @@ def test_boots_debian_kernel_cleanly(vm: VM, vm_artifacts: Artifacts) -> None:
     assert vm.run(["uname", "-r"], check=True).stdout.strip() == vm_artifacts.kernel.release
     assert "intel_iommu=on" in vm.read_file("/proc/cmdline").decode()
     assert vm.run(["id", "-u"], user=TESTER, check=True).stdout.strip() == "1000"
+
+
+def test_install_hook_ran(vm: VM) -> None:
+    assert vm.read_file(HOOK_MARKER) == b"yes\n"
+    status = vm.run(["dpkg-query", "-W", "-f=${Status}", PROBE_PACKAGE], check=True).stdout
+    assert status == "install ok installed"
 
 
 def test_agent_is_binary_safe(vm: VM) -> None:

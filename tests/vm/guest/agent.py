@@ -8,13 +8,16 @@ could disturb the device tests). Protocol, one JSON object per line each way:
     request  {"id": 7, "argv": [...] | "sh": "...", "user": null | "tester",
               "timeout": 60, "stdin": base64 | null, "env": {...}, "cwd": "/"}
              {"id": 8, "op": "ping"}
-    reply    {"id": 7, "rc": 0, "stdout": base64, "stderr": base64,
+    reply    {"kind": "reply", "id": 7, "rc": 0, "stdout": base64, "stderr": base64,
               "timed_out": false, "error": null}
-             {"id": 8, "pong": true, "boot_id": "...", "uptime": 12.3}
+             {"kind": "pong", "id": 8, "boot_id": "...", "uptime": 12.3}
+             {"kind": "ready", "boot_id": "..."}   (once, at start)
 
-Requests run concurrently, each in its own session so a timeout kills the
-whole process group. Lines that are not JSON (bytes left in the UART from
-before the agent opened it) are ignored.
+Every message from the agent carries "kind": until the agent has switched the
+line to raw mode, the tty echoes what the host sent, and the host must be
+able to tell such an echo from an answer. Requests run concurrently, each in
+its own session so a timeout kills the whole process group. Lines that are not
+JSON (bytes left in the UART from before the agent opened it) are ignored.
 """
 
 from __future__ import annotations
@@ -97,7 +100,9 @@ def _identity(user: str | None) -> dict[str, Any]:
 
 def execute(req: dict[str, Any]) -> dict[str, Any]:
     """Run one request to completion (or timeout) and build its reply."""
-    reply: dict[str, Any] = {"id": req.get("id"), "rc": None, "stdout": "", "stderr": "", "timed_out": False}
+    reply: dict[str, Any] = {
+        "kind": "reply", "id": req.get("id"), "rc": None, "stdout": "", "stderr": "", "timed_out": False
+    }  # fmt: skip
     try:
         argv = ["/bin/sh", "-c", req["sh"]] if "sh" in req else list(req["argv"])
         kwargs = _identity(req.get("user"))
@@ -139,21 +144,21 @@ def serve(channel: Channel) -> None:
         try:
             reply = execute(req)
         except Exception as exc:  # the host must always get an answer
-            reply = {"id": req.get("id"), "rc": 127, "error": f"agent: {exc!r}", "stdout": "", "stderr": ""}
+            reply = {"kind": "reply", "id": req.get("id"), "rc": 127, "error": f"agent: {exc!r}"}
         channel.send(reply)
 
-    channel.send({"id": None, "event": "ready", "boot_id": boot_id})
+    channel.send({"kind": "ready", "boot_id": boot_id})
     for line in channel.lines():
         try:
             req = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(req, dict) or "id" not in req:
-            continue
+        if not isinstance(req, dict) or "id" not in req or "kind" in req:
+            continue  # not a request (perhaps our own output looped back)
         if req.get("op") == "ping":
             with open("/proc/uptime") as f:
                 uptime = float(f.read().split()[0])
-            channel.send({"id": req["id"], "pong": True, "boot_id": boot_id, "uptime": uptime})
+            channel.send({"kind": "pong", "id": req["id"], "boot_id": boot_id, "uptime": uptime})
             continue
         threading.Thread(target=handle, args=(req,), daemon=True).start()
 
