@@ -1,7 +1,7 @@
 """pytest integration of the real-kernel bench.
 
-* Every test under ``tests/vm`` carries the ``vm`` marker (added here), so
-  ``-m "not vm"`` leaves them out.
+* Every test under ``tests/vm`` that uses a VM fixture carries the ``vm``
+  marker (added here), so ``-m "not vm"`` leaves them out.
 * A host that cannot run them (not root, qemu or another tool missing) fails
   them with one clear line, or skips them when ``TPUBOOT_SKIP_VM=1``.
 * Fixtures: ``vm_artifacts`` (session: kernel, initramfs, tree; probes the
@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -56,8 +55,10 @@ class VMFactory(Protocol):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A test that boots anything needs vm_artifacts (directly or through another
+    # fixture). The bench's own unit tests (test_bench_units.py) need no VM and stay unmarked.
     for item in items:
-        if HERE in item.path.resolve().parents:
+        if HERE in item.path.resolve().parents and "vm_artifacts" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.vm)
 
 
@@ -114,14 +115,6 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
 # --------------------------------------------------------------------------- failure report
 
 
-def _journal_for_report(vm: VM) -> str:
-    if vm.running and vm.agent is not None and not vm.agent.closed:
-        with contextlib.suppress(Exception):
-            if vm.agent.ping(timeout=3.0):
-                return vm.journal(lines=300, timeout=30)
-    return vm.final_journal or "(guest not reachable: no journal; see the console)"
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
     outcome = yield
@@ -131,7 +124,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         vms = machine.vms_started_since(first) if first is not None else []
         vms += [vm for vm in machine.live_vms() if vm not in vms]
         for vm in vms:
-            report.sections.append((f"guest journal ({vm.name}, last 300 lines)", _journal_for_report(vm)))
+            report.sections.append((f"guest journal ({vm.name}, last 300 lines)", vm.capture_journal(300)))
             report.sections.append((f"guest console ({vm.name}, last 80 lines)", vm.console_tail(80)))
 
 

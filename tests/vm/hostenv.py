@@ -153,9 +153,9 @@ def apt_sources(etc: Path = Path("/etc/apt")) -> list[AptSource]:
     return sources
 
 
-def debian_mirror(suite: str) -> AptSource:
+def debian_mirror(suite: str, etc: Path = Path("/etc/apt")) -> AptSource:
     """The host's apt source that carries ``suite`` with component ``main``."""
-    for src in apt_sources():
+    for src in apt_sources(etc):
         if suite in src.suites and "main" in src.components:
             return src
     raise HostError(f"no apt source for suite {suite!r} with component main in /etc/apt; cannot debootstrap")

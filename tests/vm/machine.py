@@ -46,7 +46,7 @@ log = logging.getLogger("tpuboot.vm")
 KEEP_ENV = "TPUBOOT_VM_KEEP"  # set to 1 to keep each VM's work folder (console log, sockets)
 HOTPLUG_PORT_PREFIX = "hp"
 WORKDIR_PREFIX = "tpuboot-vm-"
-_ANSI = re.compile(r"\x1b(?:\[[0-9;?]*[A-Za-z]|[@-Z\\-_])")
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-~])")  # CSI sequences and two-byte escapes
 ROOT_DISK_ID = "rootdisk"
 
 
@@ -202,7 +202,7 @@ class VM:
         self._qmp: QMPClient | None = None
         self.started_at = 0.0
         self.boot_status: BootStatus | None = None
-        self.final_journal: str | None = None  # captured at close after a failure
+        self.final_journal: str | None = None  # kept by capture_journal (on a failing exit)
         self._console_text: str | None = None
         self._ready_mark = 0  # agent ready events before this index belong to earlier boots
         self._lock = threading.Lock()
@@ -286,15 +286,19 @@ class VM:
             self.serial = next(_serials)
             _registry.append(weakref.ref(self))
         self.started_at = time.monotonic()
-        with open(self.workdir / "qemu.log", "wb") as qemu_log:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=qemu_log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches pytest, which then cleans up
-                preexec_fn=_die_with_parent if in_main else None,
-            )
+        try:
+            with open(self.workdir / "qemu.log", "wb") as qemu_log:
+                self.proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=qemu_log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # Ctrl-C reaches pytest, which then cleans up
+                    preexec_fn=_die_with_parent if in_main else None,
+                )
+        except OSError as exc:
+            self.close()
+            raise VMError(f"{self.name}: cannot start {QEMU}: {exc}") from exc
         log.info("%s: QEMU pid %d (%s), workdir %s", self.name, self.proc.pid, self.accel, self.workdir)
         try:
             self._qmp = QMPClient(self.workdir / "qmp.sock")
@@ -339,7 +343,14 @@ class VM:
         self._wait_agent(self._ready_mark, deadline, "booting")
         agent_at = time.monotonic()
         left = max(deadline - time.monotonic(), 5.0)
-        state = self.run(["systemctl", "is-system-running", "--wait"], timeout=left).stdout.strip()
+        result = self.run(["systemctl", "is-system-running", "--wait"], timeout=left)
+        if result.timed_out:
+            jobs = self.run(["systemctl", "list-jobs", "--no-pager"], timeout=30).stdout
+            raise VMError(
+                f"{self.name}: systemd still starting after {timeout:.0f}s; pending jobs:\n{jobs}\n"
+                f"--- console tail ---\n{self.console_tail(60)}"
+            )
+        state = result.stdout.strip()
         if state not in ("running", "degraded"):
             raise VMError(
                 f"{self.name}: systemd state {state!r} after boot\n{self._failed_report()}\n"
@@ -547,9 +558,16 @@ class VM:
             argv += ["-n", str(lines)]
         return self.run(argv, timeout=timeout).stdout
 
-    def capture_journal(self, lines: int = 400) -> str | None:
-        """Save the journal's tail in :attr:`final_journal` while the guest still runs."""
+    def capture_journal(self, lines: int = 300) -> str:
+        """The journal's tail, also kept in :attr:`final_journal` for after the guest is gone.
+
+        Asks only if the agent answers a ping within 3 s, so a hung guest costs little.
+        """
+        if not self.running or self.agent is None or self.agent.closed:
+            return self.final_journal or "(guest not running: no journal; see the console)"
         try:
+            if self.agent.ping(timeout=3.0) is None:
+                return self.final_journal or "(guest agent not answering: no journal; see the console)"
             self.final_journal = self.journal(lines=lines, timeout=30)
         except (AgentError, VMError) as exc:
             self.final_journal = f"(journal unavailable: {exc})"
