@@ -285,18 +285,18 @@ def ensure_kernel(cache: Path | None = None) -> Kernel:
     parent = (cache or hostenv.cache_dir()) / "kernel"
     try:
         package, version = resolve_kernel_package()
-    except HostError:
-        # Offline, or apt lists gone: a kernel cached earlier still does the job.
+        final = parent / f"{package}_{version}"
+        if not final.is_dir():
+            with _timed(f"kernel {package} {version}"), _building(final) as tmp:
+                _unpack_kernel(tmp, package, version)
+            _prune(parent, final)
+    except HostError as exc:
+        # Offline, or stale apt lists: a kernel cached earlier still does the job.
         cached = sorted(parent.glob("linux-image-*/kernel.json"), key=lambda p: p.stat().st_mtime)
         if not cached:
             raise
-        log.warning("cannot resolve %s; using cached %s", KERNEL_META, cached[-1].parent.name)
-        return _load_kernel(cached[-1].parent)
-    final = parent / f"{package}_{version}"
-    if not final.is_dir():
-        with _timed(f"kernel {package} {version}"), _building(final) as tmp:
-            _unpack_kernel(tmp, package, version)
-        _prune(parent, final)
+        final = cached[-1].parent
+        log.warning("%s; using the cached %s", str(exc).splitlines()[0], final.name)
     return _load_kernel(final)
 
 
