@@ -252,11 +252,14 @@ def resolve_kernel_package() -> tuple[str, str]:
 
 def _unpack_kernel(tmp: Path, package: str, version: str) -> None:
     tmp.mkdir()
-    run(
-        ["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", f"{package}={version}"],
-        cwd=tmp,
-        timeout=600,
-    )
+    try:
+        run(
+            ["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", f"{package}={version}"],
+            cwd=tmp,
+            timeout=600,
+        )
+    except HostError as exc:
+        raise HostError(f"{exc}\n(stale apt lists? run apt-get update)") from exc
     debs = list(tmp.glob("*.deb"))
     if len(debs) != 1:
         raise HostError(f"apt-get download {package} left {len(debs)} .deb files")
