@@ -114,9 +114,9 @@ def _digest(*parts: str | bytes) -> str:
     return h.hexdigest()[:16]
 
 
-def _source(*objs: object) -> str:
+def _source(*objs: Callable[..., object] | type) -> str:
     """Source text of the functions that build a step: editing them rebuilds it."""
-    return "".join(inspect.getsource(obj) for obj in objs)  # type: ignore[arg-type]
+    return "".join(inspect.getsource(obj) for obj in objs)
 
 
 def _mounts_below(path: Path) -> list[str]:

@@ -68,7 +68,8 @@ class QMPClient:
             if not chunk:
                 raise QMPError("QMP connection closed during greeting")
             buf += chunk
-        return json.loads(buf)
+        greeting: dict[str, Any] = json.loads(buf)
+        return greeting
 
     def _read_loop(self) -> None:
         assert self._sock is not None

@@ -34,6 +34,7 @@ import sys
 import termios
 import threading
 import tty
+from collections.abc import Iterator
 from typing import Any
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -60,7 +61,8 @@ class Channel:
             while view:
                 view = view[os.write(self.fd, view) :]
 
-    def lines(self):
+    def lines(self) -> Iterator[bytes]:
+        """Complete lines as they arrive; EOFError if the line hangs up."""
         buf = b""
         while True:
             chunk = os.read(self.fd, 65536)

@@ -16,6 +16,8 @@ import fcntl
 import os
 import struct
 import sys
+from collections.abc import Callable
+from typing import Any
 
 # <linux/vfio.h>: _IO(VFIO_TYPE, VFIO_BASE + n), VFIO_TYPE = ';', VFIO_BASE = 100.
 _VFIO = ord(";") << 8
@@ -41,7 +43,7 @@ class Failure(Exception):
     """One step failed; str() is the one-line message."""
 
 
-def _step(name: str, func, *args):
+def _step(name: str, func: Callable[..., Any], *args: Any) -> Any:
     try:
         return func(*args)
     except OSError as exc:
@@ -85,7 +87,8 @@ def read_bar0(dbdf: str, offset: int = 0) -> int:
     data = _step("pread BAR0", os.pread, device, 4, region_offset + offset)
     if len(data) != 4:
         raise Failure(f"pread BAR0: short read of {len(data)} bytes")
-    return struct.unpack("<I", data)[0]
+    value: int = struct.unpack("<I", data)[0]
+    return value
 
 
 def main(argv: list[str]) -> int:
