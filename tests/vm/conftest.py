@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import pytest
 
 from . import accel, hostenv, machine
-from .artifacts import Artifacts, InstallHook, build_image, ensure_artifacts, remove_tree
+from .artifacts import Artifacts, InstallHook, Kernel, build_image, ensure_artifacts, remove_tree
 from .machine import VM, VMTestTimeout
 
 log = logging.getLogger("tpuboot.vm")
@@ -135,7 +135,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def vm_artifacts() -> Artifacts:
     """Kernel, initramfs and guest tree (cached); the KVM/TCG probe runs meanwhile."""
 
-    def start_probe(kernel: Any, initrd: Path) -> None:
+    def start_probe(kernel: Kernel, initrd: Path) -> None:
         # Not joined: it overlaps the tree and image builds; the first VM.start waits for it.
         threading.Thread(
             target=accel.select_accel, args=(kernel.boot_image, initrd), name="accel-probe", daemon=True
@@ -193,9 +193,12 @@ def vm_factory(
         return vm
 
     yield start
+    errors: list[BaseException] = []
     for vm in started:
         try:
             vm.shutdown(timeout=20)
-        except BaseException:
+        except BaseException as exc:  # stop the others all the same
             vm.kill()
-            raise
+            errors.append(exc)
+    if errors:
+        raise errors[0]
