@@ -1,4 +1,7 @@
-"""tpuboot on a real kernel: the packaged service binds TPU stand-ins at boot and on hotplug.
+"""tpuboot on a real kernel: the packaged service's boot job, from the .deb.
+
+It binds TPU stand-ins at boot and on hotplug, and writes the runtime environment from the
+metadata server emulator running in the guest.
 
 One guest serves the module, with 3 edu devices and a virtio-rng (4 stand-ins), the virtio-blk
 boot disk (never to be touched) and two empty hotplug ports. The tests run in file order and
@@ -8,11 +11,16 @@ each leaves the machine as the next one expects.
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tests.mds_emulator import SAMPLE_TPU_ENV
+from tpuboot.config import DEFAULT_ENVIRONMENT
 
 from .artifacts import TESTER, Artifacts
 from .conftest import ImageFactory
@@ -20,6 +28,7 @@ from .machine import VM, PciDevice
 from .tpuboot_guest import (
     EDU,
     EDU_ID_REGISTER,
+    MDS_CONTROL,
     VFIO_READ,
     VIRTIO_BLK,
     VIRTIO_RNG,
@@ -29,6 +38,12 @@ from .tpuboot_guest import (
 
 pytestmark = pytest.mark.vm
 
+TPU_ENV = "/home/tpu-runtime/tpu-env"
+# PUT a new value to the emulator's control endpoint from inside the guest (stdlib only).
+PUT_SCRIPT = (
+    "import sys, urllib.request; "
+    "urllib.request.urlopen(urllib.request.Request(sys.argv[1], sys.argv[2].encode(), method='PUT'))"
+)
 READY_STATUS = "4 TPUs bound to vfio-pci; tpu-env: 14 keys from metadata"
 
 
@@ -177,3 +192,42 @@ def test_restart_is_idempotent(vm: VM) -> None:
     vm.run(["systemctl", "restart", "tpuboot"], check=True, timeout=90)
     assert status_text(vm) == READY_STATUS
     assert "already bound to vfio-pci" in vm.journal("tpuboot", lines=20)
+
+
+def sourced(vm: VM, shell: str, path: str) -> dict[str, str]:
+    """The variables ``set -a; . FILE`` gives ``shell``, NUL-separated so any value survives."""
+    script = f"set -a; . {shlex.quote(path)}; env -0"
+    out = vm.run(["env", "-i", shell, "-c", script], check=True).stdout_bytes
+    pairs = (item.decode().split("=", 1) for item in out.split(b"\0") if item)
+    return {k: v for k, v in pairs if k not in ("PWD", "SHLVL", "_")}
+
+
+def put_tpu_env(vm: VM, values: dict[str, str]) -> None:
+    """Change the tpu-env attribute the guest's metadata emulator serves."""
+    vm.run(["python3", "-c", PUT_SCRIPT, f"{MDS_CONTROL}/tpu-env", yaml.safe_dump(values)], check=True)
+
+
+def test_tpu_env_written_at_boot_sources_to_the_metadata_values(vm: VM) -> None:
+    for shell in ("sh", "bash"):
+        assert sourced(vm, shell, TPU_ENV) == SAMPLE_TPU_ENV
+    assert vm.run(["stat", "-c", "%a %U", TPU_ENV], check=True).stdout.strip() == "644 root"
+
+
+def test_etc_environment_has_each_key_once(vm: VM) -> None:
+    lines = vm.read_file("/etc/environment").decode().splitlines()
+    for key, value in DEFAULT_ENVIRONMENT.items():
+        assert [line for line in lines if line.startswith(f"{key}=")] == [f"{key}={value}"]
+
+
+def test_a_tpu_env_change_is_picked_up_without_restart(vm: VM) -> None:
+    pid = vm.run(["systemctl", "show", "-P", "MainPID", "tpuboot"], check=True).stdout.strip()
+    hostile = {"WORKER_ID": "3", "INJECT": '$(touch /tmp/pwned) `id` "q" \\ end'}
+    put_tpu_env(vm, hostile)
+    vm.wait_until(f"grep -q WORKER_ID=.3. {TPU_ENV}", timeout=20)
+    assert sourced(vm, "bash", TPU_ENV) == hostile
+    assert vm.run(["test", "-e", "/tmp/pwned"]).rc == 1
+    assert status_text(vm).endswith("tpu-env: 2 keys from metadata")
+    assert vm.run(["systemctl", "show", "-P", "MainPID", "tpuboot"], check=True).stdout.strip() == pid
+    # Back to the boot-time value, for the tests after this one.
+    put_tpu_env(vm, SAMPLE_TPU_ENV)
+    vm.wait_until(f"grep -q '^ZONE=' {TPU_ENV}", timeout=20)
