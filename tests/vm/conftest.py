@@ -202,3 +202,19 @@ def vm_factory(
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture(scope="session")
+def tpuboot_deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tpuboot's .deb, built once per session from this source tree."""
+    from .tpuboot_guest import build_deb
+
+    return build_deb(tmp_path_factory.mktemp("deb"))
+
+
+@pytest.fixture(scope="session")
+def tpuboot_image(vm_image_factory: ImageFactory, tpuboot_deb: Path) -> Path:
+    """The guest with tpuboot's .deb, the stand-in device config and the metadata emulator."""
+    from .tpuboot_guest import package_install_hook
+
+    return vm_image_factory(package_install_hook(tpuboot_deb), key="tpuboot")

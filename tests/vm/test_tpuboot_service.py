@@ -23,7 +23,6 @@ from tests.mds_emulator import SAMPLE_TPU_ENV
 from tpuboot.config import DEFAULT_ENVIRONMENT
 
 from .artifacts import TESTER, Artifacts
-from .conftest import ImageFactory
 from .machine import VM, PciDevice
 from .tpuboot_guest import (
     EDU,
@@ -32,8 +31,6 @@ from .tpuboot_guest import (
     VFIO_READ,
     VIRTIO_BLK,
     VIRTIO_RNG,
-    build_deb,
-    package_install_hook,
 )
 
 pytestmark = pytest.mark.vm
@@ -45,12 +42,6 @@ PUT_SCRIPT = (
     "urllib.request.urlopen(urllib.request.Request(sys.argv[1], sys.argv[2].encode(), method='PUT'))"
 )
 READY_STATUS = "4 TPUs bound to vfio-pci; tpu-env: 14 keys from metadata"
-
-
-@pytest.fixture(scope="module")
-def tpuboot_image(vm_image_factory: ImageFactory, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    deb = build_deb(tmp_path_factory.mktemp("deb"))
-    return vm_image_factory(package_install_hook(deb), key="tpuboot")
 
 
 @pytest.fixture(scope="module")
