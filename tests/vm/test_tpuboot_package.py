@@ -1,0 +1,139 @@
+"""The .deb as an image builder uses it: installed with apt into a Debian 12 guest, booted, checked
+from inside, upgraded with the admin's edits in place, then purged without a trace.
+
+The guest boots with the kernel parameters the package's GRUB drop-in asks for (the bench boots
+its kernel directly, not through GRUB), so `tpuboot image-check` sees a complete image.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .artifacts import Artifacts, in_tree
+from .conftest import ImageFactory
+from .machine import VM
+from .tpuboot_guest import package_install_hook
+
+pytestmark = pytest.mark.vm
+
+KERNEL_PARAMS = ("idle=poll", "transparent_hugepage=always", "intel_iommu=on,sm_on")
+MAX_EXPOSURE = 2.6  # `systemd-analyze security`: 0 is best, 10 is a unit with no sandbox at all
+ADMIN_EDIT = "# edited by the admin: keep me\n"
+LIST_FILES = "import os, sys; [print(p) for p in sys.argv[1:] if os.path.isfile(p)]"
+STUB_UNIT = "[Service]\nExecStart=/bin/sleep infinity\n"
+
+
+@pytest.fixture(scope="module")
+def upgrade_deb(tpuboot_deb: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same package with a higher version, as the next release would be."""
+    work = tmp_path_factory.mktemp("upgrade")
+    subprocess.run(["dpkg-deb", "-R", tpuboot_deb, work / "pkg"], check=True)
+    control = work / "pkg/DEBIAN/control"
+    control.write_text(re.sub(r"(?m)^Version: (.*)$", r"Version: \1+next1", control.read_text()))
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-b", work / "pkg", work / "next.deb"], check=True)
+    return work / "next.deb"
+
+
+@pytest.fixture(scope="module")
+def vm(
+    vm_artifacts: Artifacts, vm_image_factory: ImageFactory, tpuboot_deb: Path, upgrade_deb: Path
+) -> Iterator[VM]:
+    install = package_install_hook(tpuboot_deb)
+
+    def hook(tree: Path) -> None:
+        install(tree)
+        # The real kernel in /boot and a /boot/grub, as on a system where GRUB is installed, so
+        # grub-mkconfig writes the kernel's entry.
+        kernel = vm_artifacts.kernel
+        in_tree(tree, "/boot/grub").mkdir(parents=True, exist_ok=True)
+        shutil.copy(kernel.vmlinuz, in_tree(tree, f"/boot/vmlinuz-{kernel.release}"))
+        shutil.copy(upgrade_deb, in_tree(tree, "/root/tpuboot-next.deb"))
+
+    image = vm_image_factory(hook, key="tpuboot-package")
+    with VM.from_artifacts(
+        vm_artifacts, image, devices=["edu", "edu"], cmdline_extra=" ".join(KERNEL_PARAMS), name="package"
+    ) as machine:
+        machine.wait_booted()
+        yield machine
+
+
+def sh(vm: VM, script: str, timeout: float = 120) -> str:
+    return vm.run(script, check=True, timeout=timeout).stdout
+
+
+def test_service_enabled_and_active(vm: VM) -> None:
+    assert sh(vm, "systemctl is-enabled tpuboot").strip() == "enabled"
+    assert sh(vm, "systemctl is-active tpuboot").strip() == "active"
+    assert sh(vm, "systemctl show -P StatusText tpuboot").startswith("2 TPUs bound to vfio-pci; tpu-env: ")
+
+
+def test_sandbox_exposure_under_a_live_systemd(vm: VM) -> None:
+    """The README records this score; the unit's hardening must not quietly regress."""
+    report = sh(vm, "systemd-analyze security --no-pager tpuboot.service")
+    match = re.search(r"Overall exposure level for tpuboot.service: ([0-9.]+)", report)
+    assert match, report[-500:]
+    assert float(match.group(1)) <= MAX_EXPOSURE, report[-2000:]
+
+
+def test_login_shell_limits(vm: VM) -> None:
+    assert sh(vm, "su -l tester -c 'ulimit -l; ulimit -n'").split() == ["unlimited", "100000"]
+
+
+def test_service_manager_and_container_runtime_limits(vm: VM) -> None:
+    manager = sh(vm, "systemctl show -P DefaultLimitMEMLOCK; systemctl show -P DefaultLimitNOFILE").split()
+    assert manager == ["infinity", "100000"]
+    # Stand-ins for docker and containerd: the package's drop-ins must apply to whatever unit is there.
+    for unit in ("docker", "containerd"):
+        vm.write_file(f"/etc/systemd/system/{unit}.service", STUB_UNIT)
+    sh(vm, "systemctl daemon-reload")
+    shown = sh(vm, "systemctl show docker containerd -p LimitMEMLOCK -p LimitNOFILE")
+    assert sorted(shown.split()) == ["LimitMEMLOCK=infinity"] * 2 + ["LimitNOFILE=100000"] * 2
+
+
+def test_accel_rule_installed(vm: VM) -> None:
+    rules = sh(vm, "cat /lib/udev/rules.d/70-tpuboot.rules")
+    assert 'KERNEL=="accel*", MODE="0666"' in rules
+
+
+def test_image_check_passes_on_the_booted_image(vm: VM) -> None:
+    result = vm.run(["tpuboot", "image-check"], timeout=60)
+    assert result.rc == 0, result.stdout + result.stderr
+    assert "FAIL" not in result.stdout
+
+
+def test_grub_config_carries_the_kernel_parameters(vm: VM) -> None:
+    sh(vm, "grub-mkconfig -o /tmp/grub.cfg 2>/dev/null", timeout=180)
+    lines = [line for line in sh(vm, "cat /tmp/grub.cfg").splitlines() if line.strip().startswith("linux")]
+    assert lines, "grub-mkconfig wrote no kernel line"
+    for line in lines:
+        assert all(param in line.split() for param in KERNEL_PARAMS), line
+
+
+def test_upgrade_keeps_the_admins_conffile_edits(vm: VM) -> None:
+    vm.run(["sh", "-c", f"printf '{ADMIN_EDIT}' >> /etc/tpuboot/tpuboot.yaml"], check=True)
+    edited = vm.read_file("/etc/tpuboot/tpuboot.yaml")
+    sh(vm, "DEBIAN_FRONTEND=noninteractive apt-get install -y /root/tpuboot-next.deb", 300)
+    assert "+next1" in sh(vm, "dpkg-query -W -f '${Version}' tpuboot")
+    assert vm.read_file("/etc/tpuboot/tpuboot.yaml") == edited
+    vm.wait_until("systemctl is-active -q tpuboot", timeout=60)  # restarted by the upgrade
+
+
+def test_purge_leaves_nothing_behind(vm: VM) -> None:
+    files = [f for f in sh(vm, "dpkg -L tpuboot").splitlines() if f.strip()]
+    conffiles = sh(vm, "dpkg-query -W -f '${Conffiles}' tpuboot").split()[::2]
+    sh(vm, "DEBIAN_FRONTEND=noninteractive apt-get purge -y tpuboot", 300)
+    leftovers = vm.run(["python3", "-c", LIST_FILES, *files, *conffiles]).stdout.split()
+    assert leftovers == []
+    for path in ("/var/lib/tpuboot", "/etc/tpuboot", "/home/tpu-runtime/tpu-env"):
+        assert vm.run(["test", "-e", path]).rc == 1, path
+    assert vm.run(["test", "-L", "/etc/systemd/system/multi-user.target.wants/tpuboot.service"]).rc == 1
+    assert sh(vm, "systemctl is-active tpuboot || true").strip() == "inactive"
+    assert sh(vm, "su -l tester -c 'ulimit -l'").strip() != "unlimited"
+    sh(vm, "grub-mkconfig -o /tmp/grub.cfg 2>/dev/null", timeout=180)
+    assert "idle=poll" not in sh(vm, "cat /tmp/grub.cfg")
