@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -115,9 +116,13 @@ class DeviceAgent:
 
     def node_appeared(self, group: str) -> None:
         """udev finished a /dev/vfio/<group> node: re-apply our mode in case a rule changed it."""
-        try:
-            self.binder.prepare_node(group)
-        except (TpubootError, OSError) as exc:
+        future = asyncio.get_running_loop().run_in_executor(self.executor, self.binder.prepare_node, group)
+        future.add_done_callback(functools.partial(self._node_done, group))
+
+    @staticmethod
+    def _node_done(group: str, future: asyncio.Future[str]) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None:
             log.warning("/dev/vfio/%s: %s", group, exc, extra={"IOMMU_GROUP": group})
 
     @staticmethod

@@ -131,14 +131,21 @@ class Daemon:
         loop.add_reader(self.monitor.fileno(), self._on_udev)
         interval = watchdog_interval()
         watchdog = loop.create_task(self._watchdog(interval)) if interval else None
+        boot = asyncio.ensure_future(asyncio.gather(self._coldplug(), self._env_boot()))
+        stop = asyncio.ensure_future(self.stopping.wait())
         try:
-            await asyncio.gather(self._coldplug(), self._env_boot())
-            self.ready = True
-            line = self.status_line()
-            log.info("ready: %s", line)
-            self.notifier.ready(line)
-            await self.stopping.wait()
+            # SIGTERM during a long boot (metadata server down) must not wait for its deadline.
+            await asyncio.wait({boot, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if boot.done():
+                boot.result()
+                self.ready = True
+                line = self.status_line()
+                log.info("ready: %s", line)
+                self.notifier.ready(line)
+                await stop
         finally:
+            boot.cancel()
+            stop.cancel()
             self.notifier.stopping()
             log.info("stopping")
             loop.remove_reader(self.monitor.fileno())

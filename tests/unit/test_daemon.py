@@ -218,3 +218,20 @@ def test_metadata_down_serves_tpu_env_from_cache_and_keeps_running(kernel, emula
         await task
 
     asyncio.run(scenario())
+
+
+def test_sigterm_during_a_long_metadata_wait_stops_at_once(kernel, emulator, root):
+    emulator.set_faults(delay=30.0)
+    client = make_client(emulator, timeout=60.0)
+    job = EnvJob(EnvSync(root, make_config(emulator), client), client, 60.0, False)
+
+    async def scenario():
+        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), job)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: emulator.request_count >= 1)
+        assert not daemon.ready
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(task, 2.0) == 0
+        assert daemon.notifier.sent == ["STOPPING=1\nSTATUS=stopping"]
+
+    asyncio.run(scenario())
