@@ -11,10 +11,10 @@ configure-gcs-timeouts.sh). ``sync_once`` runs at boot; ``watch`` keeps tpu-env 
   existing tpu-env file is left as it is (it is not deleted).
 - /etc/environment gets ``env.environment`` whatever metadata says.
 
-``watch`` stops within about half a second of ``stop`` being set, even mid long-poll:
-``MetadataClient.changes`` runs a guard thread that shuts down the in-flight socket. Start
-it after ``sync_once`` has returned: it continues from that sync's ETag (without one it
-first reads and writes the current value).
+``watch`` ends when ``stop`` is set and the client is closed (``client.close()`` cuts a
+long-poll in flight; nothing polls ``stop``, so an idle watch never wakes up). Start it
+after ``sync_once`` has returned: it continues from that sync's ETag (without one it first
+reads and writes the current value).
 """
 
 from __future__ import annotations

@@ -64,8 +64,6 @@ KINDS = {
 
 #: A watch never asks more often than this (seconds), whatever the server answers.
 MIN_POLL_INTERVAL = 1.0
-#: How often the watch guard checks its stop event (seconds): the bound on stop latency.
-GUARD_PERIOD = 0.5
 
 _HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?\Z")
 _SEGMENT = r"[A-Za-z0-9_.-]+"
@@ -273,6 +271,7 @@ class MetadataClient:
         self._rng_lock = threading.Lock()
         self._failures = _FailureLog()
         self._transport = _Transport()
+        self._watches: weakref.WeakSet[_Transport] = weakref.WeakSet()
         self._closed = threading.Event()
 
     @classmethod
@@ -280,9 +279,11 @@ class MetadataClient:
         return cls(metadata_base_url(config.host, environ), timeout=config.timeout, max_body=config.max_body)
 
     def close(self) -> None:
-        """Abort requests in flight and refuse new ones (safe from any thread)."""
+        """Abort requests and watches in flight and refuse new ones (safe from any thread)."""
         self._closed.set()
         self._transport.close()
+        for transport in list(self._watches):
+            transport.abort()
 
     def url(self, path: str) -> str:
         """The full URL of ``path`` (relative, like ``instance/attributes/tpu-env``)."""
@@ -332,26 +333,22 @@ class MetadataClient:
     def changes(
         self, path: str, *, stop: threading.Event, etag: str | None = None, timeout_sec: int = 60
     ) -> Iterator[Change]:
-        """Yield each change of ``path`` until ``stop`` is set (then return within ~0.5 s).
+        """Yield each change of ``path`` until ``stop`` is set.
 
+        ``stop`` ends the watch at its next wake-up; set it and call ``close()`` to end a
+        long-poll in flight at once (nothing polls ``stop``: an idle watch never wakes).
         With ``etag`` None the current value is yielded first. Failures are logged once
         per kind and retried with backoff forever; a vanished key yields ``Change(None,
         None)`` once, then is polled for with backoff.
         """
         url = self.url(path)
         transport = _Transport()
-        finished = threading.Event()
-        guard = threading.Thread(
-            target=_abort_when_stopped,
-            args=(stop, finished, transport),
-            name="tpuboot-watch-guard",
-            daemon=True,
-        )
-        guard.start()
+        self._watches.add(transport)
+        if self._closed.is_set():
+            transport.abort()
         try:
             yield from self._watch(transport, url, stop, etag, max(1, timeout_sec))
         finally:
-            finished.set()
             transport.close()
 
     def _watch(
@@ -366,7 +363,7 @@ class MetadataClient:
             try:
                 reply = self._poll(transport, url, etag, timeout_sec)
             except _Retryable as failure:
-                if stop.is_set():
+                if stop.is_set() or transport.aborted:
                     return
                 self._failures.failed(failure.kind, url, retrying=True)
             except MetadataRefused as refused:
@@ -475,14 +472,6 @@ class MetadataClient:
 
     def _too_big(self) -> str:
         return f"metadata value over {self.max_body} bytes; raise metadata.max_body or shrink the value"
-
-
-def _abort_when_stopped(stop: threading.Event, finished: threading.Event, transport: _Transport) -> None:
-    """Guard thread of a watch: cut its socket once ``stop`` is set; exit when the watch ends."""
-    while not finished.is_set():
-        if stop.wait(GUARD_PERIOD):
-            transport.abort()
-            return
 
 
 def metadata_get(client: MetadataClient, kind: str, key: str, *, deadline_s: float = 15.0) -> str:

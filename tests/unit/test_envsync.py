@@ -212,7 +212,7 @@ def run_watch(
 
 
 def test_watch_rewrites_tpu_env_on_change_and_stops_promptly(
-    sync: EnvSync, root: Root, emulator: MetadataEmulator
+    sync: EnvSync, sync_client: MetadataClient, root: Root, emulator: MetadataEmulator
 ) -> None:
     sync.sync_once(deadline_s=5)
     stop, seen, results = threading.Event(), threading.Event(), []
@@ -225,12 +225,13 @@ def test_watch_rewrites_tpu_env_on_change_and_stops_promptly(
     assert root.path(TPU_ENV).read_text() == 'ACCELERATOR_TYPE="v5p-16"\nWORKER_ID="1"\n'
     assert emulator.wait_for_pollers(1)  # waiting again, with the new ETag
     stop.set()
+    sync_client.close()
     worker.join(timeout=5)
     assert not worker.is_alive()
 
 
 def test_watch_keeps_the_good_file_when_the_new_value_is_invalid(
-    sync: EnvSync, root: Root, emulator: MetadataEmulator
+    sync: EnvSync, sync_client: MetadataClient, root: Root, emulator: MetadataEmulator
 ) -> None:
     sync.sync_once(deadline_s=5)
     stop, seen, results = threading.Event(), threading.Event(), []
@@ -239,6 +240,7 @@ def test_watch_keeps_the_good_file_when_the_new_value_is_invalid(
     emulator.set_attribute("tpu-env", ALIAS_BOMB)
     assert seen.wait(10)
     stop.set()
+    sync_client.close()
     worker.join(timeout=5)
     assert results[0].source == "cache"
     assert results[0].status.startswith("tpu-env: metadata tpu-env is invalid, 14 keys from cache of ")
@@ -246,12 +248,13 @@ def test_watch_keeps_the_good_file_when_the_new_value_is_invalid(
 
 
 def test_watch_without_a_prior_sync_writes_the_current_value(
-    sync: EnvSync, root: Root, emulator: MetadataEmulator
+    sync: EnvSync, sync_client: MetadataClient, root: Root, emulator: MetadataEmulator
 ) -> None:
     stop, seen, results = threading.Event(), threading.Event(), []
     worker = run_watch(sync, stop, results, seen)
     assert seen.wait(10)
     stop.set()
+    sync_client.close()
     worker.join(timeout=5)
     assert results[0].status == "tpu-env: 14 keys from metadata"
     assert root.path(TPU_ENV).read_bytes() == GOOD

@@ -21,7 +21,6 @@ from tests.unit.conftest import make_client
 from tpuboot.config import MetadataConfig
 from tpuboot.errors import ConfigError, MetadataError, UsageError
 from tpuboot.metadata import (
-    GUARD_PERIOD,
     MIN_POLL_INTERVAL,
     Backoff,
     Change,
@@ -281,8 +280,6 @@ class RecordingStop(threading.Event):
         self.waits: list[float] = []
 
     def wait(self, timeout: float | None = None) -> bool:
-        if threading.current_thread().name == "tpuboot-watch-guard":
-            return super().wait(timeout)
         assert timeout is not None
         self.waits.append(timeout)
         if len(self.waits) >= self.limit:
@@ -335,6 +332,7 @@ def test_changes_yields_current_value_first_then_each_change(emulator: MetadataE
     emulator.set_attribute("tpu-env", "A: '1'\n")
     assert got_two.wait(10)
     stop.set()
+    client.close()
     worker.join(timeout=10)
     assert not worker.is_alive()
     assert seen[0] == Change(tpu_env_yaml(SAMPLE_TPU_ENV).encode(), emulator.etag(TPU_ENV) and seen[0].etag)
@@ -342,7 +340,7 @@ def test_changes_yields_current_value_first_then_each_change(emulator: MetadataE
     client.close()
 
 
-def test_stop_interrupts_a_long_poll_in_flight(emulator: MetadataEmulator) -> None:
+def test_stop_and_close_interrupt_a_long_poll_in_flight(emulator: MetadataEmulator) -> None:
     client = make_client(emulator)
     stop = threading.Event()
     worker = threading.Thread(
@@ -352,9 +350,25 @@ def test_stop_interrupts_a_long_poll_in_flight(emulator: MetadataEmulator) -> No
     worker.start()
     assert emulator.wait_for_pollers(1)
     stop.set()
-    worker.join(timeout=10 * GUARD_PERIOD)
-    assert not worker.is_alive()
     client.close()
+    worker.join(timeout=5)
+    assert not worker.is_alive()
+
+
+def test_an_idle_watch_runs_no_thread_of_its_own(emulator: MetadataEmulator) -> None:
+    """Nothing polls the stop event: the long-poll's blocking read is the only thing waiting."""
+    client = make_client(emulator)
+    stop = threading.Event()
+    before = set(threading.enumerate())
+    changes = client.changes(TPU_ENV, stop=stop, etag=emulator.etag(TPU_ENV), timeout_sec=3600)
+    worker = threading.Thread(target=drain, args=(changes,))
+    worker.start()
+    assert emulator.wait_for_pollers(1)
+    new = {t for t in threading.enumerate() if t not in before and "process_request" not in t.name}
+    assert new == {worker}  # the emulator's own request thread aside
+    stop.set()
+    client.close()
+    worker.join(timeout=5)
 
 
 def test_vanished_key_is_reported_once_then_polled_until_back(emulator: MetadataEmulator) -> None:
@@ -377,6 +391,7 @@ def test_vanished_key_is_reported_once_then_polled_until_back(emulator: Metadata
     emulator.set_attribute("tpu-env", "B: '2'\n")
     assert back.wait(20)
     stop.set()
+    client.close()
     worker.join(timeout=10)
     assert seen == [Change(None, None), Change(b"B: '2'\n", etag_of("B: '2'\n"))]
     client.close()
