@@ -206,12 +206,83 @@ class EnvConfig:
     environment: dict[str, str] = _opt(DEFAULT_ENVIRONMENT, parse_str_map)
 
 
+def parse_argv(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise _fail(where, "expected a non-empty list of strings (program and its arguments)")
+    return tuple(value)
+
+
+def parse_optional_abs_path(value: Any, where: str) -> str | None:
+    return None if value is None else parse_abs_path(value, where)
+
+
+# The documented boot-time form of the vBar agent when run without a container.
+VBAR_EXEC_ARGV = (
+    "/usr/bin/vbar_control_agent",
+    "--logtostderr",
+    "--gid=",
+    "--uid=",
+    "--chroot=",
+    "--census_enabled=false",
+    "--loas_pwd_fallback_in_corp",
+)
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """Restart policy of a supervised agent: capped exponential backoff, reset after a stable run."""
+
+    backoff_initial: float = _opt(1.0, parse_positive)
+    backoff_max: float = _opt(300.0, parse_positive)
+    stable_after: float = _opt(600.0, parse_positive)
+    pull_retries: int = _opt(5, parse_count)
+
+
+@dataclass(frozen=True)
+class VbarConfig:
+    """The vBar control agent (needed for ICI), supervised unless on a GKE node."""
+
+    enabled: bool = _opt(True, parse_bool)
+    runtime: str = _opt("docker", parse_choice("docker", "exec"))
+    # Used when tpu-env's VBARCONTROL_AGENT_DOCKER_URL is empty or absent.
+    image: str = _opt("gcr.io/cloud-tpu-v2-images/vbar_control_agent:0.0.1", parse_str)
+    container_name: str = _opt("tpuboot-vbar-control-agent", parse_str)
+    exec_argv: tuple[str, ...] = _opt(VBAR_EXEC_ARGV, parse_argv)
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """The optional AI telemetry collector container."""
+
+    enabled: bool = _opt(False, parse_bool)
+    image: str = _opt("gcr.io/cloud-tpu-v2-images/ai-telemetry-collector:latest", parse_str)
+    container_name: str = _opt("tpuboot-ai-telemetry-collector", parse_str)
+    # A config.yaml on the host, bind-mounted read-only into the collector when set.
+    config_path: str | None = _opt(None, parse_optional_abs_path)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics on loopback, and a node_exporter textfile directory for one-shot commands."""
+
+    enabled: bool = _opt(True, parse_bool)
+    address: str = _opt("127.0.0.1", parse_str)
+    port: int = _opt(9431, parse_count)
+    textfile_dir: str | None = _opt(None, parse_optional_abs_path)
+
+
 @dataclass(frozen=True)
 class Config:
     devices: tuple[MatchRule, ...] = _opt((), parse_rules)
     vfio: VfioConfig = _opt(VfioConfig(), lambda v, w: _section(VfioConfig, v, w))
     metadata: MetadataConfig = _opt(MetadataConfig(), lambda v, w: _section(MetadataConfig, v, w))
     env: EnvConfig = _opt(EnvConfig(), lambda v, w: _section(EnvConfig, v, w))
+    # GKE runs vBar and the telemetry collector itself: auto detects a GKE node from metadata.
+    gke: str = _opt("auto", parse_choice("auto", "true", "false"))
+    vbar: VbarConfig = _opt(VbarConfig(), lambda v, w: _section(VbarConfig, v, w))
+    telemetry: TelemetryConfig = _opt(TelemetryConfig(), lambda v, w: _section(TelemetryConfig, v, w))
+    supervisor: SupervisorConfig = _opt(SupervisorConfig(), lambda v, w: _section(SupervisorConfig, v, w))
+    metrics: MetricsConfig = _opt(MetricsConfig(), lambda v, w: _section(MetricsConfig, v, w))
 
 
 def parse_config(text: str, source: str) -> Config:
