@@ -68,35 +68,37 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
     return daemon.run(binder, env)
 
 
-def cmd_bind(ctx: Context, args: argparse.Namespace) -> int:
-    addresses = _addresses(args.dbdf)
-    binder = ctx.binder()
+def _for_each(texts: Sequence[str], act: Callable[[str], str]) -> int:
+    """Run ``act`` on every address (all validated first); one failure does not stop the rest."""
     failed = 0
-    for address in addresses:
+    for address in _addresses(texts):
         try:
-            result = binder.bind(address, force=args.force)
+            print(act(address))
         except TpubootError as exc:
             print(f"tpuboot: {exc}", file=sys.stderr)
             failed += 1
-            continue
-        state = "bound to vfio-pci" if result.changed else "already bound to vfio-pci"
-        print(f"{address} ({result.kind}) {state}, {result.node} mode {binder.config.node_mode:04o}")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_bind(ctx: Context, args: argparse.Namespace) -> int:
+    binder = ctx.binder()
+
+    def bind(address: str) -> str:
+        result = binder.bind(address, force=args.force)
+        state = "bound to vfio-pci" if result.changed else "already bound to vfio-pci"
+        return f"{address} ({result.kind}) {state}, {result.node} mode {binder.config.node_mode:04o}"
+
+    return _for_each(args.dbdf, bind)
 
 
 def cmd_unbind(ctx: Context, args: argparse.Namespace) -> int:
-    addresses = _addresses(args.dbdf)
     binder = ctx.binder()
-    failed = 0
-    for address in addresses:
-        try:
-            driver = binder.unbind(address, force=args.force)
-        except TpubootError as exc:
-            print(f"tpuboot: {exc}", file=sys.stderr)
-            failed += 1
-            continue
-        print(f"{address} released from vfio-pci, now driven by {driver or 'no driver'}")
-    return EXIT_FAILED if failed else EXIT_OK
+
+    def unbind(address: str) -> str:
+        driver = binder.unbind(address, force=args.force)
+        return f"{address} released from vfio-pci, now driven by {driver or 'no driver'}"
+
+    return _for_each(args.dbdf, unbind)
 
 
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:

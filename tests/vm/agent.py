@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .hostenv import connect_unix
+
 # The agent kills a command at its timeout; this much more covers the transfer back.
 TRANSPORT_MARGIN = 15.0
 
@@ -92,17 +94,9 @@ class AgentClient:
         self.ready_events: list[dict[str, Any]] = []
 
     def connect(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(str(self.path))
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                sock.close()
-                if time.monotonic() > deadline:
-                    raise AgentError(f"agent socket {self.path} not ready after {timeout:.0f}s") from None
-                time.sleep(0.02)
+        sock = connect_unix(self.path, timeout)
+        if sock is None:
+            raise AgentError(f"agent socket {self.path} not ready after {timeout:.0f}s")
         self._sock = sock
         self._reader = threading.Thread(target=self._read_loop, name="agent-reader", daemon=True)
         self._reader.start()

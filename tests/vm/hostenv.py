@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,3 +161,18 @@ def debian_mirror(suite: str, etc: Path = Path("/etc/apt")) -> AptSource:
         if suite in src.suites and "main" in src.components:
             return src
     raise HostError(f"no apt source for suite {suite!r} with component main in /etc/apt; cannot debootstrap")
+
+
+def connect_unix(path: Path, timeout: float) -> socket.socket | None:
+    """Connect to a Unix socket QEMU creates at start-up, retrying until it exists; None on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .hostenv import connect_unix
+
 
 class QMPError(RuntimeError):
     """QEMU answered a command with an error, or the connection failed."""
@@ -40,17 +42,9 @@ class QMPClient:
 
     def connect(self, timeout: float = 10.0) -> None:
         """Connect (QEMU creates the socket at start-up), read the greeting, negotiate."""
-        deadline = time.monotonic() + timeout
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(str(self.path))
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                sock.close()
-                if time.monotonic() > deadline:
-                    raise QMPError(f"QMP socket {self.path} not ready after {timeout:.0f}s") from None
-                time.sleep(0.02)
+        sock = connect_unix(self.path, timeout)
+        if sock is None:
+            raise QMPError(f"QMP socket {self.path} not ready after {timeout:.0f}s")
         self._sock = sock
         sock.settimeout(timeout)
         greeting = self._readline_blocking(sock)
