@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from tpuboot import metrics
 from tpuboot.errors import TpubootError
 from tpuboot.pci import PciFunction
 from tpuboot.vfio import Binder, BindResult
@@ -68,6 +70,7 @@ class DeviceAgent:
         state.attempts += 1
         state.state = "pending"
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
         try:
             result: BindResult = await loop.run_in_executor(self.executor, self.binder.bind, address)
         except TpubootError as exc:
@@ -78,6 +81,7 @@ class DeviceAgent:
             outcome = result
         finally:
             state.running = False
+        metrics.bind_attempt(metrics.bind_result(outcome), time.monotonic() - started)
         if self.devices.get(address) is not state or state.state == "removed":
             return  # removed meanwhile; the removal was logged
         fields = {"DBDF": address, "TPU_KIND": state.kind}
@@ -88,7 +92,7 @@ class DeviceAgent:
             log.info("%s (%s) %s, %s ready", address, state.kind, how, outcome.node, extra=extra)
         else:
             self._failed(address, state, outcome, fields)
-        self.on_change()
+        self._changed()
 
     def _failed(self, address: str, state: DeviceState, exc: TpubootError, fields: dict[str, str]) -> None:
         state.state, state.error = "failed", str(exc)
@@ -112,6 +116,10 @@ class DeviceAgent:
         self._cancel_retry(state)
         state.state = "removed"
         log.info("%s (%s) removed", address, state.kind, extra={"DBDF": address, "TPU_KIND": state.kind})
+        self._changed()
+
+    def _changed(self) -> None:
+        metrics.tpus((s.kind, s.state) for s in self.devices.values() if s.state != "removed")
         self.on_change()
 
     def node_appeared(self, group: str) -> None:

@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from tpuboot import __version__, logs
+from tpuboot import __version__, logs, metrics
 from tpuboot.config import CONFIG_PATH, Config, load_config
 from tpuboot.devices import DeviceTable
 from tpuboot.errors import ConfigError, TpubootError, UsageError
@@ -65,6 +65,7 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
         client = MetadataClient.from_config(config.metadata)
         sync = EnvSync(ctx.root, config, client)
         env = daemon.EnvJob(sync, client, config.metadata.boot_deadline, config.metadata.watch)
+    metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without metrics
     return daemon.run(binder, env)
 
 
@@ -84,7 +85,7 @@ def cmd_bind(ctx: Context, args: argparse.Namespace) -> int:
     binder = ctx.binder()
 
     def bind(address: str) -> str:
-        result = binder.bind(address, force=args.force)
+        result = metrics.timed_bind(binder.bind, address, force=args.force)
         state = "bound to vfio-pci" if result.changed else "already bound to vfio-pci"
         return f"{address} ({result.kind}) {state}, {result.node} mode {binder.config.node_mode:04o}"
 
@@ -215,8 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logs.setup(args.verbose)
+    ctx = Context(args)
     try:
-        return args.func(Context(args), args)
+        return args.func(ctx, args)
     except UsageError as exc:
         print(f"tpuboot: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -225,3 +227,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
+    finally:
+        if args.command in TEXTFILE_COMMANDS:
+            _write_metrics_textfile(ctx)
+
+
+TEXTFILE_COMMANDS = ("bind", "unbind", "env")
+
+
+def _write_metrics_textfile(ctx: Context) -> None:
+    """After a one-shot command: its metrics to ``metrics.textfile_dir`` for node_exporter, if set."""
+    try:
+        config = ctx.config
+        if config.metrics.textfile_dir is None:
+            return
+        tpus = survey(ctx.binder())
+    except (TpubootError, OSError) as exc:
+        log.warning("metrics: %s", exc)
+        return
+    metrics.tpus((t.kind, "bound" if t.driver == "vfio-pci" else "unbound") for t in tpus if t.managed)
+    metrics.write_textfile(ctx.root, config.metrics)

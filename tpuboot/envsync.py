@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tpuboot import metrics
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
 from tpuboot.config import Config
 from tpuboot.environment import ensure_environment
@@ -231,6 +232,8 @@ class EnvSync:
         return dataclasses.replace(result, environment_written=changed)
 
     def _report(self, result: SyncResult) -> None:
+        if result.source in ("metadata", "cache"):
+            metrics.tpu_env_updated(from_cache=result.source == "cache")
         level = logging.INFO if result.source in ("metadata", "absent") else logging.WARNING
         log.log(
             level,

@@ -43,6 +43,7 @@ import urllib3
 import urllib3.connection
 from requests.adapters import HTTPAdapter
 
+from tpuboot import metrics
 from tpuboot.config import MetadataConfig
 from tpuboot.errors import ConfigError, MetadataError, UsageError
 
@@ -431,9 +432,21 @@ class MetadataClient:
                 allow_redirects=False,
             ) as response:
                 self._check_answer(response)
-                return Reply(self._read_body(response, deadline), response.headers.get("ETag"))
+                reply = Reply(self._read_body(response, deadline), response.headers.get("ETag"))
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+            metrics.metadata_request("transient")
             raise _Retryable(_failure_kind(exc)) from None
+        except _Retryable:
+            metrics.metadata_request("transient")
+            raise
+        except MetadataAbsent:
+            metrics.metadata_request("absent")
+            raise
+        except MetadataRefused:
+            metrics.metadata_request("refused")
+            raise
+        metrics.metadata_request("ok")
+        return reply
 
     def _check_answer(self, response: requests.Response) -> None:
         flavor = response.headers.get(FLAVOR_HEADER)

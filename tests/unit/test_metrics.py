@@ -1,0 +1,332 @@
+"""Metrics: names and values after real work (binds, metadata requests, tpu-env), the loopback
+endpoint, the one-shot commands' textfile, promtool's verdict and a real Prometheus scraping the
+daemon's endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.mds_emulator import MetadataEmulator
+from tests.unit.conftest import make_client, make_config
+from tests.unit.fakekernel import FakeKernel
+from tests.unit.test_daemon import make
+from tests.unit.test_vfio import V5P, add_tpu
+from tpuboot import __version__, cli, metrics
+from tpuboot.config import MetricsConfig
+from tpuboot.envsync import EnvSync
+from tpuboot.metadata import MetadataAbsent
+from tpuboot.paths import Root
+
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.fixture(autouse=True)
+def fresh() -> Iterator[metrics.Metrics]:
+    """Each test counts from zero in its own registry."""
+    with metrics.use(metrics.Metrics()) as m:
+        yield m
+
+
+def samples(data: bytes | str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of an exposition."""
+    text = data.decode() if isinstance(data, bytes) else data
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(m: metrics.Metrics, name: str, **labels: str) -> float | None:
+    return samples(m.exposition()).get((name, tuple(sorted(labels.items()))))
+
+
+def scrape(port: int) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- names and values ------------------------------------------------------------------------
+
+
+def test_every_metric_is_named_by_convention(fresh):
+    metrics.container_up("vbar", True)
+    metrics.container_restarted("vbar")
+    metrics.tpu_env_updated(from_cache=False, when=1_700_000_000.0)
+    families = text_string_to_metric_families(fresh.exposition().decode())
+    # prometheus_client 0.16 adds a _created gauge to each counter and histogram: left alone.
+    names = {f.name: f.type for f in families if not f.name.endswith("_created")}
+    assert names == {
+        "tpuboot_build_info": "gauge",  # an Info in the text format
+        "tpuboot_tpus": "gauge",
+        "tpuboot_bind_attempts": "counter",
+        "tpuboot_bind_duration_seconds": "histogram",
+        "tpuboot_metadata_requests": "counter",
+        "tpuboot_tpu_env_last_update_timestamp_seconds": "gauge",
+        "tpuboot_tpu_env_from_cache": "gauge",
+        "tpuboot_container_up": "gauge",
+        "tpuboot_container_restarts": "counter",
+    }
+    assert value(fresh, "tpuboot_build_info", version=__version__) == 1
+    assert value(fresh, "tpuboot_container_restarts_total", container="vbar") == 1
+    assert value(fresh, "tpuboot_container_up", container="vbar") == 1
+    assert value(fresh, "tpuboot_tpu_env_last_update_timestamp_seconds") == 1_700_000_000
+    # Counters exist at zero before the first event, so rate() sees the first one.
+    for result in metrics.BIND_RESULTS:
+        assert value(fresh, "tpuboot_bind_attempts_total", result=result) == 0
+
+
+def test_a_dedicated_registry_not_the_global_one(fresh):
+    from prometheus_client import REGISTRY
+
+    assert fresh.registry is not REGISTRY
+    assert b"tpuboot_" not in __import__("prometheus_client").generate_latest(REGISTRY)
+
+
+def test_metric_updates_never_raise(fresh, caplog):
+    class Broken:
+        def labels(self, *args):
+            raise RuntimeError("broken collector")
+
+    fresh.bind_attempts = Broken()  # type: ignore[assignment]
+    fresh.metadata_requests = Broken()  # type: ignore[assignment]
+    caplog.set_level(logging.DEBUG, logger="tpuboot.metrics")
+    metrics.bind_attempt("bound", 0.1)
+    metrics.metadata_request("ok")
+    metrics.tpus([("TPU v5p", object())])  # type: ignore[list-item]
+    assert "broken collector" in caplog.text
+
+
+def test_tpu_states_drop_to_zero_when_no_longer_seen(fresh):
+    metrics.tpus([("TPU v5p", "pending"), ("TPU v5p", "pending")])
+    metrics.tpus([("TPU v5p", "bound"), ("TPU v5p", "failed")])
+    assert value(fresh, "tpuboot_tpus", generation="TPU v5p", state="pending") == 0
+    assert value(fresh, "tpuboot_tpus", generation="TPU v5p", state="bound") == 1
+    assert value(fresh, "tpuboot_tpus", generation="TPU v5p", state="failed") == 1
+
+
+# --- instrumentation ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> FakeKernel:
+    k = FakeKernel(tmp_path / "sys-root")
+    for i in range(2):
+        add_tpu(k, f"0000:00:0{4 + i}.0", V5P, driver=None, group=str(4 + i))
+    k.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")
+    return k
+
+
+def run_daemon(kernel: FakeKernel, during=None) -> None:
+    """Run the daemon until READY, then ``during()`` (off the loop), then SIGTERM-equivalent."""
+
+    async def scenario() -> None:
+        daemon, _, _ = make(kernel)
+        task = asyncio.create_task(daemon.run())
+        while not daemon.ready:
+            await asyncio.sleep(0.01)
+        if during is not None:
+            await asyncio.get_running_loop().run_in_executor(None, during)
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_daemon_counts_binds_and_tpus_by_generation_and_state(fresh, kernel):
+    kernel.refuse_probe.add("0000:00:05.0")  # vfio-pci does not take it: a transient failure
+    run_daemon(kernel)
+    assert value(fresh, "tpuboot_tpus", generation="TPU v5p", state="bound") == 1
+    assert value(fresh, "tpuboot_tpus", generation="TPU v5p", state="failed") == 1
+    assert value(fresh, "tpuboot_bind_attempts_total", result="bound") == 1
+    assert value(fresh, "tpuboot_bind_attempts_total", result="failed_transient") == 1
+    assert value(fresh, "tpuboot_bind_duration_seconds_count", result="bound") == 1
+
+
+def test_metadata_requests_by_outcome(fresh, emulator: MetadataEmulator):
+    client = make_client(emulator)
+    try:
+        client.get("instance/attributes/tpu-env", deadline_s=5)
+        with pytest.raises(MetadataAbsent):
+            client.get("instance/attributes/nope", deadline_s=5)
+    finally:
+        client.close()
+    assert value(fresh, "tpuboot_metadata_requests_total", outcome="ok") == 1
+    assert value(fresh, "tpuboot_metadata_requests_total", outcome="absent") == 1
+
+
+def test_tpu_env_update_time_and_cache_flag(fresh, emulator: MetadataEmulator, root: Root):
+    config = make_config(emulator)
+    client = make_client(emulator)
+    before = time.time()
+    EnvSync(root, config, client).sync_once(5)
+    assert value(fresh, "tpuboot_tpu_env_from_cache") == 0
+    assert (value(fresh, "tpuboot_tpu_env_last_update_timestamp_seconds") or 0) >= before - 1
+    client.close()
+    emulator.stop()  # the server goes away: the next sync comes from the cache
+    offline = make_client(emulator, timeout=0.2)
+    try:
+        result = EnvSync(root, config, offline).sync_once(0.5)
+    finally:
+        offline.close()
+    assert result.source == "cache"
+    assert value(fresh, "tpuboot_tpu_env_from_cache") == 1
+    assert value(fresh, "tpuboot_metadata_requests_total", outcome="transient") >= 1
+
+
+# --- serving -----------------------------------------------------------------------------------
+
+
+def test_served_on_loopback_and_disabled_by_config(fresh):
+    metrics.bind_attempt("bound", 0.2)
+    assert metrics.serve(MetricsConfig(enabled=False)) is None
+    server = metrics.serve(MetricsConfig(address="127.0.0.1", port=0))
+    assert server is not None
+    try:
+        body = scrape(server.server_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert samples(body)[("tpuboot_bind_attempts_total", (("result", "bound"),))] == 1
+
+
+def test_a_port_in_use_is_one_warning_line(fresh, caplog):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert metrics.serve(MetricsConfig(port=port)) is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0].getMessage()
+    assert "\n" not in warnings[0].getMessage()
+
+
+# --- the one-shot commands' textfile -------------------------------------------------------------
+
+
+def test_one_shot_commands_write_a_textfile(fresh, emulator: MetadataEmulator, kernel, monkeypatch):
+    monkeypatch.setenv("GCE_METADATA_HOST", emulator.host)
+    config = kernel.top / "tpuboot.yaml"
+    config.write_text("metrics: {textfile_dir: /var/lib/node_exporter}\n")
+    top = str(kernel.top)
+    (kernel.top / "home/tpu-runtime").mkdir(parents=True)
+    assert cli.main(["--root", top, "--config", "/tpuboot.yaml", "env"]) == cli.EXIT_OK
+    prom = kernel.top / "var/lib/node_exporter/tpuboot.prom"
+    found = samples(prom.read_text())
+    assert found[("tpuboot_metadata_requests_total", (("outcome", "ok"),))] == 1
+    assert found[("tpuboot_tpu_env_from_cache", ())] == 0
+    assert found[("tpuboot_tpus", (("generation", "TPU v5p"), ("state", "unbound")))] == 2
+    assert oct(prom.stat().st_mode & 0o777) == "0o644"
+    # A refused bind (the boot disk, not a TPU) is counted as a failed attempt.
+    assert cli.main(["--root", top, "--config", "/tpuboot.yaml", "bind", "00:02.0"]) == cli.EXIT_FAILED
+    assert samples(prom.read_text())[("tpuboot_bind_attempts_total", (("result", "failed"),))] == 1
+    assert not list(prom.parent.glob(".*")), "no temporary file left behind"
+
+
+def test_no_textfile_without_a_directory(fresh, kernel, tmp_path):
+    assert cli.main(["--root", str(kernel.top), "bind", "00:02.0"]) == cli.EXIT_FAILED
+    assert not list(kernel.top.rglob("*.prom"))
+
+
+# --- promtool and a real Prometheus ----------------------------------------------------------
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")
+def test_promtool_finds_nothing_to_report_in_the_scraped_output(fresh, kernel):
+    metrics.container_up("vbar", False)
+    metrics.container_restarted("vbar")
+    metrics.tpu_env_updated(from_cache=True)
+    body: list[bytes] = []
+
+    def scrape_once() -> None:
+        server = metrics.serve(MetricsConfig(port=0))
+        assert server is not None
+        try:
+            body.append(scrape(server.server_port))
+        finally:
+            server.shutdown()
+            server.server_close()
+
+    run_daemon(kernel, scrape_once)
+    assert b"tpuboot_bind_attempts_total" in body[0]
+    checked = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=body[0], capture_output=True, timeout=60, check=False
+    )
+    assert checked.returncode == 0 and checked.stdout == b"" and checked.stderr == b"", checked
+
+
+PROMETHEUS_CONFIG = """global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+scrape_configs:
+  - job_name: tpuboot
+    static_configs:
+      - targets: ['127.0.0.1:{port}']
+"""
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (Debian package prometheus)")
+def test_a_real_prometheus_scrapes_the_daemons_endpoint(fresh, kernel, tmp_path):
+    web = free_port()
+    found: list[dict] = []
+
+    def with_prometheus() -> None:
+        server = metrics.serve(MetricsConfig(port=0))
+        assert server is not None
+        (tmp_path / "prometheus.yml").write_text(PROMETHEUS_CONFIG.format(port=server.server_port))
+        argv = [
+            PROMETHEUS,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{web}",
+        ]
+        log = (tmp_path / "prometheus.log").open("wb")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        query = f"http://127.0.0.1:{web}/api/v1/query?query=tpuboot_build_info"
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(query, timeout=2) as response:
+                        answer = json.load(response)
+                except OSError:
+                    answer = {}
+                if answer.get("data", {}).get("result"):
+                    found.extend(answer["data"]["result"])
+                    return
+                time.sleep(0.5)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+            server.shutdown()
+            server.server_close()
+
+    run_daemon(kernel, with_prometheus)
+    assert found, (tmp_path / "prometheus.log").read_text()[-3000:]
+    series = found[0]["metric"]
+    assert series["__name__"] == "tpuboot_build_info"
+    assert series["version"] == __version__ and series["job"] == "tpuboot"

@@ -1,0 +1,253 @@
+"""Prometheus metrics: one dedicated registry, served on loopback by the daemon, written as a
+node_exporter textfile by the one-shot commands.
+
+Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total`` counters,
+``_seconds`` durations):
+
+- ``tpuboot_build_info{version}`` 1
+- ``tpuboot_tpus{generation,state}``: TPUs the daemon manages (state pending, bound, failed);
+  in a textfile, what `tpuboot status` sees (state bound or unbound)
+- ``tpuboot_bind_attempts_total{result}`` and ``tpuboot_bind_duration_seconds{result}``
+  (result: bound, already_bound, failed_transient, failed)
+- ``tpuboot_metadata_requests_total{outcome}`` (ok, absent, refused, transient)
+- ``tpuboot_tpu_env_last_update_timestamp_seconds`` (unix seconds of the last write or
+  confirmation of tpu-env) and ``tpuboot_tpu_env_from_cache`` (1: that came from the cache)
+- ``tpuboot_container_up{container}`` and ``tpuboot_container_restarts_total{container}`` for
+  the supervised containers (vBar, the telemetry collector)
+
+Every update goes through a function of this module that never raises: metrics must never
+break the daemon. :func:`use` swaps in a fresh :class:`Metrics` (tests, the one-shot CLI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+from wsgiref.simple_server import WSGIServer, make_server
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+    make_wsgi_app,
+)
+
+from tpuboot import __version__
+from tpuboot.atomicfile import write_file
+from tpuboot.config import MetricsConfig
+from tpuboot.paths import Root
+
+log = logging.getLogger("tpuboot.metrics")
+T = TypeVar("T")
+
+TEXTFILE_NAME = "tpuboot.prom"
+BIND_RESULTS = ("bound", "already_bound", "failed_transient", "failed")
+METADATA_OUTCOMES = ("ok", "absent", "refused", "transient")
+BIND_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """Every tpuboot metric, in its own CollectorRegistry (never the global one)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.build = Info("tpuboot_build", "tpuboot build information.", registry=reg)
+        self.build.info({"version": __version__})
+        self.tpus = Gauge(
+            "tpuboot_tpus", "TPUs seen, by generation and state.", ["generation", "state"], registry=reg
+        )
+        self.bind_attempts = Counter(
+            "tpuboot_bind_attempts",
+            "Attempts to bind a TPU to vfio-pci, by result.",
+            ["result"],
+            registry=reg,
+        )
+        self.bind_duration = Histogram(
+            "tpuboot_bind_duration_seconds",
+            "Time one bind attempt took, by result.",
+            ["result"],
+            buckets=BIND_BUCKETS,
+            registry=reg,
+        )
+        self.metadata_requests = Counter(
+            "tpuboot_metadata_requests",
+            "HTTP requests to the metadata server, by outcome.",
+            ["outcome"],
+            registry=reg,
+        )
+        self.tpu_env_updated = Gauge(
+            "tpuboot_tpu_env_last_update_timestamp_seconds",
+            "When tpu-env was last written or confirmed (unix seconds).",
+            registry=reg,
+        )
+        self.tpu_env_from_cache = Gauge(
+            "tpuboot_tpu_env_from_cache",
+            "1 if the last tpu-env update came from the local cache, not the metadata server.",
+            registry=reg,
+        )
+        self.container_up = Gauge(
+            "tpuboot_container_up", "1 while the supervised container runs.", ["container"], registry=reg
+        )
+        self.container_restarts = Counter(
+            "tpuboot_container_restarts",
+            "Restarts of a supervised container by tpuboot.",
+            ["container"],
+            registry=reg,
+        )
+        for result in BIND_RESULTS:  # zeros from the start: rate() needs the series before the event
+            self.bind_attempts.labels(result)
+        for outcome in METADATA_OUTCOMES:
+            self.metadata_requests.labels(outcome)
+        self._tpu_labels: set[tuple[str, str]] = set()
+
+    def set_tpus(self, devices: Iterable[tuple[str, str]]) -> None:
+        """(generation, state) of every TPU now; label sets no longer seen drop to 0."""
+        counts: dict[tuple[str, str], int] = {}
+        for labels in devices:
+            counts[labels] = counts.get(labels, 0) + 1
+        for labels in self._tpu_labels | set(counts):
+            self.tpus.labels(*labels).set(counts.get(labels, 0))
+        self._tpu_labels |= set(counts)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_current = Metrics()
+
+
+def current() -> Metrics:
+    return _current
+
+
+@contextlib.contextmanager
+def use(metrics: Metrics) -> Iterator[Metrics]:
+    """Make ``metrics`` the one every update goes to, within the block."""
+    global _current
+    previous, _current = _current, metrics
+    try:
+        yield metrics
+    finally:
+        _current = previous
+
+
+def _safe(func: Any) -> Any:
+    """Metrics never break the caller: any exception is logged at debug level and dropped."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            func(*args, **kwargs)
+        except Exception as exc:  # deliberately total
+            log.debug("metric update %s failed: %s", func.__name__, exc)
+
+    wrapper.__name__ = func.__name__
+    wrapper.__doc__ = func.__doc__
+    return wrapper
+
+
+@_safe
+def bind_attempt(result: str, seconds: float) -> None:
+    """One bind attempt ended with ``result`` (one of BIND_RESULTS) after ``seconds``."""
+    _current.bind_attempts.labels(result).inc()
+    _current.bind_duration.labels(result).observe(max(0.0, seconds))
+
+
+def bind_result(outcome: object) -> str:
+    """The ``result`` label for a bind attempt that returned or raised ``outcome``."""
+    if isinstance(outcome, BaseException):
+        return "failed_transient" if getattr(outcome, "transient", False) else "failed"
+    return "bound" if getattr(outcome, "changed", True) else "already_bound"
+
+
+def timed_bind(bind: Callable[..., T], address: str, **kwargs: Any) -> T:
+    """``bind(address, **kwargs)``, counted and timed (the one-shot `tpuboot bind`)."""
+    started = time.monotonic()
+    try:
+        result = bind(address, **kwargs)
+    except Exception as exc:
+        bind_attempt(bind_result(exc), time.monotonic() - started)
+        raise
+    bind_attempt(bind_result(result), time.monotonic() - started)
+    return result
+
+
+@_safe
+def tpus(devices: Iterable[tuple[str, str]]) -> None:
+    """(generation, state) of every TPU now."""
+    _current.set_tpus(list(devices))
+
+
+@_safe
+def metadata_request(outcome: str) -> None:
+    """One request to the metadata server ended with ``outcome`` (one of METADATA_OUTCOMES)."""
+    _current.metadata_requests.labels(outcome).inc()
+
+
+@_safe
+def tpu_env_updated(from_cache: bool, when: float | None = None) -> None:
+    """tpu-env was just written or confirmed, from metadata or (``from_cache``) the local cache."""
+    _current.tpu_env_updated.set(time.time() if when is None else when)
+    _current.tpu_env_from_cache.set(1 if from_cache else 0)
+
+
+@_safe
+def container_up(container: str, up: bool) -> None:
+    """The supervised ``container`` is running (``up``) or not."""
+    _current.container_up.labels(container).set(1 if up else 0)
+
+
+@_safe
+def container_restarted(container: str) -> None:
+    """tpuboot restarted the supervised ``container``."""
+    _current.container_restarts.labels(container).inc()
+
+
+def serve(config: MetricsConfig) -> WSGIServer | None:
+    """Serve the current metrics on ``config.address:port`` in a daemon thread; None if disabled
+    or the port cannot be had (one warning line: the daemon runs on without metrics).
+    ``server.server_port`` is the port (for port 0); ``server.shutdown()`` stops it."""
+    if not config.enabled:
+        return None
+    from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
+
+    class Server(ThreadingWSGIServer):
+        pass
+
+    try:
+        Server.address_family, addr = _get_best_family(config.address, config.port)
+        server = make_server(
+            addr, config.port, make_wsgi_app(_current.registry), Server, handler_class=_SilentHandler
+        )
+    except OSError as exc:
+        log.warning(
+            "metrics: cannot listen on %s:%d (%s); running without metrics (set metrics.port)",
+            config.address,
+            config.port,
+            exc.strerror or exc,
+        )
+        return None
+    threading.Thread(target=server.serve_forever, name="tpuboot-metrics", daemon=True).start()
+    log.info("metrics: serving http://%s:%d/metrics", config.address, server.server_port)
+    return server
+
+
+def write_textfile(root: Root, config: MetricsConfig) -> str | None:
+    """Write the current metrics to ``<textfile_dir>/tpuboot.prom`` atomically, for node_exporter's
+    textfile collector; returns the path, None when no directory is configured or on failure (warned)."""
+    if not config.textfile_dir:
+        return None
+    path = config.textfile_dir.rstrip("/") + "/" + TEXTFILE_NAME
+    try:
+        write_file(root, path, _current.exposition(), mode=0o644)
+    except Exception as exc:  # a metrics file never fails a command
+        log.warning("metrics: %s", exc)
+        return None
+    return path
