@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from tpuboot import __version__, logs, metrics
 from tpuboot.config import CONFIG_PATH, Config, load_config
@@ -16,6 +17,9 @@ from tpuboot.paths import ROOT_ENV, Root
 from tpuboot.pci import parse_dbdf
 from tpuboot.status import survey
 from tpuboot.vfio import Binder
+
+if TYPE_CHECKING:
+    from tpuboot.agents import Agents
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
@@ -66,7 +70,18 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
         sync = EnvSync(ctx.root, config, client)
         env = daemon.EnvJob(sync, client, config.metadata.boot_deadline, config.metadata.watch)
     metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without metrics
-    return daemon.run(binder, env)
+    return daemon.run(binder, env, _agents(ctx, config))
+
+
+def _agents(ctx: Context, config: Config) -> Agents | None:
+    """The vBar / telemetry component, or None when both are disabled."""
+    if not (config.vbar.enabled or config.telemetry.enabled):
+        return None
+    from tpuboot.agents import Agents
+    from tpuboot.metadata import MetadataClient
+
+    metadata = MetadataClient.from_config(config.metadata) if config.gke == "auto" else None
+    return Agents(config, ctx.root, metadata)
 
 
 def _for_each(texts: Sequence[str], act: Callable[[str], str]) -> int:

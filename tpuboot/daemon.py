@@ -11,7 +11,7 @@ import logging
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tpuboot.binding import DeviceAgent
 from tpuboot.envsync import EnvSync, SyncResult
@@ -19,6 +19,9 @@ from tpuboot.metadata import MetadataClient
 from tpuboot.notify import Notifier, watchdog_interval
 from tpuboot.pci import list_addresses
 from tpuboot.vfio import Binder
+
+if TYPE_CHECKING:
+    from tpuboot.agents import Agents
 
 log = logging.getLogger("tpuboot.daemon")
 
@@ -64,11 +67,13 @@ class Daemon:
         monitor: Monitor,
         notifier: Notifier | None = None,
         env: EnvJob | None = None,
+        agents: Agents | None = None,
     ) -> None:
         self.binder = binder
         self.monitor = monitor
         self.notifier = notifier or Notifier()
         self.env = env
+        self.agents = agents  # vBar and telemetry: started at once, never waited for
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tpuboot")
         self.devices = DeviceAgent(binder, self.executor, self._publish)
         self.ready = False
@@ -78,11 +83,20 @@ class Daemon:
         parts = [self.devices.summary()]
         if self.env is not None:
             parts.append(self.env.status)
+        if self.agents is not None and self.agents.status:
+            parts.append(self.agents.status)
         return "; ".join(parts)
 
     def _env_result(self, result: SyncResult) -> None:
         assert self.env is not None
         self.env.status = result.status
+        if self.agents is not None:
+            self.agents.reconfigure()  # VBARCONTROL_AGENT_DOCKER_URL may have changed
+        self._publish()
+
+    def _agent_status(self, label: str, text: str) -> None:
+        assert self.agents is not None
+        self.agents.set_status(label, text)
         self._publish()
 
     async def _env_boot(self) -> None:
@@ -131,6 +145,8 @@ class Daemon:
         loop.add_reader(self.monitor.fileno(), self._on_udev)
         interval = watchdog_interval()
         watchdog = loop.create_task(self._watchdog(interval)) if interval else None
+        if self.agents is not None:  # in their own threads: READY never waits for dockerd
+            self.agents.start(functools.partial(loop.call_soon_threadsafe, self._agent_status))
         boot = asyncio.ensure_future(asyncio.gather(self._coldplug(), self._env_boot()))
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
@@ -155,12 +171,14 @@ class Daemon:
             if self.env is not None:
                 self.env.stop.set()
                 self.env.client.close()  # cuts short a boot-time fetch in flight
+            if self.agents is not None:
+                self.agents.stop()  # containers keep running; an exec child is ended
             self.devices.shutdown()
             self.executor.shutdown(wait=False, cancel_futures=True)
         return 0
 
 
-def run(binder: Binder, env: EnvJob | None = None) -> int:
+def run(binder: Binder, env: EnvJob | None = None, agents: Agents | None = None) -> int:
     """Run the daemon until SIGTERM; returns the process exit status."""
-    daemon = Daemon(binder, open_udev_monitor(), env=env)
+    daemon = Daemon(binder, open_udev_monitor(), env=env, agents=agents)
     return asyncio.run(daemon.run())

@@ -1,0 +1,54 @@
+"""Is this VM a GKE node? GKE runs vBar and the telemetry collector itself; tpuboot must not.
+
+``gke: auto`` asks the metadata server for the instance attributes GKE sets on its nodes
+(``cluster-name``, ``kube-env``): either present means GKE. ``true``/``false`` decide without asking.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+from tpuboot.errors import MetadataError
+
+log = logging.getLogger("tpuboot.gke")
+
+GKE_ATTRIBUTES = ("cluster-name", "kube-env")
+
+
+class Metadata(Protocol):
+    def get(self, path: str, *, deadline_s: float) -> object: ...
+
+
+def gke_node(
+    mode: str, client: Metadata | None, stop: threading.Event, deadline_s: float = 60.0
+) -> bool | None:
+    """True on a GKE node, False elsewhere, None if ``stop`` was set before metadata answered.
+
+    With ``auto`` the question is asked until answered: starting vBar on a GKE node because
+    the metadata server was slow would run two agents.
+    """
+    if mode in ("true", "false"):
+        return mode == "true"
+    if client is None:
+        return False
+    from tpuboot.metadata import MetadataAbsent
+
+    reported = False
+    while not stop.is_set():
+        try:
+            for name in GKE_ATTRIBUTES:
+                try:
+                    client.get(f"instance/attributes/{name}", deadline_s=deadline_s)
+                except MetadataAbsent:
+                    continue
+                log.info("GKE node: instance attribute %s is set", name)
+                return True
+            return False
+        except MetadataError as exc:
+            if not reported:
+                log.warning("GKE check: %s; asking again", exc)
+                reported = True
+            stop.wait(5.0)
+    return None

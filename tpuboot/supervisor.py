@@ -1,0 +1,174 @@
+"""Keep one agent running: start or adopt it, wait for it to end, restart it after a backoff.
+
+The loop runs in its own thread over a :class:`Runtime` (a docker container, a child process)
+and reports one status line through ``on_status`` (called from that thread). It never polls:
+it blocks in the runtime's ``wait`` (Docker's event stream, ``waitpid``) or on an event that
+``reconfigure`` and ``stop`` set.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from tpuboot.backoff import RestartPolicy
+from tpuboot.errors import TpubootError
+
+log = logging.getLogger("tpuboot.supervisor")
+
+#: Cap on the wait between tries to reach an absent runtime (dockerd not started yet).
+UNAVAILABLE_RETRY_MAX = 10.0
+
+
+class RuntimeUnavailable(TpubootError):
+    """The runtime cannot be reached now (dockerd absent or starting): wait and retry, no backoff count."""
+
+
+class StartFailed(TpubootError):
+    """This start failed (the container would not start): counted like an exit."""
+
+
+class CannotStart(TpubootError):
+    """Retrying now cannot help (the image cannot be pulled): wait for a change or ``backoff_max``."""
+
+
+@dataclass(frozen=True)
+class Started:
+    how: str  # started, adopted, restarted, recreated
+    ident: str  # container id or pid
+
+
+class Runtime(Protocol):
+    #: Structured journal fields naming the agent (e.g. CONTAINER=...).
+    fields: dict[str, str]
+
+    def start(self) -> Started:
+        """Make the agent run (or adopt it running). Raises one of the errors above."""
+        ...
+
+    def wait(self) -> str | None:
+        """Block until the agent ends: how it ended ("exit 1"), or None when interrupted.
+
+        Raises RuntimeUnavailable when the runtime itself went away.
+        """
+        ...
+
+    def interrupt(self) -> bool:
+        """If the wanted agent changed, make ``wait`` return None soon and say True."""
+        ...
+
+    def close(self) -> None:
+        """Stop supervising: a container is left running, a child process is ended."""
+        ...
+
+
+class Supervisor:
+    def __init__(
+        self,
+        label: str,
+        runtime: Runtime,
+        policy: RestartPolicy,
+        on_status: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.label = label
+        self.runtime = runtime
+        self.policy = policy
+        self.on_status = on_status
+        self.clock = clock
+        self.status = f"{label}: starting"
+        self.starts = 0
+        self.delays: list[float] = []  # each restart delay, for tests and `status`
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"tpuboot-{self.label}", daemon=True)
+        self._thread.start()
+
+    def reconfigure(self) -> None:
+        """The desired configuration may have changed (tpu-env): start again, adopting or recreating."""
+        if self.runtime.interrupt():
+            self._wake.set()  # also cuts a restart delay short
+
+    def stop(self, timeout: float = 8.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.runtime.close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the loop (own thread)
+
+    def _set(self, text: str) -> None:
+        self.status = f"{self.label}: {text}"
+        self.on_status(self.status)
+
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    def _log(self, level: int, message: str, *args: object) -> None:
+        log.log(level, f"{self.label}: {message}", *args, extra={**self.runtime.fields, "AGENT": self.label})
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug here must show, not kill the daemon silently
+            log.exception("%s: supervisor failed", self.label, extra=self.runtime.fields)
+            self._set("supervisor failed (see the journal)")
+
+    def _loop(self) -> None:
+        unavailable = RestartPolicy(1.0, UNAVAILABLE_RETRY_MAX, float("inf"))
+        while not self._stop.is_set():
+            self._wake.clear()
+            started_at = self.clock()
+            try:
+                started = self.runtime.start()
+            except RuntimeUnavailable as exc:
+                if unavailable.exits == 0:
+                    self._log(logging.WARNING, "%s; waiting for it", exc)
+                self._set(f"waiting ({exc})")
+                self._sleep(unavailable.delay_after(0.0))
+                continue
+            except CannotStart as exc:
+                self._log(logging.ERROR, "%s", exc)
+                self._set(f"failed: {exc}")
+                self._sleep(self.policy.maximum)
+                continue
+            except StartFailed as exc:
+                self._restart_later(f"start failed: {exc}", 0.0)
+                continue
+            if self._stop.is_set():
+                break
+            unavailable.reset()
+            self.starts += 1
+            self._log(logging.INFO, "%s %s", started.how, started.ident)
+            self._set("running")
+            try:
+                ended = self.runtime.wait()
+            except RuntimeUnavailable as exc:
+                self._log(logging.WARNING, "%s; waiting for it", exc)
+                self._set(f"waiting ({exc})")
+                continue
+            if self._stop.is_set():
+                break
+            if ended is not None:
+                self._restart_later(ended, self.clock() - started_at)
+
+    def _restart_later(self, ended: str, ran_for: float) -> None:
+        delay = self.policy.delay_after(ran_for)
+        self.delays.append(delay)
+        if self.policy.crash_loop:
+            what = f"crash loop ({self.policy.exits} exits in a row, last {ended}), restarting in {delay:g} s"
+            self._log(logging.ERROR, "%s", what)
+        else:
+            what = f"{ended}, restarting in {delay:g} s"
+            self._log(logging.WARNING, "%s", what)
+        self._set(what)
+        self._sleep(delay)
