@@ -176,6 +176,23 @@ def cmd_image_check(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_FAILED if any(r.status == "FAIL" for r in results) else EXIT_OK
 
 
+def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.doctor import Doctor, failed_required, metadata_lookup
+
+    config = ctx.config
+    lookup = metadata_lookup(config.metadata) if ctx.root.is_host else None
+    verdicts = Doctor(ctx.root, config, metadata=lookup).run()
+    if args.json:
+        print(json.dumps([v.as_dict() for v in verdicts], indent=2))
+    else:
+        for v in verdicts:
+            r = v.result
+            fix = f"  fix: {r.fix}" if r.status == "FAIL" and r.fix else ""
+            note = "" if v.required or r.status != "FAIL" else " (advisory)"
+            print(f"{r.status:<4}  {r.name}{note}: {r.detail}{fix}")
+    return EXIT_FAILED if failed_required(verdicts) else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpuboot",
@@ -208,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("status", cmd_status, "show every TPU: generation, driver, IOMMU group, node, viability")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command("doctor", cmd_doctor, "check that this TPU VM is ready for a workload, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("env", cmd_env, "fetch tpu-env once and write it and /etc/environment")
     p.add_argument("--print", action="store_true", help="also print the tpu-env file written")

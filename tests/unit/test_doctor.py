@@ -1,0 +1,235 @@
+"""`tpuboot doctor` on a temporary tree: a healthy TPU VM passes every check; each broken setting
+fails exactly its own check, with a fix; what cannot be judged is SKIP with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.unit.conftest import make_config
+from tests.unit.fakekernel import FakeKernel
+from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, write
+from tests.unit.test_vfio import V5P, add_tpu
+from tpuboot import cli, imagecheck
+from tpuboot.config import Config, EnvConfig, VbarConfig
+from tpuboot.doctor import Doctor, Verdict, chips_for, parse_env_file
+from tpuboot.tpuenv import render_env_file
+
+REPO = Path(__file__).resolve().parents[2]
+TPU_ENV = {"ACCELERATOR_TYPE": "v5p-8", "ZONE": "us-east5-a", "ODD": 'a"b$c`d\\e\nf'}
+ADDRESSES = [f"0000:00:0{4 + i}.0" for i in range(4)]
+
+
+@pytest.fixture(autouse=True)
+def no_live_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(unit: str | None, properties: list[str]) -> dict[str, str] | None:
+        raise AssertionError("a test ran systemctl")
+
+    monkeypatch.setattr(imagecheck, "_systemctl_show", refuse)
+
+
+def healthy(top: Path) -> FakeKernel:
+    """A TPU VM as it should be: 4 v5p bound, nodes 0666, the image settings, tpu-env and its cache."""
+    k = FakeKernel(top)
+    k.load_module("vfio-pci")
+    (top / "sys/module/vfio_pci").mkdir(parents=True)
+    write(top, "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts", "Y\n")
+    for i, address in enumerate(ADDRESSES):
+        add_tpu(k, address, V5P, driver="vfio-pci", group=str(4 + i))
+        os.chmod(k.p(f"/dev/vfio/{4 + i}"), 0o666)
+    k.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")
+    write(top, "/proc/cmdline", GOOD_CMDLINE)
+    write(top, "/proc/sys/kernel/arch", "x86_64\n")
+    write(top, "/proc/stat", f"cpu 1 2 3\nbtime {int(time.time()) - 3600}\n")
+    write(top, "/sys/kernel/mm/transparent_hugepage/enabled", "[always] madvise never\n")
+    write(top, "/etc/security/limits.d/tpuboot.conf", PAM_GOOD)
+    write(top, "/usr/lib/systemd/system.conf.d/50-tpuboot.conf", MANAGER_GOOD)
+    write(top, "/lib/udev/rules.d/70-tpuboot.rules", 'KERNEL=="accel*", MODE="0666"\n')
+    env = EnvConfig()
+    write(top, env.tpu_env_path, render_env_file(TPU_ENV))
+    record = {
+        "format": 1,
+        "fetched": "2026-11-29T20:00:00+00:00",
+        "etag": "e1",
+        "tpu_env": json.dumps(TPU_ENV),
+    }
+    write(top, f"{env.cache_dir}/tpu-env.json", json.dumps(record))
+    write(top, env.environment_path, "".join(f'{k}="{v}"\n' for k, v in env.environment.items()))
+    return k
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> FakeKernel:
+    return healthy(tmp_path / "root")
+
+
+def doctor(kernel: FakeKernel, config: Config | None = None, **kwargs) -> list[Verdict]:
+    kwargs.setdefault("supervisor_present", lambda: True)
+    kwargs.setdefault("container_running", lambda root, name: True)
+    return Doctor(kernel.root, config or make_config(), **kwargs).run()
+
+
+def statuses(verdicts: list[Verdict]) -> dict[str, str]:
+    return {v.result.name: v.result.status for v in verdicts}
+
+
+def failing(verdicts: list[Verdict]) -> list[str]:
+    return [v.result.name for v in verdicts if v.result.status == "FAIL"]
+
+
+def test_a_healthy_vm_passes_every_check(kernel):
+    verdicts = doctor(kernel)
+    found = statuses(verdicts)
+    assert failing(verdicts) == [], [v.result for v in verdicts if v.result.status == "FAIL"]
+    # The container runtimes are not installed in this tree: their limits are SKIP.
+    assert {n for n, s in found.items() if s == "SKIP"} == {"docker-limits", "containerd-limits"}
+    for name in (
+        *imagecheck.IMAGE_CHECKS.names,
+        "tpus-bound",
+        "vfio-node-mode",
+        "chip-count",
+        "vbar-running",
+    ):
+        assert name in found
+    assert next(v for v in verdicts if v.result.name == "chip-count").result.detail == (
+        "4 chips usable, as accelerator type v5p-8 implies"
+    )
+
+
+BREAKAGES = {
+    "tpus-bound": lambda k: k.write(k.p("/sys/bus/pci/devices/0000:00:05.0/driver/unbind"), "0000:00:05.0"),
+    "vfio-node-mode": lambda k: os.chmod(k.p("/dev/vfio/6"), 0o600),
+    "vfio-pci-loaded": lambda k: (
+        k.p("/sys/module/vfio_pci").rmdir(),
+        _rmtree(k.p("/sys/bus/pci/drivers/vfio-pci")),
+    ),
+    "unsafe-interrupts": lambda k: k.p(imagecheck_unsafe()).write_text("N\n"),
+    "pam-memlock": lambda k: k.p("/etc/security/limits.d/tpuboot.conf").write_text(
+        "* - nofile 100000\nroot - nofile 100000\n"
+    ),
+    "cmdline-idle-poll": lambda k: k.p("/proc/cmdline").write_text(GOOD_CMDLINE.replace(" idle=poll", "")),
+    "accel-udev-rule": lambda k: k.p("/lib/udev/rules.d/70-tpuboot.rules").unlink(),
+    "tpu-env-fresh": lambda k: k.p(EnvConfig().tpu_env_path).write_text(render_env_file({"ZONE": "old"})),
+    "environment": lambda k: k.p("/etc/environment").write_text("PATH=/usr/bin\n"),
+}
+
+
+def imagecheck_unsafe() -> str:
+    from tpuboot.doctor import UNSAFE_INTERRUPTS
+
+    return UNSAFE_INTERRUPTS
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("check", sorted(BREAKAGES))
+def test_each_broken_setting_fails_exactly_its_check_with_a_fix(kernel, check):
+    BREAKAGES[check](kernel)
+    verdicts = doctor(kernel)
+    # An unbound TPU is also one bound chip fewer than the accelerator type implies.
+    expected = [check, "chip-count"] if check == "tpus-bound" else [check]
+    assert failing(verdicts) == expected, [v.result for v in verdicts if v.result.status == "FAIL"]
+    bad = next(v for v in verdicts if v.result.name == check)
+    assert bad.result.fix and "\n" not in bad.result.fix
+    assert bad.required == (check != "tpu-env-fresh")
+
+
+def test_a_missing_chip_fails_the_count(kernel):
+    kernel.remove_device("0000:00:07.0")
+    assert failing(doctor(kernel)) == ["chip-count"]
+
+
+def test_machine_type_from_metadata_wins_over_tpu_env(kernel):
+    machine = "projects/1/machineTypes/ct5lp-hightpu-8t"
+    verdicts = doctor(kernel, metadata=lambda path: machine if path == "instance/machine-type" else None)
+    (count,) = [v.result for v in verdicts if v.result.name == "chip-count"]
+    assert count.status == "FAIL" and "machine type ct5lp-hightpu-8t implies 8" in count.detail
+
+
+@pytest.mark.parametrize(
+    ("machine", "accelerator", "chips"),
+    [
+        ("zones/x/machineTypes/ct5lp-hightpu-1t", None, 1),
+        ("ct5lp-hightpu-4t", None, 4),
+        ("ct5lp-hightpu-8t", "v5p-8", 8),
+        ("ct4p-hightpu-4t", None, 4),
+        ("ct5p-hightpu-4t", None, 4),
+        (None, "v5p-8", 4),
+        (None, "v4-16", 4),
+        (None, "v5litepod-4", 4),
+        ("n2-standard-8", None, None),
+        (None, "v5litepod-16", None),
+        (None, None, None),
+    ],
+)
+def test_chips_implied_by_machine_or_accelerator_type(machine, accelerator, chips):
+    found = chips_for(machine, accelerator)
+    assert (found[0] if found else None) == chips
+
+
+def test_unknown_type_is_skip(kernel):
+    write(kernel.top, EnvConfig().tpu_env_path, render_env_file({"ACCELERATOR_TYPE": "v9-huge"}))
+    verdicts = doctor(kernel)
+    assert statuses(verdicts)["chip-count"] == "SKIP"
+
+
+def test_vbar_skips_on_gke_without_a_supervisor_or_a_docker_socket(kernel):
+    def vbar(**kwargs) -> tuple[str, str]:
+        (v,) = [v.result for v in doctor(kernel, **kwargs) if v.result.name == "vbar-running"]
+        return v.status, v.detail
+
+    gke = {"instance/attributes/cluster-name": "c1"}
+    assert vbar(metadata=gke.get)[0] == "SKIP" and "GKE" in vbar(metadata=gke.get)[1]
+    assert vbar(config=Config(gke="true"))[0] == "SKIP"
+    assert vbar(supervisor_present=lambda: False) == ("SKIP", "this tpuboot has no vBar supervisor yet")
+    assert vbar(container_running=lambda root, name: None)[0] == "SKIP"
+    assert vbar(config=Config(vbar=VbarConfig(enabled=False)))[0] == "SKIP"
+    assert vbar(container_running=lambda root, name: False)[0] == "FAIL"
+    assert vbar()[0] == "PASS"
+
+
+def test_tpu_env_missing_or_garbled(kernel):
+    path = kernel.p(EnvConfig().tpu_env_path)
+    path.write_text("export A=$(reboot)\n")
+    assert failing(doctor(kernel)) == ["tpu-env", "tpu-env-fresh"]
+    path.unlink()
+    assert failing(doctor(kernel)) == ["tpu-env"]
+
+
+def test_tpu_env_without_cache_record_is_judged_by_the_boot_time(kernel):
+    kernel.p(f"{EnvConfig().cache_dir}/tpu-env.json").unlink()
+    assert statuses(doctor(kernel))["tpu-env-fresh"] == "PASS"
+    old = time.time() - 7200
+    os.utime(kernel.p(EnvConfig().tpu_env_path), (old, old))
+    assert failing(doctor(kernel)) == ["tpu-env-fresh"]
+
+
+def test_env_file_parser_round_trips_what_tpuboot_writes():
+    assert parse_env_file(render_env_file(TPU_ENV)) == TPU_ENV
+    assert parse_env_file("A=1\n") is None
+
+
+def test_cli_lines_json_and_exit_status(kernel, capsys):
+    top = str(kernel.top)
+    assert cli.main(["--root", top, "doctor"]) == cli.EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert all(line.split()[0] in ("PASS", "FAIL", "SKIP") for line in lines)
+    assert len(lines) == len(doctor(kernel))
+    os.chmod(kernel.p("/dev/vfio/4"), 0o600)
+    assert cli.main(["--root", top, "doctor", "--json"]) == cli.EXIT_FAILED
+    report = json.loads(capsys.readouterr().out)
+    (bad,) = [r for r in report if r["status"] == "FAIL"]
+    assert bad["name"] == "vfio-node-mode" and bad["required"] and "chmod 666 /dev/vfio/4" in bad["fix"]
+    # An advisory failure alone does not fail the doctor.
+    os.chmod(kernel.p("/dev/vfio/4"), 0o666)
+    kernel.p(EnvConfig().tpu_env_path).write_text(render_env_file({"ZONE": "old"}))
+    assert cli.main(["--root", top, "doctor"]) == cli.EXIT_OK
+    assert "FAIL  tpu-env-fresh (advisory): " in capsys.readouterr().out

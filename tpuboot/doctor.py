@@ -1,0 +1,443 @@
+"""`tpuboot doctor`: is this running TPU VM ready for a workload? One verdict per check.
+
+The checks of GKE's OS image certification for TPU hosts (../shared/notes/tpu-facts.md) and
+tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_pci loaded, the
+/dev/vfio nodes' mode, allow_unsafe_interrupts on x86_64, the IOMMU groups viable, tpu-env present,
+parseable and fresh, the GCS variables in /etc/environment, vBar running (not on GKE) and the
+number of usable chips the machine type implies. The image settings (kernel command line,
+transparent huge pages, limits for logins and the container runtimes, the accel udev rule) are
+:mod:`tpuboot.imagecheck`'s checks, run as they are.
+
+Everything goes through the injectable :class:`~tpuboot.paths.Root`; the metadata server and the
+docker socket through callables a test replaces. A check that cannot be judged here is SKIP with
+the reason. Every check is required (a FAIL makes the exit status non-zero) except those in
+:data:`ADVISORY`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+import importlib.util
+import json
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tpuboot.atomicfile import read_file
+from tpuboot.config import Config, MetadataConfig
+from tpuboot.devices import DeviceTable
+from tpuboot.environment import merge_environment
+from tpuboot.envsync import CACHE_NAME
+from tpuboot.errors import MetadataError
+from tpuboot.imagecheck import CheckResult, Checks, _machine, failed, passed, run_checks, skipped
+from tpuboot.paths import Root
+from tpuboot.status import TpuStatus, survey
+from tpuboot.tpuenv import TpuEnvError, parse_tpu_env, render_env_file
+from tpuboot.vfio import VFIO_PCI, Binder
+
+#: A FAIL of these is reported but does not make `tpuboot doctor` fail.
+ADVISORY = frozenset({"tpu-env-fresh"})
+
+#: Chips per VM for each TPU machine type (GKE's table).
+MACHINE_CHIPS = {
+    "ct5lp-hightpu-1t": 1,
+    "ct5lp-hightpu-4t": 4,
+    "ct5lp-hightpu-8t": 8,
+    "ct4p-hightpu-4t": 4,
+    "ct5p-hightpu-4t": 4,
+}
+UNSAFE_INTERRUPTS = "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts"
+DOCKER_SOCKET = "/run/docker.sock"
+GKE_ATTRIBUTES = ("cluster-name", "kube-env")  # set by GKE on its nodes
+MAX_FILE = 1 << 20
+
+#: ``lookup(path)``: a metadata value (``instance/machine-type``), None if absent or unreachable.
+MetadataLookup = Callable[[str], str | None]
+#: ``running(name)``: whether the container runs, None when the runtime cannot be asked.
+ContainerProbe = Callable[[Root, str], bool | None]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A check's result and whether a FAIL of it fails the doctor."""
+
+    result: CheckResult
+    required: bool
+
+    def as_dict(self) -> dict[str, object]:
+        return {**self.result.as_dict(), "required": self.required}
+
+
+def chips_for(machine_type: str | None, accelerator_type: str | None) -> tuple[int, str] | None:
+    """(chips this VM should have, why), from the machine type or else the accelerator type."""
+    if machine_type:
+        name = machine_type.rsplit("/", 1)[-1]
+        if name in MACHINE_CHIPS:
+            return MACHINE_CHIPS[name], f"machine type {name}"
+    if accelerator_type:
+        match = re.fullmatch(r"(v5litepod|v5e|v6e)-(\d+)", accelerator_type)
+        if match and int(match.group(2)) in (1, 4, 8):  # a single-host slice: all of it here
+            return int(match.group(2)), f"accelerator type {accelerator_type}"
+        match = re.fullmatch(r"(v4|v5p)-(\d+)", accelerator_type)  # N TensorCores, 2 per chip
+        if match and int(match.group(2)) >= 2:
+            return min(int(match.group(2)) // 2, 4), f"accelerator type {accelerator_type}"
+    return None
+
+
+def docker_container_running(root: Root, name: str) -> bool | None:
+    """Ask dockerd over its socket whether ``name`` runs; None if the socket does not answer."""
+    path = root.path(DOCKER_SOCKET)
+    if not path.exists():
+        return None
+
+    class Connection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(self.timeout)
+            self.sock.connect(str(path))
+
+    conn = Connection("docker", timeout=5)
+    try:
+        conn.request("GET", f"/containers/{name}/json")
+        response = conn.getresponse()
+        body = response.read(MAX_FILE)
+    except OSError:
+        return None
+    finally:
+        conn.close()
+    if response.status == 404:
+        return False
+    if response.status != 200:
+        return None
+    try:
+        return bool(json.loads(body)["State"]["Running"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> MetadataLookup:
+    """A lookup on the metadata server: None for an absent key, and for every key once the
+    server did not answer (the doctor waits for it once, not per check)."""
+    from tpuboot.metadata import MetadataAbsent, MetadataClient
+
+    client = MetadataClient.from_config(config)
+    down = False
+
+    def lookup(path: str) -> str | None:
+        nonlocal down
+        if down:
+            return None
+        try:
+            return client.get(path, deadline_s=deadline_s).text
+        except MetadataAbsent:
+            return None
+        except MetadataError:
+            down = True
+            return None
+
+    return lookup
+
+
+def _supervisor_present() -> bool:
+    return importlib.util.find_spec("tpuboot.supervisor") is not None
+
+
+_ASSIGNMENT = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\[\\"$`])*)"\n')
+
+
+def parse_env_file(text: str) -> dict[str, str] | None:
+    """The variables of a tpu-env file as tpuboot writes it (``KEY="value"`` lines); None if any
+    line is not such an assignment (a file someone else wrote or garbled)."""
+    values: dict[str, str] = {}
+    pos = 0
+    while pos < len(text):
+        match = _ASSIGNMENT.match(text, pos)
+        if match is None:
+            return None
+        values[match.group(1)] = re.sub(r"\\(.)", r"\1", match.group(2), flags=re.S)
+        pos = match.end()
+    return values
+
+
+class Doctor:
+    """The doctor's own checks for one system; :meth:`run` adds imagecheck's."""
+
+    def __init__(
+        self,
+        root: Root,
+        config: Config,
+        *,
+        metadata: MetadataLookup | None = None,
+        container_running: ContainerProbe = docker_container_running,
+        supervisor_present: Callable[[], bool] = _supervisor_present,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self.root = root
+        self.config = config
+        self.metadata = metadata or (lambda path: None)
+        self.container_running = container_running
+        self.supervisor_present = supervisor_present
+        self.now = now
+        self.binder = Binder(root, DeviceTable(config.devices), config.vfio)
+        self._tpus: list[TpuStatus] | None = None
+        self.checks = Checks()
+        for name, check in (
+            ("tpus-bound", self.check_tpus_bound),
+            ("vfio-pci-loaded", self.check_vfio_loaded),
+            ("vfio-node-mode", self.check_node_mode),
+            ("unsafe-interrupts", self.check_unsafe_interrupts),
+            ("iommu-groups-viable", self.check_groups_viable),
+            ("chip-count", self.check_chip_count),
+            ("tpu-env", self.check_tpu_env),
+            ("tpu-env-fresh", self.check_tpu_env_fresh),
+            ("environment", self.check_environment),
+            ("vbar-running", self.check_vbar),
+        ):
+            self.checks.add(name)(lambda root, check=check: check())
+
+    def run(self) -> list[Verdict]:
+        """The device checks, then imagecheck's, then the rest; each result named."""
+        own = self.checks.run(self.root)
+        image = run_checks(self.root)
+        ordered = own[:6] + image + own[6:]
+        return [Verdict(r, r.name not in ADVISORY) for r in ordered]
+
+    # --- devices -------------------------------------------------------------------------------
+
+    @property
+    def tpus(self) -> list[TpuStatus]:
+        if self._tpus is None:
+            self._tpus = survey(self.binder)
+        return self._tpus
+
+    @property
+    def managed(self) -> list[TpuStatus]:
+        return [t for t in self.tpus if t.managed]
+
+    def _no_sysfs(self) -> bool:
+        return not self.root.path("/sys/bus/pci/devices").is_dir()
+
+    def check_tpus_bound(self) -> CheckResult:
+        if self._no_sysfs():
+            return skipped("no /sys/bus/pci: not a running system")
+        if not self.managed:
+            return skipped("no TPU that needs vfio-pci on this machine")
+        unbound = [t for t in self.managed if t.driver != VFIO_PCI]
+        if not unbound:
+            return passed(f"{len(self.managed)} of {len(self.managed)} TPUs bound to vfio-pci")
+        which = ", ".join(f"{t.address} ({t.driver or 'no driver'})" for t in unbound)
+        addresses = " ".join(t.address for t in unbound)
+        return failed(
+            f"{len(unbound)} of {len(self.managed)} TPUs not bound to vfio-pci: {which}",
+            f"tpuboot bind {addresses} (or systemctl restart tpuboot); journalctl -u tpuboot says why",
+        )
+
+    def check_vfio_loaded(self) -> CheckResult:
+        if not self.root.path("/sys/module").is_dir():
+            return skipped("no /sys/module: not a running system")
+        if (
+            self.root.path("/sys/module/vfio_pci").is_dir()
+            or self.root.path("/sys/bus/pci/drivers/vfio-pci").is_dir()
+        ):
+            return passed("vfio_pci is loaded")
+        return failed("vfio_pci is not loaded", "modprobe vfio-pci (tpuboot loads it when it binds a TPU)")
+
+    def check_node_mode(self) -> CheckResult:
+        want = self.config.vfio.node_mode
+        grouped = [t for t in self.managed if t.iommu_group is not None and t.driver == VFIO_PCI]
+        if not grouped:
+            return skipped("no TPU bound to vfio-pci: no /dev/vfio node to check")
+        wrong = []
+        for t in grouped:
+            if t.node is None:
+                wrong.append(f"/dev/vfio/{t.iommu_group} missing")
+            elif t.node_mode is None or int(t.node_mode, 8) != want:
+                wrong.append(f"{t.node} mode {t.node_mode}")
+        nodes = sorted({f"/dev/vfio/{t.iommu_group}" for t in grouped})
+        if not wrong:
+            return passed(f"{', '.join(nodes)} mode {want:04o}")
+        return failed(
+            f"{'; '.join(wrong)}, not {want:04o}",
+            f"chmod {want:o} {' '.join(nodes)} (or systemctl restart tpuboot, which sets it)",
+        )
+
+    def check_unsafe_interrupts(self) -> CheckResult:
+        machine = _machine(self.root)
+        if machine != "x86_64":
+            return skipped(f"not needed on {machine}")
+        if self.config.vfio.allow_unsafe_interrupts == "false":
+            return skipped("vfio.allow_unsafe_interrupts is false in the configuration")
+        path = self.root.path(UNSAFE_INTERRUPTS)
+        if not path.exists():
+            if not self.root.path("/sys/module").is_dir():
+                return skipped("no /sys/module: not a running system")
+            return failed(
+                "vfio_iommu_type1 is not loaded",
+                f"modprobe vfio_iommu_type1 && echo 1 > {UNSAFE_INTERRUPTS} (tpuboot bind does both)",
+            )
+        value = path.read_text().strip()
+        if value in ("Y", "1"):
+            return passed("vfio_iommu_type1 allow_unsafe_interrupts=Y")
+        return failed(
+            f"vfio_iommu_type1 allow_unsafe_interrupts={value}",
+            f"echo 1 > {UNSAFE_INTERRUPTS} (tpuboot bind does it)",
+        )
+
+    def check_groups_viable(self) -> CheckResult:
+        if not self.managed:
+            return skipped("no TPU that needs vfio-pci on this machine")
+        no_group = [t.address for t in self.managed if t.iommu_group is None]
+        if no_group:
+            return failed(
+                f"no IOMMU group for {', '.join(no_group)}: the IOMMU is off",
+                "add intel_iommu=on,sm_on to the kernel command line (tpuboot's GRUB drop-in), reboot",
+            )
+        blocked = [t for t in self.managed if t.viable is False]
+        if not blocked:
+            groups = sorted({t.iommu_group for t in self.managed if t.iommu_group}, key=int)
+            return passed(f"IOMMU group{'s' if len(groups) > 1 else ''} {', '.join(groups)} viable")
+        return failed(
+            "; ".join(t.problem or f"group {t.iommu_group} not viable" for t in blocked),
+            "bind every endpoint of the group to vfio-pci (tpuboot bind --force DBDF) or unbind it",
+        )
+
+    def check_chip_count(self) -> CheckResult:
+        machine_type = self.metadata("instance/machine-type")
+        env = self._tpu_env_values() or {}
+        accelerator = env.get("ACCELERATOR_TYPE") or env.get("TPU_ACCELERATOR_TYPE")
+        expected = chips_for(machine_type, accelerator)
+        if expected is None:
+            known = machine_type or accelerator
+            why = f"{known!r} implies no known chip count" if known else "no machine type or accelerator type"
+            return skipped(why)
+        want, source = expected
+        usable = [t for t in self.tpus if (t.driver == VFIO_PCI if t.managed else t.driver is not None)]
+        if len(usable) == want:
+            return passed(f"{want} chips usable, as {source} implies")
+        return failed(
+            f"{len(usable)} chips usable ({len(self.tpus)} present), {source} implies {want}",
+            "tpuboot status shows each chip; a missing chip is a host problem: recreate or repair the VM",
+        )
+
+    # --- the runtime environment -------------------------------------------------------------------
+
+    def _read(self, path: str) -> str | None:
+        data = read_file(self.root, path, limit=MAX_FILE)
+        return None if data is None else data.decode("utf-8", "replace")
+
+    def _tpu_env_values(self) -> dict[str, str] | None:
+        if not self.config.env.enabled:
+            return None
+        text = self._read(self.config.env.tpu_env_path)
+        return None if text is None else parse_env_file(text)
+
+    def check_tpu_env(self) -> CheckResult:
+        path = self.config.env.tpu_env_path
+        if not self.config.env.enabled:
+            return skipped("env.enabled is false: tpuboot does not write tpu-env")
+        text = self._read(path)
+        if text is None:
+            return failed(
+                f"{path} is missing", "tpuboot env (or systemctl restart tpuboot); check the metadata server"
+            )
+        values = parse_env_file(text)
+        if values is None:
+            return failed(f'{path} is not a file of KEY="value" lines', f"tpuboot env rewrites {path}")
+        if not values:
+            return failed(f"{path} is empty", "set the tpu-env instance attribute, then tpuboot env")
+        return passed(f"{path}: {len(values)} keys")
+
+    def check_tpu_env_fresh(self) -> CheckResult:
+        """tpu-env holds the last value fetched from metadata (its cache record), else was written
+        during this boot."""
+        path = self.config.env.tpu_env_path
+        if not self.config.env.enabled:
+            return skipped("env.enabled is false: tpuboot does not write tpu-env")
+        text = self._read(path)
+        if text is None:
+            return skipped(f"{path} is missing (see the tpu-env check)")
+        fix = "tpuboot env (or systemctl restart tpuboot), then check the metadata server"
+        cache = self.config.env.cache_dir.rstrip("/") + "/" + CACHE_NAME
+        raw = self._read(cache)
+        if raw is not None:
+            try:
+                record = json.loads(raw)
+                cached = render_env_file(parse_tpu_env(record["tpu_env"]).values)
+                fetched = str(record["fetched"])
+            except (ValueError, KeyError, TypeError, TpuEnvError):
+                return failed(f"cache record {cache} is unreadable", fix)
+            age = self._age(fetched)
+            if cached == text:
+                return passed(f"{path} matches the last value fetched from metadata{age}")
+            return failed(f"{path} differs from the last value fetched from metadata{age}", fix)
+        booted = self._boot_time()
+        if booted is None:
+            return skipped(f"no cache record {cache} and no boot time to compare {path} with")
+        mtime = self.root.path(path).stat().st_mtime
+        if mtime >= booted:
+            return passed(f"{path} written during this boot (no cache record)")
+        return failed(f"{path} predates this boot and has no cache record", fix)
+
+    def _age(self, iso: str) -> str:
+        try:
+            when = datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return ""
+        return f" ({max(0, int(self.now() - when))} s ago)"
+
+    def _boot_time(self) -> float | None:
+        text = self._read("/proc/stat")
+        match = re.search(r"^btime (\d+)$", text or "", re.M)
+        return float(match.group(1)) if match else None
+
+    def check_environment(self) -> CheckResult:
+        path, wanted = self.config.env.environment_path, self.config.env.environment
+        if not wanted:
+            return skipped("env.environment is empty: nothing to set")
+        text = self._read(path) or ""
+        _, wrong = merge_environment(text, wanted)
+        if not wrong:
+            return passed(f"{path} sets {len(wanted)} variables ({', '.join(sorted(wanted)[:2])}, ...)")
+        return failed(
+            f"{path} lacks or differs on {', '.join(wrong)}", f"tpuboot env (it sets them in {path})"
+        )
+
+    # --- vBar ---------------------------------------------------------------------------------------
+
+    def _gke(self) -> bool:
+        mode = self.config.gke
+        if mode in ("true", "false"):
+            return mode == "true"
+        return any(self.metadata(f"instance/attributes/{name}") is not None for name in GKE_ATTRIBUTES)
+
+    def check_vbar(self) -> CheckResult:
+        vbar = self.config.vbar
+        if not vbar.enabled:
+            return skipped("vbar.enabled is false in the configuration")
+        if self._gke():
+            return skipped("a GKE node: GKE's device plugin runs vBar")
+        if not self.supervisor_present():
+            return skipped("this tpuboot has no vBar supervisor yet")
+        if vbar.runtime != "docker":
+            return skipped(f"vbar.runtime is {vbar.runtime}: no container to ask about")
+        running = self.container_running(self.root, vbar.container_name)
+        if running is None:
+            return skipped(f"the docker socket {DOCKER_SOCKET} does not answer")
+        if running:
+            return passed(f"container {vbar.container_name} is running")
+        return failed(
+            f"container {vbar.container_name} is not running",
+            "systemctl restart tpuboot (it supervises vBar); journalctl -u tpuboot says why it stopped",
+        )
+
+
+def summary(verdicts: list[Verdict]) -> str:
+    counts = {s: sum(1 for v in verdicts if v.result.status == s) for s in ("PASS", "FAIL", "SKIP")}
+    return ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
+def failed_required(verdicts: list[Verdict]) -> bool:
+    return any(v.required and v.result.status == "FAIL" for v in verdicts)
