@@ -1,0 +1,147 @@
+"""`tpuboot doctor` and the metrics endpoint in a guest installed from the .deb.
+
+The good image passes every check except those the bench cannot satisfy (``BENCH_FAILS``: two
+stand-ins where the accelerator type in the emulator's tpu-env implies 4 chips; no network for
+vBar's image). Then each deliberately broken setting, one at a time and put back afterwards,
+fails exactly the matching check(s). The kernel parameter case does not reboot (costly under
+TCG): a doctored copy of /proc/cmdline is bind-mounted over it in the guest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .artifacts import Artifacts
+from .machine import VM
+from .test_tpuboot_package import KERNEL_PARAMS
+
+pytestmark = pytest.mark.vm
+
+# The emulator's tpu-env says v5p-8 (4 chips) and the bench has 2 stand-ins; vBar's image cannot
+# be pulled without a network.
+BENCH_FAILS = {"chip-count", "vbar-running"}
+MUST_PASS = {
+    "tpus-bound",
+    "vfio-pci-loaded",
+    "vfio-node-mode",
+    "unsafe-interrupts",
+    "iommu-groups-viable",
+    "cmdline-idle-poll",
+    "cmdline-transparent-hugepage",
+    "cmdline-intel-iommu",
+    "thp-enabled",
+    "pam-memlock",
+    "pam-nofile",
+    "systemd-default-limits",
+    "accel-udev-rule",
+    "tpu-env",
+    "tpu-env-fresh",
+    "environment",
+}
+DOCTOR_ENV = {"GCE_METADATA_HOST": "127.0.0.1:8080"}  # the guest's metadata emulator
+LIMITS = "/etc/security/limits.d/tpuboot.conf"
+METRICS_URL = "http://127.0.0.1:9431/metrics"  # metrics.address and metrics.port by default
+SCRAPE = f"import urllib.request; print(urllib.request.urlopen({METRICS_URL!r}, timeout=10).read().decode())"
+
+
+@pytest.fixture(scope="module")
+def vm(vm_artifacts: Artifacts, tpuboot_image: Path) -> Iterator[VM]:
+    with VM.from_artifacts(
+        vm_artifacts,
+        tpuboot_image,
+        devices=["edu", "edu"],
+        cmdline_extra=" ".join(KERNEL_PARAMS),
+        name="doctor",
+    ) as machine:
+        machine.wait_booted()
+        machine.wait_until(
+            "systemctl show -P StatusText tpuboot | grep -q '^2 TPUs bound to vfio-pci; tpu-env: '",
+            timeout=90,
+            interval=1.0,
+        )
+        yield machine
+
+
+def doctor(vm: VM) -> tuple[int, dict[str, dict[str, object]]]:
+    result = vm.run(["tpuboot", "doctor", "--json"], env=DOCTOR_ENV, timeout=90)
+    assert result.rc in (0, 1), result.stdout + result.stderr
+    return result.rc, {r["name"]: r for r in json.loads(result.stdout)}
+
+
+def failing(report: dict[str, dict[str, object]]) -> set[str]:
+    return {name for name, r in report.items() if r["status"] == "FAIL"}
+
+
+def tpus(vm: VM) -> list[dict[str, object]]:
+    return json.loads(vm.run(["tpuboot", "status", "--json"], check=True).stdout)
+
+
+def test_good_image_passes_all_but_the_bench_limits(vm: VM) -> None:
+    rc, report = doctor(vm)
+    assert failing(report) <= BENCH_FAILS, {n: report[n] for n in failing(report)}
+    assert {n for n in MUST_PASS if report[n]["status"] != "PASS"} == set(), report
+    assert rc == (1 if failing(report) else 0)
+    text = vm.run(["tpuboot", "doctor"], env=DOCTOR_ENV, timeout=90).stdout.splitlines()
+    assert len(text) == len(report)
+    assert all(line.split()[0] in ("PASS", "FAIL", "SKIP") for line in text)
+    assert all(" fix: " in line for line in text if line.startswith("FAIL"))
+
+
+def test_the_daemon_serves_metrics_on_loopback(vm: VM) -> None:
+    body = vm.run(["python3", "-c", SCRAPE], check=True).stdout
+    assert 'tpuboot_build_info{version="' in body
+    bound = [
+        line for line in body.splitlines() if line.startswith("tpuboot_tpus{") and 'state="bound"' in line
+    ]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in bound) == 2, body
+    assert 'tpuboot_bind_attempts_total{result="bound"} 2.0' in body
+    assert "tpuboot_tpu_env_from_cache 0.0" in body
+    assert 'tpuboot_metadata_requests_total{outcome="ok"}' in body
+
+
+def newly_failing(vm: VM, baseline: set[str]) -> set[str]:
+    return failing(doctor(vm)[1]) - baseline
+
+
+def test_each_broken_setting_fails_exactly_its_check(vm: VM) -> None:
+    baseline = failing(doctor(vm)[1])
+    first = tpus(vm)[0]
+    address, group = first["address"], first["iommu_group"]
+
+    # A device unbound.
+    vm.run(["tpuboot", "unbind", address], check=True)
+    try:
+        assert newly_failing(vm, baseline) == {"tpus-bound"}
+    finally:
+        vm.run(["tpuboot", "bind", address], check=True)
+
+    # Its /dev/vfio node at 0600.
+    vm.run(["chmod", "0600", f"/dev/vfio/{group}"], check=True)
+    try:
+        assert newly_failing(vm, baseline) == {"vfio-node-mode"}
+    finally:
+        vm.run(["chmod", "0666", f"/dev/vfio/{group}"], check=True)
+
+    # The limits file missing: both PAM limits come from it.
+    vm.run(["mv", LIMITS, "/root/limits.conf.away"], check=True)
+    try:
+        assert newly_failing(vm, baseline) == {"pam-memlock", "pam-nofile"}
+    finally:
+        vm.run(["mv", "/root/limits.conf.away", LIMITS], check=True)
+
+    # A kernel parameter missing: a doctored /proc/cmdline bind-mounted over the real one.
+    vm.run(
+        "sed 's/ idle=poll//' /proc/cmdline > /run/cmdline && mount --bind /run/cmdline /proc/cmdline",
+        check=True,
+    )
+    try:
+        assert "idle=poll" not in vm.run(["cat", "/proc/cmdline"], check=True).stdout
+        assert newly_failing(vm, baseline) == {"cmdline-idle-poll"}
+    finally:
+        vm.run(["umount", "/proc/cmdline"], check=True)
+
+    assert failing(doctor(vm)[1]) == baseline  # everything put back
