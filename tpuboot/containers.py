@@ -283,6 +283,11 @@ class DockerRuntime:
                 reason = _reason(exc)
             if attempt + 1 < tries:
                 self._pause(min(PULL_PAUSE_MAX, 2.0**attempt))
+                try:  # loaded meanwhile (docker load / import at boot)
+                    client.images.get(image)
+                    return
+                except docker.errors.ImageNotFound:
+                    pass
         raise CannotStart(
             f"cannot pull image {image} ({tries} tries: {reason}); "
             "make it reachable, load it with `docker load`, or set another image"

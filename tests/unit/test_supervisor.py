@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import signal
 import sys
@@ -15,10 +16,13 @@ import docker.errors
 import pytest
 import requests
 
-from tpuboot.agents import parse_env_file
+from tests.unit.test_daemon import until
+from tpuboot.agents import Agents, parse_env_file, vbar_image
 from tpuboot.backoff import RestartPolicy
 from tpuboot.children import ExecRuntime, describe_exit
+from tpuboot.config import Config, TelemetryConfig, VbarConfig
 from tpuboot.containers import CONFIG_LABEL, MANAGED_LABEL, ContainerSpec, DockerRuntime, split_image
+from tpuboot.gke import gke_node
 from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Supervisor
 from tpuboot.tpuenv import render_env_file
 
@@ -365,3 +369,115 @@ def test_the_tpu_env_file_reads_back_every_value() -> None:
 def test_split_image() -> None:
     assert split_image("gcr.io/p/vbar:0.0.1") == ("gcr.io/p/vbar", "0.0.1")
     assert split_image("localhost:5000/vbar") == ("localhost:5000/vbar", "latest")
+
+
+# --------------------------------------------------------------------------- in the daemon
+
+
+def daemon_with(kernel: Any, agents: Agents) -> Any:
+    from tests.unit.test_daemon import QueueMonitor, RecordingNotifier
+    from tests.unit.test_vfio import binder
+    from tpuboot.daemon import Daemon
+
+    return Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), agents=agents)
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> Any:
+    from tests.unit.fakekernel import FakeKernel
+    from tests.unit.test_vfio import V5P, add_tpu
+
+    k = FakeKernel(tmp_path / "kernel")
+    add_tpu(k, "0000:00:04.0", V5P, driver=None, group="4")
+    return k
+
+
+def test_ready_never_waits_for_dockerd_and_the_status_says_so(kernel: Any, root: Any) -> None:
+    def no_dockerd() -> Any:
+        raise requests.exceptions.ConnectionError("no such file")
+
+    agents = Agents(Config(gke="false"), root, None, docker_factory=no_dockerd)
+
+    async def scenario() -> None:
+        daemon = daemon_with(kernel, agents)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        await until(lambda: "vBar: waiting (dockerd not answering" in daemon.notifier.last_status)
+        assert daemon.notifier.last_status.startswith("1 TPU bound to vfio-pci; vBar: waiting")
+        daemon.stopping.set()
+        await asyncio.wait_for(task, 10.0)
+
+    asyncio.run(scenario())
+
+
+def test_on_a_gke_node_neither_agent_starts(kernel: Any, root: Any) -> None:
+    def never() -> Any:
+        raise AssertionError("docker must not be used on GKE")
+
+    config = Config(gke="true", telemetry=TelemetryConfig(enabled=True))
+    agents = Agents(config, root, None, docker_factory=never)
+
+    async def scenario() -> None:
+        daemon = daemon_with(kernel, agents)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: "telemetry: not started" in daemon.notifier.last_status)
+        assert daemon.status_line().endswith(
+            "vBar: not started, GKE node (GKE runs it); "
+            "telemetry: not started, GKE node (GKE runs the telemetry collector)"
+        )
+        daemon.stopping.set()
+        await asyncio.wait_for(task, 10.0)
+
+    asyncio.run(scenario())
+
+
+class FakeMetadata:
+    def __init__(self, present: set[str]) -> None:
+        self.present = present
+        self.asked: list[str] = []
+
+    def get(self, path: str, *, deadline_s: float) -> object:
+        from tpuboot.metadata import MetadataAbsent
+
+        self.asked.append(path)
+        if path.rsplit("/", 1)[-1] not in self.present:
+            raise MetadataAbsent(path)
+        return object()
+
+
+def test_gke_auto_asks_metadata_and_forced_modes_do_not() -> None:
+    stop = threading.Event()
+    assert gke_node("auto", FakeMetadata({"kube-env"}), stop) is True
+    plain = FakeMetadata(set())
+    assert gke_node("auto", plain, stop) is False
+    assert plain.asked == ["instance/attributes/cluster-name", "instance/attributes/kube-env"]
+    assert gke_node("true", plain, stop) is True and gke_node("false", plain, stop) is False
+    assert len(plain.asked) == 2
+
+
+def test_exec_runtime_from_config_and_stop_ends_the_child(kernel: Any, root: Any, tmp_path: Path) -> None:
+    argv = stand_in(tmp_path, "open(sys.argv[1] + '/up', 'w').close()\ntime.sleep(60)\n")
+    config = Config(gke="false", vbar=VbarConfig(runtime="exec", exec_argv=tuple(argv)))
+    agents = Agents(config, root, None)
+
+    async def scenario() -> None:
+        daemon = daemon_with(kernel, agents)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.status_line().endswith("vBar: running"))
+        daemon.stopping.set()
+        await asyncio.wait_for(task, 10.0)
+
+    asyncio.run(scenario())
+    runtime = agents.supervisors["vBar"].runtime
+    assert isinstance(runtime, ExecRuntime) and runtime.proc is not None
+    assert runtime.proc.returncode == -signal.SIGTERM
+
+
+def test_vbar_image_comes_from_tpu_env_else_the_config(root: Any) -> None:
+    config = Config()
+    path = root.path(config.env.tpu_env_path)
+    assert vbar_image(config, root) == config.vbar.image
+    path.write_text(render_env_file({"VBARCONTROL_AGENT_DOCKER_URL": ""}))
+    assert vbar_image(config, root) == config.vbar.image
+    path.write_text(render_env_file({"A": "1", "VBARCONTROL_AGENT_DOCKER_URL": "local/vbar:2"}))
+    assert vbar_image(config, root) == "local/vbar:2"

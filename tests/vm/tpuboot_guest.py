@@ -57,8 +57,12 @@ Environment=GCE_METADATA_HOST=127.0.0.1:{MDS_PORT}
 
 
 def guest_config(**sections: object) -> str:
-    """The guest's /etc/tpuboot/tpuboot.yaml: the stand-in devices plus any extra sections."""
-    return yaml.safe_dump({"devices": STAND_INS, **sections}, sort_keys=False)
+    """The guest's /etc/tpuboot/tpuboot.yaml: the stand-in devices plus any extra sections.
+
+    vBar is off unless a section turns it on: a guest with no image for it would show a failed
+    pull in every status line (tests/vm/test_tpuboot_vbar.py turns it on).
+    """
+    return yaml.safe_dump({"devices": STAND_INS, "vbar": {"enabled": False}, **sections}, sort_keys=False)
 
 
 def _write(tree: Path, path: str, text: str, mode: int = 0o644) -> None:
