@@ -69,6 +69,7 @@ class DeviceAgent:
     async def _bind(self, address: str, state: DeviceState) -> None:
         state.attempts += 1
         state.state = "pending"
+        self._count()
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
@@ -119,8 +120,11 @@ class DeviceAgent:
         self._changed()
 
     def _changed(self) -> None:
-        metrics.tpus((s.kind, s.state) for s in self.devices.values() if s.state != "removed")
+        self._count()
         self.on_change()
+
+    def _count(self) -> None:
+        metrics.tpus((s.kind, s.state) for s in self.devices.values() if s.state != "removed")
 
     def node_appeared(self, group: str) -> None:
         """udev finished a /dev/vfio/<group> node: re-apply our mode in case a rule changed it."""

@@ -20,6 +20,7 @@ import datetime
 import http.client
 import importlib.util
 import json
+import logging
 import re
 import socket
 import time
@@ -130,6 +131,9 @@ def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> Metadata
         nonlocal down
         if down:
             return None
+        quiet = logging.getLogger("tpuboot.metadata")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # a server that does not answer is the check's SKIP, not a warning
         try:
             return client.get(path, deadline_s=deadline_s).text
         except MetadataAbsent:
@@ -137,6 +141,8 @@ def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> Metadata
         except MetadataError:
             down = True
             return None
+        finally:
+            quiet.setLevel(level)
 
     return lookup
 

@@ -233,3 +233,21 @@ def test_cli_lines_json_and_exit_status(kernel, capsys):
     kernel.p(EnvConfig().tpu_env_path).write_text(render_env_file({"ZONE": "old"}))
     assert cli.main(["--root", top, "doctor"]) == cli.EXIT_OK
     assert "FAIL  tpu-env-fresh (advisory): " in capsys.readouterr().out
+
+
+def test_metadata_lookup_reads_the_machine_type_and_gives_up_once_on_a_silent_server(caplog):
+    from tests.mds_emulator import MetadataEmulator
+    from tpuboot.config import MetadataConfig
+    from tpuboot.doctor import metadata_lookup
+
+    machine = "projects/1/machineTypes/ct5p-hightpu-4t"
+    with MetadataEmulator({}, instance={"machine-type": machine}) as emu:
+        lookup = metadata_lookup(MetadataConfig(host=emu.host, timeout=1.0))
+        assert lookup("instance/machine-type") == machine
+        assert lookup("instance/attributes/cluster-name") is None
+        emu.stop()
+        started = time.monotonic()
+        assert lookup("instance/machine-type") is None
+        assert lookup("instance/attributes/kube-env") is None  # no second wait
+        assert time.monotonic() - started < 3.5
+    assert "retrying" not in caplog.text
