@@ -276,7 +276,7 @@ def _write_metrics_textfile(ctx: Context) -> None:
         if config.metrics.textfile_dir is None:
             return
         tpus = survey(ctx.binder())
-    except (TpubootError, OSError) as exc:
+    except Exception as exc:  # the metrics file never changes a command's outcome
         log.warning("metrics: %s", exc)
         return
     metrics.tpus((t.kind, "bound" if t.driver == "vfio-pci" else "unbound") for t in tpus if t.managed)

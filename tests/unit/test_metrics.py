@@ -330,3 +330,11 @@ def test_a_real_prometheus_scrapes_the_daemons_endpoint(fresh, kernel, tmp_path)
     series = found[0]["metric"]
     assert series["__name__"] == "tpuboot_build_info"
     assert series["version"] == __version__ and series["job"] == "tpuboot"
+
+
+def test_a_textfile_that_cannot_be_written_changes_no_exit_status(fresh, kernel, capsys):
+    (kernel.top / "blocked").write_text("a file where a directory should be\n")
+    (kernel.top / "tpuboot.yaml").write_text("metrics: {textfile_dir: /blocked}\n")
+    argv = ["--root", str(kernel.top), "--config", "/tpuboot.yaml", "bind", "00:02.0"]
+    assert cli.main(argv) == cli.EXIT_FAILED  # the refused bind's status, not the file's
+    assert "metrics: /blocked/tpuboot.prom: blocked is not a directory" in capsys.readouterr().err
