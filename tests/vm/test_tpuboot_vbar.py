@@ -1,0 +1,205 @@
+"""vBar supervision on a real kernel with a real dockerd: the packaged service keeps the agent running.
+
+One guest with docker.io serves the module; the tests run in file order. The vBar stand-in is
+an image made in the guest with ``docker import`` from a tarball holding a static busybox and a
+script that sleeps (no registry is reachable): a drop-in on docker.service imports it at each
+dockerd start, tagged as the names tpu-env gives (``tpuboot-test/vbar:1``, then ``:2``).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.mds_emulator import SAMPLE_TPU_ENV
+
+from .artifacts import GUEST_LIBEXEC, Artifacts, in_tree
+from .conftest import ImageFactory
+from .hostenv import BUSYBOX
+from .machine import VM
+from .tpuboot_guest import MDS_CONTROL, guest_config, install_emulator, package_install_hook
+
+pytestmark = pytest.mark.vm
+
+NAME = "tpuboot-vbar-control-agent"
+IMAGE_1 = "tpuboot-test/vbar:1"
+IMAGE_2 = "tpuboot-test/vbar:2"
+ROOTFS = f"{GUEST_LIBEXEC}/vbar-rootfs.tar"
+TPU_ENV = {**SAMPLE_TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": IMAGE_1}
+CONFIG = guest_config(
+    vbar={"enabled": True, "image": "tpuboot-test/vbar:config"},
+    supervisor={"backoff_initial": 1, "backoff_max": 8, "stable_after": 60, "pull_retries": 6},
+)
+IMPORT_SCRIPT = f"{GUEST_LIBEXEC}/import-vbar-images"
+IMPORT = "".join(
+    f"docker image inspect {image} >/dev/null 2>&1 || "
+    f'docker import --change \'CMD ["/bin/sh", "/vbar"]\' {ROOTFS} {image}\n'
+    for image in (IMAGE_1, IMAGE_2)
+)
+DOCKER_DROP_IN = f"""[Service]
+# The vBar stand-in images, made locally (tests/vm/test_tpuboot_vbar.py).
+ExecStartPost=-/bin/sh {IMPORT_SCRIPT}
+"""
+# No bridge or iptables set-up: the agents use the host network, and it costs 30 s under TCG.
+DAEMON_JSON = '{"bridge": "none", "iptables": false}\n'
+PUT_SCRIPT = (
+    "import sys, urllib.request; "
+    "urllib.request.urlopen(urllib.request.Request(sys.argv[1], sys.argv[2].encode(), method='PUT'))"
+)
+
+
+def rootfs_tar() -> bytes:
+    """busybox, /bin/sh and /vbar (says it is up, then sleeps) as a tarball for ``docker import``."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+
+        def add(name: str, data: bytes, mode: int) -> None:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+
+        add("bin/busybox", BUSYBOX.read_bytes(), 0o755)
+        link = tarfile.TarInfo("bin/sh")
+        link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+        tar.addfile(link)
+        add("vbar", b"echo vbar stand-in up\nexec /bin/busybox sleep 1000000\n", 0o644)
+    return buf.getvalue()
+
+
+def install(deb: Path) -> Callable[[Path], None]:
+    base = package_install_hook(deb, CONFIG)
+
+    def hook(tree: Path) -> None:
+        base(tree)
+        install_emulator(tree, TPU_ENV)
+        in_tree(tree, ROOTFS).write_bytes(rootfs_tar())
+        drop_in = in_tree(tree, "/etc/systemd/system/docker.service.d/tpuboot-test-images.conf")
+        drop_in.parent.mkdir(parents=True, exist_ok=True)
+        drop_in.write_text(DOCKER_DROP_IN)
+        in_tree(tree, IMPORT_SCRIPT).write_text(IMPORT)
+        in_tree(tree, "/etc/docker").mkdir(parents=True, exist_ok=True)
+        in_tree(tree, "/etc/docker/daemon.json").write_text(DAEMON_JSON)
+
+    return hook
+
+
+@pytest.fixture(scope="module")
+def vm(vm_artifacts: Artifacts, vm_image_factory: ImageFactory, tpuboot_deb: Path) -> Iterator[VM]:
+    image = vm_image_factory(install(tpuboot_deb), key="tpuboot-vbar")
+    with VM.from_artifacts(vm_artifacts, image, devices=["edu"], memory=1536, name="vbar") as m:
+        m.wait_booted()
+        yield m
+
+
+def status_text(vm: VM) -> str:
+    return vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"], check=True).stdout.strip()
+
+
+def inspect(vm: VM, fmt: str) -> str:
+    return vm.run(["docker", "inspect", "-f", fmt, NAME], check=True, timeout=60).stdout.strip()
+
+
+def wait_running(vm: VM, timeout: float = 90.0) -> None:
+    vm.wait_until(
+        f"[ \"$(docker inspect -f '{{{{.State.Running}}}}' {NAME} 2>/dev/null)\" = true ] && "
+        "systemctl show -P StatusText tpuboot | grep -q 'vBar: running'",
+        timeout=timeout,
+        interval=0.5,
+    )
+
+
+def managed(vm: VM) -> list[str]:
+    out = vm.run(["docker", "ps", "-aq", "--no-trunc", "--filter", "label=io.tpuboot.managed=1"], check=True)
+    return out.stdout.split()
+
+
+def test_vbar_starts_at_boot_privileged_on_the_host_network(vm: VM) -> None:
+    started = time.monotonic()
+    wait_running(vm, timeout=150)
+    print(f"vBar running {time.monotonic() - started:.1f} s after the test began")
+    assert inspect(vm, "{{.Config.Image}} {{.HostConfig.Privileged}} {{.HostConfig.NetworkMode}}") == (
+        f"{IMAGE_1} true host"
+    )
+    assert len(managed(vm)) == 1
+    status = status_text(vm)
+    assert "; tpu-env: 14 keys from metadata; " in status
+    assert status.endswith("vBar: running")
+    # READY did not wait for dockerd: tpuboot is ordered before it.
+    assert vm.run("systemctl show -P ActiveEnterTimestampMonotonic tpuboot", check=True).stdout.strip()
+
+
+def kill_and_wait(vm: VM) -> float:
+    before = inspect(vm, "{{.State.StartedAt}}")
+    vm.run(["docker", "kill", NAME], check=True, timeout=60)
+    killed = time.monotonic()
+    vm.wait_until(
+        f"[ \"$(docker inspect -f '{{{{.State.StartedAt}}}}' {NAME})\" != '{before}' ] && "
+        f"[ \"$(docker inspect -f '{{{{.State.Running}}}}' {NAME})\" = true ]",
+        timeout=90,
+        interval=0.2,
+    )
+    return time.monotonic() - killed
+
+
+def test_a_killed_agent_is_restarted_with_growing_delays(vm: VM) -> None:
+    ident = inspect(vm, "{{.Id}}")
+    took = [kill_and_wait(vm) for _ in range(3)]
+    print("restart after docker kill, s:", [f"{t:.1f}" for t in took])
+    assert inspect(vm, "{{.Id}}") == ident  # restarted in place, not a second container
+    journal = vm.journal("tpuboot")
+    delays = [float(d) for d in re.findall(r"exit 137\)?, restarting in ([0-9.]+) s", journal)]
+    assert delays[:3] == [1.0, 2.0, 4.0]
+    assert "crash loop (3 exits in a row" in journal
+    fields = vm.run("journalctl -b -u tpuboot CONTAINER=" + NAME + " -o cat", check=True).stdout
+    assert "crash loop" in fields
+    assert took[2] > took[0]
+
+
+def test_dockerd_restart_is_recovered(vm: VM) -> None:
+    ident = inspect(vm, "{{.Id}}")
+    started = time.monotonic()
+    vm.run(["systemctl", "restart", "docker"], check=True, timeout=120)
+    wait_running(vm, timeout=90)
+    print(f"vBar running again {time.monotonic() - started:.1f} s after systemctl restart docker")
+    assert inspect(vm, "{{.Id}}") == ident
+
+
+def test_tpuboot_restart_keeps_the_same_container(vm: VM) -> None:
+    wait_running(vm)
+    before = inspect(vm, "{{.Id}} {{.State.StartedAt}}")
+    vm.run(["systemctl", "restart", "tpuboot"], check=True, timeout=120)
+    wait_running(vm, timeout=60)
+    assert inspect(vm, "{{.Id}} {{.State.StartedAt}}") == before  # adopted, never restarted
+    assert len(managed(vm)) == 1
+    assert "adopted" in vm.journal("tpuboot", lines=30)
+
+
+def test_an_image_change_in_tpu_env_recreates_the_container(vm: VM) -> None:
+    old = inspect(vm, "{{.Id}}")
+    values = {**TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": IMAGE_2}
+    vm.run(["python3", "-c", PUT_SCRIPT, f"{MDS_CONTROL}/tpu-env", yaml.safe_dump(values)], check=True)
+    vm.wait_until(
+        f"docker inspect -f '{{{{.Config.Image}}}}' {NAME} 2>/dev/null | grep -qx {IMAGE_2}", timeout=90
+    )
+    wait_running(vm)
+    assert inspect(vm, "{{.Id}}") != old
+    assert managed(vm) == [inspect(vm, "{{.Id}}")]
+
+
+def test_on_a_gke_node_nothing_is_started_and_the_status_says_why(vm: VM) -> None:
+    vm.run(["python3", "-c", PUT_SCRIPT, f"{MDS_CONTROL}/cluster-name", "tpu-cluster"], check=True)
+    vm.run(["systemctl", "restart", "tpuboot"], check=True, timeout=120)
+    vm.wait_until("systemctl show -P StatusText tpuboot | grep -q 'vBar: not started'", timeout=60)
+    assert status_text(vm).endswith("vBar: not started, GKE node (GKE runs it)")
+    # tpuboot left the container it had started (containers outlive tpuboot); on GKE it starts none.
+    vm.run(["docker", "rm", "-f", NAME], check=True, timeout=60)
+    time.sleep(5)
+    assert managed(vm) == []
+    assert "GKE node: instance attribute cluster-name is set" in vm.journal("tpuboot", lines=30)
