@@ -1,0 +1,841 @@
+"""Binding benchmarks: tpuboot against the documented udev rule + shell handler, on a real kernel.
+
+Usage, from the repository root (root is needed for the image build and QEMU)::
+
+    sudo .venv/bin/python -m bench.bind_bench [--json FILE] [--only hotplug,coldplug,cli,idle]
+                                              [--reps 6] [--coldplug-reps 3] [--cli-runs 10]
+
+About 5 minutes with warm caches (.cache/vm), more while other QEMU guests share the host: the
+.deb and one guest image are built, then one QEMU guest (TCG, 2 vCPUs) per scenario family.
+Each family measures tpuboot and the baseline in the same guest, never both active at once: for
+the baseline, ``systemctl stop tpuboot``, the rule copied to /etc/udev/rules.d and ``udevadm
+control --reload``; for tpuboot, the rule removed and reloaded, tpuboot started. The baseline
+is ``bench/baseline/``: the documented ``99-tpu-vfiopci.rules`` with the stand-in ids (edu
+1234:11e8, virtio-rng 1af4:1005) and ``bind_to_vfio_pci.sh`` (modprobe vfio-pci,
+driver_override, unbind, drivers_probe, chmod 0666 /dev/vfio/<group>, allow_unsafe_interrupts).
+
+"Usable" always means what a TPU user needs: as the unprivileged ``tester``, the VFIO type1 walk
+of ``tests/vm/guest/vfio_read.py`` (container, group, IOMMU, device fd) reads the edu device's
+BAR0 identification register, 0x010000ed. The guest side is ``bench/bind_guest.py``.
+
+Families and timing methods:
+
+1. hotplug -- QMP ``device_add edu`` into root port ``hp0`` until usable; ``--reps`` per side,
+   in ABAB halves, each half after one discarded warm-up. Host clock, from just before the QMP
+   command to the moment the host sees a marker that the guest waiter writes on the console
+   (ttyS0: a file QEMU appends to as the guest prints; polled every 1 ms) right after its first
+   successful read. The waiter is started (as tester) before device_add and polls every 5 ms,
+   cheaply until the node is open to all. Error, the same for both sides: up to 5 ms of guest
+   poll, 1 ms of host poll, plus the console's latency, which every rep checks by comparing the
+   host-clock and the guest-clock spans between the waiter's two markers ("marker skew").
+   Guest-clock phases (in sysfs, bound, node exists, node 0666) show where the time goes.
+2. coldplug -- 8 edu devices present at boot, unbound (no driver, no override) before each
+   rep. Guest clock, from the start of ``systemctl start tpuboot`` (returns at READY: Type=notify)
+   or of ``udevadm trigger --settle --action=add --subsystem-match=pci`` (what the baseline does
+   at boot; returns once those events, handler included, are done) until all 8 are usable
+   (10 ms poll, as tester). ``systemctl restart`` is stop + start; the stop comes before the
+   clock. tpuboot's journal splits its start: exec -> first device bound -> READY. After the
+   timed reps, one ``tpuboot run`` started by hand (no sandbox, no systemd) stamps its own
+   imports and functions (``bind_guest.py profile``): where the start-up time goes.
+3. cli -- ``tpuboot bind DBDF`` against ``bind_to_vfio_pci.sh DBDF`` on one edu device, the
+   daemon stopped, the device unbound before each run, ABBA order; guest monotonic clock around
+   the command. Then the interpreter's start-up and each import step of ``tpuboot run`` are
+   timed (and their RSS taken) in a fresh python3, best of 2, and 3 ``tpuboot bind`` runs stamp
+   their own imports and functions: where the time goes.
+4. idle -- the daemon's VmRSS, CPU ticks (utime+stime) and per-thread wakeups (voluntary
+   context switches; schedstat timeslices) over the 60 s that a ``python3 -c 'import time;
+   time.sleep(60)'`` process sleeps; that process's VmRSS is the RSS baseline. Threads are named
+   by the system call they block in (Python 3.11 gives its threads no kernel name). This window
+   runs first, while the next family's guest boots: wakeups and RSS do not depend on host load.
+
+Benchmarks print figures; they are not assertions and pytest does not collect them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.vm.accel import select_accel
+from tests.vm.agent import Result
+from tests.vm.artifacts import Artifacts, InstallHook, build_image, ensure_artifacts, in_tree, remove_tree
+from tests.vm.hostenv import cache_dir
+from tests.vm.machine import VM
+from tests.vm.tpuboot_guest import EDU, EDU_ID_REGISTER, VFIO_READ, build_deb, package_install_hook
+
+log = logging.getLogger("bench.bind")
+
+HERE = Path(__file__).resolve().parent
+BENCH_LIBEXEC = "/usr/local/libexec/tpuboot-bench"
+GUEST_HELPER = f"{BENCH_LIBEXEC}/bind_guest.py"
+RULE_NAME = "99-tpu-vfiopci.rules"
+STAGED_RULE = f"{BENCH_LIBEXEC}/{RULE_NAME}"
+ACTIVE_RULE = f"/etc/udev/rules.d/{RULE_NAME}"
+HANDLER = "/lib/udev/bind_to_vfio_pci.sh"
+HOTPLUG_PORT = "hp0"
+FAMILIES = ("hotplug", "coldplug", "cli", "idle")
+SIDES = ("tpuboot", "baseline")
+RSS_GOAL_MIB = 20.0
+LONG_POLL_S = 60.0  # metadata.watch_timeout: the watch's long-poll returns this often when idle
+
+
+class BenchError(RuntimeError):
+    """A scenario could not be measured: the guest did not behave as the bench expects."""
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Row:
+    """One line of the final table; ``ratio`` is tpuboot / baseline where both exist."""
+
+    metric: str
+    tpuboot: str
+    baseline: str
+    ratio: float | None = None
+    goal: str = "(info)"
+    verdict: str = ""
+
+
+@dataclass
+class Report:
+    rows: dict[str, list[Row]] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, family: str, row: Row) -> None:
+        self.rows.setdefault(family, []).append(row)
+
+    def note(self, family: str, text: str) -> None:
+        self.notes.setdefault(family, []).append(text)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def spread(values: Sequence[float]) -> str:
+    """``median [min-max]`` in seconds, for the table."""
+    if not values:
+        return "n/a"
+    return f"{median(values):.3f} s [{min(values):.3f}-{max(values):.3f}]"
+
+
+def ratio_row(
+    metric: str, tp: Sequence[float], base: Sequence[float], goal: float | None = None, aim: str = ""
+) -> Row:
+    """A timing row: medians, their ratio and, with a goal, the verdict on that ratio."""
+    ratio = median(tp) / median(base) if tp and base and median(base) > 0 else None
+    if goal is None:
+        return Row(metric, spread(tp), spread(base), ratio)
+    verdict = "n/a" if ratio is None else ("PASS" if ratio <= goal else "FAIL")
+    return Row(metric, spread(tp), spread(base), ratio, f"<= {goal:g}x{aim}", verdict)
+
+
+# --------------------------------------------------------------------------- guest plumbing
+
+
+def guest_json(result: Result, what: str) -> Any:
+    """The JSON object a guest helper printed last; BenchError with all its output if none."""
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise BenchError(f"{what}: no result from the guest\n{result.describe()}") from None
+
+
+def helper(vm: VM, *args: str, timeout: float = 60.0) -> Any:
+    """Run a ``bind_guest.py`` subcommand as root in the guest; its JSON, or BenchError if it failed."""
+    result = vm.run(["python3", GUEST_HELPER, *args], timeout=timeout)
+    data = guest_json(result, args[0])
+    if not result.ok:
+        raise BenchError(f"guest {args[0]} failed: {json.dumps(data)}\n{result.stderr}")
+    return data
+
+
+class ConsoleTail:
+    """Host-clock stamps for guest console markers: QEMU appends to the console file as the guest prints."""
+
+    POLL = 0.001
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("rb")
+        self._file.seek(0, os.SEEK_END)
+        self._buf = b""
+
+    def wait_for(self, token: str, timeout: float) -> float:
+        """``time.monotonic()`` when ``token`` is first seen; BenchError after ``timeout`` s."""
+        needle = token.encode()
+        deadline = time.monotonic() + timeout
+        while True:
+            self._buf += self._file.read()
+            at = self._buf.find(needle)
+            if at >= 0:
+                seen = time.monotonic()
+                self._buf = self._buf[at + len(needle) :]
+                return seen
+            if time.monotonic() > deadline:
+                raise BenchError(f"console marker {token!r} not seen within {timeout:.0f} s")
+            time.sleep(self.POLL)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def unit_properties(vm: VM, *names: str, unit: str = "tpuboot") -> dict[str, str]:
+    """``systemctl show`` properties of ``unit`` (printed in systemd's order, hence key=value)."""
+    out = vm.run(["systemctl", "show", unit, *(f"--property={n}" for n in names)], check=True).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def baseline_rule(vm: VM, active: bool) -> None:
+    """Install or remove the baseline's udev rule; udevd re-reads its rules before the next event."""
+    place = f"install -m 0644 {STAGED_RULE} {ACTIVE_RULE}" if active else f"rm -f {ACTIVE_RULE}"
+    vm.run(f"{place} && udevadm control --reload", check=True)
+
+
+def stop_tpuboot(vm: VM) -> float:
+    """Stop the daemon (and clear its start-limit count); how long ``systemctl stop`` took."""
+    stop = vm.run(["systemctl", "stop", "tpuboot"], timeout=60, check=True)
+    vm.run(["systemctl", "reset-failed", "tpuboot"])
+    return stop.duration
+
+
+def use_side(vm: VM, side: str) -> float:
+    """Make ``side`` the guest's only binder; returns the time ``systemctl stop tpuboot`` took."""
+    if side == "baseline":
+        stopped = stop_tpuboot(vm)
+        baseline_rule(vm, True)
+        return stopped
+    baseline_rule(vm, False)
+    vm.run("systemctl reset-failed tpuboot; systemctl start tpuboot", timeout=120, check=True)
+    return 0.0
+
+
+def unbind_all(vm: VM, addresses: Sequence[str]) -> None:
+    drivers = helper(vm, "unbind", *addresses)
+    if any(drivers.values()):
+        raise BenchError(f"devices still bound after unbind: {drivers}")
+
+
+@contextmanager
+def booted(artifacts: Artifacts, image: Path, name: str, **kwargs: Any) -> Iterator[VM]:
+    """A booted guest with tpuboot active, killed afterwards (its disk is a snapshot: nothing to save)."""
+    vm = VM.from_artifacts(artifacts, image, name=f"bindbench-{name}", **kwargs)
+    try:
+        vm.start()
+        status = vm.wait_booted()
+        log.info("%s: guest booted in %.1f s", name, status.seconds)
+        if status.failed_units:
+            log.warning("%s: failed units at boot: %s", name, ", ".join(status.failed_units))
+        active = vm.run(["systemctl", "is-active", "tpuboot"]).stdout.strip()
+        if active != "active":
+            raise BenchError(f"{name}: tpuboot is {active!r} after boot\n{vm.journal('tpuboot')}")
+        yield vm
+    finally:
+        vm.kill()
+
+
+def edu_addresses(vm: VM) -> list[str]:
+    return [d.address for d in vm.pci_devices(*EDU)]
+
+
+def check_usable(vm: VM, address: str) -> None:
+    """The separate-process proof: vfio_read.py run as tester prints the edu id register."""
+    result = vm.run(["python3", VFIO_READ, address], user="tester", timeout=30)
+    if result.stdout.strip() != EDU_ID_REGISTER:
+        raise BenchError(f"{address} not usable by tester\n{result.describe()}")
+
+
+def _own_cpu_ticks() -> int:
+    """utime+stime of this process and of the bench's own QEMU guests, in clock ticks."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if int(pid) != os.getpid() and b"tpuboot-bindbench-" not in cmdline:
+                continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def _host_busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+
+
+class HostLoad:
+    """How many cores the rest of the host kept busy meanwhile: other guests slow TCG down."""
+
+    def __init__(self) -> None:
+        self._start = (time.monotonic(), _host_busy_ticks(), _own_cpu_ticks())
+
+    def others_cores(self) -> float:
+        wall, busy, own = self._start
+        elapsed = time.monotonic() - wall
+        others = (_host_busy_ticks() - busy) - (_own_cpu_ticks() - own)
+        return max(others, 0) / os.sysconf("SC_CLK_TCK") / elapsed if elapsed > 0 else 0.0
+
+
+# (name, start stamp, end stamp) of tpuboot's stamped runs (bind_guest.py profile). A start is the
+# stamp's first occurrence (None: the spawn); an end its last if it is a "<" (function return)
+# stamp, else its first; "wall" is the process's end as the parent saw it.
+BIND_SEGMENTS = (
+    ("python3 start", None, "interpreter"),
+    ("import tpuboot.cli", "interpreter", "import tpuboot.cli"),
+    ("load config", "> load_config", "< load_config"),
+    ("bind(): driver_override, probe", "> _attach", "< _attach"),
+    ("bind(): node, udev entry, chmod", "> prepare_node", "< prepare_node"),
+    ("bind() whole", "> bind", "< bind"),
+    ("main() whole", "import tpuboot.cli", "main returned"),
+    ("exit", "main returned", "wall"),
+    ("total", None, "wall"),
+)
+RUN_SEGMENTS = (
+    ("python3 start", None, "interpreter"),
+    ("import tpuboot.cli", "interpreter", "import tpuboot.cli"),
+    ("import daemon/envsync/metadata", "import tpuboot.cli", "import daemon, envsync, metadata"),
+    ("import pyudev", "import daemon, envsync, metadata", "import pyudev"),
+    ("load config", "> load_config", "< load_config"),
+    ("open udev monitor", "> open_udev_monitor", "< open_udev_monitor"),
+    ("monitor -> first bind starts", "< open_udev_monitor", "> bind"),
+    ("8 binds, first start -> last end", "> bind", "< bind"),
+    ("env sync (beside the binds)", "> sync_once", "< sync_once"),
+    ("spawn -> READY", None, "READY"),
+)
+
+
+def profile_segments(runs: list[dict[str, Any]], segments: Sequence[tuple[str, str | None, str]]) -> str:
+    """Median duration of each segment over the stamped runs, as one line for the notes."""
+    values: dict[str, list[float]] = {name: [] for name, _, _ in segments}
+    for run in runs:
+        stamps: dict[str, list[float]] = {"wall": [run["wall"]]}
+        for label, at in run["events"]:
+            stamps.setdefault(label, []).append(at)
+        for name, start, end in segments:
+            if (start is not None and start not in stamps) or end not in stamps:
+                continue
+            begin = stamps[start][0] if start is not None else 0.0
+            finish = stamps[end][-1] if end.startswith("<") else stamps[end][0]
+            values[name].append(finish - begin)
+    return ", ".join(f"{name} {median(v):.3f} s" for name, v in values.items() if v)
+
+
+# --------------------------------------------------------------------------- 1. hotplug
+
+PHASES = {"appear": "in sysfs", "bound": "vfio-pci bound", "node": "node exists", "mode": "node 0666"}
+
+
+@dataclass
+class HotplugRep:
+    side: str
+    warmup: bool
+    total_s: float  # host clock: just before device_add -> usable marker seen
+    qmp_s: float  # the device_add QMP round trip (bounds when, within it, the device appeared)
+    skew_ms: float  # host span minus guest span between the waiter's markers: the method's error
+    phases_s: dict[str, float | None]  # guest clock, from device_add mapped by the first marker
+
+
+def hotplug_rep(
+    vm: VM, console: ConsoleTail, address: str, side: str, serial: int, warmup: bool
+) -> HotplugRep:
+    """One add -> usable -> remove cycle, the waiter started and ready before the add."""
+    tag = f"@BB{serial:03d}"
+    box: dict[str, Result] = {}
+
+    def wait() -> None:
+        box["r"] = vm.run(["python3", GUEST_HELPER, "hotplug", address, "--tag", tag], timeout=40)
+
+    waiter = threading.Thread(target=wait, name=f"waiter-{serial}", daemon=True)
+    waiter.start()
+    device_id = f"bb{serial}"
+    try:
+        ready_at = console.wait_for(f"{tag}r", timeout=30)
+        t0 = time.monotonic()
+        vm.device_add("edu", id=device_id, bus=HOTPLUG_PORT)
+        qmp_s = time.monotonic() - t0
+        usable_at = console.wait_for(f"{tag}u", timeout=30)
+    finally:
+        waiter.join(timeout=60)
+    marks = guest_json(box["r"], "hotplug waiter") if "r" in box else {}
+    vm.device_del(device_id)
+    if marks.get("usable") is None:
+        raise BenchError(f"{side}: hot-added {address} never became usable: {marks}")
+    guest_add = marks["start"] + (t0 - ready_at)
+    phases = {k: None if v is None else v - guest_add for k, v in marks.items() if k != "start"}
+    skew = (usable_at - ready_at) - (marks["usable"] - marks["start"])
+    return HotplugRep(side, warmup, usable_at - t0, qmp_s, skew * 1000, phases)
+
+
+def hotplug_address(vm: VM) -> str:
+    """Where an edu device lands in ``hp0`` (the same on every add): add one, look, remove it.
+
+    tpuboot binds it meanwhile, so vfio-pci is loaded before any timed add, for both sides.
+    """
+    before = set(edu_addresses(vm))
+    vm.device_add("edu", id="bbprobe", bus=HOTPLUG_PORT)
+    deadline = time.monotonic() + 30
+    while not (new := set(edu_addresses(vm)) - before):
+        if time.monotonic() > deadline:
+            raise BenchError("the hot-added edu device did not show up in the guest")
+    (address,) = new
+    wait_node_open(vm, address)
+    check_usable(vm, address)
+    vm.device_del("bbprobe")
+    return address
+
+
+def wait_node_open(vm: VM, address: str, timeout: float = 20.0) -> None:
+    node = f"/dev/vfio/$(basename $(readlink /sys/bus/pci/devices/{address}/iommu_group))"
+    vm.wait_until(f'[ "$(stat -c %a {node} 2>/dev/null)" = 666 ]', timeout=timeout)
+
+
+def run_hotplug(vm: VM, reps: int, report: Report) -> None:
+    address = hotplug_address(vm)
+    console = ConsoleTail(vm.console_path)
+    results: list[HotplugRep] = []
+    stops: list[float] = []
+    half = max(reps // 2, 1)
+    serial = 0
+    try:
+        for side in (*SIDES, *SIDES):
+            stopped = use_side(vm, side)
+            if side == "baseline":
+                stops.append(stopped)
+            for i in range(half + 1):
+                serial += 1
+                rep = hotplug_rep(vm, console, address, side, serial, warmup=i == 0)
+                results.append(rep)
+                log.info("hotplug %s%s: %.3f s", side, " (warm-up)" if rep.warmup else "", rep.total_s)
+    finally:
+        console.close()
+
+    def per_side(phase: str | None) -> list[list[float]]:
+        """Timed reps' values per side: the host-clock total, or a guest-clock phase."""
+        timed = [r for r in results if not r.warmup]
+        return [
+            [
+                v
+                for r in timed
+                if r.side == s and (v := r.phases_s.get(phase) if phase else r.total_s) is not None
+            ]
+            for s in SIDES
+        ]
+
+    total = per_side(None)
+    metric = f"hotplug: device_add -> usable by tester (host clock, n={half * 2})"
+    report.add("hotplug", ratio_row(metric, *total, 1.0, ", aim 0.5x"))
+    for phase, name in PHASES.items():
+        report.add("hotplug", ratio_row(f"  device_add -> {name} (guest clock)", *per_side(phase)))
+    skews = [abs(r.skew_ms) for r in results]
+    report.note(
+        "hotplug",
+        f"marker skew |host span - guest span| median {median(skews):.1f} ms, max {max(skews):.1f} ms; "
+        f"device_add QMP round trip median {median([r.qmp_s for r in results]) * 1000:.1f} ms; "
+        f"`systemctl stop tpuboot` took {', '.join(f'{s:.2f}' for s in stops)} s",
+    )
+    report.raw["hotplug"] = {"address": address, "reps": [asdict(r) for r in results], "stop_s": stops}
+
+
+# --------------------------------------------------------------------------- 2. coldplug
+
+COLDPLUG_COMMANDS = {
+    "tpuboot": "systemctl start tpuboot",
+    "baseline": "udevadm trigger --settle --action=add --subsystem-match=pci",
+}
+
+
+def tpuboot_start_split(vm: VM) -> dict[str, float]:
+    """From the journal of tpuboot's last start: exec -> first/last device bound -> READY (s)."""
+    props = unit_properties(
+        vm, "InvocationID", "ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic"
+    )
+    out = vm.run(["journalctl", f"_SYSTEMD_INVOCATION_ID={props['InvocationID']}", "-o", "json"], check=True)
+    bound = [
+        int(entry["__MONOTONIC_TIMESTAMP"])
+        for line in out.stdout.splitlines()
+        if "bound to vfio-pci" in (entry := json.loads(line)).get("MESSAGE", "")
+    ]
+    if not bound:
+        return {}
+    exec_us = int(props["ExecMainStartTimestampMonotonic"])
+    return {
+        "exec_to_first_bound_s": (min(bound) - exec_us) / 1e6,
+        "first_to_last_bound_s": (max(bound) - min(bound)) / 1e6,
+        "exec_to_ready_s": (int(props["ActiveEnterTimestampMonotonic"]) - exec_us) / 1e6,
+    }
+
+
+def run_coldplug(vm: VM, reps: int, report: Report) -> None:
+    addresses = edu_addresses(vm)
+    if len(addresses) != 8:
+        raise BenchError(f"expected 8 edu devices, the guest has {addresses}")
+    check_usable(vm, addresses[0])
+    results: list[dict[str, Any]] = []
+    rebound: list[dict[str, Any]] = []
+    for i in range(reps):
+        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+            for _attempt in range(3):
+                # Unbound with no binder armed and udev idle, then the side armed: a clean start.
+                stop_tpuboot(vm)
+                baseline_rule(vm, False)
+                unbind_all(vm, addresses)
+                vm.run(["udevadm", "settle", "--timeout=60"], timeout=90)
+                baseline_rule(vm, side == "baseline")
+                command = COLDPLUG_COMMANDS[side]
+                data = helper(vm, "coldplug", *addresses, "--command", command, timeout=120)
+                if not data["bound_at_start"]:
+                    break
+                log.warning(
+                    "coldplug %s: %s bound again before the start; again", side, data["bound_at_start"]
+                )
+                rebound.append({"side": side, "rep": i, "bound": data["bound_at_start"]})
+            else:
+                raise BenchError(f"coldplug {side}: devices keep coming back bound: {rebound}")
+            data["side"] = side
+            if side == "tpuboot":
+                data["split"] = tpuboot_start_split(vm)
+            results.append(data)
+            log.info(
+                "coldplug %s: command %.3f s, all usable %.3f s",
+                side,
+                data["command_s"],
+                data["all_usable_s"],
+            )
+    status = vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"]).stdout.strip()
+
+    def per_side(key: str) -> dict[str, list[float]]:
+        return {s: [r[key] for r in results if r["side"] == s and r[key] is not None] for s in SIDES}
+
+    usable, done = per_side("all_usable_s"), per_side("command_s")
+    row = ratio_row(
+        f"coldplug 8: start -> all 8 usable (n={reps})", usable["tpuboot"], usable["baseline"], 0.5
+    )
+    report.add("coldplug", row)
+    report.add(
+        "coldplug",
+        ratio_row("  start -> READY | trigger --settle returns", done["tpuboot"], done["baseline"]),
+    )
+    splits = [r["split"] for r in results if r.get("split")]
+    if splits:
+        first = median([s["exec_to_first_bound_s"] for s in splits])
+        spanned = median([s["first_to_last_bound_s"] for s in splits])
+        ready = median([s["exec_to_ready_s"] for s in splits])
+        report.note(
+            "coldplug",
+            f"tpuboot's journal, medians: exec -> first device bound {first:.3f} s, first -> last of 8 "
+            f"bound {spanned:.3f} s, exec -> READY {ready:.3f} s",
+        )
+    stop_tpuboot(vm)
+    baseline_rule(vm, False)
+    metadata_env = unit_properties(vm, "Environment")["Environment"].split()
+    env_args = [arg for item in metadata_env for arg in ("--env", item)]
+    stamped = helper(vm, "profile", "run", *addresses, *env_args, timeout=120)["runs"]
+    report.note(
+        "coldplug",
+        "`tpuboot run` stamped inside (outside systemd's sandbox, after the timed reps): "
+        + profile_segments(stamped, RUN_SEGMENTS),
+    )
+    if rebound:
+        report.note("coldplug", f"devices found bound again between unbind and start (rep redone): {rebound}")
+    firsts = [min(r["usable_s"].values()) for r in results if r["side"] == "baseline"]
+    report.note("coldplug", f"baseline: first of 8 usable after {spread(firsts)}")
+    report.raw["coldplug"] = {
+        "addresses": addresses,
+        "reps": results,
+        "rebound": rebound,
+        "status": status,
+        "stamped": stamped,
+    }
+
+
+# --------------------------------------------------------------------------- 3. cli
+
+
+def run_cli(vm: VM, runs: int, report: Report) -> None:
+    (address,) = edu_addresses(vm)
+    stop_tpuboot(vm)
+    data = helper(vm, "cli", address, "--runs", str(runs), timeout=600)
+    if data["errors"]:
+        raise BenchError(f"CLI runs failed: {data['errors']}")
+    check_usable(vm, address)
+    imports = helper(vm, "imports", timeout=300)["steps"]
+    stamped = helper(vm, "profile", "bind", address, "--runs", "3", timeout=300)["runs"]
+    times = data["times"]
+    report.add(
+        "cli",
+        ratio_row(
+            f"CLI bind: tpuboot vs bind_to_vfio_pci.sh (n={runs})", times["tpuboot"], times["baseline"], 1.5
+        ),
+    )
+    report.add(
+        "cli", ratio_row("  python3 -c pass | bash -c true", times["python3 -c pass"], times["bash -c true"])
+    )
+    imported = times["import tpuboot.cli"]
+    report.add(
+        "cli", ratio_row("  python3 -c 'import tpuboot.cli' | bash -c true", imported, times["bash -c true"])
+    )
+    total_s = sum(step["s"] for step in imports)
+    cli_s = sum(step["s"] for step in imports[:3])  # interpreter, yaml, rest of tpuboot.cli
+    report.note(
+        "cli",
+        "start-up of a fresh python3, step by step (best of 2; +wall, +RSS): "
+        + "; ".join(f"{s['step']} +{s['s'] * 1000:.0f} ms +{s['rss_kib'] / 1024:.1f} MiB" for s in imports)
+        + f". `tpuboot bind` pays the first three ({cli_s:.2f} s), `tpuboot run` all ({total_s:.2f} s)",
+    )
+    report.note(
+        "cli", "`tpuboot bind` stamped inside (median of 3): " + profile_segments(stamped, BIND_SEGMENTS)
+    )
+    report.raw["cli"] = {"address": address, **data, "imports": imports, "stamped": stamped}
+
+
+# --------------------------------------------------------------------------- 4. idle
+
+
+def thread_role(thread: dict[str, Any]) -> str:
+    """What a tpuboot thread is, from where it blocks (Python 3.11 does not name OS threads)."""
+    if thread["main"]:
+        return "main: asyncio loop (udev monitor, watchdog timer)"
+    if thread["syscall"] in ("poll", "recvfrom", "read"):
+        return "metadata watch (long-poll on a socket)"
+    if thread["syscall"] == "futex":
+        return "worker (idle on its queue)"
+    return f"blocked in {thread['syscall']}"
+
+
+def systemd_seconds(span: str) -> float:
+    """A systemd time span as ``systemctl show`` prints it (``1min 30s``, ``500ms``) in seconds."""
+    units = {"h": 3600.0, "min": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([\d.]+)\s*(h|min|ms|us|s)", span))
+
+
+class IdleFamily:
+    """Family 4 in the background: the guest boots in front, its 60 s window runs in a thread."""
+
+    def __init__(self, artifacts: Artifacts, image: Path, window: float) -> None:
+        self.artifacts, self.image, self.window = artifacts, image, window
+        self._guest = ExitStack()
+        self._thread: threading.Thread | None = None
+        self._result: dict[str, Any] = {}
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        with ExitStack() as on_error:
+            on_error.callback(self.close)
+            vm = self._guest.enter_context(
+                booted(self.artifacts, self.image, "idle", devices=["edu", "virtio-rng-pci"])
+            )
+            props = unit_properties(vm, "MainPID", "WatchdogUSec", "StatusText")
+            on_error.pop_all()
+        self._result["unit"] = props
+
+        def measure() -> None:
+            try:
+                self._result["data"] = helper(
+                    vm, "idle", props["MainPID"], "--window", str(self.window), timeout=self.window + 90
+                )
+            except BaseException as exc:  # reported by finish(), in the main thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=measure, name="idle-window", daemon=True)
+        self._thread.start()
+        log.info("idle: %.0f s window started", self.window)
+
+    def finish(self, report: Report) -> None:
+        """Wait for the window (bounded), stop the guest, add the rows; once."""
+        if self._thread is None:
+            return
+        thread, self._thread = self._thread, None
+        thread.join(timeout=self.window + 120)
+        self.close()
+        if thread.is_alive():
+            raise BenchError("idle: the measurement did not end")
+        if self._error is not None:
+            raise self._error
+        idle_report(self._result["data"], self._result["unit"], report)
+
+    def close(self) -> None:
+        """Kill the idle guest (safe to call twice)."""
+        self._guest.close()
+
+
+def idle_report(data: dict[str, Any], unit: dict[str, str], report: Report) -> None:
+    window = data["window_s"]
+    ping_s = systemd_seconds(unit["WatchdogUSec"]) / 2
+    pings = int(window // ping_s) if ping_s else 0
+    polls = int(window // LONG_POLL_S)
+    rss, sleeper = data["rss_kib"] / 1024, data["sleeper_rss_kib"] / 1024
+    report.add(
+        "idle",
+        Row("idle RSS: daemon | sleeping python3", f"{rss:.1f} MiB", f"{sleeper:.1f} MiB", rss / sleeper,
+            f"<= {RSS_GOAL_MIB:g} MiB", "PASS" if rss <= RSS_GOAL_MIB else "FAIL"),
+    )  # fmt: skip
+    ticks = sum(t["ticks"] for t in data["threads"])
+    report.add("idle", Row(f"idle CPU over {window:.0f} s (utime+stime)", f"{ticks} ticks", "", None))
+    unexpected = 0
+    per_role: dict[str, int] = {}
+    for t in data["threads"]:
+        role = thread_role(t)
+        if t["main"]:
+            allowed = pings + 1
+        elif role.startswith("metadata"):
+            allowed = 2 * (polls + 1)  # the response wakes it; a reconnect may add one more
+        else:
+            allowed = 0
+        unexpected += max(t["voluntary"] - allowed, 0)
+        short = role.split(" ")[0].rstrip(":")
+        per_role[short] = per_role.get(short, 0) + t["voluntary"]
+        report.note(
+            "idle",
+            f"tid {t['tid']} {role}: {t['voluntary']} voluntary + {t['involuntary']} involuntary "
+            f"switches, {t['timeslices']} timeslices, {t['ticks']} ticks",
+        )
+    woke = ", ".join(f"{role} {n}" for role, n in per_role.items())
+    report.add(
+        "idle",
+        Row(f"idle wakeups over {window:.0f} s, per thread", woke,
+            f"expected: {pings} pings + <= {polls + 1} long-poll", None, "watchdog + long-poll only",
+            "PASS" if unexpected == 0 else f"FAIL (+{unexpected})"),
+    )  # fmt: skip
+    report.note(
+        "idle",
+        f"WatchdogSec={unit['WatchdogUSec']}: a ping every {ping_s:g} s; RSS "
+        f"{data['rss_anon_kib'] / 1024:.1f} MiB anon + {data['rss_file_kib'] / 1024:.1f} MiB file; "
+        f"status: {unit['StatusText']}",
+    )
+    report.raw["idle"] = {"unit": unit, **data}
+
+
+# --------------------------------------------------------------------------- image, table, main
+
+
+def bench_install_hook(deb: Path) -> InstallHook:
+    """tpuboot from its .deb as the tests install it, plus the baseline files and the guest helper."""
+    package = package_install_hook(deb)
+
+    def install(tree: Path) -> None:
+        package(tree)
+        libexec = in_tree(tree, BENCH_LIBEXEC)
+        libexec.mkdir(parents=True, exist_ok=True)
+        shutil.copy(HERE / "bind_guest.py", libexec / "bind_guest.py")
+        shutil.copy(HERE / "baseline" / RULE_NAME, libexec / RULE_NAME)
+        handler = in_tree(tree, HANDLER)
+        shutil.copy(HERE / "baseline" / "bind_to_vfio_pci.sh", handler)
+        handler.chmod(0o755)
+
+    return install
+
+
+def print_table(report: Report) -> None:
+    header = ("metric", "tpuboot", "baseline", "ratio", "goal", "verdict")
+    rows = [r for f in FAMILIES for r in report.rows.get(f, [])]
+    lines = [
+        (r.metric, r.tpuboot, r.baseline, "" if r.ratio is None else f"{r.ratio:.2f}x", r.goal, r.verdict)
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+    print()
+    for line in [header, tuple("-" * w for w in widths), *lines]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    print()
+    for family in FAMILIES:
+        for note in report.notes.get(family, []):
+            print(f"* {family}: {note}")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bind_bench", description="tpuboot vs the documented udev rule + script."
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument(
+        "--only", default=",".join(FAMILIES), help=f"families to run (default {','.join(FAMILIES)})"
+    )
+    parser.add_argument("--reps", type=int, default=6, help="hotplug adds per side (default 6)")
+    parser.add_argument("--coldplug-reps", type=int, default=3, help="coldplug runs per side (default 3)")
+    parser.add_argument("--cli-runs", type=int, default=10, help="CLI runs per side (default 10)")
+    parser.add_argument("--idle-window", type=float, default=60.0, help="idle window in s (default 60)")
+    args = parser.parse_args(argv)
+    args.families = [f.strip() for f in args.only.split(",") if f.strip()]
+    if unknown := set(args.families) - set(FAMILIES):
+        parser.error(f"unknown families {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    started = time.monotonic()
+
+    def probe(kernel: Any, initrd: Path) -> None:  # overlaps the KVM/TCG probe with the builds
+        threading.Thread(target=select_accel, args=(kernel.boot_image, initrd), daemon=True).start()
+
+    artifacts = ensure_artifacts(on_boot_files=probe)
+    work = Path(tempfile.mkdtemp(prefix="bindbench-", dir=cache_dir()))
+    report = Report()
+    crowd: dict[str, float] = {}
+    measures: dict[str, tuple[dict[str, Any], Callable[[VM], None]]] = {
+        "hotplug": ({"hotplug_ports": 1}, lambda vm: run_hotplug(vm, args.reps, report)),
+        "coldplug": ({"devices": ["edu"] * 8}, lambda vm: run_coldplug(vm, args.coldplug_reps, report)),
+        "cli": ({"devices": ["edu"]}, lambda vm: run_cli(vm, args.cli_runs, report)),
+    }
+    idle: IdleFamily | None = None
+    try:
+        deb = build_deb(work / "deb")
+        image = build_image(artifacts, work / "bindbench.ext4", bench_install_hook(deb))
+        if "idle" in args.families:
+            idle = IdleFamily(artifacts, image, args.idle_window)
+            idle.start()
+        for name in (f for f in FAMILIES if f in args.families and f != "idle"):
+            kwargs, measure = measures[name]
+            with booted(artifacts, image, name, **kwargs) as vm:
+                if idle is not None:
+                    idle.finish(report)  # no timing while the idle window runs
+                t, load = time.monotonic(), HostLoad()
+                measure(vm)
+                crowd[name] = round(load.others_cores(), 2)
+                log.info("%s: measured in %.0f s", name, time.monotonic() - t)
+        if idle is not None:
+            idle.finish(report)
+    finally:
+        if idle is not None:
+            idle.close()
+        remove_tree(work)
+    report.raw["total_s"] = time.monotonic() - started
+    report.raw["host_cores_used_by_others"] = crowd
+    print_table(report)
+    if crowd:
+        load = ", ".join(f"{name} {cores:.2f}" for name, cores in crowd.items())
+        print(f"* host: cores kept busy by other processes while measuring (of {os.cpu_count()}): {load}")
+    print(f"\ntotal {report.raw['total_s']:.0f} s")
+    if args.json:
+        payload = {
+            "rows": {f: [asdict(r) for r in rows] for f, rows in report.rows.items()},
+            "notes": report.notes,
+            "raw": report.raw,
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

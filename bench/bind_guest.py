@@ -1,0 +1,449 @@
+#!/usr/bin/python3
+"""Guest side of ``bench.bind_bench``: the clocks and waiters that run inside the VM (stdlib only).
+
+Copied into the guest image as ``/usr/local/libexec/tpuboot-bench/bind_guest.py``. Each
+subcommand prints one JSON object on stdout; times are guest CLOCK_MONOTONIC seconds.
+
+* ``hotplug ADDR``: wait for ADDR to appear and become usable by ``tester``; phase times.
+  Writes short markers on the console (ttyS0) when ready to wait and when usable, so the host
+  can stamp the moment on its own clock (the console is a file the host polls).
+* ``coldplug ADDR... --command CMD``: run CMD as root, then (as ``tester``) poll until every ADDR is
+  usable; when CMD returned and when each ADDR became usable, relative to CMD's start. Runs
+  nothing, and says which, if an ADDR is bound already.
+* ``unbind ADDR...``: back to no driver and no driver_override (the state after a hot add).
+* ``cli ADDR --runs N``: wall time of ``tpuboot bind`` and of the baseline script, interleaved
+  ABBA, the device unbound before each run; plus the Python start-up floor.
+* ``imports``: what each import step of ``tpuboot run`` adds in wall time and RSS.
+* ``profile bind|run ADDR...``: tpuboot's main() with stamps around its imports and key functions.
+* ``idle PID``: per-thread wakeups, CPU ticks and RSS of PID over the life of a
+  ``python3 -c 'import time; time.sleep(60)'`` process, whose RSS is the baseline.
+
+"Usable" is the real proof: the VFIO type1 walk of ``vfio_read.py`` (container, group, IOMMU,
+device fd, BAR0 read = 0x010000ed) done in-process as uid ``tester``, so a poll costs an
+open() and not a Python start-up. A cheap gate (the node's mode lets others read and write)
+comes first; the gate is necessary for tester's access, so it delays nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import grp
+import json
+import os
+import pwd
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+sys.path.insert(0, "/usr/local/libexec/tpuboot-test")
+from vfio_read import Failure, read_bar0
+
+EDU_ID = 0x010000ED
+TESTER = "tester"
+CONSOLE = "/dev/ttyS0"
+BASELINE_SCRIPT = "/lib/udev/bind_to_vfio_pci.sh"
+SYS_CLOCK_NANOSLEEP = 230  # x86_64
+SYS_NAMES = {0: "read", 7: "poll", 45: "recvfrom", 202: "futex", 232: "epoll_wait", 270: "pselect6"}
+
+
+def now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def drop_to(user: str) -> None:
+    """Become ``user`` for good (groups, gid, uid): what follows proves unprivileged access."""
+    entry = pwd.getpwnam(user)
+    os.setgroups([g.gr_gid for g in grp.getgrall() if user in g.gr_mem])
+    os.setgid(entry.pw_gid)
+    os.setuid(entry.pw_uid)
+
+
+def group_of(addr: str) -> str | None:
+    try:
+        return os.path.basename(os.readlink(f"/sys/bus/pci/devices/{addr}/iommu_group"))
+    except OSError:
+        return None
+
+
+def driver_of(addr: str) -> str | None:
+    try:
+        return os.path.basename(os.readlink(f"/sys/bus/pci/devices/{addr}/driver"))
+    except OSError:
+        return None
+
+
+def node_open_to_all(group: str) -> bool:
+    try:
+        return os.stat(f"/dev/vfio/{group}").st_mode & 0o006 == 0o006
+    except OSError:
+        return False
+
+
+def readable(addr: str) -> bool:
+    """vfio_read.py's walk in-process; closes whatever fds a failed attempt left open."""
+    before = set(os.listdir("/proc/self/fd"))
+    try:
+        return read_bar0(addr) == EDU_ID
+    except (Failure, OSError):
+        return False
+    finally:
+        for fd in set(os.listdir("/proc/self/fd")) - before:
+            with contextlib.suppress(OSError):
+                os.close(int(fd))
+
+
+def unbind(addr: str) -> None:
+    """Back to no driver and no override, as ``tpuboot unbind`` leaves an edu device."""
+    dev = f"/sys/bus/pci/devices/{addr}"
+    with open(f"{dev}/driver_override", "w") as f:
+        f.write("\n")
+    if os.path.exists(f"{dev}/driver"):
+        with open(f"{dev}/driver/unbind", "w") as f:
+            f.write(addr)
+
+
+# --------------------------------------------------------------------------- hotplug
+
+
+def cmd_hotplug(args: argparse.Namespace) -> int:
+    console = os.open(CONSOLE, os.O_WRONLY | os.O_NOCTTY)
+    drop_to(TESTER)
+    marks: dict[str, float | None] = dict.fromkeys(("appear", "bound", "node", "mode", "usable"))
+    dev = f"/sys/bus/pci/devices/{args.addr}"
+    group: str | None = None
+    start = now()
+    os.write(console, f"\n{args.tag}r{start:.6f}\n".encode())
+    deadline = start + args.timeout
+    while now() < deadline:
+        if marks["appear"] is None and os.path.isdir(dev):
+            marks["appear"] = now()
+        if marks["appear"] is not None:
+            if marks["bound"] is None and driver_of(args.addr) == "vfio-pci":
+                marks["bound"] = now()
+            group = group or group_of(args.addr)
+            if group is not None:
+                if marks["node"] is None and os.path.exists(f"/dev/vfio/{group}"):
+                    marks["node"] = now()
+                if node_open_to_all(group):
+                    marks["mode"] = marks["mode"] or now()
+                    if readable(args.addr):
+                        marks["usable"] = t = now()
+                        os.write(console, f"\n{args.tag}u{t:.6f}\n".encode())
+                        break
+        time.sleep(args.interval)
+    print(json.dumps({"start": start, **marks}))
+    return 0 if marks["usable"] is not None else 1
+
+
+# --------------------------------------------------------------------------- coldplug
+
+
+def cmd_coldplug(args: argparse.Namespace) -> int:
+    groups = {a: group_of(a) for a in args.addr}
+    already = [a for a in args.addr if driver_of(a) is not None]  # a valid run starts from none
+    if already:
+        print(json.dumps({"bound_at_start": already}))
+        return 0
+    start = now()
+    proc = subprocess.Popen(args.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    drop_to(TESTER)
+    usable: dict[str, float] = {}
+    done: float | None = None
+    deadline = start + args.timeout
+    while now() < deadline and (done is None or len(usable) < len(groups)):
+        if done is None and proc.poll() is not None:
+            done = now() - start
+        for addr, group in groups.items():
+            if addr not in usable and group and node_open_to_all(group) and readable(addr):
+                usable[addr] = now() - start
+        time.sleep(args.interval)
+    stderr = proc.stderr.read().decode(errors="replace") if done is not None and proc.stderr else ""
+    result = {
+        "command_s": done,
+        "rc": proc.returncode,
+        "stderr": stderr[-2000:],
+        "usable_s": usable,
+        "all_usable_s": max(usable.values()) if len(usable) == len(groups) else None,
+        "bound_at_start": [],
+    }
+    print(json.dumps(result))
+    return 0 if result["all_usable_s"] is not None and proc.returncode == 0 else 1
+
+
+# --------------------------------------------------------------------------- cli
+
+
+def timed(argv: Sequence[str]) -> tuple[float, subprocess.CompletedProcess[bytes]]:
+    t0 = now()
+    done = subprocess.run(argv, capture_output=True, timeout=60, check=False)
+    return now() - t0, done
+
+
+def cmd_cli(args: argparse.Namespace) -> int:
+    commands = {"tpuboot": ["tpuboot", "bind", args.addr], "baseline": [BASELINE_SCRIPT, args.addr]}
+    floors = {
+        "python3 -c pass": ["python3", "-c", "pass"],
+        "import tpuboot.cli": ["python3", "-c", "import tpuboot.cli"],
+        "bash -c true": ["bash", "-c", "true"],
+    }
+    times: dict[str, list[float]] = {name: [] for name in [*commands, *floors]}
+    errors: list[str] = []
+    for argv in commands.values():  # warm-up: page cache, vfio-pci already loaded
+        unbind(args.addr)
+        timed(argv)
+    for i in range(args.runs):
+        order = list(commands) if i % 2 == 0 else list(commands)[::-1]
+        for name in order:
+            unbind(args.addr)
+            seconds, done = timed(commands[name])
+            group = group_of(args.addr)
+            ok = done.returncode == 0 and driver_of(args.addr) == "vfio-pci" and group is not None
+            if not (ok and group is not None and node_open_to_all(group)):
+                errors.append(f"{name} run {i}: rc {done.returncode}: {done.stderr.decode()[-300:]}")
+            times[name].append(seconds)
+    for name, argv in floors.items():
+        for _ in range(args.floor_runs):
+            times[name].append(timed(argv)[0])
+    print(json.dumps({"times": times, "errors": errors}))
+    return 1 if errors else 0
+
+
+# --------------------------------------------------------------------------- imports
+
+# Cumulative steps in the order `tpuboot run` meets them: `tpuboot bind` stops after tpuboot.cli.
+IMPORT_STEPS = (
+    ("yaml", "yaml"),
+    ("rest of tpuboot.cli", "tpuboot.cli"),
+    ("asyncio", "asyncio"),
+    ("systemd.daemon", "systemd.daemon"),
+    ("pyudev", "pyudev"),
+    ("requests", "requests"),
+    ("rest of tpuboot.daemon/envsync/metadata", "tpuboot.daemon, tpuboot.envsync, tpuboot.metadata"),
+)
+_IMPORT_SCRIPT = """
+import json, sys, time
+def report(step):
+    rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+    print(json.dumps([step, time.clock_gettime(time.CLOCK_MONOTONIC), rss]), flush=True)
+report("interpreter")
+for step, modules in json.loads(sys.argv[1]):
+    exec("import " + modules)
+    report(step)
+"""
+
+
+def cmd_imports(args: argparse.Namespace) -> int:
+    """Wall time and RSS each import step adds, from a fresh interpreter (best of ``--runs``)."""
+    best: dict[str, list[float]] = {}
+    for _ in range(args.runs):
+        start = now()
+        out = subprocess.run(
+            ["python3", "-c", _IMPORT_SCRIPT, json.dumps(IMPORT_STEPS)],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        previous, previous_rss = start, 0
+        for line in out.stdout.splitlines():
+            step, at, rss = json.loads(line)
+            cost = [at - previous, rss - previous_rss]
+            best[step] = [min(a, b) for a, b in zip(best.get(step, cost), cost, strict=True)]
+            previous, previous_rss = at, rss
+    print(json.dumps({"steps": [{"step": k, "s": v[0], "rss_kib": v[1]} for k, v in best.items()]}))
+    return 0
+
+
+# --------------------------------------------------------------------------- profile
+
+# Runs tpuboot's own main() with monotonic stamps around its imports and key functions; the
+# stamps are seconds since the parent spawned this interpreter (argv[1]).
+_PROFILE_SCRIPT = """
+import functools, json, os, signal, sys, time
+T0, mode, argv = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
+events = []
+def stamp(what):
+    events.append((what, time.clock_gettime(time.CLOCK_MONOTONIC) - T0))
+stamp("interpreter")
+import tpuboot.cli as cli
+stamp("import tpuboot.cli")
+if mode == "run":
+    import tpuboot.daemon, tpuboot.envsync, tpuboot.metadata
+    stamp("import daemon, envsync, metadata")
+    import pyudev
+    stamp("import pyudev")
+def wrap(owner, name):
+    inner = getattr(owner, name)
+    @functools.wraps(inner)
+    def traced(*args, **kwargs):
+        stamp("> " + name)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            stamp("< " + name)
+    setattr(owner, name, traced)
+from tpuboot.vfio import Binder
+for name in ("bind", "_attach", "prepare_node"):
+    wrap(Binder, name)
+wrap(cli, "load_config")
+if mode == "run":
+    from tpuboot.envsync import EnvSync
+    from tpuboot.notify import Notifier
+    wrap(EnvSync, "sync_once")
+    wrap(tpuboot.daemon, "open_udev_monitor")
+    def ready(self, line):
+        stamp("READY")
+        os.kill(os.getpid(), signal.SIGTERM)
+    Notifier.ready = ready
+rc = cli.main(argv)
+stamp("main returned")
+print(json.dumps(events))
+sys.exit(rc)
+"""
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """tpuboot's own code, stamped: where ``tpuboot bind`` or ``tpuboot run``'s coldplug spend time."""
+    env = dict(os.environ, **dict(item.split("=", 1) for item in args.env))
+    argv = ["bind", args.addr[0]] if args.mode == "bind" else ["run"]
+    runs = []
+    for _ in range(args.runs):
+        for addr in args.addr:
+            unbind(addr)
+        start = now()
+        done = subprocess.run(
+            ["python3", "-c", _PROFILE_SCRIPT, str(start), args.mode, *argv],
+            capture_output=True, text=True, timeout=120, env=env, check=False,
+        )  # fmt: skip
+        wall = now() - start
+        if done.returncode != 0:
+            print(json.dumps({"error": done.stderr[-2000:]}))
+            return 1
+        runs.append({"wall": wall, "events": json.loads(done.stdout.splitlines()[-1])})
+    print(json.dumps({"runs": runs}))
+    return 0
+
+
+# --------------------------------------------------------------------------- idle
+
+
+def _fields(path: str) -> dict[str, str]:
+    with open(path) as f:
+        return dict(line.split(":", 1) for line in f if ":" in line)
+
+
+def _kib(status: dict[str, str], key: str) -> int:
+    return int(status[key].split()[0])
+
+
+def thread_snapshot(pid: int) -> dict[str, dict[str, Any]]:
+    """Per thread: name, blocking syscall, context switches, timeslices, CPU ticks."""
+    threads: dict[str, dict[str, Any]] = {}
+    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+        base = f"/proc/{pid}/task/{tid}"
+        try:
+            status = _fields(f"{base}/status")
+            with open(f"{base}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            with open(f"{base}/schedstat") as f:
+                timeslices = int(f.read().split()[2])
+            with open(f"{base}/syscall") as f:
+                syscall = f.read().split()[0]
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended meanwhile
+        nr = int(syscall) if syscall.isdigit() else -1
+        threads[tid] = {
+            "name": status["Name"].strip(),
+            "main": tid == str(pid),
+            "syscall": SYS_NAMES.get(nr, syscall),
+            "voluntary": int(status["voluntary_ctxt_switches"]),
+            "involuntary": int(status["nonvoluntary_ctxt_switches"]),
+            "timeslices": timeslices,
+            "ticks": int(stat[11]) + int(stat[12]),  # utime + stime (fields 14, 15)
+        }
+    return threads
+
+
+def cmd_idle(args: argparse.Namespace) -> int:
+    sleeper = subprocess.Popen(["python3", "-c", f"import time; time.sleep({args.window})"])
+    deadline = now() + 30
+    while now() < deadline:  # the window starts once the sleeper sleeps: its RSS is final
+        with open(f"/proc/{sleeper.pid}/syscall") as f:
+            if f.read().split()[0] == str(SYS_CLOCK_NANOSLEEP):
+                break
+        time.sleep(0.01)
+    sleeper_rss = _kib(_fields(f"/proc/{sleeper.pid}/status"), "VmRSS")
+    before, t0 = thread_snapshot(args.pid), now()
+    sleeper.wait(timeout=args.window + 30)
+    after, t1 = thread_snapshot(args.pid), now()
+    status = _fields(f"/proc/{args.pid}/status")
+    threads = []
+    for tid, end in after.items():
+        start = before.get(tid, {"voluntary": 0, "involuntary": 0, "timeslices": 0, "ticks": 0})
+        deltas = {k: end[k] - start[k] for k in ("voluntary", "involuntary", "timeslices", "ticks")}
+        threads.append({"tid": int(tid), **end, **deltas, "new": tid not in before})
+    result = {
+        "window_s": t1 - t0,
+        "rss_kib": _kib(status, "VmRSS"),
+        "rss_anon_kib": _kib(status, "RssAnon"),
+        "rss_file_kib": _kib(status, "RssFile"),
+        "sleeper_rss_kib": sleeper_rss,
+        "threads": threads,
+        "gone": sorted(set(before) - set(after)),
+        "clk_tck": os.sysconf("SC_CLK_TCK"),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_unbind(args: argparse.Namespace) -> int:
+    for addr in args.addr:
+        unbind(addr)
+    print(json.dumps({addr: driver_of(addr) for addr in args.addr}))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("hotplug")
+    p.add_argument("addr")
+    p.add_argument("--tag", required=True)
+    p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--interval", type=float, default=0.005)
+    p.set_defaults(func=cmd_hotplug)
+    p = sub.add_parser("coldplug")
+    p.add_argument("addr", nargs="+")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--interval", type=float, default=0.01)
+    p.add_argument("--command", required=True, type=shlex.split, help="shell words, run as root")
+    p.set_defaults(func=cmd_coldplug)
+    p = sub.add_parser("unbind")
+    p.add_argument("addr", nargs="+")
+    p.set_defaults(func=cmd_unbind)
+    p = sub.add_parser("cli")
+    p.add_argument("addr")
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--floor-runs", type=int, default=3)
+    p.set_defaults(func=cmd_cli)
+    p = sub.add_parser("imports")
+    p.add_argument("--runs", type=int, default=2)
+    p.set_defaults(func=cmd_imports)
+    p = sub.add_parser("profile")
+    p.add_argument("mode", choices=("bind", "run"))
+    p.add_argument("addr", nargs="+", help="unbound before each run; bind mode binds the first")
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_profile)
+    p = sub.add_parser("idle")
+    p.add_argument("pid", type=int)
+    p.add_argument("--window", type=float, default=60.0)
+    p.set_defaults(func=cmd_idle)
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
