@@ -70,8 +70,9 @@ class ContainerSpec:
 def docker_client(socket_path: str = DOCKER_SOCKET) -> Any:
     import docker
 
-    # A fixed API version: "auto" would ask dockerd at construction. 1.41 is docker 20.10 (Debian 12).
-    return docker.DockerClient(base_url=f"unix://{socket_path}", version="1.41", timeout=60)
+    # "auto": the API version dockerd speaks (newer engines refuse old fixed versions). It asks
+    # dockerd at once, so an absent dockerd raises here, inside DockerRuntime.start.
+    return docker.DockerClient(base_url=f"unix://{socket_path}", version="auto", timeout=60)
 
 
 def _unreachable(exc: BaseException) -> bool:
