@@ -61,6 +61,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -76,7 +77,7 @@ from tests.vm.agent import Result
 from tests.vm.artifacts import Artifacts, InstallHook, build_image, ensure_artifacts, in_tree, remove_tree
 from tests.vm.hostenv import cache_dir
 from tests.vm.machine import VM
-from tests.vm.tpuboot_guest import EDU, EDU_ID_REGISTER, VFIO_READ, build_deb, package_install_hook
+from tests.vm.tpuboot_guest import EDU, EDU_ID_REGISTER, MDS_PORT, VFIO_READ, build_deb, package_install_hook
 
 log = logging.getLogger("bench.bind")
 
@@ -611,15 +612,25 @@ def run_cli(vm: VM, runs: int, report: Report) -> None:
 # --------------------------------------------------------------------------- 4. idle
 
 
-def thread_role(thread: dict[str, Any]) -> str:
-    """What a tpuboot thread is, from where it blocks (Python 3.11 does not name OS threads)."""
+def thread_role(thread: dict[str, Any]) -> tuple[str, str]:
+    """A short role and a description of a tpuboot thread, from the call it sleeps in and on what.
+
+    Python 3.11 gives its threads no kernel name, so this is how the threads are told apart.
+    """
+    call = thread["syscall"]
+    if "timeout_ms" in thread:
+        call += " (no timeout)" if thread["timeout_ms"] < 0 else f" (timeout {thread['timeout_ms']} ms)"
+    waits_on = thread.get("waits_on", "")
+    where = f"{call} on {waits_on}" if waits_on else call
     if thread["main"]:
-        return "main: asyncio loop (udev monitor, watchdog timer)"
-    if thread["syscall"] in ("poll", "recvfrom", "read"):
-        return "metadata watch (long-poll on a socket)"
+        return "main", f"main thread, asyncio loop: {where}"
+    if "listening on" in waits_on:
+        return "server", f"server thread: {where}"
+    if waits_on.endswith(f":{MDS_PORT}"):
+        return "metadata-watch", f"metadata watch: {where}"
     if thread["syscall"] == "futex":
-        return "worker (idle on its queue)"
-    return f"blocked in {thread['syscall']}"
+        return "idle", "waits on a lock or queue (futex): pool worker or a thread being joined"
+    return "other", where
 
 
 def systemd_seconds(span: str) -> float:
@@ -694,15 +705,11 @@ def idle_report(data: dict[str, Any], unit: dict[str, str], report: Report) -> N
     unexpected = 0
     per_role: dict[str, int] = {}
     for t in data["threads"]:
-        role = thread_role(t)
-        if t["main"]:
-            allowed = pings + 1
-        elif role.startswith("metadata"):
-            allowed = 2 * (polls + 1)  # the response wakes it; a reconnect may add one more
-        else:
-            allowed = 0
+        short, role = thread_role(t)
+        # The watchdog pings wake the main thread; a long-poll's end wakes the watch (a reconnect
+        # may add one more); nothing else should run.
+        allowed = {"main": pings + 1, "metadata-watch": 2 * (polls + 1)}.get(short, 0)
         unexpected += max(t["voluntary"] - allowed, 0)
-        short = role.split(" ")[0].rstrip(":")
         per_role[short] = per_role.get(short, 0) + t["voluntary"]
         report.note(
             "idle",
@@ -743,6 +750,24 @@ def bench_install_hook(deb: Path) -> InstallHook:
         handler.chmod(0o755)
 
     return install
+
+
+def tree_revision() -> str:
+    """The commit measured, and whether tpuboot's files had uncommitted changes (the .deb has them)."""
+    git = ["git", "-c", "safe.directory=*", "-C", str(HERE.parent)]
+    try:
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", "tpuboot", "debian", "systemd", "udev", "conf"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
 
 
 def print_table(report: Report) -> None:
@@ -799,6 +824,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cli": ({"devices": ["edu"]}, lambda vm: run_cli(vm, args.cli_runs, report)),
     }
     idle: IdleFamily | None = None
+    revision = tree_revision()
     try:
         deb = build_deb(work / "deb")
         image = build_image(artifacts, work / "bindbench.ext4", bench_install_hook(deb))
@@ -821,12 +847,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             idle.close()
         remove_tree(work)
     report.raw["total_s"] = time.monotonic() - started
+    report.raw["revision"] = revision
     report.raw["host_cores_used_by_others"] = crowd
     print_table(report)
     if crowd:
         load = ", ".join(f"{name} {cores:.2f}" for name, cores in crowd.items())
         print(f"* host: cores kept busy by other processes while measuring (of {os.cpu_count()}): {load}")
-    print(f"\ntotal {report.raw['total_s']:.0f} s")
+    print(f"\ntpuboot {revision}; total {report.raw['total_s']:.0f} s")
     if args.json:
         payload = {
             "rows": {f: [asdict(r) for r in rows] for f, rows in report.rows.items()},

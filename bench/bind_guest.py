@@ -47,7 +47,12 @@ TESTER = "tester"
 CONSOLE = "/dev/ttyS0"
 BASELINE_SCRIPT = "/lib/udev/bind_to_vfio_pci.sh"
 SYS_CLOCK_NANOSLEEP = 230  # x86_64
-SYS_NAMES = {0: "read", 7: "poll", 45: "recvfrom", 202: "futex", 232: "epoll_wait", 270: "pselect6"}
+# x86_64 numbers of the calls an idle thread blocks in; the value says where its fd argument is.
+SYS_CALLS: dict[int, tuple[str, str | None]] = {
+    0: ("read", "fd"), 7: ("poll", "pollfd"), 23: ("select", None), 45: ("recvfrom", "fd"),
+    47: ("recvmsg", "fd"), 61: ("wait4", None), 202: ("futex", None), 230: ("clock_nanosleep", None),
+    232: ("epoll_wait", "fd"), 270: ("pselect6", None), 271: ("ppoll", "pollfd"), 281: ("epoll_pwait", "fd"),
+}  # fmt: skip
 
 
 def now() -> float:
@@ -337,6 +342,61 @@ def _kib(status: dict[str, str], key: str) -> int:
     return int(status[key].split()[0])
 
 
+def _hex_endpoint(text: str) -> str:
+    """``0100007F:1F90`` (as /proc/net/tcp writes it) -> ``127.0.0.1:8080``; IPv6 kept in hex."""
+    addr, port = text.split(":")
+    host = ".".join(str(b) for b in bytes.fromhex(addr)[::-1]) if len(addr) == 8 else f"[{addr}]"
+    return f"{host}:{int(port, 16)}"
+
+
+def describe_fd(pid: int, fd: int) -> str:
+    """What fd ``fd`` of ``pid`` is: a TCP endpoint (listening or connected), a socket kind, a path."""
+    try:
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return f"fd {fd}"
+    if not (link.startswith("socket:[") or link.startswith("anon_inode:")):
+        return link
+    inode = link.removeprefix("socket:[").rstrip("]")
+    for table in ("tcp", "tcp6", "udp", "udp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[9] == inode:
+                    local, remote = _hex_endpoint(cols[1]), _hex_endpoint(cols[2])
+                    return (
+                        f"{table} listening on {local}" if cols[3] == "0A" else f"{table} {local} -> {remote}"
+                    )
+    for table in ("netlink", "unix"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            if any(inode in line.split() for line in f.readlines()[1:]):
+                return f"{table} socket"
+    return link
+
+
+def blocked_in(pid: int, tid: str) -> dict[str, Any]:
+    """The system call a thread sleeps in, its timeout (ms, where the call has one) and what it waits on."""
+    with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+        fields = f.read().split()
+    if not fields or not fields[0].isdigit():
+        return {"syscall": fields[0] if fields else "?"}
+    nr, args = int(fields[0]), [int(x, 16) for x in fields[1:7]]
+    name, fd_kind = SYS_CALLS.get(nr, (f"syscall {nr}", None))
+    info: dict[str, Any] = {"syscall": name}
+    if nr in (7, 232, 281):  # poll(fds, nfds, timeout), epoll_wait(epfd, events, max, timeout)
+        timeout = args[2] if nr == 7 else args[3]
+        info["timeout_ms"] = timeout - (1 << 32) if timeout >= 1 << 31 else timeout
+    fd = None
+    if fd_kind == "fd":
+        fd = args[0]
+    elif fd_kind == "pollfd" and args[1] >= 1:  # the first struct pollfd {int fd; short; short}
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            fd = int.from_bytes(os.pread(mem.fileno(), 4, args[0]), "little", signed=True)
+    if fd is not None and fd >= 0:
+        info["waits_on"] = describe_fd(pid, fd)
+    return info
+
+
 def thread_snapshot(pid: int) -> dict[str, dict[str, Any]]:
     """Per thread: name, blocking syscall, context switches, timeslices, CPU ticks."""
     threads: dict[str, dict[str, Any]] = {}
@@ -348,15 +408,13 @@ def thread_snapshot(pid: int) -> dict[str, dict[str, Any]]:
                 stat = f.read().rsplit(")", 1)[1].split()
             with open(f"{base}/schedstat") as f:
                 timeslices = int(f.read().split()[2])
-            with open(f"{base}/syscall") as f:
-                syscall = f.read().split()[0]
+            blocked = blocked_in(pid, tid)
         except (OSError, IndexError, ValueError):
             continue  # the thread ended meanwhile
-        nr = int(syscall) if syscall.isdigit() else -1
         threads[tid] = {
             "name": status["Name"].strip(),
             "main": tid == str(pid),
-            "syscall": SYS_NAMES.get(nr, syscall),
+            **blocked,
             "voluntary": int(status["voluntary_ctxt_switches"]),
             "involuntary": int(status["nonvoluntary_ctxt_switches"]),
             "timeslices": timeslices,
