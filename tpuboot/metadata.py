@@ -144,20 +144,23 @@ def metadata_base_url(config_host: str | None = None, environ: Mapping[str, str]
 
 
 class _FailureLog:
-    """Logs a failure when its kind changes, and recovery once; not every try."""
+    """Logs each kind of failure once until the server answers again, then the recovery once.
+
+    A flapping server (dropped, timed out, dropped, ...) costs one line per kind, not per try.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kind: str | None = None
+        self._kinds: list[str] = []
 
     def failed(self, kind: str, url: str, retrying: bool) -> None:
         with self._lock:
-            if kind == self._kind:
+            if kind in self._kinds:
                 return
-            self._kind = kind
+            self._kinds.append(kind)
         then = "retrying with backoff" if retrying else "not retrying"
         log.warning(
-            "metadata server %s: %s; %s (logged again only if this changes)",
+            "metadata server %s: %s; %s (logged once until it answers again)",
             url,
             kind,
             then,
@@ -166,9 +169,10 @@ class _FailureLog:
 
     def recovered(self, url: str) -> None:
         with self._lock:
-            kind, self._kind = self._kind, None
-        if kind is not None:
-            log.info("metadata server %s: answering again (was: %s)", url, kind, extra={"METADATA_URL": url})
+            kinds, self._kinds = self._kinds, []
+        if kinds:
+            was = ", ".join(kinds)
+            log.info("metadata server %s: answering again (was: %s)", url, was, extra={"METADATA_URL": url})
 
 
 class _Transport:
@@ -301,6 +305,7 @@ class MetadataClient:
         url = self.url(path)
         deadline = time.monotonic() + deadline_s
         attempt = 0
+        kinds: list[str] = []  # every kind of failure seen, in order: the last try alone can mislead
         while True:
             if self._closed.is_set():
                 raise MetadataError(f"metadata request for {path} cancelled: tpuboot is stopping")
@@ -310,11 +315,13 @@ class MetadataClient:
                 reply = self._try(self._transport, url, {}, (limit, limit), deadline)
             except _Retryable as failure:
                 self._failures.failed(failure.kind, url, retrying=True)
+                if failure.kind not in kinds:
+                    kinds.append(failure.kind)
                 attempt += 1
                 delay = self._last_chance(self._delay(attempt - 1), deadline)
                 if delay is None:
                     raise MetadataError(
-                        f"metadata server {self.base_url}: {failure.kind} ({attempt} tries in "
+                        f"metadata server {self.base_url}: {', then '.join(kinds)} ({attempt} tries in "
                         f"{deadline_s:g} s); check the VM's network, or metadata.host / ${HOST_ENV}"
                     ) from None
                 self._closed.wait(delay)
