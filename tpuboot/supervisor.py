@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
 from tpuboot.errors import TpubootError
 
@@ -107,6 +108,7 @@ class Supervisor:
 
     def _set(self, text: str) -> None:
         self.status = f"{self.label}: {text}"
+        metrics.container_up(self.label, text == "running")
         self.on_status(self.status)
 
     def _sleep(self, seconds: float) -> None:
@@ -164,6 +166,7 @@ class Supervisor:
     def _restart_later(self, ended: str, ran_for: float) -> None:
         delay = self.policy.delay_after(ran_for)
         self.delays.append(delay)
+        metrics.container_restarted(self.label)
         if self.policy.crash_loop:
             what = f"crash loop ({self.policy.exits} exits in a row, last {ended}), restarting in {delay:g} s"
             self._log(logging.ERROR, "%s", what)

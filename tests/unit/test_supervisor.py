@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from tests.unit.test_daemon import until
+from tpuboot import metrics
 from tpuboot.agents import Agents, parse_env_file, vbar_image
 from tpuboot.backoff import RestartPolicy
 from tpuboot.children import ExecRuntime, describe_exit
@@ -86,12 +87,16 @@ def test_a_crashing_child_is_restarted_with_growing_delays(tmp_path: Path) -> No
     argv = stand_in(tmp_path, "open(sys.argv[1] + '/runs', 'a').write('x')\nsys.exit(3)\n")
     status = Statuses()
     supervisor = Supervisor("vBar", ExecRuntime(argv), FAST, status)
-    supervisor.start()
-    wait_until(lambda: len((tmp_path / "runs").read_text() if (tmp_path / "runs").exists() else "") >= 5)
-    wait_until(lambda: "crash loop" in status.last)
-    supervisor.stop()
+    with metrics.use(metrics.Metrics()) as counted:
+        registry = counted.registry
+        supervisor.start()
+        wait_until(lambda: len((tmp_path / "runs").read_text() if (tmp_path / "runs").exists() else "") >= 5)
+        wait_until(lambda: "crash loop" in status.last)
+        supervisor.stop()
     assert supervisor.delays[:5] == [0.05, 0.1, 0.2, 0.2, 0.2]
     assert "exit 3" in status.last
+    restarts = registry.get_sample_value("tpuboot_container_restarts_total", {"container": "vBar"})
+    assert restarts == len(supervisor.delays)
 
 
 def test_a_child_ignoring_sigterm_is_killed_after_the_bound(tmp_path: Path) -> None:
