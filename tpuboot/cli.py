@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tpuboot import __version__, logs, metrics
+from tpuboot import __version__, logs
 from tpuboot.config import CONFIG_PATH, Config, load_config
 from tpuboot.devices import DeviceTable
 from tpuboot.errors import ConfigError, TpubootError, UsageError
@@ -54,7 +55,7 @@ def _addresses(texts: Sequence[str]) -> list[str]:
 
 
 def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot import daemon
+    from tpuboot import daemon, metrics
     from tpuboot.envsync import EnvSync
     from tpuboot.metadata import MetadataClient
 
@@ -98,9 +99,14 @@ def _for_each(texts: Sequence[str], act: Callable[[str], str]) -> int:
 
 def cmd_bind(ctx: Context, args: argparse.Namespace) -> int:
     binder = ctx.binder()
+    do_bind = binder.bind
+    if ctx.config.metrics.textfile_dir is not None:  # prometheus_client costs a second of start-up
+        from tpuboot import metrics
+
+        do_bind = functools.partial(metrics.timed_bind, binder.bind)
 
     def bind(address: str) -> str:
-        result = metrics.timed_bind(binder.bind, address, force=args.force)
+        result = do_bind(address, force=args.force)
         state = "bound to vfio-pci" if result.changed else "already bound to vfio-pci"
         return f"{address} ({result.kind}) {state}, {result.node} mode {binder.config.node_mode:04o}"
 
@@ -275,6 +281,8 @@ def _write_metrics_textfile(ctx: Context) -> None:
         config = ctx.config
         if config.metrics.textfile_dir is None:
             return
+        from tpuboot import metrics
+
         tpus = survey(ctx.binder())
     except Exception as exc:  # the metrics file never changes a command's outcome
         log.warning("metrics: %s", exc)

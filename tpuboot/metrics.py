@@ -22,7 +22,9 @@ break the daemon. :func:`use` swaps in a fresh :class:`Metrics` (tests, the one-
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -122,6 +124,7 @@ class Metrics:
 
 
 _current = Metrics()
+IDLE_POLL_INTERVAL = 3600.0  # seconds
 
 
 def current() -> Metrics:
@@ -219,7 +222,15 @@ def serve(config: MetricsConfig) -> WSGIServer | None:
     from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 
     class Server(ThreadingWSGIServer):
-        pass
+        def shutdown(self) -> None:
+            """Stop serve_forever, which sleeps in select() between requests: knock until it ends."""
+            finished = threading.Event()
+            stopper = threading.Thread(target=lambda: (super(Server, self).shutdown(), finished.set()))
+            stopper.start()
+            while not finished.wait(0.05):
+                with contextlib.suppress(OSError):
+                    socket.create_connection(self.server_address[:2], timeout=1).close()
+            stopper.join()
 
     try:
         Server.address_family, addr = _get_best_family(config.address, config.port)
@@ -234,7 +245,10 @@ def serve(config: MetricsConfig) -> WSGIServer | None:
             exc.strerror or exc,
         )
         return None
-    threading.Thread(target=server.serve_forever, name="tpuboot-metrics", daemon=True).start()
+    # serve_forever wakes every poll_interval only to look for shutdown(), which the daemon never
+    # calls (the thread dies with the process): an hour keeps an idle daemon asleep.
+    serve = functools.partial(server.serve_forever, poll_interval=IDLE_POLL_INTERVAL)
+    threading.Thread(target=serve, name="tpuboot-metrics", daemon=True).start()
     log.info("metrics: serving http://%s:%d/metrics", config.address, server.server_port)
     return server
 
