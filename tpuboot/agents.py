@@ -24,37 +24,13 @@ from tpuboot.containers import DOCKER_SOCKET, ContainerSpec, DockerRuntime, dock
 from tpuboot.gke import Metadata, gke_node
 from tpuboot.paths import Root
 from tpuboot.supervisor import Runtime, Supervisor
+from tpuboot.tpuenv import parse_env_file
 
 log = logging.getLogger("tpuboot.agents")
 
 VBAR = "vBar"
 TELEMETRY = "telemetry"
 IMAGE_KEY = "VBARCONTROL_AGENT_DOCKER_URL"
-_UNESCAPE = {"\\", '"', "$", "`"}
-
-
-def parse_env_file(text: str) -> dict[str, str]:
-    """The values of a tpu-env file as tpuboot writes it (``KEY="value"`` lines, see tpuenv.shell_quote)."""
-    values: dict[str, str] = {}
-    i, n = 0, len(text)
-    while i < n:
-        eq = text.find("=", i)
-        if eq < 0 or text.startswith("\n", i):
-            i = text.find("\n", i) + 1 or n
-            continue
-        key = text[i:eq].strip()
-        if eq + 1 >= n or text[eq + 1] != '"':
-            i = text.find("\n", eq) + 1 or n
-            continue
-        j, out = eq + 2, []
-        while j < n and text[j] != '"':
-            if text[j] == "\\" and j + 1 < n and text[j + 1] in _UNESCAPE:
-                j += 1
-            out.append(text[j])
-            j += 1
-        values[key] = "".join(out)
-        i = text.find("\n", j) + 1 or n
-    return values
 
 
 def vbar_image(config: Config, root: Root) -> str:
@@ -62,7 +38,7 @@ def vbar_image(config: Config, root: Root) -> str:
         text = root.path(config.env.tpu_env_path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return config.vbar.image
-    return parse_env_file(text).get(IMAGE_KEY) or config.vbar.image
+    return (parse_env_file(text) or {}).get(IMAGE_KEY) or config.vbar.image
 
 
 class Agents:

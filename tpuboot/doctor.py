@@ -36,7 +36,7 @@ from tpuboot.errors import MetadataError
 from tpuboot.imagecheck import CheckResult, Checks, _machine, failed, passed, run_checks, skipped
 from tpuboot.paths import Root
 from tpuboot.status import TpuStatus, survey
-from tpuboot.tpuenv import TpuEnvError, parse_tpu_env, render_env_file
+from tpuboot.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.vfio import VFIO_PCI, Binder
 
 #: A FAIL of these is reported but does not make `tpuboot doctor` fail.
@@ -149,23 +149,6 @@ def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> Metadata
 
 def _supervisor_present() -> bool:
     return importlib.util.find_spec("tpuboot.supervisor") is not None
-
-
-_ASSIGNMENT = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\[\\"$`])*)"\n')
-
-
-def parse_env_file(text: str) -> dict[str, str] | None:
-    """The variables of a tpu-env file as tpuboot writes it (``KEY="value"`` lines); None if any
-    line is not such an assignment (a file someone else wrote or garbled)."""
-    values: dict[str, str] = {}
-    pos = 0
-    while pos < len(text):
-        match = _ASSIGNMENT.match(text, pos)
-        if match is None:
-            return None
-        values[match.group(1)] = re.sub(r"\\(.)", r"\1", match.group(2), flags=re.S)
-        pos = match.end()
-    return values
 
 
 class Doctor:

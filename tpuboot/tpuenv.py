@@ -179,3 +179,20 @@ def shell_quote(value: str) -> str:
 def render_env_file(values: Mapping[str, str]) -> str:
     """The tpu-env file: one ``KEY="value"`` assignment per key, for ``set -a; . FILE``."""
     return "".join(f"{key}={shell_quote(value)}\n" for key, value in values.items())
+
+
+_ASSIGNMENT = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\[\\"$`])*)"\n')
+
+
+def parse_env_file(text: str) -> dict[str, str] | None:
+    """The inverse of :func:`render_env_file`; None if any line is not such an assignment (a file
+    someone else wrote, or garbled)."""
+    values: dict[str, str] = {}
+    pos = 0
+    while pos < len(text):
+        match = _ASSIGNMENT.match(text, pos)
+        if match is None:
+            return None
+        values[match.group(1)] = re.sub(r"\\(.)", r"\1", match.group(2), flags=re.S)
+        pos = match.end()
+    return values

@@ -16,8 +16,8 @@ from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, wri
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli, imagecheck
 from tpuboot.config import Config, EnvConfig, VbarConfig
-from tpuboot.doctor import Doctor, Verdict, chips_for, parse_env_file
-from tpuboot.tpuenv import render_env_file
+from tpuboot.doctor import Doctor, Verdict, chips_for
+from tpuboot.tpuenv import parse_env_file, render_env_file
 
 REPO = Path(__file__).resolve().parents[2]
 TPU_ENV = {"ACCELERATOR_TYPE": "v5p-8", "ZONE": "us-east5-a", "ODD": 'a"b$c`d\\e\nf'}

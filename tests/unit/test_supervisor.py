@@ -18,14 +18,14 @@ import requests
 
 from tests.unit.test_daemon import until
 from tpuboot import metrics
-from tpuboot.agents import Agents, parse_env_file, vbar_image
+from tpuboot.agents import Agents, vbar_image
 from tpuboot.backoff import RestartPolicy
 from tpuboot.children import ExecRuntime, describe_exit
 from tpuboot.config import Config, TelemetryConfig, VbarConfig
 from tpuboot.containers import CONFIG_LABEL, MANAGED_LABEL, ContainerSpec, DockerRuntime, split_image
 from tpuboot.gke import gke_node
 from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Supervisor
-from tpuboot.tpuenv import render_env_file
+from tpuboot.tpuenv import parse_env_file, render_env_file
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -14,7 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.mds_emulator import ALIAS_BOMB, HOSTILE_VALUES, INVALID_YAML, SAMPLE_TPU_ENV, tpu_env_yaml
-from tpuboot.tpuenv import MAX_DEPTH, TpuEnvError, parse_tpu_env, render_env_file, shell_quote
+from tpuboot.tpuenv import (
+    MAX_DEPTH,
+    TpuEnvError,
+    parse_env_file,
+    parse_tpu_env,
+    render_env_file,
+    shell_quote,
+)
 
 SHELLS = [shell for shell in ("dash", "bash") if shutil.which(shell)]
 
@@ -166,3 +173,18 @@ def test_property_yaml_attribute_to_shell_is_lossless(values: dict[str, str], tm
     env = parse_tpu_env(tpu_env_yaml(values))
     assert env.values == values
     _round_trip(env.values, tmp_path)
+
+
+@given(
+    st.dictionaries(
+        st.from_regex(r"[A-Z_][A-Z0-9_]{0,12}", fullmatch=True),
+        st.text(st.characters(blacklist_characters="\0"), max_size=40),
+        max_size=6,
+    )
+)
+def test_parse_env_file_reads_back_what_render_env_file_wrote(values: dict[str, str]) -> None:
+    assert parse_env_file(render_env_file(values)) == values
+
+
+def test_parse_env_file_refuses_a_file_tpuboot_did_not_write() -> None:
+    assert parse_env_file('A="1"\nexport B=2\n') is None
