@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -128,6 +129,12 @@ class DeviceAgent:
 
     def node_appeared(self, group: str) -> None:
         """udev finished a /dev/vfio/<group> node: re-apply our mode in case a rule changed it."""
+        try:
+            mode = os.stat(self.binder.root.path(f"/dev/vfio/{group}")).st_mode & 0o7777
+        except FileNotFoundError:
+            return  # gone again (unbound); nothing to fix
+        if mode == self.binder.config.node_mode:
+            return  # the bind that made it already set the mode: no second trip through the pool
         future = asyncio.get_running_loop().run_in_executor(self.executor, self.binder.prepare_node, group)
         future.add_done_callback(functools.partial(self._node_done, group))
 
