@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from tpuboot import __version__, logs
 from tpuboot.config import CONFIG_PATH, Config, load_config
@@ -16,9 +14,9 @@ from tpuboot.devices import DeviceTable
 from tpuboot.errors import ConfigError, TpubootError, UsageError
 from tpuboot.paths import ROOT_ENV, Root
 from tpuboot.pci import parse_dbdf
-from tpuboot.status import survey
 from tpuboot.vfio import Binder
 
+TYPE_CHECKING = False  # as in tpuboot.config: typing stays out of `tpuboot bind`
 if TYPE_CHECKING:
     from tpuboot.agents import Agents
 
@@ -85,6 +83,12 @@ def _agents(ctx: Context, config: Config) -> Agents | None:
     return Agents(config, ctx.root, metadata)
 
 
+def _print_json(items: list[dict[str, object]]) -> None:
+    import json  # only for --json: a cold start of `tpuboot bind` is part of recovery time
+
+    print(json.dumps(items, indent=2))
+
+
 def _for_each(texts: Sequence[str], act: Callable[[str], str]) -> int:
     """Run ``act`` on every address (all validated first); one failure does not stop the rest."""
     failed = 0
@@ -124,9 +128,11 @@ def cmd_unbind(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.status import survey
+
     tpus = survey(ctx.binder())
     if args.json:
-        print(json.dumps([t.as_dict() for t in tpus], indent=2))
+        _print_json([t.as_dict() for t in tpus])
     elif not tpus:
         print("no TPUs found")
     else:
@@ -174,7 +180,7 @@ def cmd_image_check(ctx: Context, args: argparse.Namespace) -> int:
 
     results = run_checks(ctx.root)
     if args.json:
-        print(json.dumps([r.as_dict() for r in results], indent=2))
+        _print_json([r.as_dict() for r in results])
     else:
         for r in results:
             fix = f"  fix: {r.fix}" if r.status == "FAIL" and r.fix else ""
@@ -189,7 +195,7 @@ def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
     lookup = metadata_lookup(config.metadata) if ctx.root.is_host else None
     verdicts = Doctor(ctx.root, config, metadata=lookup).run()
     if args.json:
-        print(json.dumps([v.as_dict() for v in verdicts], indent=2))
+        _print_json([v.as_dict() for v in verdicts])
     else:
         for v in verdicts:
             r = v.result
@@ -282,6 +288,7 @@ def _write_metrics_textfile(ctx: Context) -> None:
         if config.metrics.textfile_dir is None:
             return
         from tpuboot import metrics
+        from tpuboot.status import survey
 
         tpus = survey(ctx.binder())
     except Exception as exc:  # the metrics file never changes a command's outcome

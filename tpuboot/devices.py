@@ -7,21 +7,32 @@ the configuration file adds match rules without a new release.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from tpuboot.config import MatchRule
 
 GOOGLE = 0x1AE0
 
 
-@dataclass(frozen=True)
+# Plain slotted classes, not NamedTuple or dataclass: those compile code for each class at
+# import time, and `tpuboot bind` pays every millisecond of import twenty times over on a slow CPU.
+
+
 class PciIds:
     """The identity a PCI function reports in sysfs."""
 
-    vendor: int
-    device: int
-    subsystem_vendor: int | None = None
-    subsystem_device: int | None = None
+    __slots__ = ("device", "subsystem_device", "subsystem_vendor", "vendor")
+
+    def __init__(
+        self,
+        vendor: int,
+        device: int,
+        subsystem_vendor: int | None = None,
+        subsystem_device: int | None = None,
+    ) -> None:
+        self.vendor = vendor
+        self.device = device
+        self.subsystem_vendor = subsystem_vendor
+        self.subsystem_device = subsystem_device
 
     def __str__(self) -> str:
         text = f"{self.vendor:04x}:{self.device:04x}"
@@ -30,16 +41,29 @@ class PciIds:
         return text
 
 
-@dataclass(frozen=True)
 class Kind:
     """One entry of the table. ``vfio`` says whether tpuboot binds it to vfio-pci."""
 
-    name: str
-    vendor: int
-    device: int
-    subsystem_vendor: int | None = None
-    subsystem_device: int | None = None
-    vfio: bool = False
+    __slots__ = ("device", "name", "subsystem_device", "subsystem_vendor", "vendor", "vfio")
+
+    def __init__(
+        self,
+        name: str,
+        vendor: int,
+        device: int,
+        subsystem_vendor: int | None = None,
+        subsystem_device: int | None = None,
+        vfio: bool = False,
+    ) -> None:
+        self.name = name
+        self.vendor = vendor
+        self.device = device
+        self.subsystem_vendor = subsystem_vendor
+        self.subsystem_device = subsystem_device
+        self.vfio = vfio
+
+    def __repr__(self) -> str:
+        return f"Kind({self.name!r})"
 
     def matches(self, ids: PciIds) -> bool:
         if (ids.vendor, ids.device) != (self.vendor, self.device):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Sequence
 
 from tpuboot.errors import TpubootError
@@ -10,6 +9,8 @@ from tpuboot.errors import TpubootError
 
 def run(argv: Sequence[str], timeout: float = 30.0) -> str:
     """Run ``argv``, return its stdout; raise TpubootError with its last stderr line on failure."""
+    import subprocess  # rarely needed (vfio-pci is usually loaded): keeps it out of start-up
+
     try:
         done = subprocess.run(
             list(argv), capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL

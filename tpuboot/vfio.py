@@ -11,11 +11,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import platform
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from tpuboot import subproc
@@ -47,13 +45,17 @@ def modprobe(module: str) -> None:
     subproc.run(["modprobe", module])
 
 
-@dataclass(frozen=True)
 class BindResult:
-    address: str
-    kind: str
-    group: str
-    node: str
-    changed: bool
+    """What a bind did: the device, its generation, its group and node, and whether it changed."""
+
+    __slots__ = ("address", "changed", "group", "kind", "node")
+
+    def __init__(self, address: str, kind: str, group: str, node: str, changed: bool) -> None:
+        self.address = address
+        self.kind = kind
+        self.group = group
+        self.node = node
+        self.changed = changed
 
 
 class Binder:
@@ -79,7 +81,7 @@ class Binder:
         self.config = config
         self.write = write
         self.load_module = load_module or self._host_modprobe
-        self.machine = machine or platform.machine()
+        self.machine = machine or os.uname().machine  # what platform.machine() reads, without its import
         self.stop = stop or threading.Event()
 
     def _host_modprobe(self, module: str) -> None:

@@ -130,12 +130,18 @@ def test_property_merge_is_idempotent_and_keeps_foreign_lines(lines: list[str], 
     merged, _ = merge_environment(text, wanted)
     again, changed = merge_environment(merged, wanted)
     assert (again, changed) == (merged, [])
-    foreign, in_ours, continued = [], False, False
-    for line in text.split("\n"):  # lines of other keys, including their continuations
-        if not continued:
-            in_ours = line.lstrip(" \t").startswith(("GCS_A=", "export GCS_B=", "GCS_B="))
-        if line and not in_ours:
-            foreign.append(line)
+    logical: list[list[str]] = []  # the physical lines of each line pam_env reads
+    continued = False
+    for line in text.split("\n"):
+        if continued:
+            logical[-1].append(line)
+        else:
+            logical.append([line])
         continued = line.endswith("\\")
+    foreign = []  # lines of other keys, including their continuations
+    for parts in logical:
+        joined = "\n".join(parts).replace("\\\n", "")  # "\\" then "GCS_A=1" is GCS_A's line
+        if not joined.lstrip(" \t").startswith(("GCS_A=", "export GCS_B=", "GCS_B=")):
+            foreign.extend(line for line in parts if line)
     kept = iter(merged.split("\n"))
     assert all(any(line == candidate for candidate in kept) for line in foreign)
