@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Guest side of ``bench.bind_bench``: the clocks and waiters that run inside the VM (stdlib only).
+"""Guest side of ``bench.run``: the clocks and waiters that run inside the VM (stdlib only).
 
 Copied into the guest image as ``/usr/local/libexec/tpuboot-bench/bind_guest.py``. Each
 subcommand prints one JSON object on stdout; times are guest CLOCK_MONOTONIC seconds.
@@ -265,7 +265,7 @@ def cmd_imports(args: argparse.Namespace) -> int:
 # Runs tpuboot's own main() with monotonic stamps around its imports and key functions; the
 # stamps are seconds since the parent spawned this interpreter (argv[1]).
 _PROFILE_SCRIPT = """
-import functools, json, os, signal, sys, time
+import builtins, functools, json, os, signal, sys, time
 T0, mode, argv = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
 events = []
 def stamp(what):
@@ -273,11 +273,6 @@ def stamp(what):
 stamp("interpreter")
 import tpuboot.cli as cli
 stamp("import tpuboot.cli")
-if mode == "run":
-    import tpuboot.daemon, tpuboot.envsync, tpuboot.metadata
-    stamp("import daemon, envsync, metadata")
-    import pyudev
-    stamp("import pyudev")
 def wrap(owner, name):
     inner = getattr(owner, name)
     @functools.wraps(inner)
@@ -293,10 +288,24 @@ for name in ("bind", "_attach", "prepare_node"):
     wrap(Binder, name)
 wrap(cli, "load_config")
 if mode == "run":
-    from tpuboot.envsync import EnvSync
+    import tpuboot.coldplug
     from tpuboot.notify import Notifier
-    wrap(EnvSync, "sync_once")
-    wrap(tpuboot.daemon, "open_udev_monitor")
+    wrap(tpuboot.coldplug, "open_udev_monitor")
+    wrap(tpuboot.coldplug, "start_coldplug")
+    real_import = builtins.__import__
+    def stamping_import(name, globals=None, locals=None, fromlist=(), level=0):
+        # `tpuboot run` imports the daemon's heavy parts after coldplug started: stamp that span.
+        wanted = name == "tpuboot.daemon" or (name == "tpuboot" and "daemon" in (fromlist or ()))
+        first = wanted and "tpuboot.daemon" not in sys.modules
+        if first:
+            stamp("> import daemon, envsync, metadata")
+        module = real_import(name, globals, locals, fromlist, level)
+        if first:
+            stamp("< import daemon, envsync, metadata")
+        if name == "tpuboot.envsync" and not hasattr(sys.modules[name].EnvSync.sync_once, "__wrapped__"):
+            wrap(sys.modules[name].EnvSync, "sync_once")
+        return module
+    builtins.__import__ = stamping_import
     def ready(self, line):
         stamp("READY")
         os.kill(os.getpid(), signal.SIGTERM)

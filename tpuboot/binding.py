@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from tpuboot import metrics
@@ -42,8 +42,13 @@ class DeviceAgent:
         self.devices: dict[str, DeviceState] = {}
         self.tasks: set[asyncio.Task[None]] = set()
 
-    def consider(self, address: str) -> asyncio.Task[None] | None:
-        """Start binding ``address`` if it is a managed TPU; returns the task, if any."""
+    def consider(
+        self, address: str, early: Future[BindResult] | None = None, started: float = 0.0
+    ) -> asyncio.Task[None] | None:
+        """Start binding ``address`` if it is a managed TPU; returns the task, if any.
+
+        ``early`` is a bind coldplug already submitted (at monotonic ``started``): adopted, not redone.
+        """
         fn = PciFunction(self.binder.root, address)
         try:
             kind = self.binder.kind_of(fn)
@@ -58,23 +63,31 @@ class DeviceAgent:
             return None  # the running bind will see the device as it is now
         self._cancel_retry(state)
         state.attempts = 0  # a new event earns a fresh series of retries
-        return self._start(address, state)
+        return self._start(address, state, early, started)
 
-    def _start(self, address: str, state: DeviceState) -> asyncio.Task[None]:
+    def _start(
+        self, address: str, state: DeviceState, early: Future[BindResult] | None = None, started: float = 0.0
+    ) -> asyncio.Task[None]:
         state.running = True
-        task = asyncio.get_running_loop().create_task(self._bind(address, state))
+        task = asyncio.get_running_loop().create_task(self._bind(address, state, early, started))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
 
-    async def _bind(self, address: str, state: DeviceState) -> None:
+    async def _bind(
+        self, address: str, state: DeviceState, early: Future[BindResult] | None, started: float
+    ) -> None:
         state.attempts += 1
         state.state = "pending"
         self._count()
         loop = asyncio.get_running_loop()
-        started = time.monotonic()
+        if early is None:
+            started = time.monotonic()
         try:
-            result: BindResult = await loop.run_in_executor(self.executor, self.binder.bind, address)
+            if early is not None:
+                result: BindResult = await asyncio.wrap_future(early)
+            else:
+                result = await loop.run_in_executor(self.executor, self.binder.bind, address)
         except TpubootError as exc:
             outcome: BindResult | TpubootError = exc
         except FileNotFoundError:  # unplugged while we worked on it

@@ -53,23 +53,30 @@ def _addresses(texts: Sequence[str]) -> list[str]:
 
 
 def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot import daemon, metrics
-    from tpuboot.envsync import EnvSync
-    from tpuboot.metadata import MetadataClient
-
     try:
         config = ctx.config
     except ConfigError as exc:  # a daemon that exits on a typo leaves the TPUs unbound
         log.error("%s; running with built-in defaults", exc)
         ctx._config = config = Config()
     binder = Binder(ctx.root, DeviceTable(config.devices), config.vfio)
+    # The TPUs present are bound while the rest loads (tpuboot.coldplug says why).
+    from tpuboot.coldplug import new_executor, open_udev_monitor, start_coldplug
+
+    monitor = open_udev_monitor()  # before enumerating, so no device falls in between
+    executor = new_executor()
+    coldplug = start_coldplug(binder, executor)
+
+    from tpuboot import daemon, metrics
+    from tpuboot.envsync import EnvSync
+    from tpuboot.metadata import MetadataClient
+
     env = None
     if config.env.enabled:
         client = MetadataClient.from_config(config.metadata)
         sync = EnvSync(ctx.root, config, client)
         env = daemon.EnvJob(sync, client, config.metadata.boot_deadline, config.metadata.watch)
     metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without metrics
-    return daemon.run(binder, env, _agents(ctx, config))
+    return daemon.run(binder, monitor, executor, coldplug, env, _agents(ctx, config))
 
 
 def _agents(ctx: Context, config: Config) -> Agents | None:

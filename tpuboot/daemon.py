@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tpuboot.binding import DeviceAgent
+from tpuboot.coldplug import Coldplug, new_executor
 from tpuboot.envsync import EnvSync, SyncResult
 from tpuboot.metadata import MetadataClient
 from tpuboot.notify import Notifier, watchdog_interval
@@ -37,17 +38,6 @@ class Monitor(Protocol):
     def poll(self, timeout: float | None = None) -> Any: ...
 
 
-def open_udev_monitor() -> Monitor:
-    """A started pyudev monitor on the udev source (events after udev's rules ran) for pci and vfio."""
-    import pyudev
-
-    monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="udev")
-    monitor.filter_by("pci")
-    monitor.filter_by("vfio")
-    monitor.start()
-    return monitor
-
-
 class EnvJob:
     """The runtime-environment side: one sync before READY, then a watch thread."""
 
@@ -68,13 +58,16 @@ class Daemon:
         notifier: Notifier | None = None,
         env: EnvJob | None = None,
         agents: Agents | None = None,
+        executor: ThreadPoolExecutor | None = None,
+        coldplug: Coldplug | None = None,
     ) -> None:
         self.binder = binder
         self.monitor = monitor
         self.notifier = notifier or Notifier()
         self.env = env
         self.agents = agents  # vBar and telemetry: started at once, never waited for
-        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tpuboot")
+        self.executor = executor or new_executor()
+        self.coldplug = coldplug  # binds started before this module was imported
         self.devices = DeviceAgent(binder, self.executor, self._publish)
         self.ready = False
         self.stopping = asyncio.Event()
@@ -128,10 +121,12 @@ class Daemon:
         elif device.action == "remove":
             self.devices.removed(device.sys_name)
 
-    async def _coldplug(self) -> None:
-        """Bind every matching device already present; the monitor was started before this."""
-        tasks = [t for a in list_addresses(self.binder.root) if (t := self.devices.consider(a)) is not None]
-        await asyncio.gather(*tasks)
+    def _start_coldplug(self) -> list[asyncio.Task[None]]:
+        """Bind every matching device already present (adopting binds already running); the
+        monitor was started before the enumeration, so no device falls between the two."""
+        early = self.coldplug or Coldplug(list_addresses(self.binder.root), {}, 0.0)
+        tasks = (self.devices.consider(a, early.binds.get(a), early.started) for a in early.addresses)
+        return [t for t in tasks if t is not None]
 
     async def _watchdog(self, interval: float) -> None:
         while True:
@@ -142,12 +137,13 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        coldplug = self._start_coldplug()  # before any udev event can start a bind of its own
         loop.add_reader(self.monitor.fileno(), self._on_udev)
         interval = watchdog_interval()
         watchdog = loop.create_task(self._watchdog(interval)) if interval else None
         if self.agents is not None:  # in their own threads: READY never waits for dockerd
             self.agents.start(functools.partial(loop.call_soon_threadsafe, self._agent_status))
-        boot = asyncio.ensure_future(asyncio.gather(self._coldplug(), self._env_boot()))
+        boot = asyncio.ensure_future(asyncio.gather(*coldplug, self._env_boot()))
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             # SIGTERM during a long boot (metadata server down) must not wait for its deadline.
@@ -178,7 +174,14 @@ class Daemon:
         return 0
 
 
-def run(binder: Binder, env: EnvJob | None = None, agents: Agents | None = None) -> int:
+def run(
+    binder: Binder,
+    monitor: Monitor,
+    executor: ThreadPoolExecutor,
+    coldplug: Coldplug,
+    env: EnvJob | None = None,
+    agents: Agents | None = None,
+) -> int:
     """Run the daemon until SIGTERM; returns the process exit status."""
-    daemon = Daemon(binder, open_udev_monitor(), env=env, agents=agents)
+    daemon = Daemon(binder, monitor, env=env, agents=agents, executor=executor, coldplug=coldplug)
     return asyncio.run(daemon.run())

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Baseline for bench/bind_bench.py: the documented vfio-pci bind handler, step for step.
+# Baseline for bench/run.py: the documented vfio-pci bind handler, step for step.
 # Usage: bind_to_vfio_pci.sh DBDF   (the udev rule passes $kernel)
 # Steps: load vfio-pci, set driver_override, unbind the current driver if any, ask the kernel to
 # probe, open the group's /dev/vfio node to all users, allow unsafe interrupts on x86_64.

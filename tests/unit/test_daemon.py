@@ -15,6 +15,7 @@ from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot import binding
+from tpuboot.coldplug import new_executor, start_coldplug
 from tpuboot.daemon import Daemon, EnvJob
 from tpuboot.envsync import EnvSync
 from tpuboot.notify import Notifier
@@ -235,3 +236,38 @@ def test_sigterm_during_a_long_metadata_wait_stops_at_once(kernel, emulator, roo
         assert daemon.notifier.sent == ["STOPPING=1\nSTATUS=stopping"]
 
     asyncio.run(scenario())
+
+
+def test_binds_started_before_the_loop_are_adopted_not_redone(kernel, caplog):
+    """`tpuboot run` submits the coldplug binds before importing the daemon: each runs once."""
+    b = binder(kernel)
+    calls: list[str] = []
+    bind = b.bind
+
+    def counted(address: str, **kwargs: object):
+        calls.append(address)
+        return bind(address, **kwargs)
+
+    b.bind = counted  # type: ignore[method-assign]
+    executor = new_executor()
+    early = start_coldplug(b, executor)
+    assert sorted(early.binds) == [f"0000:00:0{4 + i}.0" for i in range(4)]  # not the virtio disk
+    assert "0000:00:02.0" in early.addresses
+
+    async def scenario():
+        monitor, notifier = QueueMonitor(), RecordingNotifier()
+        daemon = Daemon(b, monitor, notifier, executor=executor, coldplug=early)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        assert notifier.sent[0] == "READY=1\nSTATUS=4 TPUs bound to vfio-pci"
+        await asyncio.sleep(0.1)
+        daemon.stopping.set()
+        assert await task == 0
+
+    with caplog.at_level("INFO", logger="tpuboot"):
+        asyncio.run(scenario())
+    assert sorted(calls) == sorted(early.binds)  # each ran once: adopted, not submitted again
+    logged = [
+        r.getMessage().split()[0] for r in caplog.records if "bound to vfio-pci, /dev/vfio/" in r.getMessage()
+    ]
+    assert sorted(logged) == sorted(early.binds)  # and each result was handled as usual

@@ -1,12 +1,17 @@
-"""Binding benchmarks: tpuboot against the documented udev rule + shell handler, on a real kernel.
+"""tpuboot's benchmarks in one run, each against its baseline measured in the same run.
 
-Usage, from the repository root (root is needed for the image build and QEMU)::
+Binding and start-up against the documented udev rule + shell handler and cloud-init script, on
+a real kernel; idle cost against a sleeping python3; the metadata client against the documented
+fetch made to retry. Usage, from the repository root (root is needed for the image build and
+QEMU)::
 
-    sudo .venv/bin/python -m bench.bind_bench [--json FILE] [--only hotplug,coldplug,cli,idle]
-                                              [--reps 6] [--coldplug-reps 3] [--cli-runs 10]
+    sudo .venv/bin/python -m bench.run [--json FILE] [--markdown FILE]
+                                       [--only hotplug,coldplug,cli,idle,fleet]
+                                       [--reps 6] [--coldplug-reps 3] [--cli-runs 10]
 
-About 5 minutes with warm caches (.cache/vm), more while other QEMU guests share the host: the
-.deb and one guest image are built, then one QEMU guest (TCG, 2 vCPUs) per scenario family.
+About 7 minutes with warm caches (.cache/vm), more while other QEMU guests share the host: the
+.deb and one guest image are built, then one QEMU guest (TCG, 2 vCPUs) per scenario family, and
+the fleet simulation runs on the host after the last guest is gone.
 Each family measures tpuboot and the baseline in the same guest, never both active at once: for
 the baseline, ``systemctl stop tpuboot``, the rule copied to /etc/udev/rules.d and ``udevadm
 control --reload``; for tpuboot, the rule removed and reloaded, tpuboot started. The baseline
@@ -30,13 +35,16 @@ Families and timing methods:
    host-clock and the guest-clock spans between the waiter's two markers ("marker skew").
    Guest-clock phases (in sysfs, bound, node exists, node 0666) show where the time goes.
 2. coldplug -- 8 edu devices present at boot, unbound (no driver, no override) before each
-   rep. Guest clock, from the start of ``systemctl start tpuboot`` (returns at READY: Type=notify)
-   or of ``udevadm trigger --settle --action=add --subsystem-match=pci`` (what the baseline does
-   at boot; returns once those events, handler included, are done) until all 8 are usable
-   (10 ms poll, as tester). ``systemctl restart`` is stop + start; the stop comes before the
-   clock. tpuboot's journal splits its start: exec -> first device bound -> READY. After the
-   timed reps, one ``tpuboot run`` started by hand (no sandbox, no systemd) stamps its own
-   imports and functions (``bind_guest.py profile``): where the start-up time goes.
+   rep. Guest clock, from the start of ``systemctl start tpuboot`` (returns at READY: Type=notify,
+   i.e. the 8 bound and tpu-env written) or of the baseline's boot job (``udevadm trigger --settle
+   --action=add --subsystem-match=pci``, what it does at boot, returning once those events,
+   handler included, are done; then the documented cloud-init ``configure-env-vars.sh``: curl
+   tpu-env from the metadata server, YAML to ``KEY="value"`` lines) until all 8 are usable
+   (10 ms poll, as tester), and until the command returns ("start -> READY"). The daemon is
+   stopped before the clock starts. tpuboot's journal splits its start: exec -> first "bound"
+   line -> READY. After the timed reps, one ``tpuboot run`` started by hand (no sandbox, no
+   systemd) stamps its own imports and functions (``bind_guest.py profile``): where the start-up
+   time goes.
 3. cli -- ``tpuboot bind DBDF`` against ``bind_to_vfio_pci.sh DBDF`` on one edu device, the
    daemon stopped, the device unbound before each run, ABBA order; guest monotonic clock around
    the command. Then the interpreter's start-up and each import step of ``tpuboot run`` are
@@ -47,6 +55,10 @@ Families and timing methods:
    time.sleep(60)'`` process sleeps; that process's VmRSS is the RSS baseline. Threads are named
    by the system call they block in (Python 3.11 gives its threads no kernel name). This window
    runs first, while the next family's guest boots: wakeups and RSS do not depend on host load.
+
+5. fleet -- on the host, no guest: ``bench/fleet.py``'s 64 simulated hosts boot at once against
+   one metadata server emulator failing 20% of requests (then again after a 5 s total outage),
+   tpuboot's real MetadataClient + EnvSync against the documented fetch retried every 1 s.
 
 Benchmarks print figures; they are not assertions and pytest does not collect them.
 """
@@ -59,6 +71,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -89,7 +102,8 @@ STAGED_RULE = f"{BENCH_LIBEXEC}/{RULE_NAME}"
 ACTIVE_RULE = f"/etc/udev/rules.d/{RULE_NAME}"
 HANDLER = "/lib/udev/bind_to_vfio_pci.sh"
 HOTPLUG_PORT = "hp0"
-FAMILIES = ("hotplug", "coldplug", "cli", "idle")
+FAMILIES = ("hotplug", "coldplug", "cli", "idle", "fleet")
+VM_FAMILIES = ("hotplug", "coldplug", "cli", "idle")
 SIDES = ("tpuboot", "baseline")
 RSS_GOAL_MIB = 20.0
 LONG_POLL_S = 60.0  # metadata.watch_timeout: the watch's long-poll returns this often when idle
@@ -264,7 +278,8 @@ def check_usable(vm: VM, address: str) -> None:
 
 
 def _own_cpu_ticks() -> int:
-    """utime+stime of this process and of the bench's own QEMU guests, in clock ticks."""
+    """utime+stime of this process, its reaped children (the fleet's emulator) and the bench's
+    own QEMU guests, in clock ticks."""
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -275,6 +290,8 @@ def _own_cpu_ticks() -> int:
         except OSError:
             continue
         total += int(fields[11]) + int(fields[12])
+        if int(pid) == os.getpid():
+            total += int(fields[13]) + int(fields[14])  # cutime, cstime
     return total
 
 
@@ -314,15 +331,16 @@ BIND_SEGMENTS = (
 RUN_SEGMENTS = (
     ("python3 start", None, "interpreter"),
     ("import tpuboot.cli", "interpreter", "import tpuboot.cli"),
-    ("import daemon/envsync/metadata", "import tpuboot.cli", "import daemon, envsync, metadata"),
-    ("import pyudev", "import daemon, envsync, metadata", "import pyudev"),
     ("load config", "> load_config", "< load_config"),
-    ("open udev monitor", "> open_udev_monitor", "< open_udev_monitor"),
-    ("monitor -> first bind starts", "< open_udev_monitor", "> bind"),
+    ("open udev monitor (pyudev)", "> open_udev_monitor", "< open_udev_monitor"),
+    ("enumerate, submit binds", "> start_coldplug", "< start_coldplug"),
     ("8 binds, first start -> last end", "> bind", "< bind"),
-    ("env sync (beside the binds)", "> sync_once", "< sync_once"),
+    ("import daemon/envsync/metadata (beside the binds)",
+     "> import daemon, envsync, metadata", "< import daemon, envsync, metadata"),
+    ("env sync", "> sync_once", "< sync_once"),
+    ("spawn -> last bind end", None, "< bind"),
     ("spawn -> READY", None, "READY"),
-)
+)  # fmt: skip
 
 
 def profile_segments(runs: list[dict[str, Any]], segments: Sequence[tuple[str, str | None, str]]) -> str:
@@ -459,9 +477,18 @@ def run_hotplug(vm: VM, reps: int, report: Report) -> None:
 
 # --------------------------------------------------------------------------- 2. coldplug
 
-COLDPLUG_COMMANDS = {
+ENV_SCRIPT = f"{BENCH_LIBEXEC}/configure-env-vars.sh"
+TPU_ENV_FILE = "/home/tpu-runtime/tpu-env"
+COLDPLUG_COMMANDS = {  # shell words for bind_guest.py's --command
     "tpuboot": "systemctl start tpuboot",
-    "baseline": "udevadm trigger --settle --action=add --subsystem-match=pci",
+    # The baseline's boot job: the udev coldplug trigger, then the documented cloud-init script.
+    "baseline": shlex.join(
+        [
+            "sh",
+            "-c",
+            f"udevadm trigger --settle --action=add --subsystem-match=pci && {ENV_SCRIPT} >/dev/null",
+        ]
+    ),
 }
 
 
@@ -500,6 +527,7 @@ def run_coldplug(vm: VM, reps: int, report: Report) -> None:
                 stop_tpuboot(vm)
                 baseline_rule(vm, False)
                 unbind_all(vm, addresses)
+                vm.run(["rm", "-f", TPU_ENV_FILE], check=True)  # each side must write it afresh
                 vm.run(["udevadm", "settle", "--timeout=60"], timeout=90)
                 baseline_rule(vm, side == "baseline")
                 command = COLDPLUG_COMMANDS[side]
@@ -513,6 +541,9 @@ def run_coldplug(vm: VM, reps: int, report: Report) -> None:
             else:
                 raise BenchError(f"coldplug {side}: devices keep coming back bound: {rebound}")
             data["side"] = side
+            written = vm.run(["grep", "-c", "^[A-Z_]*=", TPU_ENV_FILE]).stdout.strip()
+            if not written.isdigit() or int(written) == 0:
+                raise BenchError(f"coldplug {side}: {TPU_ENV_FILE} not written\n{data.get('stderr', '')}")
             if side == "tpuboot":
                 data["split"] = tpuboot_start_split(vm)
             results.append(data)
@@ -534,7 +565,11 @@ def run_coldplug(vm: VM, reps: int, report: Report) -> None:
     report.add("coldplug", row)
     report.add(
         "coldplug",
-        ratio_row("  start -> READY | trigger --settle returns", done["tpuboot"], done["baseline"]),
+        ratio_row(
+            f"daemon start -> READY: 8 bound, tpu-env written (n={reps}) | trigger --settle + env script",
+            done["tpuboot"],
+            done["baseline"],
+        ),
     )
     splits = [r["split"] for r in results if r.get("split")]
     if splits:
@@ -543,8 +578,9 @@ def run_coldplug(vm: VM, reps: int, report: Report) -> None:
         ready = median([s["exec_to_ready_s"] for s in splits])
         report.note(
             "coldplug",
-            f"tpuboot's journal, medians: exec -> first device bound {first:.3f} s, first -> last of 8 "
-            f"bound {spanned:.3f} s, exec -> READY {ready:.3f} s",
+            f"tpuboot's journal, medians: exec -> first 'bound' line logged {first:.3f} s, first -> last "
+            f"of 8 logged {spanned:.3f} s (binds started before the daemon loaded log their result once it "
+            f"has), exec -> READY {ready:.3f} s",
         )
     stop_tpuboot(vm)
     baseline_rule(vm, False)
@@ -732,6 +768,70 @@ def idle_report(data: dict[str, Any], unit: dict[str, str], report: Report) -> N
     report.raw["idle"] = {"unit": unit, **data}
 
 
+# --------------------------------------------------------------------------- 5. fleet (host)
+
+FLEET_AGENTS, FLEET_ERROR_RATE, FLEET_OUTAGE_S = 64, 0.2, 5.0
+
+
+def run_fleet(report: Report) -> None:
+    """bench/fleet.py's two scenarios, tpuboot and the documented retry loop each, as table rows."""
+    from bench import fleet
+
+    logging.getLogger("tpuboot").setLevel(logging.CRITICAL)  # 64 hosts would each log their retries
+    goal = fleet.GOAL_PER_HOST * FLEET_AGENTS
+    for label, outage in (("", 0.0), (f", after a {FLEET_OUTAGE_S:g} s outage", FLEET_OUTAGE_S)):
+        ours = fleet.run_fleet("tpuboot", fleet.tpuboot_agent, FLEET_AGENTS, FLEET_ERROR_RATE, outage)
+        base = fleet.run_fleet("documented", fleet.documented_agent, FLEET_AGENTS, FLEET_ERROR_RATE, outage)
+        title = f"fleet of {FLEET_AGENTS}, {FLEET_ERROR_RATE:.0%} of requests fail{label}"
+        verdict = "PASS" if ours.peak <= goal and ours.ok == FLEET_AGENTS else "FAIL"
+        report.add(
+            "fleet",
+            Row(
+                f"{title}: peak requests/s (1 s windows)",
+                f"{ours.peak:.0f}/s",
+                f"{base.peak:.0f}/s",
+                _ratio(ours.peak, base.peak),
+                f"<= {goal:.0f}/s",
+                verdict,
+            ),
+        )
+        report.add(
+            "fleet", Row("  hosts that got tpu-env", f"{ours.ok}/{ours.agents}", f"{base.ok}/{base.agents}")
+        )
+        report.add(
+            "fleet",
+            Row(
+                "  requests in all",
+                str(ours.requests),
+                str(base.requests),
+                _ratio(ours.requests, base.requests),
+            ),
+        )
+        for q in (0.5, 0.99):
+            mine, theirs = ours.percentile(q), base.percentile(q)
+            report.add(
+                "fleet",
+                Row(
+                    f"  time to tpu-env, p{q * 100:g}",
+                    f"{mine:.2f} s",
+                    f"{theirs:.2f} s",
+                    _ratio(mine, theirs),
+                ),
+            )
+        report.raw.setdefault("fleet", []).append(
+            {"outage_s": outage, "tpuboot": asdict(ours), "documented": asdict(base)}
+        )
+    report.note(
+        "fleet",
+        "baseline: the documented fetch retried every 1 s (no backoff, no jitter); "
+        "tpuboot: MetadataClient + EnvSync, one thread per simulated host, emulator in its own process",
+    )
+
+
+def _ratio(ours: float, base: float) -> float | None:
+    return ours / base if base and not math.isnan(base) and not math.isnan(ours) else None
+
+
 # --------------------------------------------------------------------------- image, table, main
 
 
@@ -745,6 +845,8 @@ def bench_install_hook(deb: Path) -> InstallHook:
         libexec.mkdir(parents=True, exist_ok=True)
         shutil.copy(HERE / "bind_guest.py", libexec / "bind_guest.py")
         shutil.copy(HERE / "baseline" / RULE_NAME, libexec / RULE_NAME)
+        shutil.copy(HERE / "baseline" / "configure-env-vars.sh", libexec / "configure-env-vars.sh")
+        (libexec / "configure-env-vars.sh").chmod(0o755)
         handler = in_tree(tree, HANDLER)
         shutil.copy(HERE / "baseline" / "bind_to_vfio_pci.sh", handler)
         handler.chmod(0o755)
@@ -787,9 +889,23 @@ def print_table(report: Report) -> None:
             print(f"* {family}: {note}")
 
 
+def markdown_table(report: Report) -> str:
+    """The table as Markdown, for the README."""
+    lines = ["| metric | tpuboot | baseline | ratio | goal | verdict |", "|---|---|---|---|---|---|"]
+    for r in (r for f in FAMILIES for r in report.rows.get(f, [])):
+        ratio = "" if r.ratio is None else f"{r.ratio:.2f}x"
+        metric = r.metric.replace("|", "/").strip()
+        metric = f"&nbsp;&nbsp;{metric}" if r.metric.startswith(" ") else metric
+        lines.append(f"| {metric} | {r.tpuboot} | {r.baseline} | {ratio} | {r.goal} | {r.verdict} |")
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.bind_bench", description="tpuboot vs the documented udev rule + script."
+        prog="python -m bench.run", description="tpuboot's benchmarks, each against its baseline, in one run."
+    )
+    parser.add_argument(
+        "--markdown", type=Path, metavar="FILE", help="also write the table as Markdown to FILE"
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
     parser.add_argument(
@@ -814,38 +930,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     def probe(kernel: Any, initrd: Path) -> None:  # overlaps the KVM/TCG probe with the builds
         threading.Thread(target=select_accel, args=(kernel.boot_image, initrd), daemon=True).start()
 
-    artifacts = ensure_artifacts(on_boot_files=probe)
-    work = Path(tempfile.mkdtemp(prefix="bindbench-", dir=cache_dir()))
     report = Report()
     crowd: dict[str, float] = {}
-    measures: dict[str, tuple[dict[str, Any], Callable[[VM], None]]] = {
-        "hotplug": ({"hotplug_ports": 1}, lambda vm: run_hotplug(vm, args.reps, report)),
-        "coldplug": ({"devices": ["edu"] * 8}, lambda vm: run_coldplug(vm, args.coldplug_reps, report)),
-        "cli": ({"devices": ["edu"]}, lambda vm: run_cli(vm, args.cli_runs, report)),
-    }
-    idle: IdleFamily | None = None
     revision = tree_revision()
-    try:
-        deb = build_deb(work / "deb")
-        image = build_image(artifacts, work / "bindbench.ext4", bench_install_hook(deb))
-        if "idle" in args.families:
-            idle = IdleFamily(artifacts, image, args.idle_window)
-            idle.start()
-        for name in (f for f in FAMILIES if f in args.families and f != "idle"):
-            kwargs, measure = measures[name]
-            with booted(artifacts, image, name, **kwargs) as vm:
-                if idle is not None:
-                    idle.finish(report)  # no timing while the idle window runs
-                t, load = time.monotonic(), HostLoad()
-                measure(vm)
-                crowd[name] = round(load.others_cores(), 2)
-                log.info("%s: measured in %.0f s", name, time.monotonic() - t)
-        if idle is not None:
-            idle.finish(report)
-    finally:
-        if idle is not None:
-            idle.close()
-        remove_tree(work)
+    if set(args.families) & set(VM_FAMILIES):
+        run_guests(args, report, crowd, probe)
+    if "fleet" in args.families:  # on the host, after the last guest is gone
+        t, load = time.monotonic(), HostLoad()
+        run_fleet(report)
+        crowd["fleet"] = round(load.others_cores(), 2)
+        log.info("fleet: measured in %.0f s", time.monotonic() - t)
     report.raw["total_s"] = time.monotonic() - started
     report.raw["revision"] = revision
     report.raw["host_cores_used_by_others"] = crowd
@@ -861,7 +955,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             "raw": report.raw,
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown_table(report))
     return 0
+
+
+def run_guests(
+    args: argparse.Namespace, report: Report, crowd: dict[str, float], probe: Callable[[Any, Path], None]
+) -> None:
+    """Families 1-4: one .deb, one guest image, one guest per family (idle's in the background)."""
+    artifacts = ensure_artifacts(on_boot_files=probe)
+    work = Path(tempfile.mkdtemp(prefix="bindbench-", dir=cache_dir()))
+    measures: dict[str, tuple[dict[str, Any], Callable[[VM], None]]] = {
+        "hotplug": ({"hotplug_ports": 1}, lambda vm: run_hotplug(vm, args.reps, report)),
+        "coldplug": ({"devices": ["edu"] * 8}, lambda vm: run_coldplug(vm, args.coldplug_reps, report)),
+        "cli": ({"devices": ["edu"]}, lambda vm: run_cli(vm, args.cli_runs, report)),
+    }
+    idle: IdleFamily | None = None
+    try:
+        deb = build_deb(work / "deb")
+        image = build_image(artifacts, work / "bindbench.ext4", bench_install_hook(deb))
+        if "idle" in args.families:
+            idle = IdleFamily(artifacts, image, args.idle_window)
+            idle.start()
+        for name in (f for f in VM_FAMILIES if f in args.families and f != "idle"):
+            kwargs, measure = measures[name]
+            with booted(artifacts, image, name, **kwargs) as vm:
+                if idle is not None:
+                    idle.finish(report)  # no timing while the idle window runs
+                t, load = time.monotonic(), HostLoad()
+                measure(vm)
+                crowd[name] = round(load.others_cores(), 2)
+                log.info("%s: measured in %.0f s", name, time.monotonic() - t)
+        if idle is not None:
+            idle.finish(report)
+    finally:
+        if idle is not None:
+            idle.close()
+        remove_tree(work)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""Coldplug first: start binding the TPUs already present before the daemon's heavy parts load.
+
+The binds need only sysfs and the device table; asyncio, requests and prometheus_client (the
+event loop, the metadata client, the metrics) take several times longer to import than eight
+binds take to run, and far longer on a slow or emulated CPU. So `tpuboot run` opens the udev
+monitor, enumerates, hands every TPU's bind to the worker pool, and only then imports the rest;
+the daemon adopts the binds in flight and handles their results like any other.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+
+from tpuboot.pci import PciFunction, list_addresses
+from tpuboot.vfio import Binder, BindResult
+
+TYPE_CHECKING = False  # typing's own flag, without the import
+if TYPE_CHECKING:
+    import pyudev
+
+
+def open_udev_monitor() -> pyudev.Monitor:
+    """A started pyudev monitor on the udev source (events after udev's rules ran) for pci and vfio."""
+    import pyudev
+
+    monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="udev")
+    monitor.filter_by("pci")
+    monitor.filter_by("vfio")
+    monitor.start()
+    return monitor
+
+
+def new_executor() -> ThreadPoolExecutor:
+    """The daemon's pool: binds and other blocking sysfs and file work run there."""
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="tpuboot")
+
+
+class Coldplug:
+    """The PCI functions present at start, and the binds already running for the TPUs among them."""
+
+    def __init__(self, addresses: list[str], binds: dict[str, Future[BindResult]], started: float) -> None:
+        self.addresses = addresses
+        self.binds = binds
+        self.started = started  # monotonic, for the bind-duration metric
+
+
+def start_coldplug(binder: Binder, executor: Executor) -> Coldplug:
+    """Submit a bind for every managed TPU present; call with the udev monitor already started."""
+    started = time.monotonic()
+    addresses = list_addresses(binder.root)
+    binds = {}
+    for address in addresses:
+        try:
+            kind = binder.kind_of(PciFunction(binder.root, address))
+        except FileNotFoundError:
+            continue  # gone again, or not a full PCI function
+        if kind is not None and kind.vfio:
+            binds[address] = executor.submit(binder.bind, address)
+    return Coldplug(addresses, binds, started)
