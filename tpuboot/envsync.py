@@ -96,6 +96,7 @@ class EnvSync:
         self._clock = clock
         self._lock = threading.Lock()
         self._etag: str | None = None
+        self._reported: SyncResult | None = None
 
     @property
     def cache_path(self) -> str:
@@ -234,6 +235,9 @@ class EnvSync:
     def _report(self, result: SyncResult) -> None:
         if result.source in ("metadata", "cache"):
             metrics.tpu_env_updated(from_cache=result.source == "cache")
+        last, self._reported = self._reported, result
+        if result.source == "absent" and last is not None and last.status == result.status:
+            return  # the watch's first look at an attribute still unset: said already
         level = logging.INFO if result.source in ("metadata", "absent") else logging.WARNING
         log.log(
             level,

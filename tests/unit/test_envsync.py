@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -258,3 +259,32 @@ def test_watch_without_a_prior_sync_writes_the_current_value(
     worker.join(timeout=5)
     assert results[0].status == "tpu-env: 14 keys from metadata"
     assert root.path(TPU_ENV).read_bytes() == GOOD
+
+
+def test_an_attribute_still_unset_is_logged_once_not_again_by_the_watch(
+    sync: EnvSync, sync_client: MetadataClient, emulator: MetadataEmulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    emulator.set_attribute("tpu-env", None)
+    with caplog.at_level(logging.INFO, logger="tpuboot"):
+        sync.sync_once(deadline_s=5)
+        stop, seen, results = threading.Event(), threading.Event(), []
+        worker = run_watch(sync, stop, results, seen)
+        assert seen.wait(10)  # the watch's first look: still unset
+        emulator.set_attribute("tpu-env", tpu_env_yaml({"WORKER_ID": "0"}))
+        assert until_len(results, 2)
+        stop.set()
+        sync_client.close()
+        worker.join(timeout=5)
+    said = [r.getMessage() for r in caplog.records if r.name == "tpuboot.envsync"]
+    assert [s.split(";")[0] for s in said] == [
+        "tpu-env: no tpu-env attribute in metadata",
+        "tpu-env: 1 key from metadata",
+    ]
+    assert [r.source for r in results] == ["absent", "metadata"]
+
+
+def until_len(items: list[SyncResult], n: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while len(items) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(items) >= n

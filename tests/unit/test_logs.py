@@ -16,7 +16,9 @@ log.propagate = False
 print("systemd.journal" in sys.modules)
 sent = []
 import systemd.journal
-systemd.journal.JournalHandler.emit = lambda self, record: sent.append((record.getMessage(), getattr(record, "DBDF", None)))
+def emit(self, record):
+    sent.append((record.getMessage(), getattr(record, "DBDF", None)))
+systemd.journal.JournalHandler.emit = emit
 log.warning("bind failed: %s", "boom", extra={"DBDF": "0000:00:04.0"})
 log.warning("again")  # one handler, made once
 print(sent[0], type(handler.journal).__name__, len(sent))
