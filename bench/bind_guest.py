@@ -11,8 +11,9 @@ subcommand prints one JSON object on stdout; times are guest CLOCK_MONOTONIC sec
   usable; when CMD returned and when each ADDR became usable, relative to CMD's start. Runs
   nothing, and says which, if an ADDR is bound already.
 * ``unbind ADDR...``: back to no driver and no driver_override (the state after a hot add).
-* ``cli ADDR --runs N``: wall time of ``tpuboot bind`` and of the baseline script, interleaved
-  ABBA, the device unbound before each run; plus the Python start-up floor.
+* ``cli ADDR --runs N``: wall time of ``tpuboot bind`` (with the bench's config, and with the
+  shipped one) and of the baseline script, interleaved with each first in turn, the device
+  unbound before each run; plus the Python start-up floor.
 * ``imports``: what each import step of ``tpuboot run`` adds in wall time and RSS.
 * ``profile bind|run ADDR...``: tpuboot's main() with stamps around its imports and key functions.
 * ``idle PID``: per-thread wakeups, CPU ticks and RSS of PID over the life of a
@@ -46,6 +47,7 @@ EDU_ID = 0x010000ED
 TESTER = "tester"
 CONSOLE = "/dev/ttyS0"
 BASELINE_SCRIPT = "/lib/udev/bind_to_vfio_pci.sh"
+SHIPPED_CONFIG = "/usr/local/libexec/tpuboot-bench/tpuboot.yaml"  # conf/tpuboot.yaml, as packaged
 SYS_CLOCK_NANOSLEEP = 230  # x86_64
 # x86_64 numbers of the calls an idle thread blocks in; the value says where its fd argument is.
 SYS_CALLS: dict[int, tuple[str, str | None]] = {
@@ -189,7 +191,12 @@ def timed(argv: Sequence[str]) -> tuple[float, subprocess.CompletedProcess[bytes
 
 
 def cmd_cli(args: argparse.Namespace) -> int:
-    commands = {"tpuboot": ["tpuboot", "bind", args.addr], "baseline": [BASELINE_SCRIPT, args.addr]}
+    commands = {
+        "tpuboot": ["tpuboot", "bind", args.addr],
+        # The shipped config is all comments (no yaml import); edu is no TPU there, hence --force.
+        "tpuboot, shipped config": ["tpuboot", "--config", SHIPPED_CONFIG, "bind", "--force", args.addr],
+        "baseline": [BASELINE_SCRIPT, args.addr],
+    }
     floors = {
         "python3 -c pass": ["python3", "-c", "pass"],
         "import tpuboot.cli": ["python3", "-c", "import tpuboot.cli"],
@@ -201,7 +208,8 @@ def cmd_cli(args: argparse.Namespace) -> int:
         unbind(args.addr)
         timed(argv)
     for i in range(args.runs):
-        order = list(commands) if i % 2 == 0 else list(commands)[::-1]
+        names = list(commands)
+        order = names[i % len(names) :] + names[: i % len(names)]  # each first in turn
         for name in order:
             unbind(args.addr)
             seconds, done = timed(commands[name])
