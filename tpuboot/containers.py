@@ -1,7 +1,7 @@
 """The docker runtime: an agent as a privileged host-network container, through the Docker Engine API.
 
-Talks to dockerd over its local socket with the docker SDK (Debian's python3-docker 5.0.3 and
-later); no docker CLI. The container has a fixed name and tpuboot's labels
+Talks to dockerd over its local socket with :mod:`tpuboot.dockerapi` (the standard library; no
+docker SDK, no docker CLI). The container has a fixed name and tpuboot's labels
 (``io.tpuboot.managed=1``, ``io.tpuboot.config=<hash of image and settings>``):
 
 - one already running with the wanted image and settings is adopted (a tpuboot restart does
@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, EventStream, NotFound, Unreachable
 from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Started, StartFailed
 
 log = logging.getLogger("tpuboot.containers")
 
-DOCKER_SOCKET = "/run/docker.sock"
 MANAGED_LABEL = "io.tpuboot.managed"
 CONFIG_LABEL = "io.tpuboot.config"
 PULL_PAUSE_MAX = 8.0
@@ -51,8 +51,12 @@ class ContainerSpec:
     def labels(self) -> dict[str, str]:
         return {MANAGED_LABEL: "1", CONFIG_LABEL: self.config_hash}
 
-    def volumes(self) -> dict[str, dict[str, str]]:
-        return {host: {"bind": inside, "mode": "ro"} for host, inside in self.binds}
+    def create_config(self) -> dict[str, Any]:
+        """The Engine API body of ``POST /containers/create`` for this container."""
+        host_config: dict[str, Any] = {"Privileged": True, "NetworkMode": "host"}
+        if self.binds:
+            host_config["Binds"] = [f"{host}:{inside}:ro" for host, inside in self.binds]
+        return {"Image": self.image, "Labels": self.labels, "HostConfig": host_config}
 
     def matches(self, attrs: dict[str, Any]) -> bool:
         """Whether an existing container (``docker inspect`` data) is this one."""
@@ -67,35 +71,36 @@ class ContainerSpec:
         )
 
 
-def docker_client(socket_path: str = DOCKER_SOCKET) -> Any:
-    import docker
-
-    # "auto": the API version dockerd speaks (newer engines refuse old fixed versions). It asks
-    # dockerd at once, so an absent dockerd raises here, inside DockerRuntime.start.
-    return docker.DockerClient(base_url=f"unix://{socket_path}", version="auto", timeout=60)
+def docker_client(socket_path: str = DOCKER_SOCKET) -> DockerAPI:
+    """A client for dockerd at ``socket_path``; it connects at its first call (``ping``)."""
+    return DockerAPI(socket_path)
 
 
 def _unreachable(exc: BaseException) -> bool:
     """An error saying dockerd is not there (as opposed to an answer from it)."""
-    import docker.errors
-    import requests
-
-    if isinstance(exc, docker.errors.APIError):
-        return False
-    return isinstance(exc, (requests.exceptions.ConnectionError, docker.errors.DockerException, OSError))
+    return isinstance(exc, (Unreachable, OSError))
 
 
 def _reason(exc: BaseException) -> str:
+    """One line for a status or log: dockerd's own message when it answered."""
     explanation = getattr(exc, "explanation", None)
     text = str(explanation or exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
 
 def split_image(image: str) -> tuple[str, str]:
-    """``(repository, tag or digest)``; ``latest`` when the name has neither."""
-    from docker.utils import parse_repository_tag
+    """``(repository, tag or digest)`` for a pull; ``latest`` when the name has neither.
 
-    repository, tag = parse_repository_tag(image)
+    A colon after the last slash starts the tag, so a registry port (``host:5000/img``) stays in
+    the repository. A digest (``@sha256:...``) wins over a tag, which is dropped (dockerd does
+    the same with both).
+    """
+    name, at, digest = image.partition("@")
+    repository, colon, tag = name.rpartition(":")
+    if not colon or "/" in tag:
+        repository, tag = name, ""
+    if at:
+        return repository, digest
     return repository, tag or "latest"
 
 
@@ -104,17 +109,17 @@ class DockerRuntime:
         self,
         spec: Callable[[], ContainerSpec],
         pull_retries: int = 5,
-        client_factory: Callable[[], Any] = docker_client,
+        client_factory: Callable[[], DockerAPI] = docker_client,
         pause: Callable[[float], object] | None = None,
     ) -> None:
         self.spec = spec
         self.pull_retries = pull_retries
         self.client_factory = client_factory
-        self.client: Any = None
+        self.client: DockerAPI | None = None
         self.container_id: str | None = None
         self._running: ContainerSpec | None = None  # the spec of the container being followed
         self.fields: dict[str, str] = {"CONTAINER": spec().name}
-        self._stream: Any = None
+        self._stream: EventStream | None = None
         self._interrupted = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -146,9 +151,7 @@ class DockerRuntime:
         if client is None or ident is None:
             return None
         try:
-            stream = client.events(
-                decode=True, filters={"type": "container", "container": ident, "event": "die"}
-            )
+            stream = client.events({"type": ["container"], "container": [ident], "event": ["die"]})
         except Exception as exc:
             if self._interrupted.is_set():
                 return None
@@ -160,11 +163,11 @@ class DockerRuntime:
             if self._interrupted.is_set():
                 return None
             # Subscribed first, then looked: a death before the subscription shows here.
-            state = client.containers.get(ident).attrs.get("State") or {}
+            state = client.inspect_container(ident).get("State") or {}
             if not state.get("Running"):
                 return f"exit {state.get('ExitCode', '?')}"
-            for event in stream:
-                if event.get("status") == "die" or event.get("Action") == "die":
+            for event in stream:  # ends when dockerd ends the stream or goes away, or at _cut
+                if event.get("Action") == "die" or event.get("status") == "die":
                     code = ((event.get("Actor") or {}).get("Attributes") or {}).get("exitCode", "?")
                     return f"exit {code}"
         except Exception as exc:
@@ -175,7 +178,7 @@ class DockerRuntime:
         finally:
             with self._lock:
                 self._stream = None
-            self._close_stream(stream)
+            stream.close()
         if self._interrupted.is_set():
             return None
         self._drop_client()
@@ -197,7 +200,7 @@ class DockerRuntime:
         with self._lock:
             stream = self._stream
         if stream is not None:
-            self._close_stream(stream)
+            stream.close()  # a wait() blocked reading the stream returns at once
 
     def close(self) -> None:
         """Stop following the container; the container itself keeps running."""
@@ -206,68 +209,56 @@ class DockerRuntime:
 
     # ------------------------------------------------------------------ helpers
 
-    def _client(self) -> Any:
+    def _client(self) -> DockerAPI:
         if self.client is None:
-            self.client = self.client_factory()
-            self.client.ping()
+            client = self.client_factory()
+            client.ping()  # learns dockerd's API version; raises here when dockerd is absent
+            self.client = client
         return self.client
 
     def _drop_client(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                client.close()
-
-    @staticmethod
-    def _close_stream(stream: Any) -> None:
-        with contextlib.suppress(Exception):
-            stream.close()
+        """Forget the client: the next start asks dockerd's API version again (it may be another)."""
+        self.client = None
 
     def _start(self, spec: ContainerSpec) -> Started:
-        import docker.errors
-
         client = self._client()
         try:
-            container = client.containers.get(spec.name)
-        except docker.errors.NotFound:
-            container = None
+            found: dict[str, Any] | None = client.inspect_container(spec.name)
+        except NotFound:
+            found = None
         how = "started"
-        if container is not None:
-            if spec.matches(container.attrs):
-                self.container_id = container.id
-                if (container.attrs.get("State") or {}).get("Running"):
-                    return Started("adopted", container.id[:12])
-                container.start()
-                return Started("restarted", container.id[:12])
+        if found is not None:
+            ident = str(found["Id"])
+            if spec.matches(found):
+                self.container_id = ident
+                if (found.get("State") or {}).get("Running"):
+                    return Started("adopted", ident[:12])
+                client.start_container(ident)
+                return Started("restarted", ident[:12])
             log.info(
                 "%s: image or settings differ from the configuration; recreating it",
                 spec.name,
                 extra={"CONTAINER": spec.name, "IMAGE": spec.image},
             )
-            container.remove(force=True)
+            with contextlib.suppress(NotFound):  # gone meanwhile: as good
+                client.remove_container(ident, force=True)
             how = "recreated"
         self._ensure_image(client, spec.image)
-        container = client.containers.create(
-            spec.image,
-            name=spec.name,
-            detach=True,
-            privileged=True,
-            network_mode="host",
-            labels=spec.labels,
-            volumes=spec.volumes() or None,
-        )
-        self.container_id = container.id
-        container.start()
-        return Started(how, container.id[:12])
+        ident = client.create_container(spec.name, spec.create_config())
+        self.container_id = ident
+        client.start_container(ident)
+        return Started(how, ident[:12])
 
-    def _ensure_image(self, client: Any, image: str) -> None:
-        import docker.errors
-
+    def _has_image(self, client: DockerAPI, image: str) -> bool:
         try:
-            client.images.get(image)
+            client.inspect_image(image)
+        except NotFound:
+            return False
+        return True
+
+    def _ensure_image(self, client: DockerAPI, image: str) -> None:
+        if self._has_image(client, image):
             return
-        except docker.errors.ImageNotFound:
-            pass
         repository, tag = split_image(image)
         tries = self.pull_retries + 1
         reason = ""
@@ -275,7 +266,7 @@ class DockerRuntime:
             if self._closed.is_set():
                 raise RuntimeUnavailable("stopping")
             try:
-                client.images.pull(repository, tag=tag)
+                client.pull_image(repository, tag)
                 log.info("pulled %s", image, extra={"IMAGE": image})
                 return
             except Exception as exc:
@@ -284,11 +275,8 @@ class DockerRuntime:
                 reason = _reason(exc)
             if attempt + 1 < tries:
                 self._pause(min(PULL_PAUSE_MAX, 2.0**attempt))
-                try:  # loaded meanwhile (docker load / import at boot)
-                    client.images.get(image)
+                if self._has_image(client, image):  # loaded meanwhile (docker load / import at boot)
                     return
-                except docker.errors.ImageNotFound:
-                    pass
         raise CannotStart(
             f"cannot pull image {image} ({tries} tries: {reason}); "
             "make it reachable, load it with `docker load`, or set another image"

@@ -17,12 +17,10 @@ the reason. Every check is required (a FAIL makes the exit status non-zero) exce
 from __future__ import annotations
 
 import datetime
-import http.client
 import importlib.util
 import json
 import logging
 import re
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from dataclasses import dataclass
 from tpuboot.atomicfile import read_file
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.devices import DeviceTable
+from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound
 from tpuboot.environment import merge_environment
 from tpuboot.envsync import CACHE_NAME
 from tpuboot.errors import MetadataError
@@ -51,7 +50,6 @@ MACHINE_CHIPS = {
     "ct5p-hightpu-4t": 4,
 }
 UNSAFE_INTERRUPTS = "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts"
-DOCKER_SOCKET = "/run/docker.sock"
 GKE_ATTRIBUTES = ("cluster-name", "kube-env")  # set by GKE on its nodes
 MAX_FILE = 1 << 20
 
@@ -93,30 +91,14 @@ def docker_container_running(root: Root, name: str) -> bool | None:
     path = root.path(DOCKER_SOCKET)
     if not path.exists():
         return None
-
-    class Connection(http.client.HTTPConnection):
-        def connect(self) -> None:
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(self.timeout)
-            self.sock.connect(str(path))
-
-    conn = Connection("docker", timeout=5)
     try:
-        conn.request("GET", f"/containers/{name}/json")
-        response = conn.getresponse()
-        body = response.read(MAX_FILE)
-    except OSError:
-        return None
-    finally:
-        conn.close()
-    if response.status == 404:
+        data = DockerAPI(str(path), timeout=5).inspect_container(name)
+    except NotFound:
         return False
-    if response.status != 200:
+    except DockerError:
         return None
-    try:
-        return bool(json.loads(body)["State"]["Running"])
-    except (ValueError, KeyError, TypeError):
-        return None
+    state = data.get("State") if isinstance(data, dict) else None
+    return bool(state.get("Running")) if isinstance(state, dict) else None
 
 
 def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> MetadataLookup:

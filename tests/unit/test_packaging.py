@@ -158,6 +158,7 @@ def test_deb_control_conffiles_and_depends(deb):
     depends = {re.sub(r"[ :(].*", "", dep.strip()) for dep in control["Depends"].split(",")}
     wanted = {"kmod", "python3", "python3-pyudev", "python3-yaml", "python3-requests", "python3-systemd"}
     assert wanted | {"python3-prometheus-client"} <= depends
+    assert "python3-docker" not in depends  # tpuboot.dockerapi speaks the Engine API itself
 
 
 @needs_build_tools

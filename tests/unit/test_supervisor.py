@@ -1,9 +1,11 @@
-"""The supervisor loop over the exec runtime (a stand-in binary) and the docker runtime (a fake client)."""
+"""The supervisor loop over the exec runtime (a stand-in binary); the agents in the daemon.
+
+The docker runtime is tested against a fake dockerd in test_containers.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import signal
 import sys
 import threading
@@ -12,9 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import docker.errors
 import pytest
-import requests
 
 from tests.unit.test_daemon import until
 from tpuboot import metrics
@@ -22,9 +22,8 @@ from tpuboot.agents import Agents, vbar_image
 from tpuboot.backoff import RestartPolicy
 from tpuboot.children import ExecRuntime, describe_exit
 from tpuboot.config import Config, TelemetryConfig, VbarConfig
-from tpuboot.containers import CONFIG_LABEL, MANAGED_LABEL, ContainerSpec, DockerRuntime, split_image
 from tpuboot.gke import gke_node
-from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Supervisor
+from tpuboot.supervisor import Supervisor
 from tpuboot.tpuenv import parse_env_file, render_env_file
 
 
@@ -131,249 +130,12 @@ def test_describe_exit() -> None:
     assert describe_exit(-9) == "killed by SIGKILL"
 
 
-# --------------------------------------------------------------------------- docker runtime
-
-
-class FakeStream:
-    def __init__(self) -> None:
-        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
-
-    def __iter__(self) -> FakeStream:
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        event = self.events.get()
-        if event is None:
-            raise StopIteration
-        return event
-
-    def close(self) -> None:
-        self.events.put(None)
-
-
-class FakeContainer:
-    def __init__(self, client: FakeClient, ident: str, image: str, name: str, **kw: Any) -> None:
-        self.client = client
-        self.id = ident
-        self.attrs: dict[str, Any] = {
-            "Name": "/" + name,
-            "Config": {"Image": image, "Labels": kw.get("labels") or {}},
-            "HostConfig": {
-                "Privileged": kw.get("privileged", False),
-                "NetworkMode": kw.get("network_mode", ""),
-            },
-            "State": {"Running": False, "ExitCode": 0},
-        }
-        self.create_kwargs = kw
-
-    def start(self) -> None:
-        self.attrs["State"] = {"Running": True, "ExitCode": 0}
-
-    def remove(self, force: bool = False) -> None:
-        self.client.removed.append(self.id)
-        self.client.by_name.pop(self.attrs["Name"][1:], None)
-
-    def die(self, code: int) -> None:
-        self.attrs["State"] = {"Running": False, "ExitCode": code}
-        for stream in self.client.streams:
-            stream.events.put(
-                {"status": "die", "id": self.id, "Actor": {"Attributes": {"exitCode": str(code)}}}
-            )
-
-
-class FakeClient:
-    """The few docker SDK methods DockerRuntime uses, over in-memory state."""
-
-    def __init__(self) -> None:
-        self.images_present: set[str] = set()
-        self.pull_error: Exception | None = None
-        self.pulls: list[tuple[str, str]] = []
-        self.by_name: dict[str, FakeContainer] = {}
-        self.removed: list[str] = []
-        self.created: list[FakeContainer] = []
-        self.streams: list[FakeStream] = []
-        self.up = True
-        self.containers = self
-        self.images = self
-
-    # client
-    def ping(self) -> bool:
-        if not self.up:
-            raise requests.exceptions.ConnectionError("connection refused")
-        return True
-
-    def close(self) -> None:
-        pass
-
-    def events(self, decode: bool, filters: dict[str, Any]) -> FakeStream:
-        self.ping()
-        stream = FakeStream()
-        self.streams.append(stream)
-        return stream
-
-    def dockerd_dies(self) -> None:
-        self.up = False
-        for container in self.by_name.values():
-            container.attrs["State"] = {"Running": False, "ExitCode": 0}
-        for stream in self.streams:
-            stream.close()
-
-    # client.containers / client.images: get() serves both
-    def get(self, key: str) -> Any:
-        self.ping()
-        if key in self.images_present:
-            return object()
-        for container in self.by_name.values():
-            if key in (container.id, container.attrs["Name"][1:]):
-                return container
-        if "/" in key or ":" in key:
-            raise docker.errors.ImageNotFound(key)
-        raise docker.errors.NotFound(key)
-
-    def create(self, image: str, name: str, **kw: Any) -> FakeContainer:
-        if image not in self.images_present:
-            raise docker.errors.ImageNotFound(image)
-        container = FakeContainer(self, f"{len(self.created) + 1:064x}", image, name, **kw)
-        self.by_name[name] = container
-        self.created.append(container)
-        return container
-
-    def pull(self, repository: str, tag: str) -> None:
-        self.pulls.append((repository, tag))
-        if self.pull_error is not None:
-            raise self.pull_error
-        self.images_present.add(f"{repository}:{tag}")
-
-
-IMAGE = "example.invalid/vbar:1"
-
-
-def docker_runtime(client: FakeClient, spec: Callable[[], ContainerSpec] | None = None) -> DockerRuntime:
-    return DockerRuntime(
-        spec or (lambda: ContainerSpec("vbar", IMAGE)),
-        pull_retries=2,
-        client_factory=lambda: client,
-        pause=lambda s: None,
-    )
-
-
-def test_docker_creates_a_labelled_privileged_host_network_container_pulling_the_image() -> None:
-    client = FakeClient()
-    started = docker_runtime(client).start()
-    assert started.how == "started"
-    assert client.pulls == [("example.invalid/vbar", "1")]
-    (container,) = client.created
-    assert container.create_kwargs["privileged"] is True
-    assert container.create_kwargs["network_mode"] == "host"
-    labels = container.create_kwargs["labels"]
-    assert labels[MANAGED_LABEL] == "1" and labels[CONFIG_LABEL] == ContainerSpec("vbar", IMAGE).config_hash
-    assert container.attrs["State"]["Running"]
-
-
-def test_docker_adopts_a_running_matching_container_and_recreates_a_different_one() -> None:
-    client = FakeClient()
-    client.images_present.add(IMAGE)
-    docker_runtime(client).start()
-    first = client.created[0]
-    assert docker_runtime(client).start().how == "adopted"  # a tpuboot restart
-    assert len(client.created) == 1
-    first.attrs["State"]["Running"] = False
-    assert docker_runtime(client).start().how == "restarted"
-    assert len(client.created) == 1
-
-    client.images_present.add("example.invalid/vbar:2")
-    runtime = docker_runtime(client, lambda: ContainerSpec("vbar", "example.invalid/vbar:2"))
-    assert runtime.start().how == "recreated"
-    assert client.removed == [first.id] and len(client.created) == 2
-    assert client.created[1].attrs["Config"]["Image"] == "example.invalid/vbar:2"
-
-
-def test_docker_recreates_a_container_with_the_name_but_not_privileged() -> None:
-    client = FakeClient()
-    client.images_present.add(IMAGE)
-    spec = ContainerSpec("vbar", IMAGE)
-    client.create(IMAGE, "vbar", labels=spec.labels, network_mode="host").start()
-    assert docker_runtime(client).start().how == "recreated"
-
-
-def test_a_pull_that_cannot_succeed_is_one_line_after_bounded_tries() -> None:
-    client = FakeClient()
-    client.pull_error = docker.errors.APIError(
-        "500", explanation="Get https://x: dial tcp: lookup x: no such host"
-    )
-    with pytest.raises(CannotStart) as caught:
-        docker_runtime(client).start()
-    assert len(client.pulls) == 3  # pull_retries=2
-    assert "\n" not in str(caught.value) and "cannot pull image example.invalid/vbar:1" in str(caught.value)
-    assert "no such host" in str(caught.value)
-
-
-def test_dockerd_absent_is_unavailable_not_a_failure() -> None:
-    client = FakeClient()
-    client.up = False
-    with pytest.raises(RuntimeUnavailable):
-        docker_runtime(client).start()
-
-
-def test_wait_returns_the_exit_of_a_die_event_and_none_when_interrupted() -> None:
-    client = FakeClient()
-    client.images_present.add(IMAGE)
-    runtime = docker_runtime(client)
-    runtime.start()
-    result: list[str | None] = []
-    thread = threading.Thread(target=lambda: result.append(runtime.wait()))
-    thread.start()
-    wait_until(lambda: bool(client.streams))
-    client.created[0].die(137)
-    thread.join(5)
-    assert result == ["exit 137"]
-
-    runtime.start()
-    assert runtime.interrupt() is False  # same spec: nothing to do
-    runtime.close()
-    assert runtime.wait() is None
-
-
-def test_supervisor_over_docker_restarts_after_die_and_recovers_from_dockerd_restart() -> None:
-    client = FakeClient()
-    client.images_present.add(IMAGE)
-    image = [IMAGE]
-    status = Statuses()
-    runtime = docker_runtime(client, lambda: ContainerSpec("vbar", image[0]))
-    supervisor = Supervisor("vBar", runtime, FAST, status)
-    supervisor.start()
-    try:
-        wait_until(lambda: status.last == "vBar: running" and len(client.streams) == 1)
-        client.created[0].die(1)
-        wait_until(lambda: status.last == "vBar: running" and len(client.streams) == 2)
-        assert supervisor.starts == 2 and len(client.created) == 1  # restarted in place
-
-        client.dockerd_dies()
-        wait_until(lambda: "waiting" in status.last)
-        client.up = True
-        wait_until(lambda: status.last == "vBar: running" and len(client.streams) == 3, timeout=15)
-
-        image[0] = "example.invalid/vbar:2"
-        client.images_present.add(image[0])
-        supervisor.reconfigure()
-        wait_until(lambda: len(client.created) == 2 and status.last == "vBar: running")
-        assert client.created[1].attrs["Config"]["Image"] == "example.invalid/vbar:2"
-    finally:
-        supervisor.stop()
-    assert client.by_name["vbar"].attrs["State"]["Running"]  # stopping tpuboot leaves it running
-
-
 # --------------------------------------------------------------------------- helpers
 
 
 def test_the_tpu_env_file_reads_back_every_value() -> None:
     values = {"A": "gcr.io/x/y:1", "B": "", "C": 'q"$`\\ \nz', "D": "a,b"}
     assert parse_env_file(render_env_file(values)) == values
-
-
-def test_split_image() -> None:
-    assert split_image("gcr.io/p/vbar:0.0.1") == ("gcr.io/p/vbar", "0.0.1")
-    assert split_image("localhost:5000/vbar") == ("localhost:5000/vbar", "latest")
 
 
 # --------------------------------------------------------------------------- in the daemon
@@ -398,10 +160,7 @@ def kernel(tmp_path: Path) -> Any:
 
 
 def test_ready_never_waits_for_dockerd_and_the_status_says_so(kernel: Any, root: Any) -> None:
-    def no_dockerd() -> Any:
-        raise requests.exceptions.ConnectionError("no such file")
-
-    agents = Agents(Config(gke="false"), root, None, docker_factory=no_dockerd)
+    agents = Agents(Config(gke="false"), root, None)  # no /run/docker.sock under the root
 
     async def scenario() -> None:
         daemon = daemon_with(kernel, agents)

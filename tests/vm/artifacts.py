@@ -68,10 +68,10 @@ GUEST_PACKAGES = (
     "pciutils",  # lspci for humans reading a failing test's output
     "grub2-common",  # grub-mkconfig: proves the package's GRUB drop-in reaches the kernel line
     "grub-pc-bin",
-    # The vBar supervisor: a real dockerd in the guest (it needs apparmor) and the docker SDK.
+    # The vBar supervisor: a real dockerd in the guest (it needs apparmor). tpuboot talks to it
+    # over its socket with the standard library (tpuboot.dockerapi): no docker SDK.
     "docker.io",
     "apparmor",
-    "python3-docker",
 )
 
 # Modules the initramfs needs to mount the root disk, each with the config symbol

@@ -1,0 +1,201 @@
+"""The Engine API client against a fake dockerd on a real unix socket (tests/unit/fakedockerd.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
+from tpuboot.dockerapi import APIError, DockerAPI, NotFound, Unreachable
+
+
+@pytest.fixture
+def dockerd() -> Iterator[FakeDockerd]:
+    with fake_dockerd() as fake:
+        yield fake
+
+
+def client_of(fake: FakeDockerd) -> DockerAPI:
+    return DockerAPI(str(fake.socket_path), timeout=5)
+
+
+@pytest.mark.parametrize(("engine", "minimum"), [("1.41", "1.12"), ("1.52", "1.44")])
+def test_the_api_version_is_the_one_dockerd_speaks(engine: str, minimum: str) -> None:
+    """Debian 12's dockerd (1.41) and a current one that refuses anything older than 1.44."""
+    with fake_dockerd(engine, minimum) as fake:
+        client = client_of(fake)
+        assert client.ping() == engine
+        with pytest.raises(NotFound):
+            client.inspect_container("vbar")
+        fake.images.add("img:1")
+        client.inspect_image("img:1")
+    assert fake.paths() == ["/version", f"/v{engine}/containers/vbar/json", f"/v{engine}/images/img:1/json"]
+
+
+def test_the_version_is_asked_once_before_the_first_call() -> None:
+    with fake_dockerd("1.47") as fake:
+        client = client_of(fake)
+        fake.images.add("img:1")
+        client.inspect_image("img:1")
+        client.inspect_image("img:1")
+    assert fake.paths() == ["/version", "/v1.47/images/img:1/json", "/v1.47/images/img:1/json"]
+
+
+def test_a_fixed_old_version_is_refused_by_a_newer_engine() -> None:
+    """Why the version is negotiated: the fake refuses like dockerd 29 does."""
+    with fake_dockerd("1.52", "1.44") as fake:
+        client = client_of(fake)
+        client.api_version = "1.41"
+        with pytest.raises(APIError) as caught:
+            client.inspect_container("vbar")
+    assert caught.value.status == 400 and "too old" in caught.value.explanation
+
+
+def test_errors_carry_dockerds_status_and_message(dockerd: FakeDockerd) -> None:
+    client = client_of(dockerd)
+    with pytest.raises(NotFound) as absent:
+        client.inspect_image("nope:1")
+    assert (absent.value.status, absent.value.explanation) == (404, "No such image: nope:1")
+    dockerd.images.add("img:1")
+    client.create_container("vbar", {"Image": "img:1"})
+    with pytest.raises(APIError) as conflict:
+        client.create_container("vbar", {"Image": "img:1"})
+    assert conflict.value.status == 409 and not isinstance(conflict.value, NotFound)
+    assert 'The container name "/vbar" is already in use' in str(conflict.value)
+
+
+def test_dockerd_absent_or_refusing_is_unreachable(tmp_path: Path) -> None:
+    directory = tmp_path / "d"
+    directory.mkdir()
+    with pytest.raises(Unreachable):
+        DockerAPI(str(directory / "docker.sock")).ping()
+    stale = socket.socket(socket.AF_UNIX)  # a socket file nobody listens on: refused
+    stale.bind(str(directory / "s"))
+    stale.close()
+    with pytest.raises(Unreachable):
+        DockerAPI(str(directory / "s")).ping()
+
+
+def test_dockerd_gone_after_negotiation_is_unreachable(dockerd: FakeDockerd) -> None:
+    client = client_of(dockerd)
+    client.ping()
+    dockerd.stop()
+    with pytest.raises(Unreachable):
+        client.inspect_container("vbar")
+
+
+def test_create_start_remove_send_the_engine_api_requests(dockerd: FakeDockerd) -> None:
+    client = client_of(dockerd)
+    dockerd.images.add("img:1")
+    config = {"Image": "img:1", "HostConfig": {"Privileged": True, "Binds": ["/a:/b:ro"]}}
+    ident = client.create_container("vbar", config)
+    client.start_container(ident)
+    client.start_container(ident)  # 304: already running
+    assert dockerd.running("vbar")
+    client.remove_container(ident, force=True)
+    (create,) = dockerd.calls("POST", "/containers/create")
+    assert create.query == {"name": "vbar"} and create.body == config
+    assert len(dockerd.calls("POST", f"/containers/{ident}/start")) == 2
+    (remove,) = dockerd.calls("DELETE", f"/containers/{ident}")
+    assert remove.query == {"force": "true"}
+    with pytest.raises(NotFound):
+        client.inspect_container(ident)
+
+
+def test_a_pull_reads_the_stream_to_its_end(dockerd: FakeDockerd) -> None:
+    client = client_of(dockerd)
+    client.pull_image("registry:5000/img", "2")
+    client.pull_image("img", "sha256:" + "a" * 64)
+    assert dockerd.pulls == [("registry:5000/img", "2"), ("img", "sha256:" + "a" * 64)]
+    client.inspect_image("registry:5000/img:2")
+    client.inspect_image("img@sha256:" + "a" * 64)
+
+
+def test_a_pull_failing_inside_a_200_stream_is_an_error(dockerd: FakeDockerd) -> None:
+    dockerd.pull_error = "Get https://x/v2/: dial tcp: lookup x: no such host"
+    with pytest.raises(APIError) as caught:
+        client_of(dockerd).pull_image("x/img", "1")
+    assert caught.value.explanation == dockerd.pull_error and caught.value.status == 200
+
+
+def follow(stream: Any, into: list[dict[str, Any]], done: threading.Event) -> threading.Thread:
+    def run() -> None:
+        into.extend(stream)
+        done.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_events_are_filtered_and_arrive_as_sent_until_dockerd_ends_the_stream(dockerd: FakeDockerd) -> None:
+    client = client_of(dockerd)
+    ident = dockerd.add_container("vbar", "img:1")
+    other = dockerd.add_container("other", "img:1")
+    events: list[dict[str, Any]] = []
+    done = threading.Event()
+    filters = {"type": ["container"], "container": [ident], "event": ["die"]}
+    follow(client.events(filters), events, done)
+    wait_for(lambda: len(dockerd.subscribers) == 1)
+    (request,) = dockerd.calls("GET", "/events")
+    assert json.loads(request.query["filters"]) == filters
+    dockerd.die("other", 1)  # not this container
+    dockerd.die("vbar", 137)
+    wait_for(lambda: len(events) == 1)
+    assert events[0]["Action"] == "die" and events[0]["Actor"]["Attributes"]["exitCode"] == "137"
+    assert other not in json.dumps(events)
+    dockerd.end_event_streams()
+    assert done.wait(5)
+
+
+def test_events_end_when_dockerd_goes_away(dockerd: FakeDockerd) -> None:
+    stream = client_of(dockerd).events({"event": ["die"]})
+    events: list[dict[str, Any]] = []
+    done = threading.Event()
+    follow(stream, events, done)
+    wait_for(lambda: len(dockerd.subscribers) == 1)
+    dockerd.stop()
+    assert done.wait(5) and events == []
+
+
+def test_closing_the_stream_from_another_thread_ends_a_blocked_read_at_once(dockerd: FakeDockerd) -> None:
+    stream = client_of(dockerd).events({"event": ["die"]})
+    events: list[dict[str, Any]] = []
+    done = threading.Event()
+    thread = follow(stream, events, done)
+    wait_for(lambda: len(dockerd.subscribers) == 1)
+    time.sleep(0.1)  # blocked in the read
+    started = time.monotonic()
+    stream.close()
+    assert done.wait(2) and time.monotonic() - started < 1.0
+    thread.join(1)
+    assert dockerd.subscribers[0].closed_by_client.wait(2)  # dockerd sees the connection closed
+    stream.close()  # twice is fine
+
+
+def test_streamed_objects_split_or_joined_across_reads_come_out_whole() -> None:
+    from tpuboot.dockerapi import _json_objects
+
+    class Pieces:
+        def __init__(self, *pieces: bytes) -> None:
+            self.pieces = list(pieces)
+
+        def read1(self, n: int) -> bytes:
+            return self.pieces.pop(0) if self.pieces else b""
+
+    pieces = Pieces(b'{"a":', b'1}\n{"b"', b":2}\r\n\n", b'{"c":3}\n{"d":4}')
+    assert list(_json_objects(pieces)) == [{"a": 1}, {"b": 2}, {"c": 3}, {"d": 4}]  # type: ignore[arg-type]
