@@ -88,12 +88,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.mds_emulator import SAMPLE_TPU_ENV
 from tests.vm.accel import select_accel
 from tests.vm.agent import Result
 from tests.vm.artifacts import Artifacts, InstallHook, build_image, ensure_artifacts, in_tree, remove_tree
 from tests.vm.hostenv import cache_dir
 from tests.vm.machine import VM
-from tests.vm.tpuboot_guest import EDU, EDU_ID_REGISTER, MDS_PORT, VFIO_READ, build_deb, package_install_hook
+from tests.vm.tpuboot_guest import (
+    EDU,
+    EDU_ID_REGISTER,
+    MDS_PORT,
+    VFIO_READ,
+    build_deb,
+    guest_config,
+    package_install_hook,
+    vbar_install_hook,
+)
 
 log = logging.getLogger("bench.bind")
 
@@ -676,6 +686,8 @@ def thread_role(thread: dict[str, Any]) -> tuple[str, str]:
         return "server", f"server thread: {where}"
     if waits_on.endswith(f":{MDS_PORT}"):
         return "metadata-watch", f"metadata watch: {where}"
+    if waits_on == "unix socket":  # the daemon's one blocking stream socket is dockerd's
+        return "docker-events", f"vBar supervisor, following dockerd's events: {where}"
     if thread["syscall"] == "futex":
         return "idle", "waits on a lock or queue (futex): pool worker or a thread being joined"
     return "other", where
@@ -688,7 +700,11 @@ def systemd_seconds(span: str) -> float:
 
 
 class IdleFamily:
-    """Family 4 in the background: the guest boots in front, its 60 s window runs in a thread."""
+    """Family 4 in the background: the guest boots in front, its 60 s window runs in a thread.
+
+    Its guest is configured as a TPU VM off GKE is: tpuboot supervises vBar (a stand-in image)
+    under a real dockerd, and the window starts once the STATUS line says vBar is running.
+    """
 
     def __init__(self, artifacts: Artifacts, image: Path, window: float) -> None:
         self.artifacts, self.image, self.window = artifacts, image, window
@@ -701,7 +717,10 @@ class IdleFamily:
         with ExitStack() as on_error:
             on_error.callback(self.close)
             vm = self._guest.enter_context(
-                booted(self.artifacts, self.image, "idle", devices=["edu", "virtio-rng-pci"])
+                booted(self.artifacts, self.image, "idle", devices=["edu", "virtio-rng-pci"], memory=1536)
+            )
+            vm.wait_until(
+                "systemctl show -P StatusText tpuboot | grep -q 'vBar: running'", timeout=240, interval=1.0
             )
             props = unit_properties(vm, "MainPID", "WatchdogUSec", "StatusText")
             on_error.pop_all()
@@ -847,9 +866,9 @@ def _ratio(ours: float, base: float) -> float | None:
 # --------------------------------------------------------------------------- image, table, main
 
 
-def bench_install_hook(deb: Path) -> InstallHook:
-    """tpuboot from its .deb as the tests install it, plus the baseline files and the guest helper."""
-    package = package_install_hook(deb)
+def bench_install_hook(package: InstallHook) -> InstallHook:
+    """``package`` (tpuboot from its .deb, as the tests install it), the baseline files and the
+    guest helper."""
 
     def install(tree: Path) -> None:
         package(tree)
@@ -865,6 +884,16 @@ def bench_install_hook(deb: Path) -> InstallHook:
         handler.chmod(0o755)
 
     return install
+
+
+IDLE_VBAR_IMAGE = "tpuboot-bench/vbar:1"
+
+
+def idle_install_hook(deb: Path) -> InstallHook:
+    """The idle guest: vBar supervised from a stand-in image, named by tpu-env as on a TPU VM."""
+    config = guest_config(vbar={"enabled": True, "image": IDLE_VBAR_IMAGE})
+    tpu_env = {**SAMPLE_TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": IDLE_VBAR_IMAGE}
+    return vbar_install_hook(deb, config, tpu_env, [IDLE_VBAR_IMAGE])
 
 
 def tree_revision() -> str:
@@ -987,9 +1016,11 @@ def run_guests(
     idle: IdleFamily | None = None
     try:
         deb = build_deb(work / "deb")
-        image = build_image(artifacts, work / "bindbench.ext4", bench_install_hook(deb))
+        image = build_image(artifacts, work / "bindbench.ext4", bench_install_hook(package_install_hook(deb)))
         if "idle" in args.families:
-            idle = IdleFamily(artifacts, image, args.idle_window)
+            hook = bench_install_hook(idle_install_hook(deb))
+            vbar_image = build_image(artifacts, work / "bindbench-vbar.ext4", hook)
+            idle = IdleFamily(artifacts, vbar_image, args.idle_window)
             idle.start()
         for name in (f for f in VM_FAMILIES if f in args.families and f != "idle"):
             kwargs, measure = measures[name]

@@ -72,6 +72,7 @@ GUEST_PACKAGES = (
     # over its socket with the standard library (tpuboot.dockerapi): no docker SDK.
     "docker.io",
     "apparmor",
+    "curl",  # the benchmark's baseline: the documented cloud-init script fetches tpu-env with curl
 )
 
 # Modules the initramfs needs to mount the root disk, each with the config symbol

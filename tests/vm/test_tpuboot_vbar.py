@@ -1,16 +1,13 @@
 """vBar supervision on a real kernel with a real dockerd: the packaged service keeps the agent running.
 
-One guest with docker.io serves the module; the tests run in file order. The vBar stand-in is
-an image made in the guest with ``docker import`` from a tarball holding a static busybox and a
-script that sleeps (no registry is reachable): a drop-in on docker.service imports it at each
+One guest with docker.io serves the module; the tests run in file order. The vBar stand-in
+(tpuboot_guest.vbar_install_hook) is an image made in the guest with ``docker import`` at each
 dockerd start, tagged as the names tpu-env gives (``tpuboot-test/vbar:1``, then ``:2``).
 """
 
 from __future__ import annotations
 
-import io
 import re
-import tarfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,74 +17,29 @@ import yaml
 
 from tests.mds_emulator import SAMPLE_TPU_ENV
 
-from .artifacts import GUEST_LIBEXEC, Artifacts, in_tree
+from .artifacts import Artifacts
 from .conftest import ImageFactory
-from .hostenv import BUSYBOX
 from .machine import VM
-from .tpuboot_guest import MDS_CONTROL, guest_config, install_emulator, package_install_hook
+from .tpuboot_guest import MDS_CONTROL, guest_config, vbar_install_hook
 
 pytestmark = pytest.mark.vm
 
 NAME = "tpuboot-vbar-control-agent"
 IMAGE_1 = "tpuboot-test/vbar:1"
 IMAGE_2 = "tpuboot-test/vbar:2"
-ROOTFS = f"{GUEST_LIBEXEC}/vbar-rootfs.tar"
 TPU_ENV = {**SAMPLE_TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": IMAGE_1}
 CONFIG = guest_config(
     vbar={"enabled": True, "image": "tpuboot-test/vbar:config"},
     supervisor={"backoff_initial": 1, "backoff_max": 8, "stable_after": 60, "pull_retries": 6},
 )
-IMPORT_SCRIPT = f"{GUEST_LIBEXEC}/import-vbar-images"
-IMPORT = "".join(
-    f"docker image inspect {image} >/dev/null 2>&1 || "
-    f'docker import --change \'CMD ["/bin/sh", "/vbar"]\' {ROOTFS} {image}\n'
-    for image in (IMAGE_1, IMAGE_2)
-)
-DOCKER_DROP_IN = f"""[Service]
-# The vBar stand-in images, made locally (tests/vm/test_tpuboot_vbar.py).
-ExecStartPost=-/bin/sh {IMPORT_SCRIPT}
-"""
-# No bridge or iptables set-up: the agents use the host network, and it costs 30 s under TCG.
-DAEMON_JSON = '{"bridge": "none", "iptables": false}\n'
 PUT_SCRIPT = (
     "import sys, urllib.request; "
     "urllib.request.urlopen(urllib.request.Request(sys.argv[1], sys.argv[2].encode(), method='PUT'))"
 )
 
 
-def rootfs_tar() -> bytes:
-    """busybox, /bin/sh and /vbar (says it is up, then sleeps) as a tarball for ``docker import``."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-
-        def add(name: str, data: bytes, mode: int) -> None:
-            info = tarfile.TarInfo(name)
-            info.size, info.mode = len(data), mode
-            tar.addfile(info, io.BytesIO(data))
-
-        add("bin/busybox", BUSYBOX.read_bytes(), 0o755)
-        link = tarfile.TarInfo("bin/sh")
-        link.type, link.linkname = tarfile.SYMTYPE, "busybox"
-        tar.addfile(link)
-        add("vbar", b"echo vbar stand-in up\nexec /bin/busybox sleep 1000000\n", 0o644)
-    return buf.getvalue()
-
-
 def install(deb: Path) -> Callable[[Path], None]:
-    base = package_install_hook(deb, CONFIG)
-
-    def hook(tree: Path) -> None:
-        base(tree)
-        install_emulator(tree, TPU_ENV)
-        in_tree(tree, ROOTFS).write_bytes(rootfs_tar())
-        drop_in = in_tree(tree, "/etc/systemd/system/docker.service.d/tpuboot-test-images.conf")
-        drop_in.parent.mkdir(parents=True, exist_ok=True)
-        drop_in.write_text(DOCKER_DROP_IN)
-        in_tree(tree, IMPORT_SCRIPT).write_text(IMPORT)
-        in_tree(tree, "/etc/docker").mkdir(parents=True, exist_ok=True)
-        in_tree(tree, "/etc/docker/daemon.json").write_text(DAEMON_JSON)
-
-    return hook
+    return vbar_install_hook(deb, CONFIG, TPU_ENV, (IMAGE_1, IMAGE_2))
 
 
 @pytest.fixture(scope="module")

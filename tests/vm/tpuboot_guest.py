@@ -6,9 +6,11 @@ drop-in that points tpuboot at it, so the daemon's whole boot job runs with no n
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
-from collections.abc import Callable
+import tarfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
@@ -16,7 +18,7 @@ import yaml
 from tests.mds_emulator import SAMPLE_TPU_ENV
 
 from .artifacts import GUEST_LIBEXEC, in_tree, install_debs
-from .hostenv import run
+from .hostenv import BUSYBOX, run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,3 +109,56 @@ def package_install_hook(deb: Path, config: str | None = None) -> Callable[[Path
         install_emulator(tree)
 
     return install
+
+
+# --- the vBar stand-in, for a guest whose tpuboot supervises vBar under a real dockerd ---------
+
+VBAR_ROOTFS = f"{GUEST_LIBEXEC}/vbar-rootfs.tar"
+VBAR_IMPORT_SCRIPT = f"{GUEST_LIBEXEC}/import-vbar-images"
+VBAR_DOCKER_DROP_IN = f"""[Service]
+# The vBar stand-in images, made locally (tests/vm/tpuboot_guest.py).
+ExecStartPost=-/bin/sh {VBAR_IMPORT_SCRIPT}
+"""
+# No bridge or iptables set-up: the agents use the host network, and it costs 30 s under TCG.
+DOCKER_DAEMON_JSON = '{"bridge": "none", "iptables": false}\n'
+
+
+def vbar_rootfs_tar() -> bytes:
+    """busybox, /bin/sh and /vbar (says it is up, then sleeps) as a tarball for ``docker import``."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+
+        def add(name: str, data: bytes, mode: int) -> None:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+
+        add("bin/busybox", BUSYBOX.read_bytes(), 0o755)
+        link = tarfile.TarInfo("bin/sh")
+        link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+        tar.addfile(link)
+        add("vbar", b"echo vbar stand-in up\nexec /bin/busybox sleep 1000000\n", 0o644)
+    return buf.getvalue()
+
+
+def vbar_install_hook(
+    deb: Path, config: str, tpu_env: dict[str, str], images: Sequence[str]
+) -> Callable[[Path], None]:
+    """The .deb with ``config`` (vBar on), the emulator serving ``tpu-env``, and stand-in vBar
+    ``images`` that dockerd imports at each start (no registry is reachable)."""
+    base = package_install_hook(deb, config)
+    script = "".join(
+        f"docker image inspect {image} >/dev/null 2>&1 || "
+        f'docker import --change \'CMD ["/bin/sh", "/vbar"]\' {VBAR_ROOTFS} {image}\n'
+        for image in images
+    )
+
+    def hook(tree: Path) -> None:
+        base(tree)
+        install_emulator(tree, tpu_env)
+        in_tree(tree, VBAR_ROOTFS).write_bytes(vbar_rootfs_tar())
+        _write(tree, "/etc/systemd/system/docker.service.d/tpuboot-test-images.conf", VBAR_DOCKER_DROP_IN)
+        _write(tree, VBAR_IMPORT_SCRIPT, script)
+        _write(tree, "/etc/docker/daemon.json", DOCKER_DAEMON_JSON)
+
+    return hook
