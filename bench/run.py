@@ -7,7 +7,7 @@ QEMU)::
 
     sudo .venv/bin/python -m bench.run [--json FILE] [--markdown FILE]
                                        [--only hotplug,coldplug,cli,idle,fleet]
-                                       [--reps 6] [--coldplug-reps 3] [--cli-runs 10]
+                                       [--reps 6] [--coldplug-reps 5] [--cli-runs 10]
 
 About 7 minutes with warm caches (.cache/vm), more while other QEMU guests share the host: the
 .deb and one guest image are built, then one QEMU guest (TCG, 2 vCPUs) per scenario family, and
@@ -954,7 +954,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--only", default=",".join(FAMILIES), help=f"families to run (default {','.join(FAMILIES)})"
     )
     parser.add_argument("--reps", type=int, default=6, help="hotplug adds per side (default 6)")
-    parser.add_argument("--coldplug-reps", type=int, default=3, help="coldplug runs per side (default 3)")
+    parser.add_argument("--coldplug-reps", type=int, default=5, help="coldplug runs per side (default 5)")
     parser.add_argument("--cli-runs", type=int, default=10, help="CLI runs per side (default 10)")
     parser.add_argument("--idle-window", type=float, default=60.0, help="idle window in s (default 60)")
     args = parser.parse_args(argv)

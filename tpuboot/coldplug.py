@@ -31,9 +31,12 @@ def open_udev_monitor() -> pyudev.Monitor:
     return monitor
 
 
+POOL_WORKERS = 8  # the most chips a TPU VM has: all of them bind at once
+
+
 def new_executor() -> ThreadPoolExecutor:
     """The daemon's pool: binds and other blocking sysfs and file work run there."""
-    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="tpuboot")
+    return ThreadPoolExecutor(max_workers=POOL_WORKERS, thread_name_prefix="tpuboot")
 
 
 class Coldplug:

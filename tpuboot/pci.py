@@ -38,6 +38,14 @@ def list_addresses(root: Root) -> list[str]:
         return []
 
 
+def _id_pair(text: str) -> tuple[int, int]:
+    """``1AE0:0062`` (the kernel's PCI_ID and PCI_SUBSYS_ID form) as two ints; ValueError if not."""
+    first, colon, second = text.partition(":")
+    if not colon:
+        raise ValueError(text)
+    return int(first, 16), int(second, 16)
+
+
 def _link_name(path: Path) -> str | None:
     """The last component of a symlink's target, or None when there is no link."""
     try:
@@ -57,17 +65,19 @@ class PciFunction:
     def exists(self) -> bool:
         return self.path.is_dir()
 
-    def _read_hex(self, name: str) -> int | None:
-        try:
-            return int((self.path / name).read_text().strip(), 16)
-        except (FileNotFoundError, ValueError):
-            return None
-
     def ids(self) -> PciIds:
-        vendor, device = self._read_hex("vendor"), self._read_hex("device")
-        if vendor is None or device is None:
-            raise FileNotFoundError(f"{self.address}: vendor/device attributes missing")
-        return PciIds(vendor, device, self._read_hex("subsystem_vendor"), self._read_hex("subsystem_device"))
+        """Vendor, device and subsystem ids from one read of ``uevent`` (not four attribute files:
+        coldplug classifies every function on the bus before the first bind can start)."""
+        try:
+            with open(self.path / "uevent", encoding="ascii", errors="replace") as f:
+                fields = dict(line.partition("=")[::2] for line in f.read().splitlines())
+            vendor, device = _id_pair(fields["PCI_ID"])
+        except (FileNotFoundError, NotADirectoryError, KeyError, ValueError):
+            raise FileNotFoundError(f"{self.address}: no PCI ids in sysfs") from None
+        try:
+            return PciIds(vendor, device, *_id_pair(fields.get("PCI_SUBSYS_ID", "")))
+        except ValueError:
+            return PciIds(vendor, device)
 
     def driver(self) -> str | None:
         """The bound driver's name, re-read from the ``driver`` link every time."""

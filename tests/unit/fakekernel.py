@@ -53,6 +53,10 @@ class FakeKernel:
         (d / "device").write_text(f"0x{device:04x}\n")
         (d / "subsystem_vendor").write_text(f"0x{subsystem[0]:04x}\n")
         (d / "subsystem_device").write_text(f"0x{subsystem[1]:04x}\n")
+        (d / "uevent").write_text(
+            f"PCI_ID={vendor:04X}:{device:04X}\nPCI_SUBSYS_ID={subsystem[0]:04X}:{subsystem[1]:04X}\n"
+            f"PCI_SLOT_NAME={address}\n"
+        )
         (d / "driver_override").write_text("(null)\n")
         if group is not None:
             g = self.p(f"/sys/kernel/iommu_groups/{group}/devices")

@@ -3,7 +3,8 @@ import pytest
 from tpuboot.config import MatchRule
 from tpuboot.devices import DeviceTable, PciIds
 from tpuboot.errors import UsageError
-from tpuboot.pci import parse_dbdf
+from tpuboot.paths import Root
+from tpuboot.pci import PciFunction, parse_dbdf
 
 
 @pytest.mark.parametrize(
@@ -64,3 +65,32 @@ def test_rule_with_subsystem_requires_it():
     table = DeviceTable([rule])
     assert table.classify(PciIds(0x1234, 0x11E8, 0x1AF4, 0x1100)) is not None
     assert table.classify(PciIds(0x1234, 0x11E8, 0x1AF4, 0x1101)) is None
+
+
+def test_ids_come_from_the_kernels_uevent(tmp_path):
+    """The format Linux's pci_uevent() writes, driver line and all."""
+    dev = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
+    dev.mkdir(parents=True)
+    (dev / "uevent").write_text(
+        "DRIVER=vfio-pci\nPCI_CLASS=FF0000\nPCI_ID=1AE0:0062\nPCI_SUBSYS_ID=1AE0:00AD\n"
+        "PCI_SLOT_NAME=0000:00:04.0\nMODALIAS=pci:v00001AE0d00000062sv00001AE0sd000000ADbcFFsc00i00\n"
+    )
+    ids = PciFunction(Root(tmp_path), "0000:00:04.0").ids()
+    assert (ids.vendor, ids.device, ids.subsystem_vendor, ids.subsystem_device) == (
+        0x1AE0,
+        0x62,
+        0x1AE0,
+        0xAD,
+    )
+    assert DeviceTable().classify(ids).name == "TPU v5p"
+
+
+@pytest.mark.parametrize("text", ["", "PCI_SLOT_NAME=0000:00:04.0\n", "PCI_ID=zz:1\n", "PCI_ID=1AE0\n"])
+def test_a_function_without_readable_ids_reads_as_gone(tmp_path, text):
+    dev = tmp_path / "sys/bus/pci/devices/0000:00:04.0"
+    dev.mkdir(parents=True)
+    (dev / "uevent").write_text(text)
+    with pytest.raises(FileNotFoundError, match="no PCI ids"):
+        PciFunction(Root(tmp_path), "0000:00:04.0").ids()
+    with pytest.raises(FileNotFoundError):
+        PciFunction(Root(tmp_path), "0000:00:05.0").ids()  # unplugged
