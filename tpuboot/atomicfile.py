@@ -15,7 +15,8 @@ Absolute symlink targets are resolved under the Root, as a chroot would.
 
 Crash safety: temp file written and fsynced, renamed, directory fsynced; a reader (or a
 reboot) sees the old content or the new, never a mix. A crash can leave a temporary
-``.NAME.tpuboot-XXXXXXXX`` file beside the target; it is never read.
+``.NAME.tpuboot-XXXXXXXX`` file beside the target; it is never read, and the next write of NAME
+removes it once it is a minute old (a younger one may be another tpuboot's write in flight).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import errno
 import os
 import secrets
 import stat
+import time
 from collections import deque
 
 from tpuboot.errors import TpubootError
@@ -33,6 +35,8 @@ from tpuboot.paths import Root
 _MAX_SYMLINK_HOPS = 40
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_TRIES = 8
+_TEMP_HEX = 8  # secrets.token_hex(4)
+STALE_TEMP_S = 60.0
 
 
 class FileWriteError(TpubootError):
@@ -251,7 +255,7 @@ def _create_temp(parent: int, name: str) -> tuple[int, str]:
     """A new temp file beside ``name``; O_EXCL|O_NOFOLLOW so a planted name is never opened."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(_TEMP_TRIES):
-        temp = f".{name}.tpuboot-{secrets.token_hex(4)}"
+        temp = f".{name}.tpuboot-{secrets.token_hex(_TEMP_HEX // 2)}"
         try:
             return os.open(temp, flags, 0o600, dir_fd=parent), temp
         except FileExistsError:
@@ -279,4 +283,22 @@ def _replace(parent: int, name: str, data: bytes, mode: int, owner: tuple[int, i
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp, dir_fd=parent)
         raise
+    _sweep_stale_temps(parent, name)
     os.fsync(parent)
+
+
+def _sweep_stale_temps(parent: int, name: str) -> None:
+    """Remove temp files of ``name`` that a crash left behind: ours (same owner), regular, and
+    older than STALE_TEMP_S. Anything else with a similar name, a symlink included, stays."""
+    prefix = f".{name}.tpuboot-"
+    now = time.time()
+    for entry in os.listdir(parent):
+        suffix = entry.removeprefix(prefix)
+        if suffix == entry or len(suffix) != _TEMP_HEX or not all(c in "0123456789abcdef" for c in suffix):
+            continue
+        try:
+            st = os.stat(entry, dir_fd=parent, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > STALE_TEMP_S:
+                os.unlink(entry, dir_fd=parent)
+        except FileNotFoundError:
+            continue  # gone meanwhile

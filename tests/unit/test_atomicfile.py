@@ -211,3 +211,28 @@ def test_kill_at_random_moments_leaves_old_or_new_content(root: Root) -> None:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         assert root.path(path).read_bytes() in versions, f"torn file after kill {trial}"
+
+
+def test_the_next_write_removes_temp_files_a_crash_left_but_nothing_else(root: Root) -> None:
+    path = "/home/tpu-runtime/tpu-env"
+    write_file(root, path, b"A=1\n")
+    here = root.path(path).parent
+    stale, fresh = here / ".tpu-env.tpuboot-0123abcd", here / ".tpu-env.tpuboot-89abcdef"
+    for temp in (stale, fresh):
+        temp.write_bytes(b"half")
+    old = time.time() - atomicfile.STALE_TEMP_S - 5
+    os.utime(stale, (old, old))
+    others = [here / ".tpu-env.tpuboot-0123abcdef", here / ".other.tpuboot-0123abcd", here / "notes"]
+    for other in others:
+        other.write_bytes(b"keep")
+        os.utime(other, (old, old))
+    link = here / ".tpu-env.tpuboot-deadbeef"
+    link.symlink_to(here / "notes")
+    os.utime(link, (old, old), follow_symlinks=False)
+
+    assert not write_file(root, path, b"A=1\n")  # unchanged: no write, no sweep
+    assert stale.exists()
+    assert write_file(root, path, b"A=2\n")
+    assert not stale.exists()  # a crash's leftover, a minute old
+    assert fresh.exists()  # may be another writer's, in flight
+    assert all(other.read_bytes() == b"keep" for other in others) and link.is_symlink()
