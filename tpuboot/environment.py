@@ -98,19 +98,36 @@ def merge_environment(text: str, wanted: Mapping[str, str]) -> tuple[str, list[s
     return "".join(out), list(dict.fromkeys(changed))
 
 
-def ensure_environment(root: Root, path: str, wanted: Mapping[str, str]) -> bool:
-    """Make ``path`` (normally /etc/environment) set ``wanted``; True if the file was rewritten."""
+def ensure_environment(root: Root, path: str, wanted: Mapping[str, str]) -> list[str]:
+    """Make ``path`` (normally /etc/environment) set ``wanted``; the keys whose lines were written
+    (empty: the file was left as it was)."""
     raw = read_file(root, path, limit=MAX_ENVIRONMENT_BYTES)
     text = (raw or b"").decode("utf-8", "surrogateescape")
     merged, changed = merge_environment(text, wanted)
-    if not changed:
-        return False
-    written = write_file(root, path, merged.encode("utf-8", "surrogateescape"))
-    if written:
-        log.info(
-            "%s: set %s",
-            path,
-            ", ".join(changed),
-            extra={"ENVIRONMENT_PATH": path, "ENVIRONMENT_KEYS": " ".join(changed)},
-        )
-    return written
+    if not changed or not write_file(root, path, merged.encode("utf-8", "surrogateescape")):
+        return []
+    log.info(
+        "%s: set %s",
+        path,
+        ", ".join(changed),
+        extra={"ENVIRONMENT_PATH": path, "ENVIRONMENT_KEYS": " ".join(changed)},
+    )
+    return changed
+
+
+def record_written_lines(root: Root, record: str, lines: Mapping[str, str]) -> None:
+    """Add ``lines`` (key -> the line written) to ``record``, one line each, the latest per key.
+
+    The package's purge removes exactly these lines from /etc/environment, if still there as
+    written: keys that were already right before tpuboot, or edited since, are the admin's.
+    """
+    raw = read_file(root, record, limit=MAX_ENVIRONMENT_BYTES)
+    kept = {}
+    for line in (raw or b"").decode("utf-8", "surrogateescape").splitlines():
+        match = _ASSIGNMENT.match(line)
+        if match:
+            kept[match.group(1)] = line
+    merged = {**kept, **lines}
+    if merged != kept:
+        data = "".join(line + "\n" for line in merged.values())
+        write_file(root, record, data.encode("utf-8", "surrogateescape"), mode=0o600)

@@ -288,3 +288,24 @@ def until_len(items: list[SyncResult], n: int, timeout: float = 10.0) -> bool:
     while len(items) < n and time.monotonic() < deadline:
         time.sleep(0.01)
     return len(items) >= n
+
+
+def test_the_lines_tpuboot_wrote_are_recorded_for_the_purge(
+    root: Root, emulator: MetadataEmulator, sync_client: MetadataClient
+) -> None:
+    """Only keys tpuboot changed: one already right belongs to the admin; the latest line wins."""
+    record = root.path("/var/lib/tpuboot/environment.lines")
+    root.path("/etc/environment").write_text("CLOUDSDK_PYTHON=/usr/bin/python3\nADMIN=1\n")
+    EnvSync(root, make_config(emulator), sync_client).sync_once(deadline_s=5)
+    first = record.read_text().splitlines()
+    assert first == [f"{k}={v}" for k, v in DEFAULT_ENVIRONMENT.items() if k != "CLOUDSDK_PYTHON"]
+    assert record.stat().st_mode & 0o777 == 0o600
+
+    changed = {**DEFAULT_ENVIRONMENT, "GCS_RESOLVE_REFRESH_SECS": "30", "EXTRA": "a b"}
+    EnvSync(root, make_config(emulator, environment=changed), sync_client).sync_once(deadline_s=5)
+    lines = record.read_text().splitlines()
+    assert "GCS_RESOLVE_REFRESH_SECS=30" in lines and "GCS_RESOLVE_REFRESH_SECS=60" not in lines
+    assert lines[-1] == 'EXTRA="a b"' and len(lines) == len(first) + 1
+    mtime = record.stat().st_mtime_ns
+    EnvSync(root, make_config(emulator, environment=changed), sync_client).sync_once(deadline_s=5)
+    assert record.stat().st_mtime_ns == mtime  # nothing changed: nothing rewritten

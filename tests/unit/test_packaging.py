@@ -262,6 +262,22 @@ def test_install_enables_the_unit_and_purge_removes_everything(installed):
 
 
 @needs_build_tools
+def test_purge_removes_the_environment_lines_tpuboot_wrote_and_only_those(installed):
+    root, env, _log = installed
+    maintscript(root, env, "postinst", "configure", "")
+    (root / "var/lib/tpuboot").mkdir(parents=True)
+    (root / "var/lib/tpuboot/environment.lines").write_text('GCS_A=300\nGCS_B="x y"\nGCS_C=1\n')
+    environment = root / "etc/environment"
+    environment.write_text('PATH="/usr/bin"\nGCS_A=300\nGCS_B="x y"\n# GCS_C=1\nGCS_C=2\nGCS_A=3000\n')
+    environment.chmod(0o640)
+    maintscript(root, env, "postrm", "purge")
+    # Ours as written: gone. The admin's edit of one, a comment, a longer line: kept.
+    assert environment.read_text() == 'PATH="/usr/bin"\n# GCS_C=1\nGCS_C=2\nGCS_A=3000\n'
+    assert environment.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in (root / "etc").iterdir() if "tpuboot-purge" in p.name) == []
+
+
+@needs_build_tools
 def test_purge_keeps_a_home_directory_with_other_files(installed):
     root, env, _log = installed
     maintscript(root, env, "postinst", "configure", "")

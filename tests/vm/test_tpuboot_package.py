@@ -127,7 +127,10 @@ def test_upgrade_keeps_the_admins_conffile_edits(vm: VM) -> None:
 def test_purge_leaves_nothing_behind(vm: VM) -> None:
     files = [f for f in sh(vm, "dpkg -L tpuboot").splitlines() if f.strip()]
     conffiles = sh(vm, "dpkg-query -W -f '${Conffiles}' tpuboot").split()[::2]
+    assert "GCS_READ_REQUEST_TIMEOUT_SECS=300" in sh(vm, "cat /etc/environment")  # set at boot
+    sh(vm, "echo 'ADMIN_SETTING=kept' >> /etc/environment")
     sh(vm, "DEBIAN_FRONTEND=noninteractive apt-get purge -y tpuboot", 300)
+    assert sh(vm, "cat /etc/environment").splitlines() == ["ADMIN_SETTING=kept"]  # ours gone, theirs kept
     leftovers = vm.run(["python3", "-c", LIST_FILES, *files, *conffiles]).stdout.split()
     assert leftovers == []
     for path in ("/var/lib/tpuboot", "/etc/tpuboot", "/home/tpu-runtime/tpu-env"):
