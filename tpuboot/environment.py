@@ -98,21 +98,21 @@ def merge_environment(text: str, wanted: Mapping[str, str]) -> tuple[str, list[s
     return "".join(out), list(dict.fromkeys(changed))
 
 
-def ensure_environment(root: Root, path: str, wanted: Mapping[str, str]) -> list[str]:
-    """Make ``path`` (normally /etc/environment) set ``wanted``; the keys whose lines were written
+def ensure_environment(root: Root, path: str, wanted: Mapping[str, str]) -> dict[str, str]:
+    """Make ``path`` (normally /etc/environment) set ``wanted``; the lines written, by key
     (empty: the file was left as it was)."""
     raw = read_file(root, path, limit=MAX_ENVIRONMENT_BYTES)
     text = (raw or b"").decode("utf-8", "surrogateescape")
     merged, changed = merge_environment(text, wanted)
     if not changed or not write_file(root, path, merged.encode("utf-8", "surrogateescape")):
-        return []
+        return {}
     log.info(
         "%s: set %s",
         path,
         ", ".join(changed),
         extra={"ENVIRONMENT_PATH": path, "ENVIRONMENT_KEYS": " ".join(changed)},
     )
-    return changed
+    return {key: format_assignment(key, wanted[key]) for key in changed}
 
 
 def record_written_lines(root: Root, record: str, lines: Mapping[str, str]) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from tpuboot import metrics
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
 from tpuboot.config import Config
-from tpuboot.environment import ensure_environment, format_assignment, record_written_lines
+from tpuboot.environment import ensure_environment, record_written_lines
 from tpuboot.errors import TpubootError
 from tpuboot.metadata import Change, MetadataAbsent, MetadataClient, MetadataError
 from tpuboot.paths import Root
@@ -228,8 +228,7 @@ class EnvSync:
         try:
             changed = ensure_environment(self._root, self._env.environment_path, self._env.environment)
             if changed:
-                lines = {key: format_assignment(key, self._env.environment[key]) for key in changed}
-                record_written_lines(self._root, f"{self._env.cache_dir}/{ENVIRONMENT_RECORD}", lines)
+                record_written_lines(self._root, f"{self._env.cache_dir}/{ENVIRONMENT_RECORD}", changed)
         except TpubootError as exc:
             log.error("%s", exc, extra={"ENVIRONMENT_PATH": self._env.environment_path})
             return dataclasses.replace(

@@ -17,9 +17,10 @@ PATH = "/etc/environment"
 
 
 def test_missing_file_gets_every_key_in_config_order(root: Root) -> None:
-    assert ensure_environment(root, PATH, DEFAULT_ENVIRONMENT)
+    written = ensure_environment(root, PATH, DEFAULT_ENVIRONMENT)
     lines = root.path(PATH).read_text().splitlines()
     assert lines == [f"{key}={value}" for key, value in DEFAULT_ENVIRONMENT.items()]
+    assert list(written.values()) == lines  # the lines written, by key, as the purge record needs
 
 
 def test_values_are_quoted_only_when_needed() -> None:
