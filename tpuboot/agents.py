@@ -20,7 +20,8 @@ from typing import Any
 
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config
-from tpuboot.containers import DOCKER_SOCKET, ContainerSpec, DockerRuntime, docker_client
+from tpuboot.containers import DOCKER_SOCKET, ContainerSpec, DockerRuntime
+from tpuboot.dockerapi import DockerAPI
 from tpuboot.gke import Metadata, gke_node
 from tpuboot.paths import Root
 from tpuboot.supervisor import Runtime, Supervisor
@@ -52,9 +53,7 @@ class Agents:
         self.config = config
         self.root = root
         self.metadata = metadata
-        self.docker_factory = docker_factory or functools.partial(
-            docker_client, str(root.path(DOCKER_SOCKET))
-        )
+        self.docker_factory = docker_factory or functools.partial(DockerAPI, str(root.path(DOCKER_SOCKET)))
         self.statuses: dict[str, str] = {}
         self.supervisors: dict[str, Supervisor] = {}
         self.stopping = threading.Event()

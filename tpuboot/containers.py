@@ -71,11 +71,6 @@ class ContainerSpec:
         )
 
 
-def docker_client(socket_path: str = DOCKER_SOCKET) -> DockerAPI:
-    """A client for dockerd at ``socket_path``; it connects at its first call (``ping``)."""
-    return DockerAPI(socket_path)
-
-
 def _unreachable(exc: BaseException) -> bool:
     """An error saying dockerd is not there (as opposed to an answer from it)."""
     return isinstance(exc, (Unreachable, OSError))
@@ -109,7 +104,7 @@ class DockerRuntime:
         self,
         spec: Callable[[], ContainerSpec],
         pull_retries: int = 5,
-        client_factory: Callable[[], DockerAPI] = docker_client,
+        client_factory: Callable[[], DockerAPI] = DockerAPI,  # connects at its first call (ping)
         pause: Callable[[float], object] | None = None,
     ) -> None:
         self.spec = spec

@@ -21,9 +21,9 @@ from tpuboot.containers import (
     MANAGED_LABEL,
     ContainerSpec,
     DockerRuntime,
-    docker_client,
     split_image,
 )
+from tpuboot.dockerapi import DockerAPI
 from tpuboot.doctor import docker_container_running
 from tpuboot.paths import Root
 from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Supervisor
@@ -41,7 +41,7 @@ def docker_runtime(fake: FakeDockerd, spec: Callable[[], ContainerSpec] | None =
     return DockerRuntime(
         spec or (lambda: ContainerSpec("vbar", IMAGE)),
         pull_retries=2,
-        client_factory=lambda: docker_client(str(fake.socket_path)),
+        client_factory=lambda: DockerAPI(str(fake.socket_path)),
         pause=lambda s: None,
     )
 
@@ -143,7 +143,7 @@ def test_an_image_loaded_while_pulls_fail_is_used(dockerd: FakeDockerd) -> None:
         dockerd.images.add(IMAGE)
 
     runtime = DockerRuntime(
-        lambda: ContainerSpec("vbar", IMAGE), 5, lambda: docker_client(str(dockerd.socket_path)), pause
+        lambda: ContainerSpec("vbar", IMAGE), 5, lambda: DockerAPI(str(dockerd.socket_path)), pause
     )
     assert runtime.start().how == "started"
     assert len(dockerd.pulls) == 1 and pauses == [1.0]
