@@ -68,7 +68,7 @@ class _Cached:
 
 
 def _now_utc() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
+    return datetime.datetime.now(datetime.timezone.utc)
 
 
 def _short_time(iso: str) -> str:
@@ -77,7 +77,7 @@ def _short_time(iso: str) -> str:
         when = datetime.datetime.fromisoformat(iso.replace("Z", "+00:00"))
     except ValueError:
         return iso
-    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")
+    return when.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
 
 
 class EnvSync:
