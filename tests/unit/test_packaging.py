@@ -23,6 +23,8 @@ from tpuboot.config import Config, parse_config
 from tpuboot.imagecheck import run_checks
 from tpuboot.paths import Root
 
+pytestmark = pytest.mark.packaging
+
 TOP = Path(__file__).resolve().parents[2]
 SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 BUILD_TOOLS = ("dpkg-buildpackage", "dh", "dh_python3", "lintian", "dpkg-deb")
@@ -159,6 +161,203 @@ def test_deb_control_conffiles_and_depends(deb):
     wanted = {"kmod", "python3", "python3-pyudev", "python3-yaml", "python3-requests", "python3-systemd"}
     assert wanted | {"python3-prometheus-client"} <= depends
     assert "python3-docker" not in depends  # tpuboot.dockerapi speaks the Engine API itself
+
+
+# --- Depends against the four systems' versions -------------------------------------------------
+
+# The versions each system ships of every package the .deb depends on: shared notes,
+# platforms.md (the distributions' package pages, late 2026; release pocket, the lowest). Upstream
+# versions without the Debian revision, which can only make a check stricter (5.4.1 sorts before
+# 5.4.1-1ubuntu1). kmod is not in platforms.md: Debian 12's is the host's (dpkg -s kmod), the
+# others as the distributions' package pages give them; only its presence matters while tpuboot's
+# relation on it is unversioned.
+PLATFORMS: dict[str, dict[str, str]] = {
+    "Ubuntu 22.04": {
+        "python3": "3.10.6",
+        "python3-yaml": "5.4.1",
+        "python3-requests": "2.25.1",
+        "python3-pyudev": "0.22.0",
+        "python3-systemd": "234",
+        "python3-prometheus-client": "0.9.0",
+        "kmod": "29",
+    },
+    "Ubuntu 24.04": {
+        "python3": "3.12.3",
+        "python3-yaml": "6.0.1",
+        "python3-requests": "2.31.0",
+        "python3-pyudev": "0.24.0",
+        "python3-systemd": "235",
+        "python3-prometheus-client": "0.19.0",
+        "kmod": "31+20240202",
+    },
+    "Debian 12": {
+        "python3": "3.11.2",
+        "python3-yaml": "6.0",
+        "python3-requests": "2.28.1",
+        "python3-pyudev": "0.24.0",
+        "python3-systemd": "235",
+        "python3-prometheus-client": "0.16.0",
+        "kmod": "30+20221128",
+    },
+    "Debian 13": {
+        "python3": "3.13.5",
+        "python3-yaml": "6.0.2",
+        "python3-requests": "2.32.3",
+        "python3-pyudev": "0.24.3",
+        "python3-systemd": "235",
+        "python3-prometheus-client": "0.21.1",
+        "kmod": "34.2",
+    },
+}
+
+RELATION = re.compile(
+    r"(?P<name>[a-z0-9][a-z0-9+.-]+)(?::(?P<arch>[a-z0-9-]+))?"
+    r"(?:\s*\(\s*(?P<op><<|<=|=|>=|>>)\s*(?P<version>[^)\s]+)\s*\))?"
+)
+
+
+def parse_relations(field: str) -> list[list[tuple[str, str | None, str | None]]]:
+    """A Depends-style field as [[(name, op, version), ...alternatives], ...]. The architecture
+    qualifier (python3:any) names the same package, for an arch-all one."""
+    relations = []
+    for relation in field.split(","):
+        alternatives = []
+        for alternative in relation.split("|"):
+            match = RELATION.fullmatch(alternative.strip())
+            assert match, f"cannot parse relation {alternative.strip()!r} in {field!r}"
+            assert match["arch"] in (None, "any", "native"), alternative
+            alternatives.append((match["name"], match["op"], match["version"]))
+        relations.append(alternatives)
+    return relations
+
+
+def dpkg_compare(have: str, op: str, want: str) -> bool:
+    """Debian's version ordering (~ before anything, 0.9 < 0.10), from dpkg itself."""
+    return run(["dpkg", "--compare-versions", have, op, want]).returncode == 0
+
+
+def unsatisfied(field: str, versions: dict[str, str]) -> list[str]:
+    """The relations of ``field`` that no alternative satisfies with ``versions``."""
+    missing = []
+    for alternatives in parse_relations(field):
+        if not any(
+            name in versions and (op is None or dpkg_compare(versions[name], op, str(version)))
+            for name, op, version in alternatives
+        ):
+            missing.append(" | ".join(f"{n} ({o} {v})" if o else n for n, o, v in alternatives))
+    return missing
+
+
+needs_dpkg = pytest.mark.skipif(shutil.which("dpkg", path=SYSTEM_PATH) is None, reason="dpkg missing")
+
+
+@needs_dpkg
+@pytest.mark.parametrize(
+    ("field", "missing"),
+    [
+        ("python3:any (>= 3.10~), kmod", []),
+        ("python3:any (>= 3.11~)", ["python3 (>= 3.11~)"]),  # a newer Python than 22.04's
+        ("python3-prometheus-client (>= 0.10)", ["python3-prometheus-client (>= 0.10)"]),  # 0.9.0 < 0.10
+        ("python3-yaml (>= 5.4.1-1)", ["python3-yaml (>= 5.4.1-1)"]),  # a revision: stricter, never looser
+        ("python3-docker", ["python3-docker"]),  # a package the table does not list
+        ("python3-docker | python3-requests (>= 2.25)", []),
+        ("python3-systemd (<< 235)", []),
+    ],
+)
+def test_relation_check_uses_debian_ordering(field, missing):
+    assert unsatisfied(field, PLATFORMS["Ubuntu 22.04"]) == missing
+
+
+@needs_build_tools
+@pytest.mark.parametrize("system", sorted(PLATFORMS))
+def test_deb_depends_are_satisfiable_on(deb, system):
+    """Every relation the built package carries, ${python3:Depends} and ${misc:Depends} expanded
+    (python3:any, and (>= 3.x~) where dh-python adds one), against that system's versions."""
+    names = ("Pre-Depends", "Depends", "Recommends")
+    fields = run(["dpkg-deb", "-f", str(deb), *names]).stdout
+    control = dict(line.split(": ", 1) for line in fields.splitlines())
+    assert "Depends" in control
+    problems = {name: unsatisfied(value, PLATFORMS[system]) for name, value in control.items()}
+    assert {name: missing for name, missing in problems.items() if missing} == {}
+
+
+@needs_dpkg
+def test_control_depends_floors_are_ubuntu_2204s():
+    """debian/control's Depends as written, without a build: satisfiable everywhere too."""
+    binary = (TOP / "debian/control").read_text().split("\nPackage: tpuboot\n")[1]
+    depends = re.search(r"^Depends:(.*?)(?=^\S)", binary, re.MULTILINE | re.DOTALL)
+    assert depends
+    field = ",".join(
+        part
+        for part in re.sub(r"#.*", "", depends.group(1)).replace("\n", " ").split(",")
+        if part.strip() and not part.strip().startswith("${")
+    )
+    for system, versions in PLATFORMS.items():
+        assert unsatisfied(field, versions) == [], system
+
+
+# --- Building on Ubuntu 22.04's toolchain ----------------------------------------------------------
+
+# Ubuntu 22.04's build tools (platforms.md) and what each provides.
+UBUNTU_2204_BUILD_TOOLS = {
+    "debhelper": "13.6",
+    "debhelper-compat": "13",  # Provides: debhelper-compat (= 7 ... 13) in 13.6
+    "dh-python": "5.20220403",
+    "dh-sequence-python3": "5.20220403",  # Provided by dh-python
+    "pybuild-plugin-pyproject": "5.20220403",  # universe
+    "python3-all": "3.10.6",
+    "python3-setuptools": "59.6.0",
+    "python3-wheel": "0.37.1",
+}
+
+# What the source package has debhelper do, and the debhelper release that brought each, read in
+# debhelper's own source (tags 4.2.5 to 13.6; 4.2.5 is its oldest tag): all at or before 13.6.
+# dh runs dh_installtmpfiles from compat 13 and dh_installsystemd from compat 11 (root_sequence.pm).
+DEBHELPER_FEATURES = {
+    "compat 13": "13",
+    "dh_install (debian/tpuboot.install)": "4.2.5",
+    "dh_installman (debian/tpuboot.manpages)": "4.2.5",
+    "dh_installdeb (debian/tpuboot.postinst, .postrm)": "4.2.5",
+    "dh_lintian (debian/tpuboot.lintian-overrides)": "6.0.7",
+    "dh_installudev (debian/tpuboot.udev), --priority": "5.0.24",
+    "dh_installsystemd (debian/tpuboot.service)": "10.9.2",
+    "dh_installtmpfiles (debian/tpuboot.tmpfiles)": "12.8",
+}
+DEBIAN_FILE_HELPERS = {
+    "install": "dh_install",
+    "manpages": "dh_installman",
+    "postinst": "dh_installdeb",
+    "postrm": "dh_installdeb",
+    "lintian-overrides": "dh_lintian",
+    "udev": "dh_installudev",
+    "service": "dh_installsystemd",
+    "tmpfiles": "dh_installtmpfiles",
+}
+
+
+@needs_dpkg
+def test_build_depends_are_satisfiable_with_ubuntu_2204s_tools():
+    control = (TOP / "debian/control").read_text().split("\n\n")[0]
+    build_depends = re.search(r"^Build-Depends:(.*?)(?=^\S)", control, re.MULTILINE | re.DOTALL)
+    assert build_depends
+    field = ",".join(p for p in build_depends.group(1).replace("\n", " ").split(",") if p.strip())
+    assert unsatisfied(field, UBUNTU_2204_BUILD_TOOLS) == []
+
+
+@needs_dpkg
+def test_debhelper_features_exist_in_ubuntu_2204s_debhelper():
+    assert not (TOP / "debian/compat").exists()  # the level is debhelper-compat (= 13) in Build-Depends
+    assert "debhelper-compat (= 13)" in (TOP / "debian/control").read_text()
+    # Every per-package file in debian/ is one a helper in the table reads.
+    kinds = {p.name.removeprefix("tpuboot.") for p in (TOP / "debian").glob("tpuboot.*")}
+    assert kinds <= DEBIAN_FILE_HELPERS.keys(), "a debian/tpuboot.* file no helper in the table reads"
+    used = {DEBIAN_FILE_HELPERS[kind] for kind in kinds}
+    # And every debhelper command debian/rules calls itself.
+    used |= set(re.findall(r"^\t(dh_[a-z0-9_]+)", (TOP / "debian/rules").read_text(), re.MULTILINE))
+    listed = {feature.split()[0] for feature in DEBHELPER_FEATURES}
+    assert used <= listed
+    newer = {f: v for f, v in DEBHELPER_FEATURES.items() if not dpkg_compare(v, "<=", "13.6")}
+    assert newer == {}
 
 
 @needs_build_tools
