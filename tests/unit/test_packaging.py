@@ -172,8 +172,8 @@ def test_deb_control_conffiles_and_depends(deb):
 # platforms.md (the distributions' package pages, late 2026; release pocket, the lowest). Upstream
 # versions without the Debian revision, which can only make a check stricter (5.4.1 sorts before
 # 5.4.1-1ubuntu1). kmod is not in platforms.md: Debian 12's is the host's (dpkg -s kmod), the
-# others as the distributions' package pages give them; only its presence matters while tpuboot's
-# relation on it is unversioned.
+# others are recalled from the distributions' package pages, which are not reachable from here;
+# only its presence matters while tpuboot's relation on it is unversioned.
 PLATFORMS: dict[str, dict[str, str]] = {
     "Ubuntu 22.04": {
         "python3": "3.10.6",
