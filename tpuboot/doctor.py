@@ -33,7 +33,9 @@ from tpuboot.environment import merge_environment
 from tpuboot.envsync import CACHE_NAME
 from tpuboot.errors import MetadataError
 from tpuboot.imagecheck import CheckResult, Checks, _machine, failed, passed, run_checks, skipped
+from tpuboot.kmodule import NO_VFIO_PCI_FIX, module_state
 from tpuboot.paths import Root
+from tpuboot.pci import PCI_DRIVERS
 from tpuboot.status import TpuStatus, survey
 from tpuboot.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.vfio import VFIO_PCI, Binder
@@ -207,13 +209,19 @@ class Doctor:
         )
 
     def check_vfio_loaded(self) -> CheckResult:
+        """vfio-pci in the running kernel: loaded as a module (Debian) or built in (Ubuntu, where
+        lsmod and /proc/modules never list it, and there is nothing to load)."""
         if not self.root.path("/sys/module").is_dir():
             return skipped("no /sys/module: not a running system")
-        if (
-            self.root.path("/sys/module/vfio_pci").is_dir()
-            or self.root.path("/sys/bus/pci/drivers/vfio-pci").is_dir()
-        ):
-            return passed("vfio_pci is loaded")
+        state = module_state(self.root, VFIO_PCI)
+        if state.origin == "built-in":
+            return passed(f"vfio-pci is built into {state.kernel} ({state.evidence}); lsmod does not list it")
+        if state.origin == "loaded":
+            return passed(f"vfio_pci is loaded as a module ({state.evidence})")
+        if self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir():
+            return passed(f"the vfio-pci driver is registered ({PCI_DRIVERS}/{VFIO_PCI})")
+        if state.origin == "absent":
+            return failed(f"{state.kernel} has no vfio-pci: {state.evidence}", NO_VFIO_PCI_FIX)
         return failed("vfio_pci is not loaded", "modprobe vfio-pci (tpuboot loads it when it binds a TPU)")
 
     def check_node_mode(self) -> CheckResult:

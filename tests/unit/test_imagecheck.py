@@ -492,6 +492,7 @@ def test_empty_tree(tree):
         "cmdline-idle-poll": "SKIP",
         "cmdline-transparent-hugepage": "SKIP",
         "cmdline-intel-iommu": "SKIP",
+        "vfio-pci-in-kernel": "SKIP",
         "thp-enabled": "SKIP",
         "pam-memlock": "FAIL",
         "pam-nofile": "FAIL",
