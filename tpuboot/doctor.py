@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from tpuboot.atomicfile import read_file
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.devices import DeviceTable
-from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound
+from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
 from tpuboot.environment import merge_environment
 from tpuboot.envsync import CACHE_NAME
 from tpuboot.errors import MetadataError
@@ -89,7 +89,11 @@ def chips_for(machine_type: str | None, accelerator_type: str | None) -> tuple[i
 
 
 def docker_container_running(root: Root, name: str) -> bool | None:
-    """Ask dockerd over its socket whether ``name`` runs; None if the socket does not answer."""
+    """Ask dockerd over its socket whether ``name`` runs; None if the socket does not answer.
+
+    A dockerd that answers but cannot be used (no API version in common, an error) raises
+    :class:`DockerError`: that is a finding, not a SKIP.
+    """
     path = root.path(DOCKER_SOCKET)
     if not path.exists():
         return None
@@ -97,7 +101,7 @@ def docker_container_running(root: Root, name: str) -> bool | None:
         data = DockerAPI(str(path), timeout=5).inspect_container(name)
     except NotFound:
         return False
-    except DockerError:
+    except Unreachable:
         return None
     state = data.get("State") if isinstance(data, dict) else None
     return bool(state.get("Running")) if isinstance(state, dict) else None
@@ -402,7 +406,10 @@ class Doctor:
             return skipped("this tpuboot has no vBar supervisor yet")
         if vbar.runtime != "docker":
             return skipped(f"vbar.runtime is {vbar.runtime}: no container to ask about")
-        running = self.container_running(self.root, vbar.container_name)
+        try:
+            running = self.container_running(self.root, vbar.container_name)
+        except DockerError as exc:  # dockerd answered, unusably: its message says what to upgrade
+            return failed(f"dockerd: {exc}", "do what dockerd's answer says; journalctl -u docker has more")
         if running is None:
             return skipped(f"the docker socket {DOCKER_SOCKET} does not answer")
         if running:
