@@ -5,13 +5,13 @@ policy): inspect, create, start and remove a container, inspect and pull an imag
 event stream. The docker SDK did the same at a cost of ~14 MiB of resident memory and a second
 of start-up on a slow CPU, for a dozen HTTP requests.
 
-- The API version is negotiated as Docker's own client does: ``GET /version`` (unversioned)
-  once, then dockerd's newest version capped at :data:`NEWEST_API`, never below dockerd's
-  ``MinAPIVersion``. A fixed old version would be refused by newer engines, which raise their
-  minimum (Docker 29, Ubuntu's docker.io in jammy and noble updates: 1.44); an uncapped one
-  would speak a version whose changes nobody read against tpuboot's calls. A call refused as
-  too old or too new (dockerd upgraded under a running tpuboot) renegotiates and is sent once
-  more.
+- The API version is negotiated: ``GET /version`` (unversioned) once, then, as Docker's own
+  client does, dockerd's newest version capped at tpuboot's (:data:`NEWEST_API`); and never
+  below dockerd's ``MinAPIVersion`` (a clear error instead of a refused call). A fixed old
+  version would be refused by newer engines, which raise their minimum (Docker 29, Ubuntu's
+  docker.io in jammy and noble updates: 1.44); an uncapped one would speak a version whose
+  changes nobody read against tpuboot's calls. A call refused as too old or too new (dockerd
+  upgraded under a running tpuboot) renegotiates and is sent once more.
 - Each call opens its own connection: nothing idle goes stale across a dockerd restart, and a
   transport error always means dockerd is not there (:class:`Unreachable`), never a half-used
   connection. The events stream has no timeout; every other call has one.
@@ -33,14 +33,18 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 DOCKER_SOCKET = "/run/docker.sock"
-#: The newest Engine API version tpuboot speaks: Docker 29.0's. The version history from 1.24 to
-#: 1.52 was read against what tpuboot sends (create: Image, Labels, HostConfig Privileged,
-#: NetworkMode, Binds; start; remove with force; pull by fromImage and tag; events filtered by
-#: type, container and event) and reads (Id, State, Config Image and Labels, HostConfig, an
-#: event's Action and Actor): none of it moved; 1.52 drops the events' old status, id and from,
-#: which tpuboot reads only as a fallback.
+#: The newest Engine API version tpuboot speaks: Docker 29.0's. moby's API changelog from 1.41
+#: (Debian 12's docker.io, the oldest engine tested) to 1.56 was read against what tpuboot sends
+#: (create: Image, Labels, HostConfig Privileged, NetworkMode, Binds; start; remove with force;
+#: pull by fromImage and tag; events filtered by type, container and event, no Accept header)
+#: and reads (Id, State, Config Image and Labels, HostConfig, an event's Action and Actor, a
+#: pull's errorDetail). What moved: 1.44 makes ``:ro`` binds recursively read-only (tpuboot
+#: binds one file: no difference), 1.52 drops the events' old status/id/from (read only as a
+#: fallback) and 1.53 lets /events answer JSON Lines when asked (tpuboot does not ask). Raise
+#: the cap only with a test against that version.
 NEWEST_API = "1.52"
-#: The oldest: what Docker's own client assumes of a daemon that does not say (Docker 1.12).
+#: The oldest: what Docker's own client assumes of a daemon that does not say (Docker 1.12); the
+#: calls tpuboot makes are older, but nothing below 1.41 is tested.
 OLDEST_API = "1.24"
 _VERSION = re.compile(r"\d+\.\d+")
 #: dockerd's refusal of a version outside its range (API middleware), HTTP 400.
