@@ -623,3 +623,10 @@ def test_a_running_kernel_is_judged_by_its_own_release(tmp_path, shape, status, 
 def test_no_module_lists_is_skip(tree):
     (tree / "lib/modules/6.8.0-1015-gcp").mkdir(parents=True)
     assert result(tree, "vfio-pci-in-kernel").status == "SKIP"
+
+
+def test_a_merged_usr_image_is_read_through_its_lib_link(tree):
+    """Ubuntu and Debian images: /lib -> usr/lib, the kernel's lists under /usr/lib/modules."""
+    write(tree, "/usr/lib/modules/6.8.0-1015-gcp/modules.builtin", UBUNTU_BUILTIN)
+    (tree / "lib").symlink_to("usr/lib")
+    assert result(tree, "vfio-pci-in-kernel").detail.startswith("vfio-pci built into 6.8.0-1015-gcp")
