@@ -5,9 +5,13 @@ policy): inspect, create, start and remove a container, inspect and pull an imag
 event stream. The docker SDK did the same at a cost of ~14 MiB of resident memory and a second
 of start-up on a slow CPU, for a dozen HTTP requests.
 
-- The API version is what dockerd says it speaks (``GET /version`` once, like the SDK's
-  ``version="auto"``): a fixed old version would be refused by newer engines, which raise their
-  minimum.
+- The API version is negotiated: ``GET /version`` (unversioned) once, then, as Docker's own
+  client does, dockerd's newest version capped at tpuboot's (:data:`NEWEST_API`); and never
+  below dockerd's ``MinAPIVersion`` (a clear error instead of a refused call). A fixed old
+  version would be refused by newer engines, which raise their minimum (Docker 29, Ubuntu's
+  docker.io in jammy and noble updates: 1.44); an uncapped one would speak a version whose
+  changes nobody read against tpuboot's calls. A call refused as too old or too new (dockerd
+  upgraded under a running tpuboot) renegotiates and is sent once more.
 - Each call opens its own connection: nothing idle goes stale across a dockerd restart, and a
   transport error always means dockerd is not there (:class:`Unreachable`), never a half-used
   connection. The events stream has no timeout; every other call has one.
@@ -29,6 +33,22 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 DOCKER_SOCKET = "/run/docker.sock"
+#: The newest Engine API version tpuboot speaks: Docker 29.0's. moby's API changelog from 1.41
+#: (Debian 12's docker.io, the oldest engine tested) to 1.56 was read against what tpuboot sends
+#: (create: Image, Labels, HostConfig Privileged, NetworkMode, Binds; start; remove with force;
+#: pull by fromImage and tag; events filtered by type, container and event, no Accept header)
+#: and reads (Id, State, Config Image and Labels, HostConfig, an event's Action and Actor, a
+#: pull's errorDetail). What moved: 1.44 makes ``:ro`` binds recursively read-only (tpuboot
+#: binds one file: no difference), 1.52 drops the events' old status/id/from (read only as a
+#: fallback) and 1.53 lets /events answer JSON Lines when asked (tpuboot does not ask). Raise
+#: the cap only with a test against that version.
+NEWEST_API = "1.52"
+#: The oldest: what Docker's own client assumes of a daemon that does not say (Docker 1.12); the
+#: calls tpuboot makes are older, but nothing below 1.41 is tested.
+OLDEST_API = "1.24"
+_VERSION = re.compile(r"\d+\.\d+")
+#: dockerd's refusal of a version outside its range (API middleware), HTTP 400.
+_REFUSED = re.compile(r"client version \S+ is too (old|new)")
 TIMEOUT = 60.0
 #: Cap on a plain (not streamed) answer: inspect data is a few KiB.
 MAX_BODY = 16 << 20
@@ -53,6 +73,26 @@ class APIError(DockerError):
 
 class NotFound(APIError):
     """404: no such container or image."""
+
+
+def _key(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")
+    return int(major), int(minor)
+
+
+def negotiate(newest: str, oldest: str | None) -> str:
+    """The version to speak with a dockerd whose range is ``oldest``..``newest``."""
+    chosen = min(newest, NEWEST_API, key=_key)
+    if oldest is not None and _key(chosen) < _key(oldest):
+        raise DockerError(
+            f"dockerd accepts Engine API {oldest} to {newest} and tpuboot speaks {OLDEST_API} to "
+            f"{NEWEST_API}: upgrade tpuboot"
+        )
+    if _key(chosen) < _key(OLDEST_API):
+        raise DockerError(
+            f"dockerd speaks Engine API {newest} at most and tpuboot needs {OLDEST_API}: upgrade Docker"
+        )
+    return chosen
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -158,18 +198,23 @@ class DockerAPI:
     def __init__(self, socket_path: str = DOCKER_SOCKET, timeout: float = TIMEOUT) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
-        self.api_version: str | None = None
+        self.api_version: str | None = None  # the version spoken, once negotiated
+        self.daemon_versions: tuple[str | None, str] | None = None  # dockerd's (minimum, newest)
 
     # ------------------------------------------------------------------ calls
 
     def ping(self) -> str:
-        """Ask dockerd its API version (raises :class:`Unreachable` if it is not there)."""
+        """Negotiate the API version with dockerd, return it (:class:`Unreachable` if it is not there)."""
         answer = self._call("GET", "/version", versioned=False)
-        version = answer.get("ApiVersion") if isinstance(answer, dict) else None
-        if not isinstance(version, str) or not re.fullmatch(r"\d+\.\d+", version):
+        info = answer if isinstance(answer, dict) else {}
+        newest, oldest = info.get("ApiVersion"), info.get("MinAPIVersion")
+        if not isinstance(newest, str) or not _VERSION.fullmatch(newest):
             raise DockerError(f"dockerd gave no usable ApiVersion in GET /version: {answer!r:.200}")
-        self.api_version = version
-        return version
+        if not isinstance(oldest, str) or not _VERSION.fullmatch(oldest):
+            oldest = None  # an engine that does not say has no minimum above tpuboot's
+        self.daemon_versions = (oldest, newest)
+        self.api_version = negotiate(newest, oldest)
+        return self.api_version
 
     def inspect_container(self, name: str) -> dict[str, Any]:
         """``docker inspect`` data of a container (by name or id); :class:`NotFound` if absent."""
@@ -244,21 +289,26 @@ class DockerAPI:
 
         A ``stream`` has no timeout: events come when they come.
         """
-        url = self._path(path, versioned) + (f"?{urlencode(query)}" if query else "")
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        data = json.dumps(body).encode() if body is not None else None
-        conn = _UnixConnection(self.socket_path, None if stream else self.timeout)
-        try:
-            conn.request(method, url, body=data, headers=headers)
-            response = conn.getresponse()
-            if response.status < 400:
-                return conn, response
-            error = _api_error(response.status, response.read(MAX_BODY))
-        except (OSError, http.client.HTTPException) as exc:
+        for attempt in (1, 2):
+            url = self._path(path, versioned) + (f"?{urlencode(query)}" if query else "")
+            headers = {"Content-Type": "application/json"} if body is not None else {}
+            data = json.dumps(body).encode() if body is not None else None
+            conn = _UnixConnection(self.socket_path, None if stream else self.timeout)
+            try:
+                conn.request(method, url, body=data, headers=headers)
+                response = conn.getresponse()
+                if response.status < 400:
+                    return conn, response
+                error = _api_error(response.status, response.read(MAX_BODY))
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                raise Unreachable(f"{self.socket_path}: {_why(exc)}") from exc
             conn.close()
-            raise Unreachable(f"{self.socket_path}: {_why(exc)}") from exc
-        conn.close()
-        raise error
+            # Refused before it did anything (dockerd's version check comes first): safe to resend.
+            if not (versioned and attempt == 1 and error.status == 400 and _REFUSED.match(error.explanation)):
+                raise error
+            self.ping()
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _call(
         self,

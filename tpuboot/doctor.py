@@ -28,12 +28,14 @@ from dataclasses import dataclass
 from tpuboot.atomicfile import read_file
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.devices import DeviceTable
-from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound
+from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
 from tpuboot.environment import merge_environment
 from tpuboot.envsync import CACHE_NAME
 from tpuboot.errors import MetadataError
 from tpuboot.imagecheck import CheckResult, Checks, _machine, failed, passed, run_checks, skipped
+from tpuboot.kmodule import NO_VFIO_PCI_FIX, module_state
 from tpuboot.paths import Root
+from tpuboot.pci import PCI_DRIVERS
 from tpuboot.status import TpuStatus, survey
 from tpuboot.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.vfio import VFIO_PCI, Binder
@@ -87,7 +89,11 @@ def chips_for(machine_type: str | None, accelerator_type: str | None) -> tuple[i
 
 
 def docker_container_running(root: Root, name: str) -> bool | None:
-    """Ask dockerd over its socket whether ``name`` runs; None if the socket does not answer."""
+    """Ask dockerd over its socket whether ``name`` runs; None if the socket does not answer.
+
+    A dockerd that answers but cannot be used (no API version in common, an error) raises
+    :class:`DockerError`: that is a finding, not a SKIP.
+    """
     path = root.path(DOCKER_SOCKET)
     if not path.exists():
         return None
@@ -95,7 +101,7 @@ def docker_container_running(root: Root, name: str) -> bool | None:
         data = DockerAPI(str(path), timeout=5).inspect_container(name)
     except NotFound:
         return False
-    except DockerError:
+    except Unreachable:
         return None
     state = data.get("State") if isinstance(data, dict) else None
     return bool(state.get("Running")) if isinstance(state, dict) else None
@@ -207,13 +213,19 @@ class Doctor:
         )
 
     def check_vfio_loaded(self) -> CheckResult:
+        """vfio-pci in the running kernel: loaded as a module (Debian) or built in (Ubuntu, where
+        lsmod and /proc/modules never list it, and there is nothing to load)."""
         if not self.root.path("/sys/module").is_dir():
             return skipped("no /sys/module: not a running system")
-        if (
-            self.root.path("/sys/module/vfio_pci").is_dir()
-            or self.root.path("/sys/bus/pci/drivers/vfio-pci").is_dir()
-        ):
-            return passed("vfio_pci is loaded")
+        state = module_state(self.root, VFIO_PCI)
+        if state.origin == "built-in":
+            return passed(f"vfio-pci is built into {state.kernel} ({state.evidence}); lsmod does not list it")
+        if state.origin == "loaded":
+            return passed(f"vfio_pci is loaded as a module ({state.evidence})")
+        if self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir():
+            return passed(f"the vfio-pci driver is registered ({PCI_DRIVERS}/{VFIO_PCI})")
+        if state.origin == "absent":
+            return failed(f"{state.kernel} has no vfio-pci: {state.evidence}", NO_VFIO_PCI_FIX)
         return failed("vfio_pci is not loaded", "modprobe vfio-pci (tpuboot loads it when it binds a TPU)")
 
     def check_node_mode(self) -> CheckResult:
@@ -394,7 +406,10 @@ class Doctor:
             return skipped("this tpuboot has no vBar supervisor yet")
         if vbar.runtime != "docker":
             return skipped(f"vbar.runtime is {vbar.runtime}: no container to ask about")
-        running = self.container_running(self.root, vbar.container_name)
+        try:
+            running = self.container_running(self.root, vbar.container_name)
+        except DockerError as exc:  # dockerd answered, unusably: its message says what to upgrade
+            return failed(f"dockerd: {exc}", "do what dockerd's answer says; journalctl -u docker has more")
         if running is None:
             return skipped(f"the docker socket {DOCKER_SOCKET} does not answer")
         if running:

@@ -1,5 +1,6 @@
-"""Which of the settings a TPU OS image needs are in force: the kernel command line, transparent
-huge pages, memlock/nofile limits for logins, services and container runtimes, the accel udev rule.
+"""Which of the settings a TPU OS image needs are in force: the kernel command line, vfio-pci in
+the kernel, transparent huge pages, memlock/nofile limits for logins, services and container
+runtimes, the accel udev rule.
 
 Each check reads files through a Root, so it runs the same on the host, against an image tree
 (``--root``) and on a test's temporary tree. A fact that exists only on a running system
@@ -26,6 +27,7 @@ from typing import Literal
 from tpuboot import subproc
 from tpuboot.atomicfile import read_file
 from tpuboot.errors import TpubootError
+from tpuboot.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.paths import Root
 
 Status = Literal["PASS", "FAIL", "SKIP"]
@@ -213,6 +215,29 @@ def check_intel_iommu(root: Root) -> CheckResult:
     if machine != "x86_64":
         return skipped(f"not needed on {machine}")
     return _cmdline_check(root, "intel_iommu", "intel_iommu=on,sm_on", _intel_iommu_ok)
+
+
+@IMAGE_CHECKS.add("vfio-pci-in-kernel")
+def check_vfio_pci_in_kernel(root: Root) -> CheckResult:
+    """vfio-pci built in (Ubuntu) or shipped as a module (Debian): the running kernel on a running
+    system, else every kernel under /lib/modules of the image. Not whether it is loaded (that is
+    the doctor's): tpuboot loads a module when it binds, and a built-in one needs nothing."""
+    if root.path("/proc/sys/kernel/osrelease").exists():
+        states = [module_state(root, "vfio-pci")]
+    else:
+        states = [in_kernel(root, release, "vfio-pci") for release in installed_releases(root)]
+    if not states:
+        return skipped("no kernel under /lib/modules: cannot tell")
+    unknown = [s for s in states if s.origin == "unknown"]
+    if len(unknown) == len(states):
+        return skipped(f"cannot tell: {unknown[0].evidence}")
+    absent = [s for s in states if s.origin == "absent"]
+    if absent:
+        which = ", ".join(s.release or "the running kernel" for s in absent)
+        return failed(f"no vfio-pci in {which}, neither built in nor as a module", NO_VFIO_PCI_FIX)
+    how = {"built-in": "built into", "loaded": "loaded in", "loadable": "a module of"}
+    known = [s for s in states if s.origin in how]
+    return passed("vfio-pci " + "; ".join(f"{how[s.origin]} {s.release} ({s.evidence})" for s in known))
 
 
 @IMAGE_CHECKS.add("thp-enabled")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from tpuboot.pci import PciFunction, list_addresses
+from tpuboot.kmodule import NO_VFIO_PCI_FIX, ModuleState, module_state
+from tpuboot.pci import PCI_DRIVERS, PciFunction, list_addresses
 from tpuboot.vfio import VFIO_PCI, Binder
 
 
@@ -26,8 +27,33 @@ class TpuStatus:
         return asdict(self)
 
 
-def describe(binder: Binder, fn: PciFunction) -> TpuStatus | None:
-    """The status of one function, or None when it is not in the device table."""
+def vfio_pci_state(binder: Binder) -> ModuleState | None:
+    """How vfio-pci is in the running kernel; None when its driver is registered (nothing to say)."""
+    if binder.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir():
+        return None
+    return module_state(binder.root, VFIO_PCI)
+
+
+def driver_summary(binder: Binder) -> str:
+    """One line on vfio-pci itself: on Ubuntu it is built in, and lsmod shows nothing for it."""
+    state = module_state(binder.root, VFIO_PCI)
+    registered = binder.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir()
+    how = {
+        "built-in": f"built into {state.kernel}",
+        "loaded": f"loaded as a module of {state.kernel}",
+        "loadable": f"a module of {state.kernel}, not loaded (tpuboot loads it to bind a TPU)",
+        "absent": f"not in {state.kernel}: {NO_VFIO_PCI_FIX}",
+        "unknown": "origin unknown",
+    }[state.origin]
+    return f"vfio-pci: {how}; driver {'registered' if registered else 'not registered'}"
+
+
+def describe(binder: Binder, fn: PciFunction, vfio: ModuleState | None = None) -> TpuStatus | None:
+    """The status of one function, or None when it is not in the device table.
+
+    ``vfio``: vfio-pci's state when its driver is not registered, so an unbound TPU's problem
+    says whether `tpuboot bind` can help (it cannot on a kernel without vfio-pci).
+    """
     ids = fn.ids()
     kind = binder.table.classify(ids)
     if kind is None:
@@ -49,6 +75,8 @@ def describe(binder: Binder, fn: PciFunction) -> TpuStatus | None:
     if kind.vfio:
         if group is None:
             problem = "no IOMMU group: add intel_iommu=on to the kernel command line"
+        elif driver != VFIO_PCI and vfio is not None and vfio.origin == "absent":
+            problem = problem or f"{vfio.kernel} has no vfio-pci: {NO_VFIO_PCI_FIX}"
         elif driver != VFIO_PCI:
             driven = driver or "no driver"
             problem = problem or f"driven by {driven}, not vfio-pci: run `tpuboot bind {fn.address}`"
@@ -62,9 +90,10 @@ def describe(binder: Binder, fn: PciFunction) -> TpuStatus | None:
 def survey(binder: Binder) -> list[TpuStatus]:
     """Every device of the table present on this machine, in address order."""
     found = []
+    vfio = vfio_pci_state(binder)
     for address in list_addresses(binder.root):
         try:
-            status = describe(binder, PciFunction(binder.root, address))
+            status = describe(binder, PciFunction(binder.root, address), vfio)
         except FileNotFoundError:  # removed while we looked
             continue
         if status is not None:

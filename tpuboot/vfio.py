@@ -135,14 +135,31 @@ class Binder:
         return BindResult(address, kind, group, node, changed)
 
     def _ensure_driver(self) -> None:
-        if self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir():
+        """The driver registered: already (built in, as on Ubuntu, or loaded), else modprobe it.
+
+        A built-in driver has nothing to load; a kernel whose module lists name no vfio-pci still
+        gets a modprobe (the lists may be stale), and its failure says which kernel lacks it.
+        """
+        driver = self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}")
+        if driver.is_dir():
             return
-        try:
-            self.load_module("vfio-pci")
-        except TpubootError as exc:
-            raise DeviceError(f"cannot load vfio-pci ({exc}); install the kernel's vfio modules") from None
-        if not self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir():
-            raise DeviceError("vfio-pci loaded but its driver is not registered; check dmesg")
+        from tpuboot.kmodule import NO_VFIO_PCI_FIX, module_state  # rare: kept out of `tpuboot bind`
+
+        state = module_state(self.root, VFIO_PCI)
+        if state.origin != "built-in":
+            try:
+                self.load_module(VFIO_PCI)
+            except TpubootError as exc:
+                if state.origin == "absent":
+                    raise DeviceError(
+                        f"{state.kernel} has no vfio-pci, neither built in nor as a module; {NO_VFIO_PCI_FIX}"
+                    ) from None
+                raise DeviceError(f"cannot load vfio-pci ({exc}); {NO_VFIO_PCI_FIX}") from None
+        if not driver.is_dir():
+            raise DeviceError(
+                f"vfio-pci is {state.origin} in {state.kernel} ({state.evidence}) but "
+                f"{PCI_DRIVERS}/{VFIO_PCI} is missing; check dmesg"
+            )
 
     def _attach(self, fn: PciFunction) -> bool:
         """Move ``fn`` to vfio-pci; False when it was already there."""
@@ -197,11 +214,16 @@ class Binder:
         if wanted == "false" or (wanted == "auto" and self.machine != "x86_64"):
             return
         path = self.root.path(UNSAFE_INTERRUPTS)
-        if not path.exists():
+        if not path.exists():  # built in (Ubuntu), the parameter is there from boot
             try:
                 self.load_module("vfio_iommu_type1")
             except TpubootError as exc:
-                raise DeviceError(f"cannot load vfio_iommu_type1 ({exc})") from None
+                raise DeviceError(f"cannot load vfio_iommu_type1 ({exc}); check dmesg") from None
+        if not path.exists():  # else read_text's FileNotFoundError would read as "device removed"
+            raise DeviceError(
+                f"{UNSAFE_INTERRUPTS} is missing; set vfio.allow_unsafe_interrupts: false if this "
+                "kernel's IOMMU remaps interrupts, else check dmesg"
+            )
         if path.read_text().strip() not in ("Y", "1"):
             self._write(path, "1")
             log.info("enabled vfio_iommu_type1 allow_unsafe_interrupts")

@@ -7,7 +7,12 @@ send a container's ``die`` event, end the event streams cleanly, or go away (``s
 socket is removed, streams are cut, containers stop as at a dockerd restart).
 
 It speaks one API version (``api_version``) and refuses others below ``min_api_version`` or
-above its own, with dockerd's messages, so a client that does not negotiate fails here.
+above its own, with dockerd's messages (HTTP 400, from its version middleware, before any
+route), so a client that does not negotiate fails here. :data:`ENGINES` holds the ends tpuboot
+meets: Debian 12's docker.io 20.10 (API 1.41, minimum 1.12), Docker 29 (Ubuntu's docker.io in
+jammy and noble updates, and docker-ce: API 1.52, minimum 1.44), and an engine newer than any
+tpuboot knows. Assigning ``api_version``/``min_api_version`` while it runs is an upgrade under
+a running client.
 """
 
 from __future__ import annotations
@@ -51,6 +56,14 @@ class Subscriber:
     closed_by_client: threading.Event = field(default_factory=threading.Event)
 
 
+#: name -> (api_version, min_api_version, engine version), as each engine's GET /version says.
+ENGINES = {
+    "debian12": ("1.41", "1.12", "20.10.24+dfsg1"),
+    "docker29": ("1.52", "1.44", "29.1.3"),
+    "future": ("1.61", "1.44", "33.0.0"),
+}
+
+
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
 
@@ -62,11 +75,18 @@ class _Server(socketserver.ThreadingUnixStreamServer):
 
 
 class FakeDockerd:
-    def __init__(self, socket_path: Path, api_version: str = "1.41", min_api_version: str = "1.12") -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        api_version: str = "1.41",
+        min_api_version: str | None = "1.12",
+        engine_version: str = "20.10.24+dfsg1",
+    ) -> None:
         self.socket_path = socket_path
         self.root = socket_path.parent  # a root tree holding it at /run/docker.sock, in fake_dockerd
         self.api_version = api_version
-        self.min_api_version = min_api_version
+        self.min_api_version = min_api_version  # None: GET /version has no MinAPIVersion (old engines)
+        self.engine_version = engine_version
         self.containers: dict[str, dict[str, Any]] = {}  # by name
         self.images: set[str] = set()
         self.pull_error: str | None = None
@@ -273,11 +293,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             version, path = match.groups()
         with fake.lock:
             fake.requests.append(Request(method, url.path, query, body, version))
-        if version is not None and _version(version) < _version(fake.min_api_version):
+        minimum = fake.min_api_version or "1.12"  # what engines that did not say accepted
+        if version is not None and _version(version) < _version(minimum):
             return self._error(
                 400,
                 f"client version {version} is too old. Minimum supported API version is "
-                f"{fake.min_api_version}, please upgrade your client to a newer version",
+                f"{minimum}, please upgrade your client to a newer version",
             )
         if version is not None and _version(version) > _version(fake.api_version):
             return self._error(
@@ -288,7 +309,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if (method, path) == ("GET", "/_ping"):
             return self._send(200, b"OK", headers)
         if (method, path) == ("GET", "/version"):
-            answer = {"ApiVersion": fake.api_version, "MinAPIVersion": fake.min_api_version, "Version": "0"}
+            answer = {
+                "Version": fake.engine_version,
+                "ApiVersion": fake.api_version,
+                "MinAPIVersion": fake.min_api_version,
+                "Os": "linux",
+                "Arch": "amd64",
+            }
+            if fake.min_api_version is None:
+                del answer["MinAPIVersion"]
             return self._send(200, answer, headers)
         if (method, path) == ("GET", "/events"):
             return self._events(query)
@@ -401,13 +430,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def fake_dockerd(api_version: str = "1.41", min_api_version: str = "1.12") -> Iterator[FakeDockerd]:
+def fake_dockerd(
+    api_version: str = "1.41", min_api_version: str | None = "1.12", engine_version: str = "20.10.24+dfsg1"
+) -> Iterator[FakeDockerd]:
     """A running fake dockerd at ``<root>/run/docker.sock``, ``root`` a short temporary directory
     (a unix socket path has room for ~107 bytes; ``Root(fake.root)`` finds it where tpuboot looks).
+    ``fake_dockerd(*ENGINES["docker29"])`` is Docker 29.
     """
     root = Path(tempfile.mkdtemp(prefix="fakedockerd-"))
     (root / "run").mkdir()
-    fake = FakeDockerd(root / "run" / "docker.sock", api_version, min_api_version)
+    fake = FakeDockerd(root / "run" / "docker.sock", api_version, min_api_version, engine_version)
     fake.root = root
     fake.start()
     try:

@@ -3,29 +3,133 @@
 Unit tests only: the real kernel's behaviour is proved by the VM tests under tests/vm.
 The tree mirrors real sysfs layout (driver and iommu_group links, drivers/<name>/unbind,
 drivers_probe) so tpuboot's production code runs unchanged against it.
+
+``vfio`` shapes the kernel the way each distribution builds vfio-pci:
+
+- ``"module"`` (Debian): vfio-pci is in modules.dep and appears only when loaded, as a loadable
+  module does: a line in /proc/modules, ``/sys/module/vfio_pci`` with ``initstate``, ``refcnt``,
+  ``holders/``, ``sections/``, and the driver under /sys/bus/pci/drivers.
+- ``"builtin"`` (Ubuntu's generic and linux-gcp kernels, ``CONFIG_VFIO_PCI=y``): the driver is
+  registered from boot; no /proc/modules line; ``/sys/module/vfio_pci`` exists only for its
+  parameters (no ``initstate``, ``refcnt``, ``holders``, ``sections``, ``coresize``), as
+  Documentation/ABI/stable/sysfs-module says of built-ins; ``vfio_iommu_type1``'s
+  ``allow_unsafe_interrupts`` is there and writable; modules.builtin and modules.builtin.modinfo
+  list the vfio modules; ``modprobe vfio-pci`` succeeds and changes nothing.
+- ``"none"``: a kernel without vfio-pci in either form; ``modprobe vfio-pci`` fails as kmod does.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
+from typing import Literal
 
+from tpuboot.errors import TpubootError
 from tpuboot.paths import Root
+
+VfioShape = Literal["module", "builtin", "none"]
+RELEASES = {"module": "6.1.0-28-cloud-amd64", "builtin": "6.8.0-1015-gcp", "none": "6.1.0-28-cloud-amd64"}
+#: The vfio stack as files under /lib/modules/<release>/ (what depmod and the kernel build list).
+VFIO_FILES = {
+    "vfio": "kernel/drivers/vfio/vfio.ko",
+    "vfio_iommu_type1": "kernel/drivers/vfio/vfio_iommu_type1.ko",
+    "vfio_pci_core": "kernel/drivers/vfio/pci/vfio-pci-core.ko",
+    "vfio_pci": "kernel/drivers/vfio/pci/vfio-pci.ko",
+}
+#: Module parameters (name -> value) as their sysfs files hold them, loaded or built in.
+VFIO_PARAMETERS = {
+    "vfio": {"enable_unsafe_noiommu_mode": "N"},
+    "vfio_iommu_type1": {
+        "allow_unsafe_interrupts": "N",
+        "disable_hugepages": "N",
+        "dma_entry_limit": "65535",
+    },
+    "vfio_pci_core": {"disable_idle_d3": "N", "disable_vga": "N", "nointxmask": "N"},
+    "vfio_pci": {"ids": "", "disable_denylist": "N", "enable_sriov": "N"},
+}
+OTHER_MODULES = ("nvme", "virtio_net", "tls")  # loaded on every such VM; never vfio
 
 
 class FakeKernel:
-    def __init__(self, top: Path) -> None:
+    def __init__(self, top: Path, vfio: VfioShape = "module") -> None:
         self.top = top
         self.root = Root(top)
+        self.vfio = vfio
+        self.release = RELEASES[vfio]
         self.writes: list[tuple[str, str]] = []
-        self.modules: list[str] = []
+        self.modules: list[str] = []  # every module load asked for, in order (modprobe's argument)
         self.default_driver: dict[str, str | None] = {}
         self.refuse_probe: set[str] = set()
         self.create_nodes = True
+        self._loading = threading.Lock()  # binds run in a thread pool: one modprobe at a time
         for d in ("sys/bus/pci/devices", "sys/bus/pci/drivers", "sys/kernel/iommu_groups", "dev/vfio"):
             (top / d).mkdir(parents=True, exist_ok=True)
         (top / "sys/bus/pci/drivers_probe").write_text("")
+        self._write_kernel_lists()
+        if vfio == "builtin":
+            for module in VFIO_FILES:
+                self._module_dir(module, loadable=False)
+            self._register_vfio_pci()
+
+    # --- the kernel's module lists and /sys/module ------------------------------------
+
+    def _write_kernel_lists(self) -> None:
+        """osrelease, /proc/modules and the lists of /lib/modules/<release>, as the shape has them."""
+        self._text("/proc/sys/kernel/osrelease", self.release + "\n")
+        self._text("/proc/modules", "")
+        for module in OTHER_MODULES:
+            self._proc_module(module)
+        where = f"/lib/modules/{self.release}"
+        others = [f"kernel/drivers/net/{m}.ko" for m in OTHER_MODULES]
+        builtin = ["kernel/drivers/pci/pcie/pcieport.ko", "kernel/drivers/virtio/virtio_pci.ko"]
+        if self.vfio == "builtin":
+            builtin += VFIO_FILES.values()
+            modinfo = (
+                "".join(f"{m}.license=GPL v2\0{m}.description=vfio stack\0" for m in VFIO_FILES)
+                + "virtio_pci.license=GPL\0"
+            )
+            self._text(f"{where}/modules.builtin.modinfo", modinfo)
+        elif self.vfio == "module":
+            others += VFIO_FILES.values()
+        self._text(f"{where}/modules.builtin", "".join(f"{line}\n" for line in builtin))
+        self._text(f"{where}/modules.dep", "".join(f"{line}:\n" for line in others))
+
+    def _text(self, absolute: str, text: str) -> None:
+        path = self.p(absolute)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    def _proc_module(self, module: str) -> None:
+        with open(self.p("/proc/modules"), "a") as lines:
+            lines.write(f"{module} 16384 0 - Live 0x0000000000000000\n")
+
+    def _module_dir(self, module: str, loadable: bool) -> None:
+        """/sys/module/<module>: parameters for both; the attributes only a loadable module has."""
+        d = self.p(f"/sys/module/{module}")
+        for name, value in VFIO_PARAMETERS[module].items():
+            self._text(f"/sys/module/{module}/parameters/{name}", value + "\n")
+        (d / "uevent").write_text("")
+        if loadable:
+            (d / "initstate").write_text("live\n")
+            (d / "refcnt").write_text("0\n")
+            (d / "coresize").write_text("16384\n")
+            (d / "holders").mkdir()
+            (d / "sections").mkdir()
+
+    def _register_vfio_pci(self) -> None:
+        """The driver registers; its ``module`` link and the module's ``drivers/pci:vfio-pci``."""
+        self.add_driver("vfio-pci")
+        os.symlink("../../../../module/vfio_pci", self.p("/sys/bus/pci/drivers/vfio-pci/module"))
+        drivers = self.p("/sys/module/vfio_pci/drivers")
+        drivers.mkdir(exist_ok=True)
+        os.symlink("../../../bus/pci/drivers/vfio-pci", drivers / "pci:vfio-pci")
+
+    def loaded(self) -> list[str]:
+        """What lsmod would list."""
+        text = self.p("/proc/modules").read_text()
+        return [line.split(" ", 1)[0] for line in text.splitlines()]
 
     def p(self, absolute: str) -> Path:
         return self.root.path(absolute)
@@ -135,12 +239,38 @@ class FakeKernel:
         self._link_driver(address, target)
 
     def load_module(self, name: str) -> None:
+        """``modprobe name``: loads it and what it needs; nothing for a built-in; fails if absent."""
         self.modules.append(name)
-        if name == "vfio-pci":
-            self.add_driver("vfio-pci")
-            self.load_module("vfio_iommu_type1")
-        elif name == "vfio_iommu_type1":
-            param = self.p("/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts")
-            if not param.exists():
-                param.parent.mkdir(parents=True, exist_ok=True)
-                param.write_text("N\n")
+        module = name.replace("-", "_")
+        if module not in VFIO_FILES or self.vfio == "builtin":
+            return  # built in (or not a module these tests model): modprobe succeeds doing nothing
+        if self.vfio == "none":
+            raise TpubootError(
+                f"modprobe {name} failed: modprobe: FATAL: Module {name} not found in directory "
+                f"/lib/modules/{self.release}"
+            )
+        # kmod: vfio-pci's dependencies, and vfio's softdep on vfio_iommu_type1.
+        wanted = [module]
+        if module == "vfio_pci":
+            wanted = ["vfio", "vfio_iommu_type1", "vfio_pci_core", "vfio_pci"]
+        with self._loading:
+            for each in wanted:
+                if not self.p(f"/sys/module/{each}").is_dir():
+                    self._module_dir(each, loadable=True)
+                    self._proc_module(each)
+            if module == "vfio_pci" and not self.p("/sys/bus/pci/drivers/vfio-pci").is_dir():
+                self._register_vfio_pci()
+
+    def unload_module(self, name: str) -> None:
+        """``rmmod name`` (devices left as they are): a built-in cannot be removed, as kmod says."""
+        import shutil
+
+        module = name.replace("-", "_")
+        if self.vfio == "builtin" and module in VFIO_FILES:
+            raise TpubootError(f"rmmod: ERROR: Module {module} is builtin.")
+        with self._loading:
+            shutil.rmtree(self.p(f"/sys/module/{module}"))
+            lines = self.p("/proc/modules").read_text().splitlines(keepends=True)
+            self.p("/proc/modules").write_text("".join(x for x in lines if x.split(" ", 1)[0] != module))
+            if module == "vfio_pci":
+                shutil.rmtree(self.p("/sys/bus/pci/drivers/vfio-pci"))

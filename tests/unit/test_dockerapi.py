@@ -12,8 +12,17 @@ from typing import Any
 
 import pytest
 
-from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
-from tpuboot.dockerapi import APIError, DockerAPI, NotFound, Unreachable
+from tests.unit.fakedockerd import ENGINES, FakeDockerd, fake_dockerd
+from tpuboot.dockerapi import (
+    NEWEST_API,
+    APIError,
+    DockerAPI,
+    DockerError,
+    NotFound,
+    Unreachable,
+    _UnixConnection,
+    negotiate,
+)
 
 
 @pytest.fixture
@@ -48,14 +57,158 @@ def test_the_version_is_asked_once_before_the_first_call() -> None:
     assert fake.paths() == ["/version", "/v1.47/images/img:1/json", "/v1.47/images/img:1/json"]
 
 
-def test_a_fixed_old_version_is_refused_by_a_newer_engine() -> None:
-    """Why the version is negotiated: the fake refuses like dockerd 29 does."""
-    with fake_dockerd("1.52", "1.44") as fake:
+def raw_get(fake: FakeDockerd, path: str) -> tuple[int, dict[str, Any]]:
+    """One GET as any client would send it, no negotiation: the fake's own answer."""
+    conn = _UnixConnection(str(fake.socket_path), 5)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("engine", "path", "message"),
+    [
+        (
+            "docker29",
+            "/v1.40/version",
+            "client version 1.40 is too old. Minimum supported API version is 1.44, "
+            "please upgrade your client to a newer version",
+        ),
+        (
+            "debian12",
+            "/v1.11/containers/vbar/json",
+            "client version 1.11 is too old. Minimum supported API version is 1.12, "
+            "please upgrade your client to a newer version",
+        ),
+        (
+            "debian12",
+            "/v1.44/version",
+            "client version 1.44 is too new. Maximum supported API version is 1.41",
+        ),
+    ],
+)
+def test_the_fake_refuses_a_version_out_of_range_as_dockerd_does(
+    engine: str, path: str, message: str
+) -> None:
+    """dockerd's version middleware (moby's wording): HTTP 400 before any route."""
+    with fake_dockerd(*ENGINES[engine]) as fake:
+        assert raw_get(fake, path) == (400, {"message": message})
+        status, version = raw_get(fake, "/version")  # unversioned: always answered
+    api, minimum, engine_version = ENGINES[engine]
+    assert status == 200
+    assert (version["ApiVersion"], version["MinAPIVersion"], version["Version"]) == (
+        api,
+        minimum,
+        engine_version,
+    )
+
+
+@pytest.mark.parametrize(
+    ("engine", "spoken"),
+    [("debian12", "1.41"), ("docker29", "1.52"), ("future", NEWEST_API)],
+)
+def test_negotiation_against_each_engine(engine: str, spoken: str) -> None:
+    """Debian 12's 20.10, Docker 29 (minimum 1.44), and an engine newer than tpuboot knows: spoken
+    at tpuboot's newest, which that engine still accepts."""
+    with fake_dockerd(*ENGINES[engine]) as fake:
         client = client_of(fake)
-        client.api_version = "1.41"
-        with pytest.raises(APIError) as caught:
+        assert client.ping() == spoken
+        assert client.daemon_versions == ENGINES[engine][1::-1]
+        fake.images.add("img:1")
+        client.create_container("vbar", {"Image": "img:1"})
+        client.start_container("vbar")
+        assert client.inspect_container("vbar")["State"]["Running"] is True
+    assert fake.paths() == [
+        "/version",
+        f"/v{spoken}/containers/create",
+        f"/v{spoken}/containers/vbar/start",
+        f"/v{spoken}/containers/vbar/json",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("newest", "oldest", "message"),
+    [
+        (
+            "1.70",
+            "1.60",
+            "dockerd accepts Engine API 1.60 to 1.70 and tpuboot speaks 1.24 to 1.52: upgrade tpuboot",
+        ),
+        ("1.23", "1.12", "dockerd speaks Engine API 1.23 at most and tpuboot needs 1.24: upgrade Docker"),
+    ],
+)
+def test_an_engine_with_no_version_in_common_is_a_one_line_error(
+    newest: str, oldest: str, message: str
+) -> None:
+    with fake_dockerd(newest, oldest) as fake:
+        client = client_of(fake)
+        with pytest.raises(DockerError) as caught:
             client.inspect_container("vbar")
-    assert caught.value.status == 400 and "too old" in caught.value.explanation
+    assert str(caught.value) == message
+    assert fake.paths() == ["/version"]  # nothing sent in a version dockerd would refuse
+
+
+@pytest.mark.parametrize(
+    ("newest", "oldest", "spoken"),
+    [
+        ("1.41", "1.12", "1.41"),
+        ("1.52", "1.44", "1.52"),
+        ("1.100", "1.44", "1.52"),  # compared as numbers, not text
+        ("1.9", None, None),
+        ("1.41", None, "1.41"),
+        ("2.0", "1.44", "1.52"),
+    ],
+)
+def test_negotiate(newest: str, oldest: str | None, spoken: str | None) -> None:
+    if spoken is None:
+        with pytest.raises(DockerError):
+            negotiate(newest, oldest)
+    else:
+        assert negotiate(newest, oldest) == spoken
+
+
+def test_an_engine_that_gives_no_minimum_is_spoken_to_at_its_newest() -> None:
+    with fake_dockerd("1.41", None) as fake:
+        client = client_of(fake)
+        assert client.ping() == "1.41" and client.daemon_versions == (None, "1.41")
+
+
+@pytest.mark.parametrize(("before", "after"), [("debian12", "docker29"), ("docker29", "debian12")])
+def test_dockerd_upgraded_or_downgraded_under_a_running_client_is_renegotiated_once(
+    before: str, after: str
+) -> None:
+    """apt upgrades docker.io from 20.10 to 29 (now 1.41 is too old), or back (1.52 too new)."""
+    with fake_dockerd(*ENGINES[before]) as fake:
+        client = client_of(fake)
+        with pytest.raises(NotFound):
+            client.inspect_container("vbar")
+        fake.api_version, fake.min_api_version, fake.engine_version = ENGINES[after]
+        with pytest.raises(NotFound):
+            client.inspect_container("vbar")
+        stream = client.events({"event": ["die"]})
+        stream.close()
+    old, new = ENGINES[before][0], ENGINES[after][0]
+    assert fake.paths() == [
+        "/version",
+        f"/v{old}/containers/vbar/json",
+        f"/v{old}/containers/vbar/json",  # refused: HTTP 400
+        "/version",
+        f"/v{new}/containers/vbar/json",
+        f"/v{new}/events",
+    ]
+    assert client.api_version == new
+
+
+def test_another_http_400_is_not_resent() -> None:
+    with fake_dockerd(*ENGINES["docker29"]) as fake:
+        client = client_of(fake)
+        with pytest.raises(APIError) as caught:
+            client.create_container("vbar", {"Labels": {}})
+    assert (caught.value.status, caught.value.explanation) == (400, "config is missing the Image")
+    assert fake.paths() == ["/version", "/v1.52/containers/create"]
 
 
 def test_errors_carry_dockerds_status_and_message(dockerd: FakeDockerd) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.conftest import make_config
-from tests.unit.fakekernel import FakeKernel
+from tests.unit.fakekernel import FakeKernel, VfioShape
 from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, write
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli, imagecheck
@@ -32,11 +32,11 @@ def no_live_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(imagecheck, "_systemctl_show", refuse)
 
 
-def healthy(top: Path) -> FakeKernel:
-    """A TPU VM as it should be: 4 v5p bound, nodes 0666, the image settings, tpu-env and its cache."""
-    k = FakeKernel(top)
-    k.load_module("vfio-pci")
-    (top / "sys/module/vfio_pci").mkdir(parents=True)
+def healthy(top: Path, vfio: VfioShape = "module") -> FakeKernel:
+    """A TPU VM as it should be: 4 v5p bound, nodes 0666, the image settings, tpu-env and its cache;
+    vfio-pci loaded as a module (Debian) or built into the kernel (Ubuntu)."""
+    k = FakeKernel(top, vfio)
+    k.load_module("vfio-pci")  # what tpuboot's bind did: a module loads, a built-in stays as it is
     write(top, "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts", "Y\n")
     for i, address in enumerate(ADDRESSES):
         add_tpu(k, address, V5P, driver="vfio-pci", group=str(4 + i))
@@ -62,9 +62,10 @@ def healthy(top: Path) -> FakeKernel:
     return k
 
 
-@pytest.fixture
-def kernel(tmp_path: Path) -> FakeKernel:
-    return healthy(tmp_path / "root")
+@pytest.fixture(params=["module", "builtin"])
+def kernel(tmp_path: Path, request: pytest.FixtureRequest) -> FakeKernel:
+    """Every doctor test runs on Debian's modular vfio-pci and on Ubuntu's built-in one."""
+    return healthy(tmp_path / "root", request.param)
 
 
 def doctor(kernel: FakeKernel, config: Config | None = None, **kwargs) -> list[Verdict]:
@@ -103,10 +104,7 @@ def test_a_healthy_vm_passes_every_check(kernel):
 BREAKAGES = {
     "tpus-bound": lambda k: k.write(k.p("/sys/bus/pci/devices/0000:00:05.0/driver/unbind"), "0000:00:05.0"),
     "vfio-node-mode": lambda k: os.chmod(k.p("/dev/vfio/6"), 0o600),
-    "vfio-pci-loaded": lambda k: (
-        k.p("/sys/module/vfio_pci").rmdir(),
-        _rmtree(k.p("/sys/bus/pci/drivers/vfio-pci")),
-    ),
+    "vfio-pci-loaded": lambda k: k.unload_module("vfio-pci"),
     "unsafe-interrupts": lambda k: k.p(imagecheck_unsafe()).write_text("N\n"),
     "pam-memlock": lambda k: k.p("/etc/security/limits.d/tpuboot.conf").write_text(
         "* - nofile 100000\nroot - nofile 100000\n"
@@ -124,6 +122,51 @@ def imagecheck_unsafe() -> str:
     return UNSAFE_INTERRUPTS
 
 
+def result_of(verdicts: list[Verdict], name: str):
+    (found,) = [v.result for v in verdicts if v.result.name == name]
+    return found
+
+
+def test_vfio_pci_check_on_each_kernel(kernel):
+    """Debian: a module, in /proc/modules. Ubuntu: built in, never in /proc/modules (lsmod shows
+    nothing), and still a PASS, said as such; image-check's view agrees."""
+    verdicts = doctor(kernel)
+    loaded, image = result_of(verdicts, "vfio-pci-loaded"), result_of(verdicts, "vfio-pci-in-kernel")
+    assert (loaded.status, image.status) == ("PASS", "PASS")
+    if kernel.vfio == "builtin":
+        assert "vfio_pci" not in kernel.loaded()
+        assert loaded.detail == (
+            "vfio-pci is built into kernel 6.8.0-1015-gcp (/lib/modules/6.8.0-1015-gcp/modules.builtin); "
+            "lsmod does not list it"
+        )
+        assert image.detail.startswith("vfio-pci built into 6.8.0-1015-gcp")
+    else:
+        assert "vfio_pci" in kernel.loaded()
+        assert loaded.detail == "vfio_pci is loaded as a module (/proc/modules)"
+        assert image.detail.startswith("vfio-pci loaded in 6.1.0-28-cloud-amd64")
+
+
+def test_built_in_vfio_pci_passes_without_its_sys_module_directory(tmp_path):
+    """/sys/module/vfio_pci exists for a built-in only because it has parameters (sysfs-module ABI:
+    "not by design and may be removed"): the verdict must not rest on it."""
+    k = healthy(tmp_path / "root", "builtin")
+    os.unlink(k.p("/sys/bus/pci/drivers/vfio-pci/module"))
+    _rmtree(k.p("/sys/module/vfio_pci"))
+    assert statuses(doctor(k))["vfio-pci-loaded"] == "PASS"
+
+
+def test_a_kernel_without_vfio_pci_fails_and_names_the_fix(tmp_path):
+    k = FakeKernel(tmp_path / "root", "none")
+    k.p("/sys/module").mkdir(parents=True, exist_ok=True)
+    add_tpu(k, ADDRESSES[0], V5P, group="4")
+    verdicts = doctor(k)
+    loaded, image = result_of(verdicts, "vfio-pci-loaded"), result_of(verdicts, "vfio-pci-in-kernel")
+    assert (loaded.status, image.status) == ("FAIL", "FAIL")
+    assert loaded.detail.startswith("kernel 6.1.0-28-cloud-amd64 has no vfio-pci: neither ")
+    assert "CONFIG_VFIO_PCI" in loaded.fix and "\n" not in loaded.fix
+    assert "CONFIG_VFIO_PCI" in image.fix
+
+
 def _rmtree(path: Path) -> None:
     import shutil
 
@@ -132,6 +175,8 @@ def _rmtree(path: Path) -> None:
 
 @pytest.mark.parametrize("check", sorted(BREAKAGES))
 def test_each_broken_setting_fails_exactly_its_check_with_a_fix(kernel, check):
+    if check == "vfio-pci-loaded" and kernel.vfio == "builtin":
+        pytest.skip("a built-in vfio-pci cannot be unloaded: test_vfio_pci_check_on_each_kernel")
     BREAKAGES[check](kernel)
     verdicts = doctor(kernel)
     # An unbound TPU is also one bound chip fewer than the accelerator type implies.

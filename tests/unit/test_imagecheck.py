@@ -492,6 +492,7 @@ def test_empty_tree(tree):
         "cmdline-idle-poll": "SKIP",
         "cmdline-transparent-hugepage": "SKIP",
         "cmdline-intel-iommu": "SKIP",
+        "vfio-pci-in-kernel": "SKIP",
         "thp-enabled": "SKIP",
         "pam-memlock": "FAIL",
         "pam-nofile": "FAIL",
@@ -539,3 +540,93 @@ def test_registry_names_results_and_isolates_a_failing_check(tree):
     assert checks.names == ["first", "broken", "last"]
     with pytest.raises(ValueError, match="registered twice"):
         checks.add("first")(first)
+
+
+# --- vfio-pci in the kernel -------------------------------------------------------------------
+
+UBUNTU_BUILTIN = "kernel/drivers/vfio/vfio.ko\nkernel/drivers/vfio/vfio_iommu_type1.ko\n" + (
+    "kernel/drivers/vfio/pci/vfio-pci-core.ko\nkernel/drivers/vfio/pci/vfio-pci.ko\n"
+)
+DEBIAN_DEP = (
+    "kernel/drivers/vfio/pci/vfio-pci.ko.xz: kernel/drivers/vfio/pci/vfio-pci-core.ko.xz "
+    "kernel/drivers/vfio/vfio.ko.xz kernel/virt/lib/irqbypass.ko.xz\n"
+    "kernel/drivers/net/virtio_net.ko.xz: kernel/drivers/net/net_failover.ko.xz\n"
+)
+
+
+def kernel_lists(
+    tree: Path, release: str, builtin: str = "", dep: str = "", modinfo: str | None = None
+) -> None:
+    write(tree, f"/lib/modules/{release}/modules.builtin", builtin)
+    write(tree, f"/lib/modules/{release}/modules.dep", dep)
+    if modinfo is not None:
+        write(tree, f"/lib/modules/{release}/modules.builtin.modinfo", modinfo)
+
+
+def test_vfio_pci_built_into_an_ubuntu_image_kernel_passes(tree):
+    kernel_lists(
+        tree, "6.8.0-1015-gcp", builtin=UBUNTU_BUILTIN, dep="kernel/drivers/net/virtio_net.ko.zst:\n"
+    )
+    found = result(tree, "vfio-pci-in-kernel")
+    assert found.status == "PASS"
+    assert found.detail == "vfio-pci built into 6.8.0-1015-gcp (/lib/modules/6.8.0-1015-gcp/modules.builtin)"
+
+
+def test_vfio_pci_as_a_compressed_module_of_a_debian_image_kernel_passes(tree):
+    kernel_lists(tree, "6.12.48+deb13-cloud-amd64", dep=DEBIAN_DEP)
+    found = result(tree, "vfio-pci-in-kernel")
+    assert (found.status, found.detail) == (
+        "PASS",
+        "vfio-pci a module of 6.12.48+deb13-cloud-amd64 (/lib/modules/6.12.48+deb13-cloud-amd64/modules.dep)",
+    )
+
+
+def test_modules_builtin_modinfo_alone_is_evidence(tree):
+    write(tree, "/lib/modules/6.8.0-49-generic/modules.dep", "")
+    write(
+        tree,
+        "/lib/modules/6.8.0-49-generic/modules.builtin.modinfo",
+        "vfio_pci.license=GPL v2\0vfio.license=GPL\0",
+    )
+    assert "modules.builtin.modinfo" in result(tree, "vfio-pci-in-kernel").detail
+
+
+def test_an_image_kernel_without_vfio_pci_fails_and_names_it(tree):
+    kernel_lists(tree, "6.8.0-1015-gcp", builtin=UBUNTU_BUILTIN)
+    kernel_lists(
+        tree,
+        "6.1.0-9-rt-amd64",
+        builtin="kernel/drivers/virtio/virtio_pci.ko\n",
+        dep="kernel/drivers/net/virtio_net.ko:\n",
+    )
+    found = result(tree, "vfio-pci-in-kernel")
+    assert found.status == "FAIL"
+    assert found.detail == "no vfio-pci in 6.1.0-9-rt-amd64, neither built in nor as a module"
+    assert "CONFIG_VFIO_PCI" in found.fix
+
+
+@pytest.mark.parametrize(("shape", "status", "start"), [
+    ("builtin", "PASS", "vfio-pci built into 6.8.0-1015-gcp"),
+    ("module", "PASS", "vfio-pci a module of 6.1.0-28-cloud-amd64"),
+    ("none", "FAIL", "no vfio-pci in 6.1.0-28-cloud-amd64"),
+])  # fmt: skip
+def test_a_running_kernel_is_judged_by_its_own_release(tmp_path, shape, status, start):
+    from tests.unit.fakekernel import FakeKernel
+
+    kernel = FakeKernel(tmp_path, shape)
+    kernel_lists(tmp_path, "9.9.9-other", builtin="")  # another installed kernel does not count
+    found = result(tmp_path, "vfio-pci-in-kernel")
+    assert (found.status, found.detail.startswith(start)) == (status, True), found
+    assert kernel.release in found.detail
+
+
+def test_no_module_lists_is_skip(tree):
+    (tree / "lib/modules/6.8.0-1015-gcp").mkdir(parents=True)
+    assert result(tree, "vfio-pci-in-kernel").status == "SKIP"
+
+
+def test_a_merged_usr_image_is_read_through_its_lib_link(tree):
+    """Ubuntu and Debian images: /lib -> usr/lib, the kernel's lists under /usr/lib/modules."""
+    write(tree, "/usr/lib/modules/6.8.0-1015-gcp/modules.builtin", UBUNTU_BUILTIN)
+    (tree / "lib").symlink_to("usr/lib")
+    assert result(tree, "vfio-pci-in-kernel").detail.startswith("vfio-pci built into 6.8.0-1015-gcp")

@@ -195,3 +195,69 @@ def test_unbind_refuses_a_non_tpu(kernel):
     with pytest.raises(DeviceError, match="refusing"):
         binder(kernel).unbind("0000:00:02.0")
     assert kernel.writes == []
+
+
+# --- vfio-pci as Debian (a module) and Ubuntu (built in) build it -------------------------------
+
+
+@pytest.mark.parametrize("shape", ["module", "builtin"])
+def test_bind_on_a_modular_and_a_built_in_vfio_pci(tmp_path, shape):
+    """Debian: modprobe loads vfio-pci. Ubuntu: the driver is there from boot, nothing is loaded,
+    /proc/modules never lists it, and allow_unsafe_interrupts (built in too) is still set."""
+    kernel = FakeKernel(tmp_path, shape)
+    add_tpu(kernel, driver="virtio-pci")
+    result = binder(kernel).bind("0000:00:04.0")
+    assert (kernel.driver("0000:00:04.0"), result.changed) == ("vfio-pci", True)
+    assert kernel.p(UNSAFE_INTERRUPTS).read_text() == "Y\n"
+    assert [w for w in kernel.writes if w[0].startswith("/sys/module")] == [(UNSAFE_INTERRUPTS, "1")]
+    if shape == "builtin":
+        assert kernel.modules == []
+        assert not any(m.startswith("vfio") for m in kernel.loaded())
+    else:
+        assert kernel.modules == ["vfio-pci"]
+        assert {"vfio_pci", "vfio_iommu_type1"} <= set(kernel.loaded())
+
+
+@pytest.mark.parametrize("shape", ["module", "builtin"])
+def test_a_host_that_cannot_load_modules_binds_only_with_a_built_in_driver(tmp_path, shape):
+    """No modprobe (a chroot, a sandbox without CAP_SYS_MODULE): fine when vfio-pci is built in."""
+
+    def refuse(name: str) -> None:
+        raise DeviceError(f"{name}: modprobe not allowed here")
+
+    kernel = FakeKernel(tmp_path, shape)
+    add_tpu(kernel)
+    b = binder(kernel)
+    b.load_module = refuse
+    if shape == "builtin":
+        assert b.bind("0000:00:04.0").changed
+    else:
+        with pytest.raises(
+            DeviceError, match=r"cannot load vfio-pci \(vfio-pci: modprobe not allowed here\)"
+        ):
+            b.bind("0000:00:04.0")
+
+
+def test_a_kernel_without_vfio_pci_fails_in_one_line_that_names_the_fix(tmp_path):
+    bare = FakeKernel(tmp_path / "bare", "none")
+    add_tpu(bare, driver="virtio-pci")
+    with pytest.raises(DeviceError) as caught:
+        binder(bare).bind("0000:00:04.0")
+    message = str(caught.value)
+    assert message.startswith(
+        "kernel 6.1.0-28-cloud-amd64 has no vfio-pci, neither built in nor as a module; "
+        "boot a kernel built with CONFIG_VFIO_PCI"
+    )
+    assert "\n" not in message
+    assert bare.modules == ["vfio-pci"]  # modprobe was still tried: the lists may be stale
+    assert bare.writes == [] and bare.driver("0000:00:04.0") == "virtio-pci"
+
+
+def test_a_missing_unsafe_interrupts_parameter_is_an_error_not_a_removed_device(kernel):
+    """A FileNotFoundError would read as "removed during bind" to the daemon."""
+    kernel.add_driver("vfio-pci")
+    add_tpu(kernel)
+    b = binder(kernel)
+    b.load_module = lambda name: None
+    with pytest.raises(DeviceError, match=r"allow_unsafe_interrupts is missing; set vfio\.allow_unsafe"):
+        b.bind("0000:00:04.0")
