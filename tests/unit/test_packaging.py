@@ -382,6 +382,9 @@ def test_shipped_settings_pass_image_check(deb, tmp_path):
     (root / "proc/sys/kernel/arch").write_text("x86_64\n")
     (root / "sys/kernel/mm/transparent_hugepage").mkdir(parents=True)
     (root / "sys/kernel/mm/transparent_hugepage/enabled").write_text("[always] madvise never\n")
+    modules = root / "lib/modules/6.8.0-1015-gcp"  # Ubuntu's linux-gcp kernel: vfio-pci built in
+    modules.mkdir(parents=True)
+    (modules / "modules.builtin").write_text("kernel/drivers/vfio/pci/vfio-pci.ko\n")
     for unit in ("docker.service", "containerd.service"):  # as Debian's docker.io and containerd ship them
         (root / "lib/systemd/system" / unit).write_text(
             "[Service]\nExecStart=/usr/bin/true\nLimitNPROC=infinity\n"
