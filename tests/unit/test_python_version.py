@@ -1,4 +1,5 @@
-"""The shipped code needs no Python newer than 3.10 (Ubuntu 22.04's), checked statically by vermin.
+"""The shipped code needs no Python newer than 3.10 (Ubuntu 22.04's), checked statically by vermin,
+and uses nothing 3.12 or 3.13 removed (they run on Ubuntu 24.04 and Debian 13).
 
 Only Python 3.11 runs here, so a 3.11 name (``datetime.UTC``, ``tomllib``, ``asyncio.timeout``)
 would pass every other test and still fail on Ubuntu 22.04. The check is tested on snippets of
@@ -7,6 +8,7 @@ each kind of newer use, so it cannot pass by checking nothing.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 import subprocess
@@ -84,3 +86,70 @@ def test_the_check_passes_python_3_10_code(tmp_path: Path) -> None:
     )
     result = vermin(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- and nothing that newer Pythons removed (Ubuntu 24.04 runs 3.12, Debian 13 runs 3.13) -----
+
+#: Modules and names gone in the Python given (PEP 594, PEP 632 and the 3.12/3.13 removals).
+REMOVED = {
+    **dict.fromkeys(("distutils", "imp", "asynchat", "asyncore", "smtpd"), "3.12"),
+    **dict.fromkeys(("ssl.wrap_socket", "ssl.match_hostname", "configparser.SafeConfigParser"), "3.12"),
+    "locale.format": "3.12",
+    **dict.fromkeys(("unittest.findTestCases", "unittest.makeSuite"), "3.13"),
+    **dict.fromkeys(("typing.io", "typing.re", "locale.resetlocale", "lib2to3", "tkinter.tix"), "3.13"),
+    **dict.fromkeys(
+        ("aifc", "audioop", "cgi", "cgitb", "chunk", "crypt", "imghdr", "mailcap", "msilib", "nis"), "3.13"
+    ),
+    **dict.fromkeys(
+        ("nntplib", "ossaudiodev", "pipes", "sndhdr", "spwd", "sunau", "telnetlib", "uu", "xdrlib"), "3.13"
+    ),
+}
+
+
+def removed_uses(path: Path) -> list[str]:
+    """``file:line name (removed in 3.x)`` for each import or module attribute listed in REMOVED."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def check(name: str, node: ast.stmt | ast.expr) -> None:
+        for candidate in (name, name.rsplit(".", 1)[0]):
+            if candidate in REMOVED:
+                found.append(f"{path.name}:{node.lineno} {name} (removed in {REMOVED[candidate]})")
+                return
+
+    modules: dict[str, str] = {}  # local name -> module, from every import (lazy ones too)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                modules[local] = alias.name if alias.asname else local
+                check(alias.name, node)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                check(f"{node.module}.{alias.name}", node)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            check(f"{modules[node.value.id]}.{node.attr}", node)
+    return found
+
+
+def test_the_shipped_code_uses_nothing_python_3_12_or_3_13_removed() -> None:
+    found = [use for path in sorted((REPO / "tpuboot").rglob("*.py")) for use in removed_uses(path)]
+    assert not found, "replace these, gone in newer Pythons:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import distutils.util\n",
+        "from imp import reload\n",
+        "import ssl\nssl.wrap_socket(None)\n",
+        "import ssl as s\ns.wrap_socket(None)\n",
+        "from typing import io\n",
+        "import pipes\n",
+        "from configparser import SafeConfigParser\n",
+    ],
+)
+def test_the_removal_check_finds_each_kind_of_use(snippet: str, tmp_path: Path) -> None:
+    (tmp_path / "old.py").write_text(snippet)
+    assert removed_uses(tmp_path / "old.py")
