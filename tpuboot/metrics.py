@@ -28,8 +28,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
 from typing import Any, TypeVar
-from wsgiref.simple_server import WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -213,29 +214,57 @@ def container_restarted(container: str) -> None:
     _current.container_restarts.labels(container).inc()
 
 
+class _Server(ThreadingMixIn, WSGIServer):
+    """The metrics endpoint: a thread per scrape, so a stalled scraper cannot block the next one.
+
+    Built from the standard library around prometheus_client's public ``make_wsgi_app``: the
+    server and handler classes prometheus_client keeps in its exposition module are private and
+    differ across the versions tpuboot supports (0.9 on Ubuntu 22.04 to 0.21 on Debian 13).
+    """
+
+    daemon_threads = True
+
+    def shutdown(self) -> None:
+        """Stop serve_forever, which sleeps in select() between requests: knock until it ends."""
+        finished = threading.Event()
+        stopper = threading.Thread(target=lambda: (super(_Server, self).shutdown(), finished.set()))
+        stopper.start()
+        while not finished.wait(0.05):
+            with contextlib.suppress(OSError):
+                socket.create_connection(self.server_address[:2], timeout=1).close()
+        stopper.join()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape on stderr (the journal): a scrape every 15 s is not news."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _server_class(address: str, port: int) -> tuple[type[_Server], str]:
+    """A server class whose address family suits ``address`` (an IPv6 literal needs AF_INET6),
+    and the address to bind; raises OSError (socket.gaierror) for an unresolvable name."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+
+    class Server(_Server):
+        address_family = family
+
+    return Server, str(sockaddr[0])
+
+
 def serve(config: MetricsConfig) -> WSGIServer | None:
     """Serve the current metrics on ``config.address:port`` in a daemon thread; None if disabled
     or the port cannot be had (one warning line: the daemon runs on without metrics).
     ``server.server_port`` is the port (for port 0); ``server.shutdown()`` stops it."""
     if not config.enabled:
         return None
-    from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
-
-    class Server(ThreadingWSGIServer):
-        def shutdown(self) -> None:
-            """Stop serve_forever, which sleeps in select() between requests: knock until it ends."""
-            finished = threading.Event()
-            stopper = threading.Thread(target=lambda: (super(Server, self).shutdown(), finished.set()))
-            stopper.start()
-            while not finished.wait(0.05):
-                with contextlib.suppress(OSError):
-                    socket.create_connection(self.server_address[:2], timeout=1).close()
-            stopper.join()
-
     try:
-        Server.address_family, addr = _get_best_family(config.address, config.port)
+        server_class, addr = _server_class(config.address, config.port)
         server = make_server(
-            addr, config.port, make_wsgi_app(_current.registry), Server, handler_class=_SilentHandler
+            addr, config.port, make_wsgi_app(_current.registry), server_class, handler_class=_QuietHandler
         )
     except OSError as exc:
         log.warning(

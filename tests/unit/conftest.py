@@ -1,12 +1,17 @@
 """Fixtures for the metadata and environment tests: an emulator on 127.0.0.1, a client, a temp Root.
 
 An autouse guard refuses any TCP connection that is not to the loopback range, so no test
-can reach a real metadata server or the internet by mistake.
+can reach a real metadata server or the internet by mistake. Another puts the ``tpuboot`` logger
+back after each test: `cli.main` points it at the stderr of the moment, which pytest closes when
+the test ends, and a thread still stopping would otherwise print "--- Logging error ---".
+A DeprecationWarning raised from tpuboot's code is an error: what is deprecated on this Python
+and these libraries is gone on a newer one (3.12, 3.13, urllib3 2.x), which does not run here.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import random
 import socket
 from collections.abc import Iterator
@@ -47,6 +52,20 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
         "NO_PROXY",
     ):
         monkeypatch.delenv(name, raising=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("filterwarnings", "error::DeprecationWarning:tpuboot")
+    config.addinivalue_line("filterwarnings", "error::PendingDeprecationWarning:tpuboot")
+
+
+@pytest.fixture(autouse=True)
+def tpuboot_logger() -> Iterator[None]:
+    """The ``tpuboot`` logger as it was before the test (handlers, level, propagation)."""
+    logger = logging.getLogger("tpuboot")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 @pytest.fixture
