@@ -135,14 +135,17 @@ def cmd_unbind(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.status import survey
+    from tpuboot.status import driver_summary, survey
 
-    tpus = survey(ctx.binder())
+    binder = ctx.binder()
+    tpus = survey(binder)
     if args.json:
         _print_json([t.as_dict() for t in tpus])
     elif not tpus:
         print("no TPUs found")
     else:
+        # First, since lsmod cannot tell on Ubuntu (vfio-pci built in) and an operator would ask.
+        print(driver_summary(binder))
         for t in tpus:
             node = f"{t.node} {t.node_mode}" if t.node else "no node"
             group = f"group {t.iommu_group}" if t.iommu_group else "no IOMMU group"

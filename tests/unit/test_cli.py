@@ -73,6 +73,12 @@ def test_status_fails_when_a_tpu_is_not_usable(kernel, capsys):
     assert "/dev/vfio/4 has mode 0600, not 0666" in capsys.readouterr().out
 
 
+def test_status_says_first_how_vfio_pci_is_in_the_kernel(kernel, capsys):
+    run(kernel, "status")
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("vfio-pci: ") and first.endswith("driver registered"), first
+
+
 def test_metadata_kinds_match_the_client():
     assert set(cli.METADATA_KINDS) == set(metadata.KINDS)
 

@@ -9,6 +9,7 @@ each kind of newer use, so it cannot pass by checking nothing.
 from __future__ import annotations
 
 import ast
+import configparser
 import importlib.util
 import re
 import subprocess
@@ -47,8 +48,10 @@ def test_the_shipped_code_needs_at_most_python_3_10() -> None:
 
 
 def test_the_check_target_is_the_packages_python_floor() -> None:
+    metadata = configparser.ConfigParser()
+    metadata.read(REPO / "setup.cfg")
+    assert metadata["options"]["python_requires"] == f">={OLDEST}"
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert project["project"]["requires-python"] == f">={OLDEST}"
     assert project["tool"]["ruff"]["target-version"] == "py" + OLDEST.replace(".", "")
 
 
