@@ -54,6 +54,10 @@ def test_apt_sources_reads_one_line_and_deb822(tmp_path: Path) -> None:
     assert hostenv.debian_mirror("bookworm", tmp_path).uri == "http://mirror.example/debian"
     with pytest.raises(hostenv.HostError, match="trixie"):
         hostenv.debian_mirror("trixie", tmp_path)
+    # trixie from the archive that serves the host's bookworm (same URI and keyring).
+    trixie = hostenv.suite_mirror("trixie", tmp_path, host_suite="bookworm")
+    assert trixie == hostenv.AptSource("http://mirror.example/debian", ("trixie",), ("main",), "/k/one.gpg")
+    assert hostenv.suite_mirror("bookworm-updates", tmp_path).uri == "http://other.example/debian"
 
 
 # --------------------------------------------------------------------------- kernel image
