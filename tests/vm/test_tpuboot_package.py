@@ -91,8 +91,19 @@ def test_sandbox_exposure_under_a_live_systemd(vm: VM) -> None:
     assert float(match.group(1)) <= MAX_EXPOSURE, report[-2000:]
 
 
+def login_limits(vm: VM, start: str = "") -> list[str]:
+    """memlock and nofile of a fresh ``su -l tester`` session (what PAM's limits give a login).
+
+    su runs in a transient unit, with ``start`` limits or else the service manager's current
+    defaults: never inheriting the test agent's, which it got at boot and keeps after a purge
+    (Debian 13's pam_limits keeps an inherited limit that no limits.d entry sets).
+    """
+    props = f"-p LimitMEMLOCK={start} -p LimitNOFILE={start}" if start else ""
+    return sh(vm, f"systemd-run --wait --pipe --quiet {props} su -l tester -c 'ulimit -l; ulimit -n'").split()
+
+
 def test_login_shell_limits(vm: VM) -> None:
-    assert sh(vm, "su -l tester -c 'ulimit -l; ulimit -n'").split() == ["unlimited", "100000"]
+    assert login_limits(vm, start="65536") == ["unlimited", "100000"]  # raised by limits.d/tpuboot.conf
 
 
 def test_service_manager_and_container_runtime_limits(vm: VM) -> None:
@@ -229,6 +240,6 @@ def test_purge_leaves_nothing_behind(vm: VM) -> None:
         assert vm.run(["test", "-e", path]).rc == 1, path
     assert vm.run(["test", "-L", "/etc/systemd/system/multi-user.target.wants/tpuboot.service"]).rc == 1
     assert sh(vm, "systemctl is-active tpuboot || true").strip() == "inactive"
-    assert sh(vm, "su -l tester -c 'ulimit -l'").strip() != "unlimited"
+    assert login_limits(vm)[0] != "unlimited"
     sh(vm, "grub-mkconfig -o /tmp/grub.cfg 2>/dev/null", timeout=180)
     assert "idle=poll" not in sh(vm, "cat /tmp/grub.cfg")
