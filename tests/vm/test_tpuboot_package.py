@@ -110,11 +110,16 @@ def test_service_manager_and_container_runtime_limits(vm: VM) -> None:
     manager = sh(vm, "systemctl show -P DefaultLimitMEMLOCK; systemctl show -P DefaultLimitNOFILE").split()
     assert manager == ["infinity", "100000"]
     # Stand-ins for docker and containerd: the package's drop-ins must apply to whatever unit is there.
-    for unit in ("docker", "containerd"):
-        vm.write_file(f"/etc/systemd/system/{unit}.service", STUB_UNIT)
-    sh(vm, "systemctl daemon-reload")
-    shown = sh(vm, "systemctl show docker containerd -p LimitMEMLOCK -p LimitNOFILE")
-    assert sorted(shown.split()) == ["LimitMEMLOCK=infinity"] * 2 + ["LimitNOFILE=100000"] * 2
+    stubs = [f"/etc/systemd/system/{unit}.service" for unit in ("docker", "containerd")]
+    for stub in stubs:
+        vm.write_file(stub, STUB_UNIT)
+    try:
+        sh(vm, "systemctl daemon-reload")
+        shown = sh(vm, "systemctl show docker containerd -p LimitMEMLOCK -p LimitNOFILE")
+        assert sorted(shown.split()) == ["LimitMEMLOCK=infinity"] * 2 + ["LimitNOFILE=100000"] * 2
+    finally:
+        # Left in place, they make Debian 13's poweroff wait a minute at teardown.
+        sh(vm, f"rm -f {' '.join(stubs)}; systemctl daemon-reload")
 
 
 def test_accel_rule_installed(vm: VM) -> None:
