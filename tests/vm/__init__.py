@@ -1,4 +1,4 @@
-"""Real-kernel test bench: Debian's own kernel and a Debian 12 guest in QEMU.
+"""Real-kernel test bench: Debian 12 and Debian 13 guests in QEMU, each booting its own kernel.
 
 tpuboot binds PCI devices to vfio-pci through sysfs and runs as a systemd
 service; only a real kernel with a real (emulated) IOMMU shows whether that
@@ -9,7 +9,10 @@ Modules, one responsibility each:
 
 * :mod:`.hostenv`     -- cache folder, host prerequisites, apt mirror (read from /etc/apt), runner.
 * :mod:`.kernelimage` -- pull the uncompressed ELF ``vmlinux`` out of a bzImage (PVH boot).
-* :mod:`.artifacts`   -- cached kernel, busybox initramfs, Debian guest tree; per-session images.
+* :mod:`.artifacts`   -- cached kernel, busybox initramfs, Debian guest tree per :class:`Platform`
+  (``BOOKWORM``: Debian 12, kernel 6.1, the default; ``TRIXIE``: Debian 13, kernel 6.12, systemd
+  257, Python 3.13, fetched through a private apt state since the host's apt knows bookworm only);
+  per-session images.
 * :mod:`.accel`       -- choose KVM or TCG by a real probe boot (once per process).
 * :mod:`.qmp`         -- a small QMP client (commands and events).
 * :mod:`.agent`       -- host side of the guest command agent on the second serial port.
@@ -20,7 +23,8 @@ Modules, one responsibility each:
 
 Main API:
 
-* ``ensure_artifacts() -> Artifacts`` (``.kernel``, ``.initrd``, ``.tree``, ``.boot_kernel``).
+* ``ensure_artifacts(platform=BOOKWORM) -> Artifacts`` (``.kernel``, ``.initrd``, ``.tree``,
+  ``.boot_kernel``, ``.platform``).
 * ``build_image(artifacts, dest, install=None) -> Path``: ``install(tree)`` gets a writable
   view of the guest tree (overlayfs; the cache is never touched). Helpers for hooks:
   ``in_tree(tree, "/etc/x")``, ``chroot_run(tree, argv)``, ``install_debs(tree, [deb])``.
@@ -31,8 +35,11 @@ Main API:
   ``pci_devices(vendor, device) -> [PciDevice]``, ``qmp(cmd, **args)``, ``device_add(driver,
   id, bus)``, ``device_del(id)``, ``journal(unit)``, ``console_log()``, ``reboot()``,
   ``shutdown()``, ``kill()``; ``hotplug_ports`` lists the root-port ids (``hp0``...).
-* Fixtures: ``vm_artifacts``, ``vm_image_factory(install=None, *, key="base")``,
-  ``vm_image``, ``vm_factory(image=None, *, boot=True, **VM kwargs)``.
+* Fixtures: ``vm_bench(platform) -> PlatformBench`` (``.artifacts``, ``.image(install, key=)``),
+  ``vm_artifacts``, ``vm_image_factory(install=None, *, key="base")`` (both Debian 12),
+  ``vm_image``, ``vm_factory(image=None, *, boot=True, **VM kwargs)``, ``tpuboot_images(platform)``.
+  A module runs on both guests by parametrizing its module-scoped VM fixture with
+  ``params=PLATFORMS`` (test ids ``[debian12]``, ``[debian13]``; see test_tpuboot_service.py).
 
 Typical use in a test module of this folder (relative imports)::
 

@@ -6,12 +6,17 @@ function that builds it), so a step is redone only when something it depends on
 changes. Each artifact is built under a temporary name and renamed into place:
 an interrupted build never leaves something that looks finished.
 
+Each guest is built for a :class:`Platform` (a Debian release: its suite, its own kernel, its
+packages); every cached name starts with the platform's name, and pruning old keys only ever
+looks at the same platform's entries (a bookworm build never deletes a trixie tree in use).
+
 Layout::
 
-    kernel/<package>_<version>/   root/ (dpkg-deb -x, depmod run), vmlinux
-    initramfs/<key>.cpio          busybox + root-disk modules + guest/initramfs-init
-    base/<key>/                   debootstrap --variant=minbase (the slow step, ~1 min)
-    tree/<key>/                   base + kernel modules + tester user + agent + quiet boot
+    kernel/<platform>-<package>_<version>/  root/ (dpkg-deb -x, depmod run), vmlinux
+    apt/<suite>/                  private apt state for a suite the host's apt does not carry
+    initramfs/<platform>-<key>.cpio  busybox + root-disk modules + guest/initramfs-init
+    base/<platform>-<key>/        debootstrap --variant=minbase (the slow step, ~1 min)
+    tree/<platform>-<key>/        base + kernel modules + tester user + agent + quiet boot
 
 Disk images are not cached here: each test session makes its own with
 :func:`build_image`, after a caller-supplied install hook has put the software
@@ -21,10 +26,12 @@ under test into a copy of the tree.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import inspect
 import json
 import logging
+import lzma
 import os
 import re
 import shutil
@@ -41,7 +48,6 @@ from .hostenv import HostError, run
 
 log = logging.getLogger("tpuboot.vm")
 
-SUITE = "bookworm"
 KERNEL_META = "linux-image-amd64"
 GUEST_DIR = Path(__file__).resolve().parent / "guest"
 # Where the tree carries the bench's guest-side scripts (agent, vfio_read.py).
@@ -74,6 +80,52 @@ GUEST_PACKAGES = (
     "apparmor",
     "curl",  # the benchmark's baseline: the documented cloud-init script fetches tpu-env with curl
 )
+
+# Debian 13: only what the tpuboot scenarios run there need (no docker, no curl: the vBar and
+# benchmark scenarios stay on Debian 12), so that its debootstrap stays short.
+TRIXIE_PACKAGES = (
+    "systemd",
+    "systemd-sysv",
+    "udev",
+    "kmod",
+    "dbus",
+    "python3",
+    "python3-pyudev",
+    "python3-yaml",
+    "python3-requests",
+    "python3-systemd",
+    "python3-prometheus-client",
+    "procps",
+    "grub2-common",  # GRUB 2.12, as on Ubuntu 24.04: the cloud-image drop-in scenario runs on both
+    "grub-pc-bin",
+)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """A Debian release the bench builds a guest of, booting that release's own kernel.
+
+    ``name`` prefixes every cached artifact of the platform (and test ids).
+    """
+
+    name: str
+    suite: str
+    packages: tuple[str, ...]
+    kernel_meta: str = KERNEL_META
+
+
+BOOKWORM = Platform("debian12", "bookworm", GUEST_PACKAGES)
+TRIXIE = Platform("debian13", "trixie", TRIXIE_PACKAGES)
+PLATFORMS = (BOOKWORM, TRIXIE)
+
+
+def platform_named(name: str) -> Platform:
+    """The platform called ``name`` (``debian12``, ``debian13``)."""
+    for platform in PLATFORMS:
+        if platform.name == name:
+            return platform
+    raise ValueError(f"no platform {name!r}; known: {', '.join(p.name for p in PLATFORMS)}")
+
 
 # Modules the initramfs needs to mount the root disk, each with the config symbol
 # that says whether Debian built it in (=y, nothing to load) or as a module (=m).
@@ -188,10 +240,13 @@ def _building(final: Path) -> Iterator[Path]:
         raise
 
 
-def _prune(parent: Path, keep: Path, *, keep_count: int = 2) -> None:
-    """Keep the newest ``keep_count`` entries (always ``keep``); old keys only waste disk."""
+def _prune(parent: Path, keep: Path, platform: Platform, *, keep_count: int = 2) -> None:
+    """Keep the newest ``keep_count`` entries of ``platform`` (always ``keep``); old keys only
+    waste disk. Other platforms' entries, and unprefixed ones of older bench versions that a
+    concurrent run may still use, are never touched."""
+    prefix = f"{platform.name}-"
     entries = sorted(
-        (p for p in parent.iterdir() if not p.name.startswith(".") and p != keep),
+        (p for p in parent.iterdir() if p.name.startswith(prefix) and p != keep),
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )
@@ -215,6 +270,7 @@ def _timed(what: str) -> Iterator[None]:
 class Kernel:
     """Debian's kernel, unpacked. ``release`` is what ``uname -r`` prints in the guest."""
 
+    platform: str
     package: str
     version: str
     release: str
@@ -250,26 +306,68 @@ class Kernel:
         return None
 
 
-def resolve_kernel_package() -> tuple[str, str]:
-    """The real package (and candidate version) behind ``linux-image-amd64``."""
-    out = run(["apt-cache", "depends", KERNEL_META], timeout=60)
+APT_LISTS_MAX_AGE = 24 * 3600.0
+
+
+def apt_options(platform: Platform, cache: Path) -> list[str]:
+    """Options that make apt-get/apt-cache see ``platform``'s suite; none when the host's apt has it.
+
+    The host's apt knows only its own release. For another suite, apt gets a private state (its
+    own sources.list with the host's mirror URI and keyring, lists, status and package cache under
+    ``cache/apt/<suite>``) while the host's apt.conf.d (proxies, transports) still applies. The
+    lists are refreshed when a day old, under a lock shared by concurrent runs.
+    """
+    if hostenv.host_apt_has(platform.suite):
+        return []
+    mirror = hostenv.suite_mirror(platform.suite)
+    root = cache / "apt" / platform.suite
+    for d in ("lists/partial", "cache/archives/partial", "sources.list.d", "preferences.d"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    (root / "status").touch()
+    signed = f" [signed-by={mirror.signed_by}]" if mirror.signed_by else ""
+    (root / "sources.list").write_text(f"deb{signed} {mirror.uri} {platform.suite} main\n")
+    options = {
+        "Dir::Etc::SourceList": root / "sources.list",
+        "Dir::Etc::SourceParts": root / "sources.list.d",
+        "Dir::Etc::Preferences": root / "preferences",
+        "Dir::Etc::PreferencesParts": root / "preferences.d",
+        "Dir::State::Lists": root / "lists",
+        "Dir::State::Status": root / "status",
+        "Dir::Cache": root / "cache",
+        "APT::Sandbox::User": "root",
+    }
+    argv = [arg for key, value in options.items() for arg in ("-o", f"{key}={value}")]
+    stamp = root / "lists" / ".updated"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.is_file() or time.time() - stamp.stat().st_mtime > APT_LISTS_MAX_AGE:
+            with _timed(f"apt-get update ({platform.suite}, private lists)"):
+                run(["apt-get", *argv, "update", "-q"], timeout=600)
+            stamp.touch()
+    return argv
+
+
+def resolve_kernel_package(platform: Platform, apt: Sequence[str] = ()) -> tuple[str, str]:
+    """The real package (and candidate version) behind ``platform.kernel_meta``."""
+    meta = platform.kernel_meta
+    out = run(["apt-cache", *apt, "depends", meta], timeout=60)
     names = re.findall(r"^\s+Depends:\s+(linux-image-[^\s<>]+)\s*$", out, re.M)
-    names = [n for n in names if n != KERNEL_META]
+    names = [n for n in names if n != meta]
     if not names:
-        raise HostError(f"apt-cache depends {KERNEL_META} names no kernel package (run apt-get update?)")
+        raise HostError(f"apt-cache depends {meta} names no kernel package (run apt-get update?)")
     package = names[0]
-    policy = run(["apt-cache", "policy", package], timeout=60)
+    policy = run(["apt-cache", *apt, "policy", package], timeout=60)
     match = re.search(r"Candidate:\s+(\S+)", policy)
     if not match or match[1] == "(none)":
         raise HostError(f"no installable version of {package} (run apt-get update?)")
     return package, match[1]
 
 
-def _unpack_kernel(tmp: Path, package: str, version: str) -> None:
+def _unpack_kernel(tmp: Path, platform: Platform, package: str, version: str, apt: Sequence[str]) -> None:
     tmp.mkdir()
     try:
         run(
-            ["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", f"{package}={version}"],
+            ["apt-get", *apt, "download", "-q", "-o", "APT::Sandbox::User=root", f"{package}={version}"],
             cwd=tmp,
             timeout=600,
         )
@@ -280,6 +378,12 @@ def _unpack_kernel(tmp: Path, package: str, version: str) -> None:
         raise HostError(f"apt-get download {package} left {len(debs)} .deb files")
     run(["dpkg-deb", "-x", debs[0], tmp / "root"], timeout=300)
     debs[0].unlink()
+    # Kernels of merged-/usr releases (trixie on) ship /usr/lib/modules only; the host's depmod
+    # (bookworm's kmod 30) and Kernel.modules look in /lib/modules, as a merged system would see it.
+    lib_modules, usr_modules = tmp / "root/lib/modules", tmp / "root/usr/lib/modules"
+    if not lib_modules.exists() and usr_modules.is_dir():
+        lib_modules.parent.mkdir(exist_ok=True)
+        lib_modules.symlink_to("../usr/lib/modules")
     vmlinuz = sorted((tmp / "root" / "boot").glob("vmlinuz-*"))
     if len(vmlinuz) != 1:
         raise HostError(f"{package} holds {len(vmlinuz)} vmlinuz files")
@@ -289,28 +393,32 @@ def _unpack_kernel(tmp: Path, package: str, version: str) -> None:
         (tmp / "vmlinux").write_bytes(kernelimage.extract_vmlinux(vmlinuz[0].read_bytes()))
     except kernelimage.KernelImageError as exc:
         log.warning("cannot extract vmlinux (%s): booting the slower bzImage", exc)
-    meta = {"package": package, "version": version, "release": release}
+    meta = {"platform": platform.name, "package": package, "version": version, "release": release}
     (tmp / "kernel.json").write_text(json.dumps(meta))
 
 
 def _load_kernel(root: Path) -> Kernel:
     meta = json.loads((root / "kernel.json").read_text())
-    return Kernel(meta["package"], meta["version"], meta["release"], root)
+    return Kernel(meta["platform"], meta["package"], meta["version"], meta["release"], root)
 
 
-def ensure_kernel(cache: Path | None = None) -> Kernel:
-    """Download and unpack the current ``linux-image-amd64`` kernel (cached by version)."""
-    parent = (cache or hostenv.cache_dir()) / "kernel"
+def ensure_kernel(platform: Platform = BOOKWORM, cache: Path | None = None) -> Kernel:
+    """Download and unpack ``platform``'s current ``linux-image-amd64`` (cached by version)."""
+    cache = cache or hostenv.cache_dir()
+    parent = cache / "kernel"
     try:
-        package, version = resolve_kernel_package()
-        final = parent / f"{package}_{version}"
+        apt = apt_options(platform, cache)
+        package, version = resolve_kernel_package(platform, apt)
+        final = parent / f"{platform.name}-{package}_{version}"
         if not final.is_dir():
             with _timed(f"kernel {package} {version}"), _building(final) as tmp:
-                _unpack_kernel(tmp, package, version)
-            _prune(parent, final)
+                _unpack_kernel(tmp, platform, package, version, apt)
+            _prune(parent, final, platform)
     except HostError as exc:
         # Offline, or stale apt lists: a kernel cached earlier still does the job.
-        cached = sorted(parent.glob("linux-image-*/kernel.json"), key=lambda p: p.stat().st_mtime)
+        cached = sorted(
+            parent.glob(f"{platform.name}-linux-image-*/kernel.json"), key=lambda p: p.stat().st_mtime
+        )
         if not cached:
             raise
         final = cached[-1].parent
@@ -382,6 +490,15 @@ def root_module_order(kernel: Kernel) -> list[Path]:
     return [Path(p) for p in order]
 
 
+def _module_bytes(path: Path) -> bytes:
+    """A module as busybox insmod takes it: plain ELF (trixie's kernel ships them xz-compressed)."""
+    if path.name.endswith(".ko.xz"):
+        return lzma.decompress(path.read_bytes())
+    if not path.name.endswith(".ko"):
+        raise HostError(f"{path.name}: a compression the initramfs cannot load; add it to _module_bytes")
+    return path.read_bytes()
+
+
 def _write_initramfs(dest: Path, kernel: Kernel, init: str, busybox: bytes) -> None:
     cpio = _Cpio()
     for d in ("bin", "dev", "proc", "sys", "newroot", "lib", "lib/modules"):
@@ -390,10 +507,11 @@ def _write_initramfs(dest: Path, kernel: Kernel, init: str, busybox: bytes) -> N
     cpio.file("bin/busybox", busybox, 0o755)
     cpio.symlink("bin/sh", "busybox")
     cpio.file("init", init.encode(), 0o755)
-    order = root_module_order(kernel)
-    for ko in order:
-        cpio.file(f"lib/modules/{ko.name}", (kernel.modules / ko).read_bytes())
-    cpio.file("lib/modules/load-order", "".join(f"{ko.name}\n" for ko in order).encode())
+    names = []
+    for ko in root_module_order(kernel):
+        names.append(ko.name.removesuffix(".xz"))
+        cpio.file(f"lib/modules/{names[-1]}", _module_bytes(kernel.modules / ko))
+    cpio.file("lib/modules/load-order", "".join(f"{name}\n" for name in names).encode())
     dest.write_bytes(cpio.finish())
 
 
@@ -409,40 +527,40 @@ def ensure_initramfs(kernel: Kernel, cache: Path | None = None) -> Path:
         kernel.root.name,
         init,
         busybox,
-        _source(_Cpio, root_module_order, _write_initramfs),
+        _source(_Cpio, root_module_order, _module_bytes, _write_initramfs),
         repr(ROOT_MODULES),
     )
-    final = parent / f"{key}.cpio"
+    final = parent / f"{kernel.platform}-{key}.cpio"
     if not final.is_file():
-        with _timed("initramfs"), _building(final) as tmp:
+        with _timed(f"initramfs {kernel.platform}"), _building(final) as tmp:
             _write_initramfs(tmp, kernel, init, busybox)
-        _prune(parent, final)
+        _prune(parent, final, platform_named(kernel.platform))
     return final
 
 
 # --------------------------------------------------------------------------- guest tree
 
 
-def _debootstrap(tmp: Path) -> None:
-    mirror = hostenv.debian_mirror(SUITE)
-    argv = ["debootstrap", "--variant=minbase", "--include=" + ",".join(GUEST_PACKAGES)]
+def _debootstrap(tmp: Path, platform: Platform) -> None:
+    mirror = hostenv.suite_mirror(platform.suite)
+    argv = ["debootstrap", "--variant=minbase", "--include=" + ",".join(platform.packages)]
     if mirror.signed_by and Path(mirror.signed_by).is_file():
         argv.append(f"--keyring={mirror.signed_by}")
-    run([*argv, SUITE, tmp, mirror.uri], timeout=BUILD_TIMEOUT)
+    run([*argv, platform.suite, tmp, mirror.uri], timeout=BUILD_TIMEOUT)
     # The downloaded .debs are 50 MB the image would carry for nothing.
     for deb in (tmp / "var/cache/apt/archives").glob("*.deb"):
         deb.unlink()
 
 
-def ensure_base(cache: Path | None = None) -> Path:
-    """A plain ``debootstrap --variant=minbase`` tree with :data:`GUEST_PACKAGES`."""
+def ensure_base(platform: Platform = BOOKWORM, cache: Path | None = None) -> Path:
+    """A plain ``debootstrap --variant=minbase`` tree of ``platform`` with its packages."""
     parent = (cache or hostenv.cache_dir()) / "base"
-    key = _digest(SUITE, *sorted(GUEST_PACKAGES), _source(_debootstrap))
-    final = parent / key
+    key = _digest(platform.suite, *sorted(platform.packages), _source(_debootstrap))
+    final = parent / f"{platform.name}-{key}"
     if not final.is_dir():
-        with _timed(f"debootstrap {SUITE}"), _building(final) as tmp:
-            _debootstrap(tmp)
-        _prune(parent, final)
+        with _timed(f"debootstrap {platform.suite}"), _building(final) as tmp:
+            _debootstrap(tmp, platform)
+        _prune(parent, final, platform)
     return final
 
 
@@ -515,10 +633,10 @@ def _customize(tree: Path, kernel: Kernel) -> None:
     (wants / AGENT_UNIT).symlink_to(f"/etc/systemd/system/{AGENT_UNIT}")
 
 
-def ensure_tree(kernel: Kernel, cache: Path | None = None) -> Path:
+def ensure_tree(kernel: Kernel, platform: Platform = BOOKWORM, cache: Path | None = None) -> Path:
     """The guest's root tree: base + kernel modules + user ``tester`` + command agent."""
     cache = cache or hostenv.cache_dir()
-    base = ensure_base(cache)
+    base = ensure_base(platform, cache)
     parent = cache / "tree"
     guest = [p.name.encode() + p.read_bytes() for p in _guest_files()]
     key = _digest(
@@ -528,12 +646,12 @@ def ensure_tree(kernel: Kernel, cache: Path | None = None) -> Path:
         _source(_customize, _mask, _write),
         repr((MASKED_UNITS, HOSTNAME, TESTER, TESTER_UID, GUEST_LIBEXEC)),
     )
-    final = parent / key
+    final = parent / f"{platform.name}-{key}"
     if not final.is_dir():
-        with _timed("guest tree"), _building(final) as tmp:
+        with _timed(f"guest tree {platform.name}"), _building(final) as tmp:
             run(["cp", "-a", "--reflink=auto", base, tmp], timeout=300)
             _customize(tmp, kernel)
-        _prune(parent, final)
+        _prune(parent, final, platform)
     return final
 
 
@@ -547,6 +665,7 @@ class Artifacts:
     kernel: Kernel
     initrd: Path
     tree: Path
+    platform: Platform = BOOKWORM
 
     @property
     def boot_kernel(self) -> Path:
@@ -557,9 +676,10 @@ class Artifacts:
 def ensure_artifacts(
     cache: Path | None = None,
     *,
+    platform: Platform = BOOKWORM,
     on_boot_files: Callable[[Kernel, Path], None] | None = None,
 ) -> Artifacts:
-    """Build (or find) kernel, initramfs and guest tree.
+    """Build (or find) ``platform``'s kernel, initramfs and guest tree.
 
     ``on_boot_files(kernel, initrd)`` runs as soon as the kernel and initramfs exist,
     before the slow tree step: the pytest fixture starts the accelerator probe there.
@@ -568,11 +688,11 @@ def ensure_artifacts(
     if problem:
         raise HostError(problem)
     cache = cache or hostenv.cache_dir()
-    kernel = ensure_kernel(cache)
+    kernel = ensure_kernel(platform, cache)
     initrd = ensure_initramfs(kernel, cache)
     if on_boot_files:
         on_boot_files(kernel, initrd)
-    return Artifacts(kernel, initrd, ensure_tree(kernel, cache))
+    return Artifacts(kernel, initrd, ensure_tree(kernel, platform, cache), platform)
 
 
 # --------------------------------------------------------------------------- images

@@ -4,10 +4,12 @@
   marker (added here), so ``-m "not vm"`` leaves them out.
 * A host that cannot run them (not root, qemu or another tool missing) fails
   them with one clear line, or skips them when ``TPUBOOT_SKIP_VM=1``.
-* Fixtures: ``vm_artifacts`` (session: kernel, initramfs, tree; probes the
-  accelerator meanwhile), ``vm_image_factory`` (session: images from install
-  hooks), ``vm_image`` (the bare bench image), ``vm_factory`` (per test: start
-  and boot VMs, all stopped at teardown).
+* Fixtures: ``vm_bench`` (session: ``bench(platform)`` builds that platform's
+  kernel, initramfs and tree at first use and makes its images), ``vm_artifacts``
+  and ``vm_image_factory`` (the same for Debian 12, the default guest; the first
+  build probes the accelerator meanwhile), ``vm_image`` (the bare bench image),
+  ``vm_factory`` (per test: start and boot VMs, all stopped at teardown),
+  ``tpuboot_images(platform)`` / ``tpuboot_image`` (the guest with the .deb).
 * A failing VM test's report gets, per VM it used, the guest journal's tail and
   the console's tail.
 * Each VM test's call phase is limited to ``$TPUBOOT_VM_TEST_TIMEOUT`` seconds
@@ -29,7 +31,16 @@ from typing import Any, Protocol
 import pytest
 
 from . import accel, hostenv, machine
-from .artifacts import Artifacts, InstallHook, Kernel, build_image, ensure_artifacts, remove_tree
+from .artifacts import (
+    BOOKWORM,
+    Artifacts,
+    InstallHook,
+    Kernel,
+    Platform,
+    build_image,
+    ensure_artifacts,
+    remove_tree,
+)
 from .machine import VM, VMTestTimeout
 
 log = logging.getLogger("tpuboot.vm")
@@ -45,6 +56,25 @@ class ImageFactory(Protocol):
     def __call__(self, install: InstallHook | None = None, *, key: str = "base") -> Path: ...
 
 
+class PlatformBench:
+    """One platform's cached artifacts and this session's images of it (one per key)."""
+
+    def __init__(self, artifacts: Artifacts, folder: Path) -> None:
+        self.artifacts = artifacts
+        self.folder = folder
+        self.images: dict[str, Path] = {}
+
+    def image(self, install: InstallHook | None = None, *, key: str = "base") -> Path:
+        """The image made by ``install`` on a copy of the tree; the first call per key builds it."""
+        if key not in self.images:
+            self.images[key] = build_image(self.artifacts, self.folder / f"{key}.ext4", install)
+        return self.images[key]
+
+
+class BenchFactory(Protocol):
+    def __call__(self, platform: Platform) -> PlatformBench: ...
+
+
 class VMFactory(Protocol):
     def __call__(
         self, image: Path | None = None, *, boot: bool = True, boot_timeout: float = 240.0, **kwargs: Any
@@ -58,7 +88,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # A test that boots anything needs vm_artifacts (directly or through another
     # fixture). The bench's own unit tests (test_bench_units.py) need no VM and stay unmarked.
     for item in items:
-        if HERE in item.path.resolve().parents and "vm_artifacts" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if HERE in item.path.resolve().parents and ("vm_artifacts" in names or "vm_bench" in names):
             item.add_marker(pytest.mark.vm)
 
 
@@ -132,8 +163,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 @pytest.fixture(scope="session")
-def vm_artifacts() -> Artifacts:
-    """Kernel, initramfs and guest tree (cached); the KVM/TCG probe runs meanwhile."""
+def vm_bench(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BenchFactory]:
+    """``bench(platform) -> PlatformBench``: built at first use, so a session that boots only
+    Debian 12 never fetches Debian 13. The first build starts the KVM/TCG probe meanwhile.
+
+    Images are deleted at the end of the session (they are ~1 GB each).
+    """
+    folder = tmp_path_factory.mktemp("vm-images")
+    benches: dict[str, PlatformBench] = {}
 
     def start_probe(kernel: Kernel, initrd: Path) -> None:
         # Not joined: it overlaps the tree and image builds; the first VM.start waits for it.
@@ -141,28 +178,30 @@ def vm_artifacts() -> Artifacts:
             target=accel.select_accel, args=(kernel.boot_image, initrd), name="accel-probe", daemon=True
         ).start()
 
-    return ensure_artifacts(on_boot_files=start_probe)
+    def bench(platform: Platform) -> PlatformBench:
+        if platform.name not in benches:
+            probe = start_probe if not benches else None
+            artifacts = ensure_artifacts(platform=platform, on_boot_files=probe)
+            benches[platform.name] = PlatformBench(artifacts, folder / platform.name)
+        return benches[platform.name]
+
+    yield bench
+    remove_tree(folder)
 
 
 @pytest.fixture(scope="session")
-def vm_image_factory(
-    vm_artifacts: Artifacts, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ImageFactory]:
-    """``make(install=None, *, key="base") -> Path``: one ext4 image per key for the session.
+def vm_artifacts(vm_bench: BenchFactory) -> Artifacts:
+    """Debian 12's kernel, initramfs and guest tree (cached)."""
+    return vm_bench(BOOKWORM).artifacts
+
+
+@pytest.fixture(scope="session")
+def vm_image_factory(vm_bench: BenchFactory) -> ImageFactory:
+    """``make(install=None, *, key="base") -> Path``: one Debian 12 image per key for the session.
 
     ``install(tree)`` puts the software under test into a copy of the guest tree.
-    Images are deleted at the end of the session (they are ~1 GB each).
     """
-    folder = tmp_path_factory.mktemp("vm-images")
-    images: dict[str, Path] = {}
-
-    def make(install: InstallHook | None = None, *, key: str = "base") -> Path:
-        if key not in images:
-            images[key] = build_image(vm_artifacts, folder / f"{key}.ext4", install)
-        return images[key]
-
-    yield make
-    remove_tree(folder)
+    return vm_bench(BOOKWORM).image
 
 
 @pytest.fixture(scope="session")
@@ -212,9 +251,23 @@ def tpuboot_deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_deb(tmp_path_factory.mktemp("deb"))
 
 
+class TpubootImages(Protocol):
+    def __call__(self, platform: Platform = BOOKWORM) -> Path: ...
+
+
 @pytest.fixture(scope="session")
-def tpuboot_image(vm_image_factory: ImageFactory, tpuboot_deb: Path) -> Path:
-    """The guest with tpuboot's .deb, the stand-in device config and the metadata emulator."""
+def tpuboot_images(vm_bench: BenchFactory, tpuboot_deb: Path) -> TpubootImages:
+    """``image(platform=BOOKWORM) -> Path``: that platform's guest with tpuboot's .deb (installed
+    with apt), the stand-in device config and the metadata emulator."""
     from .tpuboot_guest import package_install_hook
 
-    return vm_image_factory(package_install_hook(tpuboot_deb), key="tpuboot")
+    def image(platform: Platform = BOOKWORM) -> Path:
+        return vm_bench(platform).image(package_install_hook(tpuboot_deb), key="tpuboot")
+
+    return image
+
+
+@pytest.fixture(scope="session")
+def tpuboot_image(tpuboot_images: TpubootImages) -> Path:
+    """The Debian 12 guest with tpuboot's .deb, the stand-in device config and the emulator."""
+    return tpuboot_images()

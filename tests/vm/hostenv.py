@@ -163,6 +163,31 @@ def debian_mirror(suite: str, etc: Path = Path("/etc/apt")) -> AptSource:
     raise HostError(f"no apt source for suite {suite!r} with component main in /etc/apt; cannot debootstrap")
 
 
+def host_apt_has(suite: str, etc: Path = Path("/etc/apt")) -> bool:
+    """Whether the host's own apt configuration carries ``suite`` (component main)."""
+    return any(suite in src.suites and "main" in src.components for src in apt_sources(etc))
+
+
+def host_codename(os_release: Path = Path("/etc/os-release")) -> str:
+    """The host's release codename (``bookworm`` on the CI and development hosts)."""
+    match = re.search(r"^VERSION_CODENAME=\"?([a-z]+)", os_release.read_text(), re.M)
+    if not match:
+        raise HostError(f"{os_release} names no VERSION_CODENAME; cannot find the host's Debian archive")
+    return match[1]
+
+
+def suite_mirror(suite: str, etc: Path = Path("/etc/apt"), host_suite: str | None = None) -> AptSource:
+    """Where to fetch ``suite`` from: the host's source for it, or else the host's Debian archive.
+
+    A Debian 12 host carries only bookworm, but the archive that serves it (same URI, same keyring:
+    debian-archive-keyring holds the newer releases' keys too) serves trixie as well.
+    """
+    if host_apt_has(suite, etc):
+        return debian_mirror(suite, etc)
+    archive = debian_mirror(host_suite or host_codename(), etc)
+    return AptSource(archive.uri, (suite,), ("main",), archive.signed_by)
+
+
 def connect_unix(path: Path, timeout: float) -> socket.socket | None:
     """Connect to a Unix socket QEMU creates at start-up, retrying until it exists; None on timeout."""
     deadline = time.monotonic() + timeout

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import lzma
+import os
 import stat
 import struct
 from pathlib import Path
@@ -54,6 +55,10 @@ def test_apt_sources_reads_one_line_and_deb822(tmp_path: Path) -> None:
     assert hostenv.debian_mirror("bookworm", tmp_path).uri == "http://mirror.example/debian"
     with pytest.raises(hostenv.HostError, match="trixie"):
         hostenv.debian_mirror("trixie", tmp_path)
+    # trixie from the archive that serves the host's bookworm (same URI and keyring).
+    trixie = hostenv.suite_mirror("trixie", tmp_path, host_suite="bookworm")
+    assert trixie == hostenv.AptSource("http://mirror.example/debian", ("trixie",), ("main",), "/k/one.gpg")
+    assert hostenv.suite_mirror("bookworm-updates", tmp_path).uri == "http://other.example/debian"
 
 
 # --------------------------------------------------------------------------- kernel image
@@ -119,6 +124,36 @@ def test_cpio_writer_produces_newc_the_kernel_unpacks() -> None:
     assert stat.S_ISLNK(entries["bin/sh"][0]) and entries["bin/sh"][1] == b"busybox"
     assert stat.S_ISCHR(entries["dev/console"][0]) and entries["dev/console"][2] == (5, 1)
     assert entries["odd"][1] == b"abc"
+
+
+def test_initramfs_modules_are_plain_elf(tmp_path: Path) -> None:
+    """busybox insmod takes plain .ko only; Debian 13's kernel ships .ko.xz."""
+    elf = b"\x7fELF module"
+    (tmp_path / "a.ko").write_bytes(elf)
+    (tmp_path / "b.ko.xz").write_bytes(lzma.compress(elf, format=lzma.FORMAT_XZ))
+    (tmp_path / "c.ko.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    assert artifacts._module_bytes(tmp_path / "a.ko") == elf
+    assert artifacts._module_bytes(tmp_path / "b.ko.xz") == elf
+    with pytest.raises(hostenv.HostError, match="_module_bytes"):
+        artifacts._module_bytes(tmp_path / "c.ko.zst")
+
+
+def test_prune_keeps_other_platforms_and_unprefixed_entries(tmp_path: Path) -> None:
+    """A Debian 12 build never deletes a Debian 13 tree (or an older bench's) another run may use."""
+    names = ["debian12-old", "debian12-older", "debian12-new", "debian13-a", "debian13-b", "5d1b96167c02c56b"]
+    for age, name in enumerate(names):
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (1000 - age, 1000 - age))
+    artifacts._prune(tmp_path, tmp_path / "debian12-new", artifacts.BOOKWORM)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["5d1b96167c02c56b", "debian12-new", "debian12-old", "debian13-a", "debian13-b"]
+
+
+def test_platforms_are_named_uniquely() -> None:
+    assert artifacts.platform_named("debian13") is artifacts.TRIXIE
+    assert len({p.name for p in artifacts.PLATFORMS}) == len({p.suite for p in artifacts.PLATFORMS}) == 2
+    with pytest.raises(ValueError, match="debian12"):
+        artifacts.platform_named("ubuntu2204")
 
 
 def test_in_tree_keeps_paths_inside(tmp_path: Path) -> None:

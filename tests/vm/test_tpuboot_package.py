@@ -1,5 +1,9 @@
-"""The .deb as an image builder uses it: installed with apt into a Debian 12 guest, booted, checked
-from inside, upgraded with the admin's edits in place, then purged without a trace.
+"""The .deb as an image builder uses it: installed with apt into a Debian 12 and a Debian 13 guest,
+booted, checked from inside, upgraded with the admin's edits in place, then purged without a trace.
+
+GRUB: Debian 12 has grub 2.06 (as Ubuntu 22.04), Debian 13 grub 2.12 (as Ubuntu 24.04), so the
+package's drop-in meets both grub-mkconfig versions Ubuntu ships, with and without the drop-ins
+Ubuntu's cloud images carry.
 
 The guest boots with the kernel parameters the package's GRUB drop-in asks for (the bench boots
 its kernel directly, not through GRUB), so `tpuboot image-check` sees a complete image.
@@ -15,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from .artifacts import Artifacts, in_tree
-from .conftest import ImageFactory
+from .artifacts import PLATFORMS, Platform, in_tree
+from .conftest import BenchFactory
 from .machine import VM
 from .tpuboot_guest import package_install_hook
 
@@ -40,24 +44,30 @@ def upgrade_deb(tpuboot_deb: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return work / "next.deb"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=PLATFORMS, ids=lambda p: p.name)
 def vm(
-    vm_artifacts: Artifacts, vm_image_factory: ImageFactory, tpuboot_deb: Path, upgrade_deb: Path
+    request: pytest.FixtureRequest, vm_bench: BenchFactory, tpuboot_deb: Path, upgrade_deb: Path
 ) -> Iterator[VM]:
+    platform: Platform = request.param
+    bench = vm_bench(platform)
     install = package_install_hook(tpuboot_deb)
 
     def hook(tree: Path) -> None:
         install(tree)
         # The real kernel in /boot and a /boot/grub, as on a system where GRUB is installed, so
         # grub-mkconfig writes the kernel's entry.
-        kernel = vm_artifacts.kernel
+        kernel = bench.artifacts.kernel
         in_tree(tree, "/boot/grub").mkdir(parents=True, exist_ok=True)
         shutil.copy(kernel.vmlinuz, in_tree(tree, f"/boot/vmlinuz-{kernel.release}"))
         shutil.copy(upgrade_deb, in_tree(tree, "/root/tpuboot-next.deb"))
 
-    image = vm_image_factory(hook, key="tpuboot-package")
+    image = bench.image(hook, key="tpuboot-package")
     with VM.from_artifacts(
-        vm_artifacts, image, devices=["edu", "edu"], cmdline_extra=" ".join(KERNEL_PARAMS), name="package"
+        bench.artifacts,
+        image,
+        devices=["edu", "edu"],
+        cmdline_extra=" ".join(KERNEL_PARAMS),
+        name=f"package-{platform.name}",
     ) as machine:
         machine.wait_booted()
         yield machine
@@ -81,19 +91,35 @@ def test_sandbox_exposure_under_a_live_systemd(vm: VM) -> None:
     assert float(match.group(1)) <= MAX_EXPOSURE, report[-2000:]
 
 
+def login_limits(vm: VM, start: str = "") -> list[str]:
+    """memlock and nofile of a fresh ``su -l tester`` session (what PAM's limits give a login).
+
+    su runs in a transient unit, with ``start`` limits or else the service manager's current
+    defaults: never inheriting the test agent's, which it got at boot and keeps after a purge
+    (Debian 13's pam_limits keeps an inherited limit that no limits.d entry sets).
+    """
+    props = f"-p LimitMEMLOCK={start} -p LimitNOFILE={start}" if start else ""
+    return sh(vm, f"systemd-run --wait --pipe --quiet {props} su -l tester -c 'ulimit -l; ulimit -n'").split()
+
+
 def test_login_shell_limits(vm: VM) -> None:
-    assert sh(vm, "su -l tester -c 'ulimit -l; ulimit -n'").split() == ["unlimited", "100000"]
+    assert login_limits(vm, start="65536") == ["unlimited", "100000"]  # raised by limits.d/tpuboot.conf
 
 
 def test_service_manager_and_container_runtime_limits(vm: VM) -> None:
     manager = sh(vm, "systemctl show -P DefaultLimitMEMLOCK; systemctl show -P DefaultLimitNOFILE").split()
     assert manager == ["infinity", "100000"]
     # Stand-ins for docker and containerd: the package's drop-ins must apply to whatever unit is there.
-    for unit in ("docker", "containerd"):
-        vm.write_file(f"/etc/systemd/system/{unit}.service", STUB_UNIT)
-    sh(vm, "systemctl daemon-reload")
-    shown = sh(vm, "systemctl show docker containerd -p LimitMEMLOCK -p LimitNOFILE")
-    assert sorted(shown.split()) == ["LimitMEMLOCK=infinity"] * 2 + ["LimitNOFILE=100000"] * 2
+    stubs = [f"/etc/systemd/system/{unit}.service" for unit in ("docker", "containerd")]
+    for stub in stubs:
+        vm.write_file(stub, STUB_UNIT)
+    try:
+        sh(vm, "systemctl daemon-reload")
+        shown = sh(vm, "systemctl show docker containerd -p LimitMEMLOCK -p LimitNOFILE")
+        assert sorted(shown.split()) == ["LimitMEMLOCK=infinity"] * 2 + ["LimitNOFILE=100000"] * 2
+    finally:
+        # Left in place, they make Debian 13's poweroff wait a minute at teardown.
+        sh(vm, f"rm -f {' '.join(stubs)}; systemctl daemon-reload")
 
 
 def test_accel_rule_installed(vm: VM) -> None:
@@ -107,12 +133,94 @@ def test_image_check_passes_on_the_booted_image(vm: VM) -> None:
     assert "FAIL" not in result.stdout
 
 
-def test_grub_config_carries_the_kernel_parameters(vm: VM) -> None:
+def kernel_lines(vm: VM) -> list[list[str]]:
+    """The words of each ``linux`` line grub-mkconfig writes now (normal and recovery entries)."""
     sh(vm, "grub-mkconfig -o /tmp/grub.cfg 2>/dev/null", timeout=180)
-    lines = [line for line in sh(vm, "cat /tmp/grub.cfg").splitlines() if line.strip().startswith("linux")]
+    text = sh(vm, "cat /tmp/grub.cfg")
+    lines = [line.split() for line in text.splitlines() if line.strip().startswith("linux")]
     assert lines, "grub-mkconfig wrote no kernel line"
+    return lines
+
+
+def assert_each_tpu_parameter_once(line: list[str]) -> None:
+    for param in KERNEL_PARAMS:
+        name = param.split("=")[0] + "="
+        assert [word for word in line if word.startswith(name)] == [param], " ".join(line)
+
+
+def test_grub_config_carries_the_kernel_parameters(vm: VM) -> None:
+    for line in kernel_lines(vm):
+        assert_each_tpu_parameter_once(line)
+
+
+# Test copies of the GRUB drop-ins of Ubuntu's cloud images, as Canonical's image build
+# (livecd-rootfs, live-build/ubuntu-cpc) writes them:
+# - 50-cloudimg-settings.cfg: hooks.d/base/imagecraft-configs/cloud-init/etc/default/grub.d/
+#   50-cloudimg-settings.cfg, plus the two lines hooks.d/base/disk-image-uefi.binary appends on
+#   amd64 (GRUB_PRELOAD_MODULES). It *sets* GRUB_CMDLINE_LINUX_DEFAULT: the console.
+# - 40-force-partuuid.cfg: written by disk-image-uefi.binary on minimized images (GCE's are) as
+#   GRUB_FORCE_PARTUUID=<root partition's PARTUUID>. Ubuntu's grub-mkconfig then tries an
+#   initrd-less boot; Debian's grub ignores the variable, so here it only proves that sourcing it
+#   changes nothing for tpuboot.
+CLOUDIMG_SETTINGS = """\
+# Cloud Image specific Grub settings for Generic Cloud Images
+# CLOUD_IMG: This file was created/modified by the Cloud Image build process
+
+# Set the recordfail timeout
+GRUB_RECORDFAIL_TIMEOUT=0
+
+# Do not wait on grub prompt
+GRUB_TIMEOUT=0
+
+# Set the default commandline
+GRUB_CMDLINE_LINUX_DEFAULT="console=tty1 console=ttyS0"
+
+# Set the grub console type
+GRUB_TERMINAL=console
+# CLOUD_IMG: This file was created/modified by the Cloud Image build process
+# For Cloud Image compatability
+GRUB_PRELOAD_MODULES="multiboot serial usb usb_keyboard"
+"""
+FORCE_PARTUUID = "GRUB_FORCE_PARTUUID=6f0c2c4a-5a4e-4b8e-9d3f-0d1e2f3a4b5c\n"
+CLOUDIMG_CONSOLE = ["console=tty1", "console=ttyS0"]
+# An image prepared the way cloud-image guides advise ("do not edit GRUB_CMDLINE_LINUX_DEFAULT,
+# append to it in grub.d"): the IOMMU parameter is already there, in DEFAULT, before tpuboot.cfg.
+IOMMU_APPENDED = 'GRUB_CMDLINE_LINUX_DEFAULT="$GRUB_CMDLINE_LINUX_DEFAULT intel_iommu=on,sm_on"\n'
+
+
+@pytest.fixture
+def cloudimg_drop_ins(vm: VM) -> Iterator[dict[str, str]]:
+    """Ubuntu's cloud-image drop-ins in the guest's /etc/default/grub.d, removed afterwards."""
+    files = {
+        "/etc/default/grub.d/40-force-partuuid.cfg": FORCE_PARTUUID,
+        "/etc/default/grub.d/50-cloudimg-settings.cfg": CLOUDIMG_SETTINGS,
+    }
+    for path, text in files.items():
+        vm.write_file(path, text)
+    yield files
+    vm.run(["rm", "-f", *files, "/etc/default/grub.d/60-tpu-iommu.cfg"], check=True)
+
+
+def test_grub_with_ubuntu_cloud_image_drop_ins(vm: VM, cloudimg_drop_ins: dict[str, str]) -> None:
+    """tpuboot.cfg sorts after them: their console stays, each TPU parameter is there once."""
+    lines = kernel_lines(vm)
     for line in lines:
-        assert all(param in line.split() for param in KERNEL_PARAMS), line
+        assert_each_tpu_parameter_once(line)
+    # GRUB_CMDLINE_LINUX_DEFAULT goes to the normal entries only, not to recovery ones.
+    normal = [line for line in lines if "single" not in line and "recovery" not in line]
+    assert normal, lines
+    for line in normal:
+        assert [word for word in line if word.startswith("console=")] == CLOUDIMG_CONSOLE, " ".join(line)
+
+
+def test_grub_parameter_already_in_the_default_cmdline_is_not_repeated(
+    vm: VM, cloudimg_drop_ins: dict[str, str]
+) -> None:
+    vm.write_file("/etc/default/grub.d/60-tpu-iommu.cfg", IOMMU_APPENDED)
+    normal = [line for line in kernel_lines(vm) if "single" not in line and "recovery" not in line]
+    for line in normal:
+        assert_each_tpu_parameter_once(line)
+        assert line[-3:] == [*CLOUDIMG_CONSOLE, "intel_iommu=on,sm_on"], " ".join(line)
 
 
 def test_upgrade_keeps_the_admins_conffile_edits(vm: VM) -> None:
@@ -137,6 +245,6 @@ def test_purge_leaves_nothing_behind(vm: VM) -> None:
         assert vm.run(["test", "-e", path]).rc == 1, path
     assert vm.run(["test", "-L", "/etc/systemd/system/multi-user.target.wants/tpuboot.service"]).rc == 1
     assert sh(vm, "systemctl is-active tpuboot || true").strip() == "inactive"
-    assert sh(vm, "su -l tester -c 'ulimit -l'").strip() != "unlimited"
+    assert login_limits(vm)[0] != "unlimited"
     sh(vm, "grub-mkconfig -o /tmp/grub.cfg 2>/dev/null", timeout=180)
     assert "idle=poll" not in sh(vm, "cat /tmp/grub.cfg")

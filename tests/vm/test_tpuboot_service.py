@@ -3,9 +3,10 @@
 It binds TPU stand-ins at boot and on hotplug, and writes the runtime environment from the
 metadata server emulator running in the guest.
 
-One guest serves the module, with 3 edu devices and a virtio-rng (4 stand-ins), the virtio-blk
-boot disk (never to be touched) and two empty hotplug ports. The tests run in file order and
-each leaves the machine as the next one expects.
+One guest per platform serves the module (Debian 12, then Debian 13 with its own 6.12 kernel,
+systemd 257 and Python 3.13: the same .deb installed with apt on both), with 3 edu devices and
+a virtio-rng (4 stand-ins), the virtio-blk boot disk (never to be touched) and two empty hotplug
+ports. The tests run in file order and each leaves the machine as the next one expects.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 import shlex
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import yaml
@@ -22,7 +22,8 @@ import yaml
 from tests.mds_emulator import SAMPLE_TPU_ENV
 from tpuboot.config import DEFAULT_ENVIRONMENT
 
-from .artifacts import TESTER, Artifacts
+from .artifacts import PLATFORMS, TESTER, Platform
+from .conftest import BenchFactory, TpubootImages
 from .machine import VM, PciDevice
 from .tpuboot_guest import (
     EDU,
@@ -44,11 +45,16 @@ PUT_SCRIPT = (
 READY_STATUS = "4 TPUs bound to vfio-pci; tpu-env: 14 keys from metadata"
 
 
-@pytest.fixture(scope="module")
-def vm(vm_artifacts: Artifacts, tpuboot_image: Path) -> Iterator[VM]:
+@pytest.fixture(scope="module", params=PLATFORMS, ids=lambda p: p.name)
+def vm(request: pytest.FixtureRequest, vm_bench: BenchFactory, tpuboot_images: TpubootImages) -> Iterator[VM]:
+    platform: Platform = request.param
     devices = ["edu", "edu", "edu", "virtio-rng-pci"]
     with VM.from_artifacts(
-        vm_artifacts, tpuboot_image, devices=devices, hotplug_ports=2, name="tpuboot"
+        vm_bench(platform).artifacts,
+        tpuboot_images(platform),
+        devices=devices,
+        hotplug_ports=2,
+        name=f"tpuboot-{platform.name}",
     ) as m:
         m.wait_booted()
         yield m

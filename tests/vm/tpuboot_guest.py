@@ -40,10 +40,14 @@ Description=GCE metadata server emulator (tpuboot tests)
 DefaultDependencies=no
 After=local-fs.target
 Before=tpuboot.service
+# Stopped by systemd at poweroff (not left to systemd-shutdown's last SIGTERM/SIGKILL round).
+Conflicts=shutdown.target
+Before=shutdown.target
 
 [Service]
 ExecStart=/usr/bin/python3 {GUEST_LIBEXEC}/mds_emulator.py --port {MDS_PORT} \\
     --attributes /etc/tpuboot-test/attributes.yaml
+TimeoutStopSec=5
 
 [Install]
 WantedBy=multi-user.target
