@@ -503,18 +503,19 @@ def test_maintainer_scripts_refuse_unknown_actions(installed):
 # --- The files themselves (no build needed) -------------------------------------------------------
 
 
-def grub_cmdline(dropin: Path, before: str, arch: str, extra: str = "") -> str:
-    """GRUB_CMDLINE_LINUX after grub-mkconfig's way of sourcing ``dropin`` (as dash, set -e)."""
+def grub_cmdline(dropin: Path, before: str, arch: str, extra: str = "", default: str = "quiet") -> str:
+    """GRUB_CMDLINE_LINUX after grub-mkconfig's way of sourcing ``dropin`` (as dash, set -e);
+    GRUB_CMDLINE_LINUX_DEFAULT is ``default`` before and must be left as it was."""
     script = (
-        f'dpkg() {{ echo {arch}; }}\nGRUB_CMDLINE_LINUX="{before}"\nGRUB_CMDLINE_LINUX_DEFAULT="quiet"\n'
+        f'dpkg() {{ echo {arch}; }}\nGRUB_CMDLINE_LINUX="{before}"\nGRUB_CMDLINE_LINUX_DEFAULT="{default}"\n'
         f'. "{dropin}"\n{extra}'
         'echo "$GRUB_CMDLINE_LINUX|$GRUB_CMDLINE_LINUX_DEFAULT"\n'
         "if command -v tpuboot_cmdline_add >/dev/null; then echo leaked >&2; exit 1; fi\n"
     )
     done = run(["sh", "-e", "-c", script])
     assert done.returncode == 0, done.stderr
-    cmdline, default = done.stdout.strip().split("|")
-    assert default == "quiet"
+    cmdline, after_default = done.stdout.strip().split("|")
+    assert after_default == default
     return cmdline
 
 
@@ -542,6 +543,12 @@ GRUB_DROPIN = TOP / "conf/grub.d/tpuboot.cfg"
 )
 def test_grub_dropin_appends_without_clobbering(before, arch, after):
     assert grub_cmdline(GRUB_DROPIN, before, arch) == after
+
+
+def test_grub_dropin_adds_nothing_already_in_the_default_line():
+    """Ubuntu's cloud images set GRUB_CMDLINE_LINUX_DEFAULT in grub.d; some images append there."""
+    default = "console=tty1 console=ttyS0 intel_iommu=on,sm_on"
+    assert grub_cmdline(GRUB_DROPIN, "", "amd64", default=default) == "idle=poll transparent_hugepage=always"
 
 
 def test_grub_dropin_sourced_twice_adds_nothing_more():
