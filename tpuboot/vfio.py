@@ -140,7 +140,10 @@ class Binder:
             raise DeviceError(
                 f"{module} is not loaded under {self.root.prefix}; tpuboot loads modules only on the host"
             )
-        modprobe(module)
+        try:
+            modprobe(module)
+        except OSError as exc:  # fork or exec refused (EAGAIN, ENOMEM, EACCES): not a sysfs path
+            raise os_failure(module, "running modprobe", exc) from None
 
     # --- classification -------------------------------------------------------------
 
