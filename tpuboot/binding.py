@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from tpuboot import metrics
 from tpuboot.errors import TpubootError
 from tpuboot.pci import PciFunction
-from tpuboot.vfio import Binder, BindResult
+from tpuboot.vfio import Binder, BindResult, DeviceGoneError, os_failure
 
 log = logging.getLogger("tpuboot.binding")
 
 BACKOFF_FIRST = 1.0
 BACKOFF_CAP = 60.0
+#: A function whose PCI ids could not be read: maybe a TPU; STATUS lists it apart from the TPUs.
+UNCLASSIFIED = "unclassified PCI function"
 
 
 @dataclass
@@ -30,6 +32,7 @@ class DeviceState:
     attempts: int = 0
     running: bool = False
     retry: asyncio.TimerHandle | None = None
+    traceback_logged: bool = False  # an unexpected exception's traceback is logged once per device
 
 
 class DeviceAgent:
@@ -48,22 +51,65 @@ class DeviceAgent:
         """Start binding ``address`` if it is a managed TPU; returns the task, if any.
 
         ``early`` is a bind coldplug already submitted (at monotonic ``started``): adopted, not redone.
+        Never raises: a device that cannot even be classified is that device's failure, and an
+        unexpected exception is logged, so neither the udev callback nor coldplug can end the daemon.
         """
+        try:
+            return self._consider(address, early, started, retry=False)
+        except Exception:
+            log.exception("%s: unexpected error; please report it", address, extra={"DBDF": address})
+            return None
+
+    def _consider(
+        self, address: str, early: Future[BindResult] | None, started: float, *, retry: bool
+    ) -> asyncio.Task[None] | None:
         fn = PciFunction(self.binder.root, address)
+        state = self.devices.get(address)
+        if state is not None and state.state == "removed":
+            state = None
+        if state is not None and state.running:
+            return None  # the running bind will see the device as it is now
         try:
             kind = self.binder.kind_of(fn)
         except FileNotFoundError:
             return None  # gone again, or not a full PCI function
-        if kind is None or not kind.vfio:
-            return None
-        state = self.devices.get(address)
-        if state is None or state.state == "removed":
-            state = self.devices[address] = DeviceState(kind.name)
-        elif state.running:
-            return None  # the running bind will see the device as it is now
+        except OSError as exc:
+            if early is None:
+                self._unclassified(address, state, os_failure(address, "reading its PCI ids", exc), retry)
+                return None
+            kind_name = "TPU"  # coldplug read its ids a moment ago and found a TPU: adopt its bind
+        else:
+            if kind is None or not kind.vfio:
+                if state is not None and state.kind == UNCLASSIFIED:  # its ids are readable now
+                    self._cancel_retry(state)
+                    del self.devices[address]
+                    self._changed()
+                return None
+            kind_name = kind.name
+        if state is None or state.kind == UNCLASSIFIED:
+            state = self.devices[address] = DeviceState(kind_name)
         self._cancel_retry(state)
         state.attempts = 0  # a new event earns a fresh series of retries
         return self._start(address, state, early, started)
+
+    def _unclassified(self, address: str, state: DeviceState | None, exc: TpubootError, retry: bool) -> None:
+        """The ids of ``address`` are unreadable: show it failed, and retry the reading if transient."""
+        if state is None:
+            state = self.devices[address] = DeviceState(UNCLASSIFIED)
+        self._cancel_retry(state)
+        if not retry:
+            state.attempts = 0
+        state.attempts += 1
+        self._failed(address, state, exc, {"DBDF": address, "TPU_KIND": state.kind}, self._reconsider)
+        self._changed()
+
+    def _reconsider(self, address: str, state: DeviceState) -> None:
+        state.retry = None
+        if self.devices.get(address) is state:
+            try:
+                self._consider(address, None, 0.0, retry=True)
+            except Exception:
+                log.exception("%s: unexpected error; please report it", address, extra={"DBDF": address})
 
     def _start(
         self, address: str, state: DeviceState, early: Future[BindResult] | None = None, started: float = 0.0
@@ -83,6 +129,7 @@ class DeviceAgent:
         loop = asyncio.get_running_loop()
         if early is None:
             started = time.monotonic()
+        unexpected: BaseException | None = None
         try:
             if early is not None:
                 result: BindResult = await asyncio.wrap_future(early)
@@ -91,7 +138,14 @@ class DeviceAgent:
         except TpubootError as exc:
             outcome: BindResult | TpubootError = exc
         except FileNotFoundError:  # unplugged while we worked on it
-            outcome = TpubootError(f"{address}: removed during bind")
+            outcome = DeviceGoneError(f"{address}: removed during bind")
+        except OSError as exc:  # Binder names its OSErrors; this is a bind run by other code
+            outcome = os_failure(address, "bind", exc)
+        except Exception as exc:  # a bug: this device's failure, never the loop's end
+            unexpected = exc
+            outcome = TpubootError(
+                f"{address}: unexpected {type(exc).__name__} in bind ({exc}); please report it with the log"
+            )
         else:
             outcome = result
         finally:
@@ -100,6 +154,9 @@ class DeviceAgent:
         if self.devices.get(address) is not state or state.state == "removed":
             return  # removed meanwhile; the removal was logged
         fields = {"DBDF": address, "TPU_KIND": state.kind}
+        if unexpected is not None and not state.traceback_logged:
+            state.traceback_logged = True
+            log.error("%s: unexpected error in bind", address, exc_info=unexpected, extra=fields)
         if isinstance(outcome, BindResult):
             state.state, state.error = "bound", None
             how = "bound to vfio-pci" if outcome.changed else "already bound to vfio-pci"
@@ -109,13 +166,21 @@ class DeviceAgent:
             self._failed(address, state, outcome, fields)
         self._changed()
 
-    def _failed(self, address: str, state: DeviceState, exc: TpubootError, fields: dict[str, str]) -> None:
+    def _failed(
+        self,
+        address: str,
+        state: DeviceState,
+        exc: TpubootError,
+        fields: dict[str, str],
+        again: Callable[[str, DeviceState], None] | None = None,
+    ) -> None:
         state.state, state.error = "failed", str(exc)
         retries = self.binder.config.retries
         if exc.transient and state.attempts <= retries:
-            delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (state.attempts - 1))
+            # The exponent is capped before the power: 2.0 ** 1100 would overflow a float.
+            delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2.0 ** min(state.attempts - 1, 32))
             log.warning("%s (retry %d/%d in %.0f s)", exc, state.attempts, retries, delay, extra=fields)
-            state.retry = asyncio.get_running_loop().call_later(delay, self._retry, address, state)
+            state.retry = asyncio.get_running_loop().call_later(delay, again or self._retry, address, state)
         else:
             log.error("%s", exc, extra=fields)
 
@@ -146,9 +211,18 @@ class DeviceAgent:
             mode = os.stat(self.binder.root.path(f"/dev/vfio/{group}")).st_mode & 0o7777
         except FileNotFoundError:
             return  # gone again (unbound); nothing to fix
+        except OSError as exc:
+            log.warning("%s", os_failure(f"IOMMU group {group}", f"reading /dev/vfio/{group}", exc),
+                        extra={"IOMMU_GROUP": group})  # fmt: skip
+            return
         if mode == self.binder.config.node_mode:
             return  # the bind that made it already set the mode: no second trip through the pool
-        future = asyncio.get_running_loop().run_in_executor(self.executor, self.binder.prepare_node, group)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(
+                self.executor, self.binder.prepare_node, group
+            )
+        except RuntimeError:  # the pool is shut down: the daemon is stopping
+            return
         future.add_done_callback(functools.partial(self._node_done, group))
 
     @staticmethod
@@ -165,10 +239,11 @@ class DeviceAgent:
 
     def summary(self) -> str:
         """One line for STATUS: how many TPUs are bound, and the first failure."""
-        present = {a: s for a, s in self.devices.items() if s.state != "removed"}
+        known = {a: s for a, s in self.devices.items() if s.state != "removed"}
+        present = {a: s for a, s in known.items() if s.kind != UNCLASSIFIED}
         bound = sum(1 for s in present.values() if s.state == "bound")
-        failed = [(a, s) for a, s in present.items() if s.state == "failed"]
-        if not present:
+        failed = [(a, s) for a, s in known.items() if s.state == "failed"]
+        if not known:
             return "no TPUs found"
         noun = "TPU" if len(present) == 1 else "TPUs"
         line = (
@@ -176,6 +251,8 @@ class DeviceAgent:
             if bound == len(present)
             else (f"{bound} of {len(present)} {noun} bound to vfio-pci")
         )
+        if not present:
+            line = "no TPUs found"
         if failed:
             first = failed[0][1].error or "failed"
             more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""

@@ -9,11 +9,14 @@ the daemon adopts the binds in flight and handles their results like any other.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from tpuboot.pci import PciFunction, list_addresses
 from tpuboot.vfio import Binder, BindResult
+
+log = logging.getLogger("tpuboot.coldplug")
 
 TYPE_CHECKING = False  # typing's own flag, without the import
 if TYPE_CHECKING:
@@ -49,15 +52,24 @@ class Coldplug:
 
 
 def start_coldplug(binder: Binder, executor: Executor) -> Coldplug:
-    """Submit a bind for every managed TPU present; call with the udev monitor already started."""
+    """Submit a bind for every managed TPU present; call with the udev monitor already started.
+
+    Never raises for a device: each bind's errors come back through its future.
+    """
     started = time.monotonic()
-    addresses = list_addresses(binder.root)
+    try:
+        addresses = list_addresses(binder.root)
+    except OSError as exc:  # the daemon still binds what udev announces from now on
+        log.error("cannot list PCI devices (%s); binding only devices added from now on", exc)
+        addresses = []
     binds = {}
     for address in addresses:
         try:
             kind = binder.kind_of(PciFunction(binder.root, address))
-        except FileNotFoundError:
-            continue  # gone again, or not a full PCI function
+        except OSError:
+            # Gone again, not a full PCI function, or its ids unreadable: the daemon classifies
+            # it again, and reports and retries a failure as that device's (DeviceAgent.consider).
+            continue
         if kind is not None and kind.vfio:
             binds[address] = executor.submit(binder.bind, address)
     return Coldplug(addresses, binds, started)

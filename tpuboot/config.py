@@ -24,6 +24,12 @@ def _fail(where: str, problem: str) -> ConfigError:
     return ConfigError(f"{where}: {problem}")
 
 
+def _shown(value: object) -> str:
+    """A value as a message shows it: its repr, cut short (a number may have thousands of digits)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _key(where: str, key: object) -> str:
     """``file: a.b`` for key b under a, so messages name both the file and the key."""
     return f"{where}.{key}" if ": " in where else f"{where}: {key}"
@@ -39,7 +45,7 @@ def parse_hex_id(value: Any, where: str) -> int:
             raise _fail(where, f"{value!r} is not a hex PCI id; write it like 0x1ae0")
         value = int(text, 16)
     if not isinstance(value, int) or not 0 <= value <= 0xFFFF:
-        raise _fail(where, f"{value!r} is not a 16-bit PCI id; write it like 0x1ae0")
+        raise _fail(where, f"{_shown(value)} is not a 16-bit PCI id; write it like 0x1ae0")
     return value
 
 
@@ -48,7 +54,11 @@ def parse_mode(value: Any, where: str) -> int:
     if isinstance(value, str) and value and all(c in "01234567" for c in value):
         value = int(value, 8)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o777:
-        raise _fail(where, f"{value!r} is not a file mode; write it quoted in octal, like '0666'")
+        # Also refuses set-id and sticky bits (0o7000): they mean nothing on a device node.
+        raise _fail(
+            where,
+            f"{_shown(value)} is not a file mode from 0000 to 0777; write it quoted in octal, like '0666'",
+        )
     return value
 
 
@@ -75,16 +85,35 @@ def parse_abs_path(value: Any, where: str) -> str:
     return text
 
 
-def parse_positive(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise _fail(where, f"{value!r} is not a positive number")
-    return float(value)
+def parse_seconds(most: float, why: str = "") -> Parser:
+    """A duration above 0 and at most ``most`` seconds; ``why`` says where the limit comes from.
+
+    NaN fails every comparison and .inf is above any limit, so neither gets through to a timer,
+    a socket or a deadline, where each fails later and far from the file (OverflowError, a wait
+    that never ends, a deadline always passed).
+    """
+
+    def parse(value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(where, f"{_shown(value)} is not a number of seconds; write it like 5.0")
+        if not 0 < value <= most:  # before float(): an int of 400 digits would overflow it
+            raise _fail(
+                where, f"{_shown(value)} is out of range; give seconds above 0 and at most {most:g}{why}"
+            )
+        return float(value)
+
+    return parse
 
 
-def parse_count(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _fail(where, f"{value!r} is not a whole number >= 0")
-    return value
+def parse_whole(least: int, most: int, why: str = "") -> Parser:
+    """A whole number from ``least`` to ``most``; ``why`` says where the limits come from."""
+
+    def parse(value: Any, where: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+            raise _fail(where, f"{_shown(value)} is not a whole number from {least} to {most}{why}")
+        return value
+
+    return parse
 
 
 def parse_choice(*choices: str) -> Parser:
@@ -155,6 +184,9 @@ class Section:
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"{type(self).__name__} is frozen")
 
+    def check(self, where: str) -> None:
+        """Refuse combinations of values that each parse (a section overrides this)."""
+
     def _values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in self.options)
 
@@ -187,7 +219,9 @@ def _section(cls: type[Section], data: Any, where: str) -> Any:
             known = ", ".join(sorted(cls.options))
             raise _fail(where, f"unknown key {key!r} (known keys: {known})")
         values[key] = cls.options[key].parse(value, _key(where, key))
-    return cls(**values)
+    section = cls(**values)
+    section.check(where)
+    return section
 
 
 class MatchRule(Section):
@@ -215,24 +249,41 @@ def parse_rules(value: Any, where: str) -> tuple[MatchRule, ...]:
     return tuple(rules)
 
 
+# The limits of the numeric keys, each a value past which the setting can only be a mistake.
+#: systemd's TimeoutStartSec=180 (systemd/tpuboot.service) ends a start that has not sent READY;
+#: READY waits for the boot-time tpu-env fetch, and coldplug and start-up need the rest.
+BOOT_DEADLINE_MAX = 150.0
+#: A single network or device wait longer than an hour is a hang, not patience.
+WAIT_MAX = 3600.0
+#: Supervisor delays: a day is beyond any restart policy (and within what timers accept).
+DELAY_MAX = 86400.0
+#: Retries: the backoff reaches its cap after a few; more only lengthens a failure's series.
+RETRIES_MAX = 100
+#: A metadata body larger than this is held in memory whole: tpu-env is a few KiB.
+MAX_BODY_MAX = 64 << 20
+
+
 class VfioConfig(Section):
     """How a bound device is made usable."""
 
     node_mode: int = _opt(0o666, parse_mode)
     allow_unsafe_interrupts: str = _opt("auto", parse_choice("auto", "true", "false"))
-    node_timeout: float = _opt(5.0, parse_positive)
-    retries: int = _opt(5, parse_count)
+    node_timeout: float = _opt(5.0, parse_seconds(WAIT_MAX))
+    retries: int = _opt(5, parse_whole(0, RETRIES_MAX))
 
 
 class MetadataConfig(Section):
     """Where and how patiently to ask the GCE metadata server."""
 
     host: str | None = _opt(None, parse_optional_str)
-    timeout: float = _opt(5.0, parse_positive)
-    boot_deadline: float = _opt(60.0, parse_positive)
-    max_body: int = _opt(1 << 20, parse_count)
+    timeout: float = _opt(5.0, parse_seconds(WAIT_MAX))
+    boot_deadline: float = _opt(
+        60.0, parse_seconds(BOOT_DEADLINE_MAX, " (systemd's TimeoutStartSec=180 must not end the start)")
+    )
+    max_body: int = _opt(1 << 20, parse_whole(1024, MAX_BODY_MAX, " bytes"))
     watch: bool = _opt(True, parse_bool)
-    watch_timeout: int = _opt(60, parse_count)
+    # 0 would make every long-poll return at once: a busy loop against the metadata server.
+    watch_timeout: int = _opt(60, parse_whole(1, int(WAIT_MAX), " seconds"))
 
 
 DEFAULT_ENVIRONMENT = {
@@ -280,10 +331,18 @@ VBAR_EXEC_ARGV = (
 class SupervisorConfig(Section):
     """Restart policy of a supervised agent: capped exponential backoff, reset after a stable run."""
 
-    backoff_initial: float = _opt(1.0, parse_positive)
-    backoff_max: float = _opt(300.0, parse_positive)
-    stable_after: float = _opt(600.0, parse_positive)
-    pull_retries: int = _opt(5, parse_count)
+    backoff_initial: float = _opt(1.0, parse_seconds(DELAY_MAX))
+    backoff_max: float = _opt(300.0, parse_seconds(DELAY_MAX))
+    stable_after: float = _opt(600.0, parse_seconds(DELAY_MAX))
+    pull_retries: int = _opt(5, parse_whole(0, RETRIES_MAX))
+
+    def check(self, where: str) -> None:
+        if self.backoff_max < self.backoff_initial:
+            raise _fail(
+                where,
+                f"backoff_max ({self.backoff_max:g}) is below backoff_initial ({self.backoff_initial:g}); "
+                "raise backoff_max or lower backoff_initial",
+            )
 
 
 class VbarConfig(Section):
@@ -312,7 +371,8 @@ class MetricsConfig(Section):
 
     enabled: bool = _opt(True, parse_bool)
     address: str = _opt("127.0.0.1", parse_str)
-    port: int = _opt(9431, parse_count)
+    # 0 would listen on a port the kernel picks, which no scraper knows.
+    port: int = _opt(9431, parse_whole(1, 65535, " (a TCP port)"))
     textfile_dir: str | None = _opt(None, parse_optional_abs_path)
 
 
@@ -346,6 +406,10 @@ def parse_config(text: str, source: str) -> Config:
         mark = getattr(exc, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{source}:{line} is not valid YAML; fix the syntax") from None
+    except (ValueError, OverflowError, TypeError, RecursionError) as exc:
+        # PyYAML builds some scalars with int() or datetime(): 2001-02-30, an int of 5000 digits.
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:80]
+        raise ConfigError(f"{source}: a value cannot be read ({reason}); quote it or fix it") from None
     return _section(Config, data, source)
 
 

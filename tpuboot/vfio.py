@@ -31,6 +31,57 @@ UNSAFE_INTERRUPTS = "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interr
 VIABLE_DRIVERS = {VFIO_PCI, "pci-stub", "pcieport"}
 POLL_INTERVAL = 0.01
 
+#: Errnos a bind step may see that the kernel or the device can clear on its own within the
+#: daemon's retry series: the device or a driver is busy (EBUSY, EAGAIN, EINTR), the device is in
+#: reset, hot-plugged or being removed (EIO, ENODEV, ENXIO, ETIMEDOUT: sysfs answers ENODEV for an
+#: attribute of a device being torn down), something just seen is gone while the device is still
+#: there (ENOENT: a node unbound by someone else; the retry re-reads everything), or the kernel is
+#: short of memory (ENOMEM, ENOBUFS).
+#: Every other errno says the setup is wrong and a retry changes nothing: a permission or LSM
+#: denial (EPERM, EACCES), a read-only /sys or /dev (EROFS), a value the kernel refuses (EINVAL),
+#: a full file system (ENOSPC, EDQUOT), or one this table does not know; those fail at once and
+#: wait for the admin (a new udev event or a restart starts a fresh series).
+TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EAGAIN,
+        errno.EBUSY,
+        errno.EINTR,
+        errno.EIO,
+        errno.ENODEV,
+        errno.ENXIO,
+        errno.ETIMEDOUT,
+        errno.ENOENT,
+        errno.ENOMEM,
+        errno.ENOBUFS,
+    }
+)
+#: What to do about a permanent errno, in the message (default: see dmesg).
+_DENIED = "run tpuboot as root with CAP_SYS_ADMIN and CAP_FOWNER; check the unit and the audit log (LSM)"
+ERRNO_FIXES = {
+    errno.EPERM: _DENIED,
+    errno.EACCES: _DENIED,
+    errno.EROFS: "/sys and /dev must be writable: run tpuboot on the host, not in a read-only container",
+    errno.ENOSPC: "free space on the file system named",
+    errno.EDQUOT: "free space on the file system named",
+}
+#: Refusals by policy: a failed drivers_probe with one of these is reported as such, not as a
+#: probe that did not take (which is retried).
+POLICY_ERRNOS = frozenset({errno.EPERM, errno.EACCES, errno.EROFS})
+
+
+class DeviceGoneError(DeviceError):
+    """The device was unplugged while a step ran; the daemon waits for its next add event."""
+
+
+def os_failure(address: str, step: str, exc: OSError) -> DeviceError:
+    """One device step's OSError as that device's error: one line, transient by errno (see above)."""
+    code = exc.errno or 0
+    name = errno.errorcode.get(code, f"errno {code}")
+    text = f"{address}: {step} failed ({name}: {exc.strerror or os.strerror(code)}); "
+    if code in TRANSIENT_ERRNOS:
+        return TransientDeviceError(text + "see dmesg")
+    return DeviceError(text + ERRNO_FIXES.get(code, "see dmesg"))
+
 
 def write_attr(path: Path, value: str) -> None:
     """Write a sysfs attribute in one write(2), as the kernel expects (no create, no truncate)."""
@@ -89,7 +140,10 @@ class Binder:
             raise DeviceError(
                 f"{module} is not loaded under {self.root.prefix}; tpuboot loads modules only on the host"
             )
-        modprobe(module)
+        try:
+            modprobe(module)
+        except OSError as exc:  # fork or exec refused (EAGAIN, ENOMEM, EACCES): not a sysfs path
+            raise os_failure(module, "running modprobe", exc) from None
 
     # --- classification -------------------------------------------------------------
 
@@ -118,7 +172,34 @@ class Binder:
     # --- bind ---------------------------------------------------------------------------
 
     def bind(self, address: str, *, force: bool = False) -> BindResult:
-        """Bind ``address`` to vfio-pci and make its node usable; idempotent."""
+        """Bind ``address`` to vfio-pci and make its node usable; idempotent.
+
+        Every OSError of every step comes out as this device's DeviceError (transient by errno),
+        so a caller's per-device boundary needs to know only TpubootError.
+        """
+        try:
+            return self._bind(address, force)
+        except OSError as exc:
+            raise self._failure(address, exc) from None
+
+    def _failure(self, address: str, exc: OSError) -> DeviceError:
+        """An OSError no step named: gone if the device is, else the path and errno."""
+        if isinstance(exc, (FileNotFoundError, NotADirectoryError)) and not os.path.isdir(
+            PciFunction(self.root, address).path
+        ):
+            return DeviceGoneError(f"{address}: removed during bind")
+        return os_failure(address, f"access to {self._where(exc.filename)}", exc)
+
+    def _where(self, filename: object) -> str:
+        """A path in a message, as the host names it."""
+        if not isinstance(filename, (str, os.PathLike)):
+            return "sysfs"
+        try:
+            return self.root.strip(Path(filename))
+        except ValueError:
+            return str(filename)
+
+    def _bind(self, address: str, force: bool) -> BindResult:
         fn = self.function(address)
         kind = self._check_bindable(fn, force)
         group = fn.iommu_group()
@@ -130,8 +211,8 @@ class Binder:
         self._ensure_driver()
         changed = self._attach(fn)
         self._check_viable(fn, group)
-        self._allow_unsafe_interrupts()
-        node = self.prepare_node(group)
+        self._allow_unsafe_interrupts(fn.address)
+        node = self.prepare_node(group, fn.address)
         return BindResult(address, kind, group, node, changed)
 
     def _ensure_driver(self) -> None:
@@ -164,31 +245,35 @@ class Binder:
     def _attach(self, fn: PciFunction) -> bool:
         """Move ``fn`` to vfio-pci; False when it was already there."""
         if fn.driver_override() != VFIO_PCI:
-            self._write(fn.path / "driver_override", VFIO_PCI)
+            self._write(fn.path / "driver_override", VFIO_PCI, fn.address)
         current = fn.driver()
         if current == VFIO_PCI:
             return False
         if current is not None:
             log.info("%s: unbinding from %s", fn.address, current, extra={"DBDF": fn.address})
-            self._write(fn.path / "driver" / "unbind", fn.address)
+            self._write(fn.path / "driver" / "unbind", fn.address, fn.address)
+        probe = self.root.path(DRIVERS_PROBE)
+        probe_error = ""
         try:
-            self._write(self.root.path(DRIVERS_PROBE), fn.address)
-        except DeviceError as exc:
+            self.write(probe, fn.address)
+        except OSError as exc:  # a probe error proves no more than a success: the link decides
+            if exc.errno in POLICY_ERRNOS:
+                raise os_failure(fn.address, f"writing {fn.address!r} to {DRIVERS_PROBE}", exc) from None
+            probe_error = f", drivers_probe: {errno.errorcode.get(exc.errno or 0, exc.errno)}"
             log.debug("%s: drivers_probe: %s", fn.address, exc, extra={"DBDF": fn.address})
         now = fn.driver()  # a successful probe write proves nothing: re-read the link
         if now != VFIO_PCI:
             raise TransientDeviceError(
-                f"{fn.address}: vfio-pci did not take the device (driver is {now or 'none'}); see dmesg"
+                f"{fn.address}: vfio-pci did not take the device (driver is {now or 'none'}{probe_error}); "
+                "see dmesg"
             )
         return True
 
-    def _write(self, path: Path, value: str) -> None:
+    def _write(self, path: Path, value: str, address: str) -> None:
         try:
             self.write(path, value)
         except OSError as exc:
-            where = self.root.strip(path)
-            reason = errno.errorcode.get(exc.errno or 0, str(exc))
-            raise TransientDeviceError(f"writing {value!r} to {where} failed ({reason}); see dmesg") from None
+            raise os_failure(address, f"writing {value.strip()!r} to {self._where(path)}", exc) from None
 
     def group_blockers(self, group: str, address: str) -> list[str]:
         """Other endpoints of the group bound to a driver that makes it not viable."""
@@ -209,7 +294,7 @@ class Binder:
                 "still bound to a host driver; bind them to vfio-pci too"
             )
 
-    def _allow_unsafe_interrupts(self) -> None:
+    def _allow_unsafe_interrupts(self, address: str) -> None:
         wanted = self.config.allow_unsafe_interrupts
         if wanted == "false" or (wanted == "auto" and self.machine != "x86_64"):
             return
@@ -225,14 +310,28 @@ class Binder:
                 "kernel's IOMMU remaps interrupts, else check dmesg"
             )
         if path.read_text().strip() not in ("Y", "1"):
-            self._write(path, "1")
+            self._write(path, "1", address)
             log.info("enabled vfio_iommu_type1 allow_unsafe_interrupts")
 
     # --- the /dev/vfio node ------------------------------------------------------------
 
-    def prepare_node(self, group: str) -> str:
-        """Wait for ``/dev/vfio/<group>`` and udev's handling of it, then set the configured mode."""
+    def prepare_node(self, group: str, who: str | None = None) -> str:
+        """Wait for ``/dev/vfio/<group>`` and udev's handling of it, then set the configured mode.
+
+        Any OSError is a DeviceError of ``who`` (the device, else the group) naming the node.
+        """
         node = f"/dev/vfio/{group}"
+        try:
+            return self._prepare_node(group, node)
+        except OSError as exc:
+            who = who or f"IOMMU group {group}"
+            if exc.filename is not None and self._where(exc.filename) == node and exc.errno != errno.ENOENT:
+                step = f"setting {node} to mode {self.config.node_mode:04o}"
+            else:
+                step = f"preparing {node} ({self._where(exc.filename)})"
+            raise os_failure(who, step, exc) from None
+
+    def _prepare_node(self, group: str, node: str) -> str:
         real = self.root.path(node)
         deadline = time.monotonic() + self.config.node_timeout
         st = self._wait(lambda: _stat(real), deadline)
@@ -261,14 +360,20 @@ class Binder:
 
     def unbind(self, address: str, *, force: bool = False) -> str | None:
         """Give ``address`` back to the kernel's default driver; returns the new driver."""
+        try:
+            return self._unbind(address, force)
+        except OSError as exc:
+            raise self._failure(address, exc) from None
+
+    def _unbind(self, address: str, force: bool) -> str | None:
         fn = self.function(address)
         self._check_bindable(fn, force)
         if fn.driver_override() is not None:
-            self._write(fn.path / "driver_override", "\n")
+            self._write(fn.path / "driver_override", "\n", address)
         if fn.driver() is not None:
-            self._write(fn.path / "driver" / "unbind", address)
+            self._write(fn.path / "driver" / "unbind", address, address)
         try:
-            self._write(self.root.path(DRIVERS_PROBE), address)
+            self._write(self.root.path(DRIVERS_PROBE), address, address)
         except DeviceError as exc:
             log.debug("%s: drivers_probe: %s", address, exc, extra={"DBDF": address})
         return fn.driver()

@@ -20,11 +20,13 @@ drivers_probe) so tpuboot's production code runs unchanged against it.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
+import pathlib
 import threading
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tpuboot.errors import TpubootError
 from tpuboot.paths import Root
@@ -50,6 +52,8 @@ VFIO_PARAMETERS = {
     "vfio_pci": {"ids": "", "disable_denylist": "N", "enable_sriov": "N"},
 }
 OTHER_MODULES = ("nvme", "virtio_net", "tls")  # loaded on every such VM; never vfio
+# The kernel's own accesses bypass Faults (which wraps these for tpuboot's code only).
+_readlink, _chmod, _read_text, _is_dir = os.readlink, os.chmod, pathlib.Path.read_text, pathlib.Path.is_dir
 
 
 class FakeKernel:
@@ -63,6 +67,7 @@ class FakeKernel:
         self.default_driver: dict[str, str | None] = {}
         self.refuse_probe: set[str] = set()
         self.create_nodes = True
+        self.faults = Faults(top)
         self._loading = threading.Lock()  # binds run in a thread pool: one modprobe at a time
         for d in ("sys/bus/pci/devices", "sys/bus/pci/drivers", "sys/kernel/iommu_groups", "dev/vfio"):
             (top / d).mkdir(parents=True, exist_ok=True)
@@ -184,24 +189,25 @@ class FakeKernel:
             if group and self.create_nodes:
                 node = self.p(f"/dev/vfio/{group}")
                 node.touch()
-                os.chmod(node, 0o600)
+                _chmod(node, 0o600)
 
     def driver(self, address: str) -> str | None:
         link = self.p(f"/sys/bus/pci/devices/{address}/driver")
-        return os.path.basename(os.readlink(link)) if link.is_symlink() else None
+        return os.path.basename(_readlink(link)) if link.is_symlink() else None
 
     def group(self, address: str) -> str | None:
         link = self.p(f"/sys/bus/pci/devices/{address}/iommu_group")
-        return os.path.basename(os.readlink(link)) if link.is_symlink() else None
+        return os.path.basename(_readlink(link)) if link.is_symlink() else None
 
     def override(self, address: str) -> str:
-        return self.p(f"/sys/bus/pci/devices/{address}/driver_override").read_text().strip()
+        return _read_text(self.p(f"/sys/bus/pci/devices/{address}/driver_override")).strip()
 
     # --- the kernel's side --------------------------------------------------------
 
     def write(self, path: Path, value: str) -> None:
         """What the kernel does when tpuboot writes ``value`` to the attribute at ``path``."""
         rel = "/" + str(path.relative_to(self.top))
+        self.faults.check("write", path)
         self.writes.append((rel, value))
         value = value.strip()
         parts = rel.split("/")
@@ -233,7 +239,7 @@ class FakeKernel:
         target = self.default_driver.get(address) if override == "(null)" else override
         if target is None or address in self.refuse_probe:
             return
-        vfio_ready = self.p("/sys/bus/pci/drivers/vfio-pci").is_dir() and self.group(address)
+        vfio_ready = _is_dir(self.p("/sys/bus/pci/drivers/vfio-pci")) and self.group(address)
         if target == "vfio-pci" and not vfio_ready:
             raise OSError(errno.EINVAL, "probe failed")
         self._link_driver(address, target)
@@ -274,3 +280,71 @@ class FakeKernel:
             self.p("/proc/modules").write_text("".join(x for x in lines if x.split(" ", 1)[0] != module))
             if module == "vfio_pci":
                 shutil.rmtree(self.p("/sys/bus/pci/drivers/vfio-pci"))
+
+
+# --- faults: an errno at one step -------------------------------------------------------------
+
+Op = Literal["open", "readlink", "stat", "listdir", "chmod", "write"]
+
+
+class Faults:
+    """Makes one kind of access to paths ending in a suffix fail with an errno, as the kernel would.
+
+    ``write`` faults act in FakeKernel.write; the others need :meth:`install`, which wraps the os
+    and pathlib calls tpuboot makes (open, readlink, stat and is_dir/exists, listdir, chmod) for
+    paths under this tree only.
+    """
+
+    def __init__(self, top: Path) -> None:
+        self.top = str(top)
+        self.rules: list[list[Any]] = []  # [op, suffix, errno, times left or None]
+        self.hits: list[tuple[str, str]] = []
+
+    def add(self, op: Op, suffix: str, code: int, times: int | None = None) -> None:
+        self.rules.append([op, suffix, code, times])
+
+    def clear(self) -> None:
+        self.rules.clear()
+
+    def check(self, op: str, path: object) -> None:
+        try:
+            text = os.fspath(path)  # type: ignore[arg-type]
+        except TypeError:
+            return  # a file descriptor
+        if isinstance(text, bytes) or not text.startswith(self.top):
+            return
+        for rule in self.rules:
+            if rule[0] == op and text.endswith(rule[1]) and rule[3] != 0:
+                if rule[3] is not None:
+                    rule[3] -= 1
+                self.hits.append((op, text[len(self.top) :]))
+                raise OSError(rule[2], os.strerror(rule[2]), text)
+
+    def install(self, monkeypatch: Any) -> None:
+        """Route the calls through :meth:`check` for the rest of the test."""
+
+        def wrap(owner: object, name: str, op: str, bind_self: bool = False) -> None:
+            real = getattr(owner, name)
+
+            if bind_self:
+
+                def method(self_: Any, *args: Any, **kwargs: Any) -> Any:
+                    self.check(op, self_)
+                    return real(self_, *args, **kwargs)
+
+                monkeypatch.setattr(owner, name, method)
+            else:
+
+                def function(path: Any, *args: Any, **kwargs: Any) -> Any:
+                    self.check(op, path)
+                    return real(path, *args, **kwargs)
+
+                monkeypatch.setattr(owner, name, function)
+
+        wrap(builtins, "open", "open")
+        wrap(os, "readlink", "readlink")
+        wrap(os, "stat", "stat")
+        wrap(os, "listdir", "listdir")
+        wrap(os, "chmod", "chmod")
+        for name, op in (("read_text", "open"), ("is_dir", "stat"), ("exists", "stat")):
+            wrap(pathlib.Path, name, op, bind_self=True)

@@ -97,3 +97,120 @@ def test_bind_path_imports_nothing_it_does_not_need():
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).parents[2])  # fmt: skip
     assert done.stdout.split() == []
+
+
+# --- numbers that parse but break later: refused at load, naming file and key -----------------
+
+SECTIONS = {
+    name: option.default.__class__
+    for name, option in Config.options.items()
+    if hasattr(option.default, "options")
+}
+NUMERIC_KEYS = sorted(
+    f"{section}.{key}"
+    for section, cls in SECTIONS.items()
+    for key, option in cls.options.items()
+    if isinstance(option.default, (int, float)) and not isinstance(option.default, bool)
+)
+
+
+def test_every_numeric_key_is_listed():
+    """A new numeric key joins the table below (and so gets limits) or this fails."""
+    assert NUMERIC_KEYS == [
+        "metadata.boot_deadline", "metadata.max_body", "metadata.timeout", "metadata.watch_timeout",
+        "metrics.port", "supervisor.backoff_initial", "supervisor.backoff_max", "supervisor.pull_retries",
+        "supervisor.stable_after", "vfio.node_mode", "vfio.node_timeout", "vfio.retries",
+    ]  # fmt: skip
+
+
+HOSTILE = [
+    ".nan",
+    ".NaN",
+    ".inf",
+    "-.inf",
+    "-1",
+    "1" + "0" * 400,
+    "1e400",
+    "-0.0",
+    "true",
+    "'5x'",
+    "[5]",
+    "null",
+]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+@pytest.mark.parametrize("dotted", NUMERIC_KEYS)
+def test_non_finite_negative_huge_and_non_numbers_are_refused_for_every_numeric_key(dotted, value):
+    section, key = dotted.split(".")
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"{section}:\n  {key}: {value}\n", SOURCE)
+    message = str(info.value)
+    assert message.startswith(f"{SOURCE}: {dotted}: ") and "\n" not in message and len(message) < 300
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("metrics: {port: 65536}", "metrics.port: 65536 is not a whole number from 1 to 65535"),
+        ("metrics: {port: 0}", "metrics.port: 0 is not a whole number from 1 to 65535"),
+        ("vfio: {node_mode: '07777'}", "vfio.node_mode: 4095 is not a file mode from 0000 to 0777"),
+        ("vfio: {node_mode: '17777'}", "vfio.node_mode: 8191 is not a file mode"),
+        ("vfio: {node_timeout: 0}", "vfio.node_timeout: 0 is out of range; give seconds above 0"),
+        ("vfio: {node_timeout: 86400}", "at most 3600"),
+        ("vfio: {retries: 1000000}", "vfio.retries: 1000000 is not a whole number from 0 to 100"),
+        ("metadata: {boot_deadline: 600}", "at most 150 .systemd's TimeoutStartSec=180"),
+        ("metadata: {watch_timeout: 0}", "metadata.watch_timeout: 0 is not a whole number from 1"),
+        ("metadata: {max_body: 0}", "metadata.max_body: 0 is not a whole number from 1024"),
+        ("metadata: {max_body: 1099511627776}", "to 67108864 bytes"),
+        (
+            "supervisor: {backoff_initial: 10, backoff_max: 5}",
+            "supervisor: backoff_max .5. is below backoff_init",
+        ),
+        ("vfio: {node_timeout: 2001-02-30}", "tpuboot.yaml: a value cannot be read .day is out of range"),
+        ("devices: [{vendor: .nan, device: 1}]", r"devices\[0\].vendor: nan is not a 16-bit PCI id"),
+    ],
+)
+def test_out_of_range_values_name_file_key_and_limit(text, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_config(text, SOURCE)
+    assert str(info.value).startswith(SOURCE) and "\n" not in str(info.value)
+
+
+def test_an_integer_yaml_cannot_build_is_a_config_error():
+    """PyYAML's int() refuses 5000 digits (Python 3.11+) with ValueError, not YAMLError."""
+    with pytest.raises(ConfigError, match=r"^/etc/tpuboot/tpuboot.yaml: .*vfio.retries|cannot be read"):
+        parse_config("vfio: {retries: 1" + "0" * 5000 + "}", SOURCE)
+
+
+def test_edge_values_are_accepted():
+    config = parse_config(
+        "vfio: {node_mode: '0000', node_timeout: 3600, retries: 0}\n"
+        "metadata: {timeout: 0.001, boot_deadline: 150, max_body: 1024, watch_timeout: 1}\n"
+        "metrics: {port: 65535}\nsupervisor: {backoff_initial: 5, backoff_max: 5}\n",
+        SOURCE,
+    )
+    assert (config.vfio.node_mode, config.vfio.node_timeout, config.metrics.port) == (0, 3600.0, 65535)
+    assert isinstance(config.vfio.node_timeout, float) and config.metadata.boot_deadline == 150.0
+
+
+def test_the_daemon_runs_on_defaults_after_a_bad_number(tmp_path, monkeypatch, capsys):
+    """`tpuboot run` logs the refusal naming file and key, then starts with the built-in config."""
+    from tpuboot import cli
+
+    path = tmp_path / "etc/tpuboot/tpuboot.yaml"
+    path.parent.mkdir(parents=True)
+    path.write_text("metrics: {port: 99999}\n")
+    seen = []
+
+    def stop_here(*args, **kwargs):
+        seen.append(args)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("tpuboot.cli.Binder", stop_here)
+    with pytest.raises(SystemExit):
+        cli.main(["--root", str(tmp_path), "run"])
+    err = capsys.readouterr().err
+    assert "/etc/tpuboot/tpuboot.yaml: metrics.port: 99999 is not a whole number" in err
+    assert "running with built-in defaults" in err
+    assert seen[0][2] == VfioConfig()
