@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 
@@ -96,6 +97,17 @@ def _print_json(items: list[dict[str, object]]) -> None:
     print(json.dumps(items, indent=2))
 
 
+def _seconds(text: str) -> float:
+    """A --deadline: float() takes "nan" and "inf", which would never end or end at once."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 and at most 3600")
+    return value
+
+
 def _for_each(texts: Sequence[str], act: Callable[[str], str]) -> int:
     """Run ``act`` on every address (all validated first); one failure does not stop the rest."""
     failed = 0
@@ -104,6 +116,13 @@ def _for_each(texts: Sequence[str], act: Callable[[str], str]) -> int:
             print(act(address))
         except TpubootError as exc:
             print(f"tpuboot: {exc}", file=sys.stderr)
+            failed += 1
+        except Exception as exc:  # a bug: one line here, the traceback with --verbose, the rest go on
+            log.debug("%s: unexpected error", address, exc_info=True)
+            print(
+                f"tpuboot: {address}: unexpected {type(exc).__name__} ({exc}); please report it",
+                file=sys.stderr,
+            )
             failed += 1
     return EXIT_FAILED if failed else EXIT_OK
 
@@ -252,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("env", cmd_env, "fetch tpu-env once and write it and /etc/environment")
     p.add_argument("--print", action="store_true", help="also print the tpu-env file written")
-    p.add_argument("--deadline", type=float, metavar="S", help="give up on the server after S seconds")
+    p.add_argument("--deadline", type=_seconds, metavar="S", help="give up on the server after S seconds")
     meta = sub.add_parser(
         "metadata", help="read the GCE metadata server", description="read the GCE metadata server"
     )
@@ -264,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key", metavar="KEY", help="attribute name (or path, with --type instance)")
     p.add_argument("--default", metavar="VALUE", help="print VALUE when the key is not set (exit 0)")
     p.add_argument("--type", choices=METADATA_KINDS, default="attributes", help="where KEY lives")
-    p.add_argument("--deadline", type=float, default=15.0, metavar="S", help="retry for at most S seconds")
+    p.add_argument("--deadline", type=_seconds, default=15.0, metavar="S", help="retry for at most S seconds")
     return parser
 
 

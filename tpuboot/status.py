@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from tpuboot.kmodule import NO_VFIO_PCI_FIX, ModuleState, module_state
 from tpuboot.pci import PCI_DRIVERS, PciFunction, list_addresses
-from tpuboot.vfio import VFIO_PCI, Binder
+from tpuboot.vfio import VFIO_PCI, Binder, os_failure
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,27 @@ def survey(binder: Binder) -> list[TpuStatus]:
     found = []
     vfio = vfio_pci_state(binder)
     for address in list_addresses(binder.root):
+        fn = PciFunction(binder.root, address)
         try:
-            status = describe(binder, PciFunction(binder.root, address), vfio)
+            status = describe(binder, fn, vfio)
         except FileNotFoundError:  # removed while we looked
             continue
+        except OSError as exc:
+            status = _unreadable(binder, fn, exc)
         if status is not None:
             found.append(status)
     return found
+
+
+def _unreadable(binder: Binder, fn: PciFunction, exc: OSError) -> TpuStatus | None:
+    """A function whose sysfs state could not be read (EIO, EACCES): a TPU with that problem, or,
+    when even its ids are unreadable, a device that may be a TPU and so cannot be vouched for."""
+    problem = f"{os_failure(fn.address, 'reading its sysfs state', exc)}"
+    try:
+        ids = fn.ids()
+    except OSError:
+        return TpuStatus(fn.address, "unknown", "unreadable", True, None, None, None, None, None, problem)
+    kind = binder.table.classify(ids)
+    if kind is None:
+        return None
+    return TpuStatus(fn.address, kind.name, str(ids), kind.vfio, None, None, None, None, None, problem)

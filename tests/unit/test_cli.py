@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from tests.mds_emulator import MetadataEmulator
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu
-from tpuboot import cli, metadata
+from tpuboot import cli, metadata, vfio
 
 
 @pytest.fixture
@@ -106,3 +107,38 @@ def test_env_writes_tpu_env_and_environment(emulator: MetadataEmulator, monkeypa
     assert "from metadata" in one_line(capsys.readouterr().out)
     assert 'ACCELERATOR_TYPE="' in (top / "home/tpu-runtime/tpu-env").read_text()
     assert "CLOUDSDK_PYTHON=/usr/bin/python3" in (top / "etc/environment").read_text()
+
+
+@pytest.mark.parametrize("deadline", ["nan", "inf", "-1", "0", "1e9", "soon"])
+def test_a_deadline_that_never_or_always_ends_is_a_usage_error(kernel, deadline, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run(kernel, "env", "--deadline", deadline)
+    assert exit_.value.code == cli.EXIT_USAGE
+    assert "not a number of seconds" in capsys.readouterr().err
+
+
+def test_an_unexpected_error_binding_one_device_is_one_line_and_the_rest_go_on(kernel, monkeypatch, capsys):
+    add_tpu(kernel, "0000:00:05.0", driver="vfio-pci", group="5")
+    kernel.load_module("vfio_iommu_type1")
+    real = vfio.Binder.bind
+
+    def bind(self, address, **kwargs):
+        if address == "0000:00:04.0":
+            raise KeyError("boom")
+        return real(self, address, **kwargs)
+
+    monkeypatch.setattr(vfio.Binder, "bind", bind)
+    assert run(kernel, "bind", "0000:00:04.0", "0000:00:05.0") == cli.EXIT_FAILED
+    out, err = capsys.readouterr()
+    assert "tpuboot: 0000:00:04.0: unexpected KeyError ('boom'); please report it\n" in err
+    assert "Traceback" not in err
+    assert "0000:00:05.0 (TPU v5p) already bound to vfio-pci" in out
+
+
+def test_status_shows_a_device_whose_state_cannot_be_read(kernel, monkeypatch, capsys):
+    kernel.faults.add("readlink", "0000:00:04.0/driver", errno.EIO)
+    kernel.faults.install(monkeypatch)
+    assert run(kernel, "status", "--json") == cli.EXIT_FAILED
+    (tpu,) = json.loads(capsys.readouterr().out)
+    assert tpu["address"] == "0000:00:04.0" and tpu["kind"] == "TPU v5p"
+    assert "EIO" in tpu["problem"] and "\n" not in tpu["problem"]
