@@ -139,7 +139,7 @@ class EnvSync:
     def _after_bug(self, exc: Exception) -> SyncResult:
         """The cached copy after an unexpected exception, or a failed result if that fails too."""
         try:
-            return self._from_cache(f"tpuboot failed on it ({type(exc).__name__})")
+            return self._from_cache(f"unexpected {type(exc).__name__} (see the log)")
         except Exception as again:
             self._unexpected(again, "tpu-env cache")
             path = self._env.tpu_env_path
@@ -167,6 +167,8 @@ class EnvSync:
                     self._unexpected_seen.clear()
                 return  # the changes end only when stop is set or the client is closed
             except Exception as exc:
+                if stop.is_set():
+                    return  # shutting down: the loop reports go to may be closed already
                 failures += 1
                 first, maximum = self.watch_retry
                 delay = min(maximum, first * 2 ** min(failures - 1, 30))

@@ -373,7 +373,7 @@ def test_an_unexpected_exception_at_boot_falls_back_to_the_cache(
     assert result.source == "cache"
     assert (
         result.status
-        == "tpu-env: tpuboot failed on it (RuntimeError), 14 keys from cache of 2026-11-29T20:00Z"
+        == "tpu-env: unexpected RuntimeError (see the log), 14 keys from cache of 2026-11-29T20:00Z"
     )
     assert root.path(TPU_ENV).read_bytes() == GOOD
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
