@@ -10,10 +10,10 @@ Values are the text written, not YAML 1.1's typing: the document is only compose
 nodes (never constructed into Python objects, which raises ValueError, IndexError,
 KeyError... on scalars such as ``2026-02-30``, ``!!int ''`` or a 5000-digit number), and
 each value is its scalar's text. The runtime reads strings, so ``0123``, ``1:30``, ``0x10``,
-``yes``, ``1.50``, ``~`` and ``2026-11-29 10:00`` stay as written (YAML 1.1 would give 83,
-90, 16, True, 1.5, None and a reformatted time); quoted values, all a real tpu-env holds,
-are the same either way. Tags of YAML's own scalar types (``!!str``, ``!!int``...) change
-nothing; a value with any other tag (``!!binary``, ``!!python/...``, ``!local``) is skipped.
+``yes``, ``1.50`` and ``~`` stay as written (YAML 1.1 would give 83, 90, 16, True, 1.5 and
+None); quoted values, all a real tpu-env holds, are the same either way. Tags of YAML's own
+scalar types (``!!str``, ``!!int``...) change nothing; a value with any other tag
+(``!!binary``, ``!!python/...``, ``!local``) is skipped.
 
 Skipped, all named in one warning: keys that are not shell variable names, names in
 :data:`REFUSED_NAMES` (what bash, dash or the dynamic loader give a meaning), nested or
