@@ -10,6 +10,7 @@ import functools
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,7 +85,10 @@ class Daemon:
         assert self.env is not None
         self.env.status = result.status
         if self.agents is not None:
-            self.agents.reconfigure()  # VBARCONTROL_AGENT_DOCKER_URL may have changed
+            try:
+                self.agents.reconfigure()  # VBARCONTROL_AGENT_DOCKER_URL may have changed
+            except Exception:
+                log.exception("vBar: reconfiguring after a tpu-env change failed unexpectedly")
         self._publish()
 
     def _agent_status(self, label: str, text: str) -> None:
@@ -93,15 +97,25 @@ class Daemon:
         self._publish()
 
     async def _env_boot(self) -> None:
-        """Write tpu-env (from metadata or cache) within the boot deadline, then keep watching."""
+        """Write tpu-env (from metadata or cache) within the boot deadline, then keep watching.
+
+        Nothing here can keep the daemon from READY: sync_once never raises, and if it did the
+        STATUS line would say so and the watch would still start.
+        """
         if self.env is None:
             return
         env, loop = self.env, asyncio.get_running_loop()
-        self._env_result(await loop.run_in_executor(self.executor, env.sync.sync_once, env.deadline))
+        try:
+            result = await loop.run_in_executor(self.executor, env.sync.sync_once, env.deadline)
+        except Exception as exc:
+            log.exception("tpu-env: the boot-time sync failed unexpectedly")
+            env.status = f"tpu-env: failed ({type(exc).__name__}); see the log"
+        else:
+            self._env_result(result)
         if env.watch:
             report = functools.partial(loop.call_soon_threadsafe, self._env_result)
             threading.Thread(
-                target=env.sync.watch, args=(env.stop, report), name="tpuboot-env-watch", daemon=True
+                target=run_watch, args=(env.sync, env.stop, report), name="tpuboot-env-watch", daemon=True
             ).start()
 
     def _publish(self) -> None:
@@ -172,6 +186,24 @@ class Daemon:
             self.devices.shutdown()
             self.executor.shutdown(wait=False, cancel_futures=True)
         return 0
+
+
+WATCH_RESTART_MAX = 300.0
+
+
+def run_watch(sync: EnvSync, stop: threading.Event, report: Callable[[SyncResult], None]) -> None:
+    """The watch thread's body: EnvSync.watch never raises, and should a bug make it, the watch is
+    started again (after 1 s, doubling to 5 min) instead of ending for good."""
+    delay = 1.0
+    while not stop.is_set():
+        try:
+            sync.watch(stop, report)
+            return
+        except Exception:
+            log.exception("tpu-env: the watch ended unexpectedly; starting it again in %g s", delay)
+        if stop.wait(delay):
+            return
+        delay = min(delay * 2, WATCH_RESTART_MAX)
 
 
 def run(

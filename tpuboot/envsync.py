@@ -15,6 +15,11 @@ configure-gcs-timeouts.sh). ``sync_once`` runs at boot; ``watch`` keeps tpu-env 
 long-poll in flight; nothing polls ``stop``, so an idle watch never wakes up). Start it
 after ``sync_once`` has returned: it continues from that sync's ETag (without one it first
 reads and writes the current value).
+
+Neither can be ended by a value or a fault: every failure the metadata server or the value
+can cause is handled where it arises. Anything else is a bug; ``sync_once`` then falls back
+to the cache like any other failure, and ``watch`` logs it once with its traceback and
+resumes after a backoff (1 s doubling to 5 min) from the last value it wrote.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ ENVIRONMENT_RECORD = "environment.lines"
 CACHE_FORMAT = 1
 TPU_ENV_MODE = 0o644  # the runtime user must read it; only root writes it
 CACHE_MODE = 0o600
+#: The watch's wait after an unexpected exception: first, doubling up to the maximum.
+WATCH_RETRY_FIRST = 1.0
+WATCH_RETRY_MAX = 300.0
 
 
 @dataclass(frozen=True)
@@ -99,36 +107,106 @@ class EnvSync:
         self._lock = threading.Lock()
         self._etag: str | None = None
         self._reported: SyncResult | None = None
+        self.watch_retry = (WATCH_RETRY_FIRST, WATCH_RETRY_MAX)
+        self._unexpected_seen: set[str] = set()
 
     @property
     def cache_path(self) -> str:
         return self._env.cache_dir.rstrip("/") + "/" + CACHE_NAME
 
     def sync_once(self, deadline_s: float) -> SyncResult:
-        """Fetch tpu-env within ``deadline_s`` seconds, write every file; metadata trouble never raises."""
+        """Fetch tpu-env within ``deadline_s`` seconds, write every file; never raises (see module doc)."""
         try:
-            reply = self._client.get(TPU_ENV_ATTRIBUTE, deadline_s=deadline_s)
-        except MetadataAbsent:
-            result = self._absent()
-        except MetadataError as exc:
-            reason = "metadata server unreachable" if exc.transient else "metadata answer unusable"
-            log.warning("tpu-env: %s", exc, extra={"TPU_ENV_PATH": self._env.tpu_env_path})
-            result = self._from_cache(reason)
-        else:
-            result = self._from_metadata(reply.body, reply.etag)
+            result = self._sync_tpu_env(deadline_s)
+        except Exception as exc:  # a bug, never a property of the metadata: go on as for any failure
+            self._unexpected(exc, "tpu-env sync")
+            result = self._after_bug(exc)
         result = self._with_environment(result)
         self._report(result)
         return result
 
+    def _sync_tpu_env(self, deadline_s: float) -> SyncResult:
+        try:
+            reply = self._client.get(TPU_ENV_ATTRIBUTE, deadline_s=deadline_s)
+        except MetadataAbsent:
+            return self._absent()
+        except MetadataError as exc:
+            reason = "metadata server unreachable" if exc.transient else "metadata answer unusable"
+            log.warning("tpu-env: %s", exc, extra={"TPU_ENV_PATH": self._env.tpu_env_path})
+            return self._from_cache(reason)
+        return self._from_metadata(reply.body, reply.etag)
+
+    def _after_bug(self, exc: Exception) -> SyncResult:
+        """The cached copy after an unexpected exception, or a failed result if that fails too."""
+        try:
+            return self._from_cache(f"unexpected {type(exc).__name__} (see the log)")
+        except Exception as again:
+            self._unexpected(again, "tpu-env cache")
+            path = self._env.tpu_env_path
+            return SyncResult(
+                "failed", 0, None, f"tpu-env: tpuboot failed ({type(exc).__name__}); left {path} as it was"
+            )
+
     def watch(self, stop: threading.Event, on_result: Callable[[SyncResult], None]) -> None:
-        """Rewrite tpu-env on each change of the attribute until ``stop`` is set; ``on_result`` after each."""
-        changes = self._client.changes(
-            TPU_ENV_ATTRIBUTE, stop=stop, etag=self._etag, timeout_sec=self._metadata.watch_timeout
-        )
-        for change in changes:
-            result = self._apply_change(change)
+        """Rewrite tpu-env on each change of the attribute until ``stop`` is set; ``on_result`` after each.
+
+        Never raises: an unexpected exception (a bug) is logged once with its traceback, reported
+        as a failed result, and the watch starts again after a backoff from the last ETag written.
+        """
+        failures = 0
+        while not stop.is_set():
+            try:
+                changes = self._client.changes(
+                    TPU_ENV_ATTRIBUTE, stop=stop, etag=self._etag, timeout_sec=self._metadata.watch_timeout
+                )
+                for change in changes:
+                    result = self._apply_change(change)
+                    self._report(result)
+                    on_result(result)
+                    failures = 0
+                    self._unexpected_seen.clear()
+                return  # the changes end only when stop is set or the client is closed
+            except Exception as exc:
+                if stop.is_set():
+                    return  # shutting down: the loop reports go to may be closed already
+                failures += 1
+                first, maximum = self.watch_retry
+                delay = min(maximum, first * 2 ** min(failures - 1, 30))
+                self._unexpected(exc, f"tpu-env watch (retrying in {delay:g} s)")
+                path = self._env.tpu_env_path
+                failed = SyncResult(
+                    "failed",
+                    0,
+                    self._etag,
+                    f"tpu-env: watch failed ({type(exc).__name__}); left {path} as it was",
+                )
+                if failures == 1:  # once per streak: STATUS shows it, the log is not flooded
+                    self._tell(on_result, failed)
+                if stop.wait(delay):
+                    return
+
+    def _tell(self, on_result: Callable[[SyncResult], None], result: SyncResult) -> None:
+        try:
             self._report(result)
             on_result(result)
+        except Exception as exc:
+            self._unexpected(exc, "tpu-env watch report")
+
+    def _unexpected(self, exc: Exception, where: str) -> None:
+        """Log an unexpected exception with its traceback the first time; repeats at debug level."""
+        kind = f"{where.split(' (')[0]}: {type(exc).__name__}: {exc}"[:300]
+        if kind in self._unexpected_seen:
+            log.debug("%s: %s again", where, type(exc).__name__)
+            return
+        self._unexpected_seen.add(kind)
+        log.error(
+            "%s: unexpected %s: %s; this is a bug in tpuboot, please report it",
+            where,
+            type(exc).__name__,
+            str(exc).splitlines()[0][:200] if str(exc) else "",
+            exc_info=exc,
+            extra={"TPU_ENV_PATH": self._env.tpu_env_path},
+        )
 
     def _apply_change(self, change: Change) -> SyncResult:
         if change.value is None:
@@ -233,6 +311,12 @@ class EnvSync:
             log.error("%s", exc, extra={"ENVIRONMENT_PATH": self._env.environment_path})
             return dataclasses.replace(
                 result, status=f"{result.status}; {self._env.environment_path} not written: {exc}"
+            )
+        except Exception as exc:  # a bug: tpu-env's result still counts
+            self._unexpected(exc, "/etc/environment")
+            return dataclasses.replace(
+                result,
+                status=f"{result.status}; {self._env.environment_path} not written ({type(exc).__name__})",
             )
         return dataclasses.replace(result, environment_written=bool(changed))
 

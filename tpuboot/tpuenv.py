@@ -1,27 +1,34 @@
 """tpu-env: the ``tpu-env`` metadata attribute (YAML) turned into the shell file the TPU runtime sources.
 
 The documented script ``eval``-ed text built from the values, so a value holding ``"``,
-``$(...)`` or a backtick ran as a command. Here the YAML is checked before it is loaded
+``$(...)`` or a backtick ran as a command. Here the YAML is checked before it is read
 (no anchors or aliases, so no alias bomb; bounded size and depth), only a mapping of
 shell-variable names to scalars is accepted, and every value is escaped so that
 ``set -a; . FILE`` in dash or bash yields exactly the original string.
 
-Rendering of YAML scalars: strings as they are; ``true``/``false`` (and YAML 1.1's
-yes/no/on/off) as ``true``/``false``; null or an empty value as the empty string;
-numbers with Python's ``str()`` (``0x10`` becomes ``16``: quote values in tpu-env to keep
-them verbatim); dates as ISO 8601. Skipped, all named in one warning: keys that are not
-shell variable names, names the shells give a meaning (``PATH``, ``IFS``, ``LD_*``...),
-nested values, binary values, and values a shell variable cannot hold (NUL).
+Values are the text written, not YAML 1.1's typing: the document is only composed into
+nodes (never constructed into Python objects, which raises ValueError, IndexError,
+KeyError... on scalars such as ``2026-02-30``, ``!!int ''`` or a 5000-digit number), and
+each value is its scalar's text. The runtime reads strings, so ``0123``, ``1:30``, ``0x10``,
+``yes``, ``1.50`` and ``~`` stay as written (YAML 1.1 would give 83, 90, 16, True, 1.5 and
+None); quoted values, all a real tpu-env holds, are the same either way. Tags of YAML's own
+scalar types (``!!str``, ``!!int``...) change nothing; a value with any other tag
+(``!!binary``, ``!!python/...``, ``!local``) is skipped.
+
+Skipped, all named in one warning: keys that are not shell variable names, names in
+:data:`REFUSED_NAMES` (what bash, dash or the dynamic loader give a meaning), nested or
+tagged values, values a shell variable cannot hold (NUL, unpaired surrogates), values
+over the kernel's limit for one environment string (:data:`MAX_ENV_STRING`), and values
+past the whole file's bound (:data:`MAX_ENV_TOTAL`).
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
 
 import yaml
 
@@ -33,17 +40,81 @@ log = logging.getLogger("tpuboot.tpuenv")
 MAX_TPU_ENV_BYTES = 1 << 20
 #: Nesting allowed in the YAML at all (nested values are skipped anyway); stops deep-nesting recursion.
 MAX_DEPTH = 16
+#: The kernel's limit on one environment string, ``NAME=value`` and its NUL: MAX_ARG_STRLEN, 32
+#: pages of 4 KiB (include/uapi/linux/binfmts.h). A longer one makes every execve() of a script
+#: that sourced the file fail with E2BIG ("Argument list too long").
+MAX_ENV_STRING = 32 * 4096
+#: The whole file's bound, counted as execve() does (each string, its NUL and an 8-byte pointer):
+#: a quarter of the 2 MiB the kernel allows arguments and environment together under the default
+#: 8 MiB stack limit, so the runtime's own environment and command lines keep the rest.
+MAX_ENV_TOTAL = 512 * 1024
+_POINTER = 8
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-# Variables dash or bash interpret (parsing, startup files, loader, locale) or keep read-only.
-_SHELL_NAME_LIST = (
-    "CDPATH COLUMNS DIRSTACK ENV EPOCHREALTIME EPOCHSECONDS EUID FCEDIT FUNCNAME GLOBIGNORE GROUPS HOME "
-    "HOSTFILE IFS IGNOREEOF INPUTRC LANG LINENO LINES MAIL MAILCHECK MAILPATH OLDPWD OPTARG OPTERR OPTIND "
-    "PATH POSIXLY_CORRECT PPID PROMPT_COMMAND PS0 PS1 PS2 PS3 PS4 PWD RANDOM SECONDS SHELL SHELLOPTS SHLVL "
-    "SRANDOM TERM TMOUT UID"
+
+# Every name a shell or the loader gives a meaning, by exact name (no prefix rule: LC_PAPER,
+# BASHFUL or HISTORY_DAYS mean nothing to them and are kept). The shells read such a name to
+# decide what to run or how to parse (PATH, ENV, BASH_ENV, IFS, SHELLOPTS, PS4, LC_CTYPE...),
+# or set it themselves so the runtime would not see the value written (RANDOM, LINENO, PWD,
+# SHLVL, _...), or keep it read-only so the assignment fails and ends a ``set -e`` script
+# (EUID, UID, PPID, BASHOPTS...). Exported functions (``BASH_FUNC_name%%``) are not names at all.
+_REFUSED_BY_SOURCE: tuple[tuple[str, str], ...] = (
+    (
+        "bash(1) 5.2, Shell Variables",
+        "_ BASH BASHOPTS BASHPID BASH_ALIASES BASH_ARGC BASH_ARGV BASH_ARGV0 BASH_CMDS BASH_COMMAND "
+        "BASH_EXECUTION_STRING BASH_LINENO BASH_LOADABLES_PATH BASH_REMATCH BASH_SOURCE BASH_SUBSHELL "
+        "BASH_VERSINFO BASH_VERSION COMP_CWORD COMP_KEY COMP_LINE COMP_POINT COMP_TYPE COMP_WORDBREAKS "
+        "COMP_WORDS COPROC DIRSTACK EPOCHREALTIME EPOCHSECONDS EUID FUNCNAME GROUPS HISTCMD HOSTNAME "
+        "HOSTTYPE LINENO MACHTYPE MAPFILE OLDPWD OPTARG OPTIND OSTYPE PIPESTATUS PPID PWD RANDOM "
+        "READLINE_ARGUMENT READLINE_LINE READLINE_MARK READLINE_POINT REPLY SECONDS SHELLOPTS SHLVL "
+        "SRANDOM UID BASH_COMPAT BASH_ENV BASH_XTRACEFD CDPATH CHILD_MAX COLUMNS COMPREPLY EMACS ENV "
+        "EXECIGNORE FCEDIT FIGNORE FUNCNEST GLOBIGNORE HISTCONTROL HISTFILE HISTFILESIZE HISTIGNORE "
+        "HISTSIZE HISTTIMEFORMAT HOME HOSTFILE IFS IGNOREEOF INPUTRC INSIDE_EMACS LANG LC_ALL "
+        "LC_COLLATE LC_CTYPE LC_MESSAGES LC_NUMERIC LC_TIME LINES MAIL MAILCHECK MAILPATH OPTERR PATH "
+        "POSIXLY_CORRECT PROMPT_COMMAND PROMPT_DIRTRIM PS0 PS1 PS2 PS3 PS4 SHELL TIMEFORMAT TMOUT "
+        "TMPDIR auto_resume histchars",
+    ),
+    ("bash(1) 5.3, Shell Variables", "BASH_MONOSECONDS BASH_TRAPSIG GLOBSORT"),
+    ("bash(1), fc", "EDITOR"),
+    (
+        "dash(1), Environment and fc",
+        "HOME PATH CDPATH MAIL MAILCHECK MAILPATH PS1 PS2 PS4 IFS TERM HISTSIZE PWD OLDPWD PPID "
+        "ENV OPTARG OPTIND FCEDIT EDITOR",
+    ),
+    (
+        "ld.so(8), ENVIRONMENT",
+        "LD_ASSUME_KERNEL LD_BIND_NOW LD_LIBRARY_PATH LD_PRELOAD LD_TRACE_LOADED_OBJECTS LD_AUDIT "
+        "LD_BIND_NOT LD_DEBUG LD_DEBUG_OUTPUT LD_DYNAMIC_WEAK LD_HWCAP_MASK LD_ORIGIN_PATH "
+        "LD_POINTER_GUARD LD_PREFER_MAP_32BIT_EXEC LD_PROFILE LD_PROFILE_OUTPUT LD_SHOW_AUXV "
+        "LD_TRACE_PRELINKING LD_USE_LOAD_BIAS LD_VERBOSE LD_WARN",
+    ),
+    (
+        "ld.so(8), secure-execution mode",
+        "GCONV_PATH GETCONF_DIR HOSTALIASES LOCALDOMAIN LOCPATH MALLOC_TRACE NIS_PATH NLSPATH "
+        "RESOLV_HOST_CONF RES_OPTIONS TMPDIR TZDIR",
+    ),
+    (
+        "mallopt(3), ENVIRONMENT; glibc manual, Tunables",
+        "GLIBC_TUNABLES MALLOC_ARENA_MAX MALLOC_ARENA_TEST MALLOC_CHECK_ MALLOC_MMAP_MAX_ "
+        "MALLOC_MMAP_THRESHOLD_ MALLOC_PERTURB_ MALLOC_TOP_PAD_ MALLOC_TRIM_THRESHOLD_",
+    ),
 )
-_SHELL_NAMES = frozenset(_SHELL_NAME_LIST.split())
-_SHELL_PREFIXES = ("BASH", "LD_", "LC_", "COMP_", "HIST", "READLINE_")
+
+
+def _by_name() -> dict[str, str]:
+    names: dict[str, list[str]] = {}
+    for source, listed in _REFUSED_BY_SOURCE:
+        for name in listed.split():
+            names.setdefault(name, []).append(source)
+    return {name: "; ".join(sources) for name, sources in sorted(names.items())}
+
+
+#: The names tpu-env may not set, each with the documentation that gives it a meaning.
+REFUSED_NAMES: Mapping[str, str] = MappingProxyType(_by_name())
+
+_YAML = "tag:yaml.org,2002:"
+# Tags that only say how YAML 1.1 would type the text; the text is taken as written.
+_TEXT_TAGS = frozenset(_YAML + kind for kind in ("str", "int", "float", "bool", "null", "timestamp"))
 
 
 class TpuEnvError(TpubootError):
@@ -59,7 +130,8 @@ class TpuEnv:
 
 
 def parse_tpu_env(text: str | bytes, *, max_bytes: int = MAX_TPU_ENV_BYTES) -> TpuEnv:
-    """Parse a tpu-env value; raises TpuEnvError if it is unusable, warns once about skipped keys."""
+    """Parse a tpu-env value; raises TpuEnvError (one line) if it is unusable, warns once about
+    skipped keys. Any other exception is a bug in tpuboot, never a property of the document."""
     if isinstance(text, bytes):
         if len(text) > max_bytes:
             raise TpuEnvError(f"tpu-env is larger than {max_bytes} bytes; shrink the tpu-env attribute")
@@ -69,25 +141,36 @@ def parse_tpu_env(text: str | bytes, *, max_bytes: int = MAX_TPU_ENV_BYTES) -> T
             raise TpuEnvError("tpu-env is not UTF-8 text; fix the tpu-env attribute") from None
     if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
         raise TpuEnvError(f"tpu-env is larger than {max_bytes} bytes; shrink the tpu-env attribute")
-    _check_events(text)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise TpuEnvError(f"tpu-env is not valid YAML{_where(exc)}; fix the tpu-env attribute") from None
-    if not isinstance(data, Mapping):
-        kind = "empty" if data is None else f"a {type(data).__name__}"
-        raise TpuEnvError(f"tpu-env is {kind}, not a mapping of NAME: 'value'; fix the tpu-env attribute")
-    env = _convert(data)
+    root = _compose(text)
+    if not isinstance(root, yaml.MappingNode) or root.tag != _YAML + "map":
+        raise TpuEnvError(
+            f"tpu-env is {_kind(root)}, not a mapping of NAME: 'value'; fix the tpu-env attribute"
+        )
+    env = _convert(root)
     if env.skipped:
         listed = ", ".join(f"{key} ({why})" for key, why in env.skipped.items())
         log.warning(
             "tpu-env: skipped %d of %d keys: %s",
             len(env.skipped),
-            len(data),
+            len(env.skipped) + len(env.values),
             listed,
             extra={"TPU_ENV_SKIPPED": " ".join(env.skipped)},
         )
     return env
+
+
+def _kind(node: yaml.Node | None) -> str:
+    if node is None:
+        return "empty"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    if isinstance(node, yaml.ScalarNode) and node.tag in _TEXT_TAGS:
+        return "a single value"
+    return f"tagged {_short_tag(node.tag)}"
+
+
+def _short_tag(tag: str) -> str:
+    return "!!" + tag[len(_YAML) :] if tag.startswith(_YAML) else tag
 
 
 def _where(exc: yaml.YAMLError) -> str:
@@ -95,74 +178,107 @@ def _where(exc: yaml.YAMLError) -> str:
     return f" (line {mark.line + 1})" if mark is not None else ""
 
 
-def _check_events(text: str) -> None:
-    """Refuse anchors, aliases and deep nesting before anything is constructed from them."""
-    depth = 0
+def _compose(text: str) -> yaml.Node | None:
+    """The document's node tree, after refusing anchors, aliases and deep nesting.
+
+    Composing resolves no values, so no constructor runs. PyYAML's reader and parser raise
+    only YAMLError on the inputs tried; anything else is still one refusal, not a traceback.
+    """
     try:
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-                raise TpuEnvError(
-                    "tpu-env uses YAML anchors or aliases (& or *), refused to prevent alias bombs; "
-                    "write each value out"
-                )
-            if isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > MAX_DEPTH:
-                    raise TpuEnvError(
-                        f"tpu-env nests deeper than {MAX_DEPTH} levels; flatten the tpu-env attribute"
-                    )
-            elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
+        _check_events(text)
+        return yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         raise TpuEnvError(f"tpu-env is not valid YAML{_where(exc)}; fix the tpu-env attribute") from None
+    except (ValueError, TypeError, LookupError, ArithmeticError, RecursionError) as exc:
+        log.debug("PyYAML failed on tpu-env", exc_info=True)
+        raise TpuEnvError(
+            f"tpu-env could not be read by the YAML parser ({type(exc).__name__}); fix the tpu-env attribute"
+        ) from None
 
 
-def _convert(data: Mapping[Any, Any]) -> TpuEnv:
+def _check_events(text: str) -> None:
+    """Refuse anchors, aliases and deep nesting before anything is composed from them."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise TpuEnvError(
+                "tpu-env uses YAML anchors or aliases (& or *), refused to prevent alias bombs; "
+                "write each value out"
+            )
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise TpuEnvError(
+                    f"tpu-env nests deeper than {MAX_DEPTH} levels; flatten the tpu-env attribute"
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _convert(root: yaml.MappingNode) -> TpuEnv:
+    # Like safe_load, a later duplicate key replaces an earlier one (in the earlier one's place).
+    pairs: dict[str, tuple[str | None, yaml.Node]] = {}
+    for key_node, value_node in root.value:
+        name = _text(key_node)
+        if name is not None and _NAME.match(name):
+            pairs[name] = (key_problem(name), value_node)
+        else:
+            pairs[_label(key_node)] = ("not a shell variable name", value_node)
     values: dict[str, str] = {}
     skipped: dict[str, str] = {}
-    for key, raw in data.items():
-        value = scalar_text(raw)
-        why = _key_problem(key) or _value_problem(raw, value)
+    total = 0
+    for key, (why, value_node) in pairs.items():
+        value = _text(value_node)
+        why = why or _value_problem(value_node, value)
         if why is None and value is not None:
-            values[key] = value
-        else:
-            label = key if isinstance(key, str) and _NAME.match(key) else repr(key)
-            skipped[label] = why or "unusable"
+            size = len(key) + 1 + len(value.encode("utf-8"))  # NAME=value; execve adds a NUL
+            if size >= MAX_ENV_STRING:
+                why = f"{size} bytes as NAME=value, over the kernel's limit of {MAX_ENV_STRING - 1}"
+            elif total + size + 1 + _POINTER > MAX_ENV_TOTAL:
+                why = f"past the {MAX_ENV_TOTAL // 1024} KiB bound on the whole tpu-env"
+            else:
+                total += size + 1 + _POINTER
+                values[key] = value
+                continue
+        skipped[key] = why or "unusable"
     return TpuEnv(values, skipped)
 
 
-def _key_problem(key: Any) -> str | None:
-    if not isinstance(key, str) or not _NAME.match(key):
-        return "not a shell variable name"
-    if key in _SHELL_NAMES or key.startswith(_SHELL_PREFIXES):
-        return "reserved by the shell"
+def _text(node: yaml.Node) -> str | None:
+    """A scalar's text as written (escapes and line folding applied); None for anything else."""
+    if isinstance(node, yaml.ScalarNode) and node.tag in _TEXT_TAGS:
+        return str(node.value)
     return None
 
 
-def _value_problem(raw: Any, value: str | None) -> str | None:
+def _label(node: yaml.Node) -> str:
+    """How a key that is not a name is shown in the warning: quoted, and short."""
+    if isinstance(node, yaml.ScalarNode):
+        shown = repr(node.value)
+        return shown if len(shown) <= 40 else shown[:37] + "..."
+    kind = "a list" if isinstance(node, yaml.SequenceNode) else "a mapping"
+    return f"<{kind} key, line {node.start_mark.line + 1}>"
+
+
+def key_problem(name: str) -> str | None:
+    """Why tpu-env may not set ``name`` (a valid shell name), citing the documentation; None if it may."""
+    source = REFUSED_NAMES.get(name)
+    return f"reserved: {source}" if source is not None else None
+
+
+def _value_problem(node: yaml.Node, value: str | None) -> str | None:
     if value is None:
-        return f"a {type(raw).__name__}, not a scalar"
+        if isinstance(node, yaml.MappingNode):
+            return "a mapping, not a scalar"
+        if isinstance(node, yaml.SequenceNode):
+            return "a list, not a scalar"
+        return f"tagged {_short_tag(node.tag)}, not a string"
     if "\0" in value:
         return "contains NUL, which a shell variable cannot hold"
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         return "not valid Unicode"
-    return None
-
-
-def scalar_text(value: Any) -> str | None:
-    """The text a YAML scalar stands for in the environment (None for non-scalars); see module doc."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, (datetime.date, datetime.datetime)):
-        return value.isoformat()
     return None
 
 

@@ -7,6 +7,8 @@ import collections
 import os
 import signal
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -14,9 +16,9 @@ import pytest
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu, binder
-from tpuboot import binding
+from tpuboot import binding, envsync
 from tpuboot.coldplug import new_executor, start_coldplug
-from tpuboot.daemon import Daemon, EnvJob
+from tpuboot.daemon import Daemon, EnvJob, run_watch
 from tpuboot.envsync import EnvSync
 from tpuboot.notify import Notifier
 
@@ -271,3 +273,71 @@ def test_binds_started_before_the_loop_are_adopted_not_redone(kernel, caplog):
         r.getMessage().split()[0] for r in caplog.records if "bound to vfio-pci, /dev/vfio/" in r.getMessage()
     ]
     assert sorted(logged) == sorted(early.binds)  # and each result was handled as usual
+
+
+def test_an_unexpected_exception_in_the_boot_sync_still_reaches_ready_on_the_cache(
+    kernel, emulator, root, monkeypatch
+):
+    """Before: the exception ended `tpuboot run` before READY, without the last good copy."""
+    config = make_config(emulator)
+    EnvSync(root, config, make_client(emulator)).sync_once(5.0)  # a good boot fills the cache
+    root.path("/home/tpu-runtime/tpu-env").unlink()
+    parse = envsync.parse_tpu_env
+
+    def buggy(text, **kwargs):
+        if isinstance(text, bytes):  # the metadata value; the cached copy still parses
+            raise ValueError("day is out of range for month")
+        return parse(text, **kwargs)
+
+    monkeypatch.setattr(envsync, "parse_tpu_env", buggy)
+    client = make_client(emulator)
+
+    async def scenario():
+        job = EnvJob(EnvSync(root, config, client), client, 5.0, False)
+        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), job)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        assert "unexpected ValueError (see the log), 14 keys from cache of" in daemon.notifier.last_status
+        assert root.path("/home/tpu-runtime/tpu-env").exists()
+        daemon.stopping.set()
+        assert await task == 0
+
+    asyncio.run(scenario())
+
+
+def test_even_a_sync_that_raises_reaches_ready_and_starts_the_watch(kernel, emulator, root, monkeypatch):
+    client = make_client(emulator)
+    sync = EnvSync(root, make_config(emulator), client)
+    watched = threading.Event()
+    monkeypatch.setattr(sync, "sync_once", lambda deadline: 1 / 0)
+    monkeypatch.setattr(sync, "watch", lambda stop, report: watched.set())
+
+    async def scenario():
+        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), EnvJob(sync, client, 5.0, True))
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        assert daemon.notifier.sent[0].endswith("; tpu-env: failed (ZeroDivisionError); see the log")
+        await until(watched.is_set)
+        daemon.stopping.set()
+        assert await task == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_watch_thread_starts_a_watch_again_that_raised(monkeypatch, caplog):
+    calls: list[float] = []
+    stop = threading.Event()
+
+    class Sync:
+        def watch(self, stop_: threading.Event, report) -> None:
+            calls.append(time.monotonic())
+            if len(calls) < 3:
+                raise RuntimeError("a bug")
+            stop.set()
+
+    waits: list[float] = []
+    monkeypatch.setattr(stop, "wait", lambda delay: waits.append(delay) or stop.is_set())
+    with caplog.at_level("ERROR", logger="tpuboot"):
+        run_watch(Sync(), stop, lambda result: None)
+    assert len(calls) == 3 and waits == [1.0, 2.0]
+    assert len([r for r in caplog.records if r.exc_info]) == 2

@@ -21,11 +21,12 @@ from tests.mds_emulator import (
     tpu_env_yaml,
 )
 from tests.unit.conftest import make_client, make_config
+from tpuboot import envsync
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.envsync import EnvSync, SyncResult
 from tpuboot.metadata import MetadataClient
 from tpuboot.paths import Root
-from tpuboot.tpuenv import render_env_file
+from tpuboot.tpuenv import TpuEnv, render_env_file
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"
 CACHE = "/var/lib/tpuboot/tpu-env.json"
@@ -309,3 +310,115 @@ def test_the_lines_tpuboot_wrote_are_recorded_for_the_purge(
     mtime = record.stat().st_mtime_ns
     EnvSync(root, make_config(emulator, environment=changed), sync_client).sync_once(deadline_s=5)
     assert record.stat().st_mtime_ns == mtime  # nothing changed: nothing rewritten
+
+
+# --- documents PyYAML cannot build, and bugs: never the end of a sync or of the watch ----------
+
+UNBUILDABLE = "A: 2026-02-30\nB: !!int ''\nC: " + "9" * 5000 + "\nD: !!timestamp x\n"
+UNBUILDABLE_VALUES = 'A="2026-02-30"\nB=""\nC="' + "9" * 5000 + '"\nD="x"\n'
+
+
+def test_a_document_pyyaml_cannot_build_is_written_as_text_at_boot(
+    sync: EnvSync, root: Root, emulator: MetadataEmulator
+) -> None:
+    """Before: safe_load's ValueError escaped sync_once (`tpuboot env` ended in a traceback)."""
+    emulator.set_attribute("tpu-env", UNBUILDABLE)
+    result = sync.sync_once(deadline_s=5)
+    assert (result.source, result.status) == ("metadata", "tpu-env: 4 keys from metadata")
+    assert root.path(TPU_ENV).read_text() == UNBUILDABLE_VALUES
+
+
+def test_the_watch_writes_a_document_pyyaml_cannot_build_and_then_the_next_one(
+    sync: EnvSync, sync_client: MetadataClient, root: Root, emulator: MetadataEmulator
+) -> None:
+    """Before: the watch thread died on the first, and the second was never written."""
+    sync.sync_once(deadline_s=5)
+    stop, seen, results = threading.Event(), threading.Event(), []
+    worker = run_watch(sync, stop, results, seen)
+    assert emulator.wait_for_pollers(1)
+    emulator.set_attribute("tpu-env", UNBUILDABLE)
+    assert until_len(results, 1)
+    assert root.path(TPU_ENV).read_text() == UNBUILDABLE_VALUES
+    assert emulator.wait_for_pollers(1)
+    emulator.set_attribute("tpu-env", tpu_env_yaml({"WORKER_ID": "3"}))
+    assert until_len(results, 2)
+    stop.set()
+    sync_client.close()
+    worker.join(timeout=5)
+    assert [r.source for r in results] == ["metadata", "metadata"]
+    assert root.path(TPU_ENV).read_text() == 'WORKER_ID="3"\n'
+
+
+def fail_on(monkeypatch: pytest.MonkeyPatch, marker: bytes) -> None:
+    """Make parsing a metadata value holding ``marker`` raise as a bug would (the cache still parses)."""
+    parse = envsync.parse_tpu_env
+
+    def buggy(text: str | bytes, **kwargs: int) -> TpuEnv:
+        if isinstance(text, bytes) and marker in text:
+            raise RuntimeError("boom\nsecond line")
+        return parse(text, **kwargs)
+
+    monkeypatch.setattr(envsync, "parse_tpu_env", buggy)
+
+
+def test_an_unexpected_exception_at_boot_falls_back_to_the_cache(
+    sync: EnvSync, root: Root, emulator: MetadataEmulator, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    sync.sync_once(deadline_s=5)
+    root.path(TPU_ENV).unlink()
+    fail_on(monkeypatch, b"BOOM")
+    emulator.set_attribute("tpu-env", "BOOM: 1\n")
+    with caplog.at_level(logging.WARNING, logger="tpuboot"):
+        result = sync.sync_once(deadline_s=5)
+    assert result.source == "cache"
+    assert (
+        result.status
+        == "tpu-env: unexpected RuntimeError (see the log), 14 keys from cache of 2026-11-29T20:00Z"
+    )
+    assert root.path(TPU_ENV).read_bytes() == GOOD
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is not None
+    assert errors[0].getMessage() == (
+        "tpu-env sync: unexpected RuntimeError: boom; this is a bug in tpuboot, please report it"
+    )
+
+
+def test_the_watch_survives_an_unexpected_exception_logs_it_once_and_resumes(
+    sync: EnvSync,
+    sync_client: MetadataClient,
+    root: Root,
+    emulator: MetadataEmulator,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: the exception ended the watch thread for good; later values were never written."""
+    sync.sync_once(deadline_s=5)
+    sync.watch_retry = (0.05, 0.2)
+    fail_on(monkeypatch, b"BOOM")
+    stop, seen, results = threading.Event(), threading.Event(), []
+    with caplog.at_level(logging.INFO, logger="tpuboot"):
+        worker = run_watch(sync, stop, results, seen)
+        assert emulator.wait_for_pollers(1)
+        emulator.set_attribute("tpu-env", "BOOM: 1\n")
+        assert until_len(results, 1)
+        start = emulator.request_count
+        deadline = time.monotonic() + 10
+        while emulator.request_count < start + 3 and time.monotonic() < deadline:
+            time.sleep(0.02)  # it retries, with backoff, the value it failed on
+        emulator.set_attribute("tpu-env", tpu_env_yaml({"WORKER_ID": "5"}))
+        assert until_len(results, 2)
+        stop.set()
+        sync_client.close()
+        worker.join(timeout=5)
+    assert not worker.is_alive()
+    assert [r.source for r in results] == ["failed", "metadata"]
+    assert results[0].status == f"tpu-env: watch failed (RuntimeError); left {TPU_ENV} as it was"
+    assert root.path(TPU_ENV).read_text() == 'WORKER_ID="5"\n'
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]  # logged once, however many retries
+    assert errors[0].exc_info is not None and "\n" not in errors[0].getMessage()
+    assert (
+        errors[0]
+        .getMessage()
+        .startswith("tpu-env watch (retrying in 0.05 s): unexpected RuntimeError: boom;")
+    )

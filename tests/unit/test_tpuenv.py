@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 import shutil
 import subprocess
@@ -10,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -52,20 +52,46 @@ def test_sample_parses_in_source_order() -> None:
     assert env.skipped == {}
 
 
-def test_scalars_render_as_documented() -> None:
-    text = "INT: 8\nHEX: 0x10\nFLOAT: 1.5\nB1: yes\nB2: false\nNUL_: ~\nBLANK:\n"
-    text += "DATE: 2026-11-29\nQUOTED: '0x10'\n"
+def test_values_are_the_text_written_not_yaml_typing() -> None:
+    """YAML 1.1 would give 16, 83, 90, True, 1.5, None...: the runtime reads strings, so the text stays."""
+    text = (
+        "INT: 8\nHEX: 0x10\nOCTAL: 0123\nSEXAGESIMAL: 1:30\nUNDERSCORE: 1_000\nFLOAT: 1.50\nEXP: 1e3\n"
+        "INF: .inf\nB1: yes\nB2: False\nON: on\nTILDE: ~\nNULL_: null\nBLANK:\nDATE: 2026-11-29\n"
+        "TIME: 2026-11-29 10:00:00\nQUOTED: '0x10'\nDQUOTED: \"a\\tb\"\nFOLDED: one\n  two\n"
+        "STR_TAG: !!str 0123\nINT_TAG: !!int 0x10\n"
+    )
     assert parse_tpu_env(text).values == {
         "INT": "8",
-        "HEX": "16",
-        "FLOAT": "1.5",
-        "B1": "true",
-        "B2": "false",
-        "NUL_": "",
+        "HEX": "0x10",
+        "OCTAL": "0123",
+        "SEXAGESIMAL": "1:30",
+        "UNDERSCORE": "1_000",
+        "FLOAT": "1.50",
+        "EXP": "1e3",
+        "INF": ".inf",
+        "B1": "yes",
+        "B2": "False",
+        "ON": "on",
+        "TILDE": "~",
+        "NULL_": "null",
         "BLANK": "",
-        "DATE": datetime.date(2026, 11, 29).isoformat(),
+        "DATE": "2026-11-29",
+        "TIME": "2026-11-29 10:00:00",
         "QUOTED": "0x10",
+        "DQUOTED": "a\tb",
+        "FOLDED": "one two",
+        "STR_TAG": "0123",
+        "INT_TAG": "0x10",
     }
+
+
+def test_quoted_values_read_as_the_documented_script_read_them() -> None:
+    """The documented script printed str() of safe_load's values: for quoted values (all a real
+    tpu-env holds) both read the same text."""
+    values = {**SAMPLE_TPU_ENV, **HOSTILE_VALUES}
+    text = tpu_env_yaml(values) + "SINGLE: 'it''s 0123'\n"
+    documented = {key: str(value) for key, value in yaml.safe_load(text).items()}
+    assert parse_tpu_env(text).values == documented
 
 
 def test_bad_keys_and_values_are_skipped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -80,7 +106,7 @@ def test_bad_keys_and_values_are_skipped_with_one_warning(caplog: pytest.LogCapt
         "'1BAD'",
         "'with-dash'",
         "'has space'",
-        "42",
+        "'42'",
         "PATH",
         "LD_PRELOAD",
         "NESTED",
@@ -99,7 +125,7 @@ def test_bad_keys_and_values_are_skipped_with_one_warning(caplog: pytest.LogCapt
     ("text", "problem"),
     [
         ("- a\n- b\n", "is a list, not a mapping"),
-        ("just text\n", "is a str, not a mapping"),
+        ("just text\n", "is a single value, not a mapping"),
         ("", "is empty"),
         (INVALID_YAML, "not valid YAML .line"),
         (ALIAS_BOMB, "anchors or aliases"),
