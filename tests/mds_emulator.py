@@ -136,6 +136,9 @@ class Faults:
     flapping_etag: bool = False  # every answer carries a new ETag, long-polls answer at once
     body: bytes | None = None  # serve this instead of the stored value
     no_length: bool = False  # no Content-Length: the body ends when the connection closes
+    trickle_headers: float = 0.0  # seconds between bytes of the status line and headers (endless)
+    trickle_body: float = 0.0  # headers at once, then the body a byte per this many seconds
+    content_length: str | None = None  # send this Content-Length instead of the body's length
 
 
 def etag_of(value: str) -> str:
@@ -473,9 +476,26 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, body: str, etag: str | None, content_type: str, faults: Faults) -> None:
         self._send_bytes(status, body.encode("utf-8", "surrogatepass"), etag, content_type, faults)
 
+    def _trickle(self, data: bytes, interval: float) -> bool:
+        """Send ``data`` a byte every ``interval`` seconds; False once the emulator stops."""
+        for byte in data:
+            if self.server.emulator._stopping.wait(interval):
+                return False
+            self.wfile.write(bytes([byte]))
+            self.wfile.flush()
+        return True
+
     def _send_bytes(
         self, status: int, body: bytes, etag: str | None, content_type: str, faults: Faults
     ) -> None:
+        if faults.trickle_headers:
+            # A status line, then a header line that never ends: the headers never complete.
+            self.close_connection = True
+            head = f"HTTP/1.1 {status} OK\r\nMetadata-Flavor: Google\r\nX-Slow: ".encode()
+            if self._trickle(head, faults.trickle_headers):
+                while self._trickle(b"a", faults.trickle_headers):
+                    pass
+            return
         self.send_response(status)
         if faults.flavor is not None:
             self.send_header("Metadata-Flavor", faults.flavor)
@@ -486,8 +506,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.close_connection = True
         else:
-            self.send_header("Content-Length", str(len(body)))
+            length = faults.content_length if faults.content_length is not None else str(len(body))
+            self.send_header("Content-Length", length)
         self.end_headers()
+        if faults.trickle_body:
+            self.close_connection = True
+            self.wfile.flush()
+            self._trickle(body, faults.trickle_body)
+            return
         if faults.drop and len(body) > 1:
             self.wfile.write(body[: len(body) // 2])
             self.wfile.flush()

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, EventStream, NotFound, Unreachable
+from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, EventStream, NotFound, ProtocolError, Unreachable
 from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Started, StartFailed
 
 log = logging.getLogger("tpuboot.containers")
@@ -134,6 +134,9 @@ class DockerRuntime:
         except (RuntimeUnavailable, CannotStart, StartFailed):
             raise
         except Exception as exc:
+            if isinstance(exc, ProtocolError):  # answering, but not as dockerd: reconnect later
+                self._drop_client()
+                raise RuntimeUnavailable(_reason(exc)) from None
             if _unreachable(exc):
                 self._drop_client()
                 raise RuntimeUnavailable(f"dockerd not answering on {DOCKER_SOCKET}") from None
@@ -154,6 +157,7 @@ class DockerRuntime:
             raise RuntimeUnavailable(f"dockerd not answering ({_reason(exc)})") from None
         with self._lock:
             self._stream = stream
+        broken: str | None = None  # why the stream failed, when dockerd sent what no event is
         try:
             if self._interrupted.is_set():
                 return None
@@ -170,6 +174,8 @@ class DockerRuntime:
                 return None
             if not _unreachable(exc):
                 return f"gone ({_reason(exc)})"  # removed by hand: start again
+            if isinstance(exc, ProtocolError):
+                broken = _reason(exc)
         finally:
             with self._lock:
                 self._stream = None
@@ -177,7 +183,9 @@ class DockerRuntime:
         if self._interrupted.is_set():
             return None
         self._drop_client()
-        raise RuntimeUnavailable("dockerd went away")
+        raise RuntimeUnavailable(
+            f"dockerd's event stream failed: {broken}" if broken else "dockerd went away"
+        )
 
     def interrupt(self) -> bool:
         """Only when the wanted container changed: a tpu-env change elsewhere leaves it be."""

@@ -14,7 +14,15 @@ of start-up on a slow CPU, for a dozen HTTP requests.
   upgraded under a running tpuboot) renegotiates and is sent once more.
 - Each call opens its own connection: nothing idle goes stale across a dockerd restart, and a
   transport error always means dockerd is not there (:class:`Unreachable`), never a half-used
-  connection. The events stream has no timeout; every other call has one.
+  connection. The events stream has no timeout once its headers came; every other call has
+  one, and it holds in wall-clock time (:class:`tpuboot.netio.DeadlineSocket`): a dockerd that
+  trickles an answer a byte at a time cannot hold a call past it. A pull streams for as long
+  as the image takes, each read within ``timeout``, the whole within ``pull_timeout``.
+- What dockerd sends is bounded and checked: a line of a stream over :data:`MAX_LINE`, a line
+  that is not JSON, a body shorter than its Content-Length or over :data:`MAX_BODY`, a
+  Content-Length that is not ASCII digits, a broken chunked encoding: each is a one-line
+  :class:`ProtocolError` (an :class:`Unreachable`: the caller drops the connection and comes
+  back later), read in bounded memory.
 - An HTTP error answer is an :class:`APIError` with dockerd's own ``message``; 404 is
   :class:`NotFound`. A pull that fails answers 200 and reports the failure inside the stream:
   that is an :class:`APIError` too.
@@ -28,9 +36,12 @@ import json
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote, urlencode
+
+from tpuboot.netio import DeadlineSocket, ascii_int
 
 DOCKER_SOCKET = "/run/docker.sock"
 #: The newest Engine API version tpuboot speaks: Docker 29.0's. moby's API changelog from 1.41
@@ -46,12 +57,18 @@ NEWEST_API = "1.52"
 #: The oldest: what Docker's own client assumes of a daemon that does not say (Docker 1.12); the
 #: calls tpuboot makes are older, but nothing below 1.41 is tested.
 OLDEST_API = "1.24"
-_VERSION = re.compile(r"\d+\.\d+")
+_VERSION = re.compile(r"[0-9]{1,4}\.[0-9]{1,4}")  # ASCII: in a str pattern \d is any Unicode digit
 #: dockerd's refusal of a version outside its range (API middleware), HTTP 400.
 _REFUSED = re.compile(r"client version \S+ is too (old|new)")
 TIMEOUT = 60.0
+#: The whole of a pull, however steadily it progresses (each read has ``timeout``).
+PULL_TIMEOUT = 3600.0
 #: Cap on a plain (not streamed) answer: inspect data is a few KiB.
 MAX_BODY = 16 << 20
+#: Cap on one line of a stream (an event or a pull's progress is well under 4 KiB).
+MAX_LINE = 1 << 20
+#: Cap on the body of an error answer kept for its message.
+MAX_ERROR_BODY = 64 << 10
 
 
 class DockerError(Exception):
@@ -60,6 +77,10 @@ class DockerError(Exception):
 
 class Unreachable(DockerError):
     """dockerd is not there: no socket, connection refused, dropped or timed out."""
+
+
+class ProtocolError(Unreachable):
+    """dockerd's answer broke the Engine API or HTTP: treated as dockerd not there (reconnect later)."""
 
 
 class APIError(DockerError):
@@ -98,14 +119,16 @@ def negotiate(newest: str, oldest: str | None) -> str:
 class _UnixConnection(http.client.HTTPConnection):
     """HTTP over an AF_UNIX stream socket; the host name is only the Host header."""
 
-    def __init__(self, socket_path: str, timeout: float | None) -> None:
+    def __init__(self, socket_path: str, timeout: float | None, deadline: float | None = None) -> None:
         super().__init__("localhost", timeout=timeout)
         self.socket_path = socket_path
         #: The socket, also after http.client handed it to a response and forgot it.
         self.unix_sock: socket.socket | None = None
+        #: When (monotonic) every receive and send of this connection ends; None: never.
+        self.deadline = deadline
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = DeadlineSocket(socket.AF_UNIX, socket.SOCK_STREAM, deadline=lambda: self.deadline)
         try:
             sock.settimeout(self.timeout)
             sock.connect(self.socket_path)
@@ -124,21 +147,93 @@ def _api_error(status: int, body: bytes) -> APIError:
     return (NotFound if status == 404 else APIError)(status, message)
 
 
-def _json_objects(response: http.client.HTTPResponse) -> Iterator[Any]:
+def _chunking_error(exc: BaseException) -> ProtocolError | None:
+    """A broken chunked encoding as one line, None if ``exc`` is another failure.
+
+    http.client raises ValueError or LineTooLong for a chunk size that is not hex, and wraps
+    that ValueError in an IncompleteRead in some paths: the cause tells it from a dropped stream.
+    """
+    error: BaseException | None = exc
+    for _ in range(4):  # the ValueError sits two or three exceptions down the chain
+        if error is None:
+            break
+        if isinstance(error, ValueError) and str(error).endswith(": b''"):
+            return None  # no size line at all: the connection ended (dockerd went away), not garbled
+        if isinstance(error, (ValueError, http.client.LineTooLong)):
+            return ProtocolError(
+                f"dockerd sent a malformed chunked encoding ({_why(error)[:80]}); is it dockerd?"
+            )
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _json_objects(response: http.client.HTTPResponse, what: str = "a stream") -> Iterator[Any]:
     """Each JSON object of a streamed answer: dockerd writes one per line (pull progress, events).
 
     ``read1`` returns what has arrived (http.client undoes the chunked encoding), so an event is
-    seen as soon as dockerd sends it.
+    seen as soon as dockerd sends it. A line is at most :data:`MAX_LINE` bytes and must be JSON
+    (:class:`ProtocolError`); OSError and HTTPException (dropped, cut short) pass through.
     """
-    pending = b""
-    while chunk := response.read1(65536):
+    pending = bytearray()
+    while True:
+        try:
+            chunk = response.read1(65536)
+        except (ValueError, http.client.HTTPException) as exc:
+            raise _chunking_error(exc) or exc from None
+        if not chunk:
+            break
         pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if line.strip():
-                yield json.loads(line)
+        start = 0
+        while (end := pending.find(b"\n", start)) >= 0:
+            if pending[start:end].strip():
+                yield _json_line(bytes(pending[start:end]), what)
+            start = end + 1
+        del pending[:start]
+        if len(pending) > MAX_LINE:
+            raise ProtocolError(
+                f"dockerd sent {what} with a line over {MAX_LINE} bytes and no newline; is it dockerd?"
+            )
     if pending.strip():
-        yield json.loads(pending)
+        yield _json_line(bytes(pending), what)
+
+
+def _json_line(line: bytes, what: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise ProtocolError(f"dockerd sent {what} with a line that is not JSON: {line[:60]!r}") from None
+
+
+def _read_body(response: http.client.HTTPResponse, cap: int, what: str) -> bytes:
+    """The whole body in bounded memory, checked against its Content-Length (ASCII digits, <= ``cap``)."""
+    declared: int | None = None
+    if "chunked" not in (response.getheader("Transfer-Encoding") or "").lower():
+        for value in response.headers.get_all("Content-Length") or []:
+            length = ascii_int(value.strip(" \t"))
+            if length is None:
+                raise ProtocolError(f"dockerd sent Content-Length {value[:40]!r} for {what}, not a number")
+            if declared is not None and length != declared:
+                raise ProtocolError(f"dockerd sent two Content-Lengths for {what} ({declared}, {length})")
+            declared = length
+    if declared is not None and declared > cap:
+        raise ProtocolError(f"dockerd announced {declared} bytes for {what}, over the {cap}-byte cap")
+    if response.status in (204, 304):
+        return b""
+    body = bytearray()
+    try:
+        while declared is None or len(body) < declared:
+            want = 65536 if declared is None else min(65536, declared - len(body))
+            chunk = response.read(want)
+            if not chunk:
+                break
+            body += chunk
+            if len(body) > cap:
+                raise ProtocolError(f"dockerd sent over {cap} bytes for {what}")
+    except (ValueError, http.client.HTTPException) as exc:
+        raise _chunking_error(exc) or exc from None
+    if declared is not None and len(body) < declared:
+        raise ProtocolError(f"dockerd's answer to {what} ended after {len(body)} of {declared} bytes")
+    return bytes(body)
 
 
 class EventStream:
@@ -164,9 +259,13 @@ class EventStream:
                 return
             self._reading = True
         try:
-            for event in _json_objects(self._response):
+            for event in _json_objects(self._response, "an event"):
                 if isinstance(event, dict):
                     yield event
+        except ProtocolError:
+            if self._closed:
+                return
+            raise
         except (OSError, http.client.HTTPException):
             return
         finally:
@@ -195,9 +294,12 @@ class EventStream:
 class DockerAPI:
     """The Engine API at ``socket_path``, in the version dockerd speaks (asked once)."""
 
-    def __init__(self, socket_path: str = DOCKER_SOCKET, timeout: float = TIMEOUT) -> None:
+    def __init__(
+        self, socket_path: str = DOCKER_SOCKET, timeout: float = TIMEOUT, pull_timeout: float = PULL_TIMEOUT
+    ) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
+        self.pull_timeout = pull_timeout
         self.api_version: str | None = None  # the version spoken, once negotiated
         self.daemon_versions: tuple[str | None, str] | None = None  # dockerd's (minimum, newest)
 
@@ -243,27 +345,28 @@ class DockerAPI:
 
         dockerd answers 200 before it knows; a failure is an ``error`` object in the stream.
         """
-        conn, response = self._open("POST", "/images/create", {"fromImage": repository, "tag": tag})
+        query = {"fromImage": repository, "tag": tag}
+        conn, response = self._open("POST", "/images/create", query, total=self.pull_timeout)
         try:
-            for message in _json_objects(response):
+            for message in _json_objects(response, "pull progress"):
                 if isinstance(message, dict) and (message.get("error") or message.get("errorDetail")):
                     detail = message.get("errorDetail") or {}
                     text = message.get("error") or (detail.get("message") if isinstance(detail, dict) else "")
                     raise APIError(response.status, str(text or detail))
         except (OSError, http.client.HTTPException) as exc:
             raise Unreachable(f"{self.socket_path}: pull cut short ({_why(exc)})") from exc
-        except ValueError as exc:
-            raise DockerError(f"dockerd sent malformed pull progress: {exc}") from exc
         finally:
             conn.close()
 
     def events(self, filters: dict[str, list[str]]) -> EventStream:
         """Follow dockerd's events that match ``filters`` (e.g. ``{"event": ["die"]}``), no timeout."""
         query = {"filters": json.dumps(filters, separators=(",", ":"))}
-        conn, response = self._open("GET", "/events", query, stream=True)
+        conn, response = self._open("GET", "/events", query)  # the headers within the timeout
         if conn.unix_sock is None:  # cannot be: there is an answer
             conn.close()
             raise Unreachable(f"{self.socket_path}: no socket for the events stream")
+        conn.deadline = None  # then events come when they come
+        conn.unix_sock.settimeout(None)
         return EventStream(conn.unix_sock, response)
 
     # ------------------------------------------------------------------ transport
@@ -283,23 +386,28 @@ class DockerAPI:
         body: Any = None,
         *,
         versioned: bool = True,
-        stream: bool = False,
+        total: float | None = None,
     ) -> tuple[_UnixConnection, http.client.HTTPResponse]:
         """Send one request on a new connection; the answer if it is a success, else raise.
 
-        A ``stream`` has no timeout: events come when they come.
+        Each read waits ``timeout`` at most and the whole exchange, body included, ends within
+        ``total`` (default: ``timeout``) of its start; the caller may lift that for a stream.
         """
         for attempt in (1, 2):
             url = self._path(path, versioned) + (f"?{urlencode(query)}" if query else "")
             headers = {"Content-Type": "application/json"} if body is not None else {}
             data = json.dumps(body).encode() if body is not None else None
-            conn = _UnixConnection(self.socket_path, None if stream else self.timeout)
+            deadline = time.monotonic() + (self.timeout if total is None else total)
+            conn = _UnixConnection(self.socket_path, self.timeout, deadline)
             try:
                 conn.request(method, url, body=data, headers=headers)
                 response = conn.getresponse()
                 if response.status < 400:
                     return conn, response
-                error = _api_error(response.status, response.read(MAX_BODY))
+                error = _api_error(response.status, _read_body(response, MAX_ERROR_BODY, f"{method} {path}"))
+            except ProtocolError:
+                conn.close()
+                raise
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 raise Unreachable(f"{self.socket_path}: {_why(exc)}") from exc
@@ -322,7 +430,9 @@ class DockerAPI:
         """One request and its whole JSON answer (None when there is no body: 204, 304)."""
         conn, response = self._open(method, path, query, body, versioned=versioned)
         try:
-            data = response.read(MAX_BODY)
+            data = _read_body(response, MAX_BODY, f"{method} {path}")
+        except ProtocolError:
+            raise
         except (OSError, http.client.HTTPException) as exc:
             raise Unreachable(f"{self.socket_path}: {_why(exc)}") from exc
         finally:
@@ -331,8 +441,10 @@ class DockerAPI:
             return None
         try:
             return json.loads(data)
-        except ValueError as exc:
-            raise DockerError(f"dockerd sent malformed JSON for {method} {path}: {exc}") from exc
+        except ValueError:
+            raise ProtocolError(
+                f"dockerd sent an answer to {method} {path} that is not JSON: {data[:60]!r}"
+            ) from None
 
 
 def _why(exc: BaseException) -> str:

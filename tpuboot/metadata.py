@@ -16,6 +16,10 @@ Why each choice:
   404 is an answer ("absent"), not a failure, and is not retried. Each kind of failure is
   logged once until it changes or the server recovers (as compute-image-packages'
   metadata_watcher does), not once per try.
+- Every request ends by a wall-clock deadline, not only each receive by a timeout: a server
+  that trickles its headers or body a byte at a time cannot hold a try past ``timeout``
+  seconds nor ``get`` past its deadline (:class:`tpuboot.netio.DeadlineSocket` re-arms each
+  receive to what is left). A long-poll's own bound is ``timeout_sec`` plus ``timeout``.
 - Change watch: long-poll with ``wait_for_change``/``last_etag``/``timeout_sec`` and a read
   timeout a little above ``timeout_sec``. Answers faster than half the poll time (errors,
   the same ETag at once, a flapping ETag) back off exponentially and never come more than
@@ -46,6 +50,7 @@ from requests.adapters import HTTPAdapter
 from tpuboot import metrics
 from tpuboot.config import MetadataConfig
 from tpuboot.errors import ConfigError, MetadataError, UsageError
+from tpuboot.netio import DeadlineSocket, ascii_int
 
 log = logging.getLogger("tpuboot.metadata")
 
@@ -180,10 +185,12 @@ class _Transport:
 
     ``abort`` shuts down every socket the session opened (and any it opens afterwards): a
     request blocked in a long-poll then fails at once instead of after ``timeout_sec``.
+    ``bounded(deadline)`` makes every receive and send of this thread's request end by it.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._local = threading.local()
         self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         self.aborted = False
         self.session = requests.Session()
@@ -191,6 +198,19 @@ class _Transport:
         adapter = _TrackingAdapter(self, max_retries=0)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
+
+    def deadline(self) -> float | None:
+        """The monotonic deadline of the request this thread is making (None outside one)."""
+        return getattr(self._local, "deadline", None)
+
+    @contextlib.contextmanager
+    def bounded(self, deadline: float) -> Iterator[None]:
+        saved = self.deadline()
+        self._local.deadline = deadline
+        try:
+            yield
+        finally:
+            self._local.deadline = saved
 
     def track(self, sock: socket.socket) -> None:
         with self._lock:
@@ -229,6 +249,7 @@ class _TrackingAdapter(HTTPAdapter):
         class Connection(urllib3.connection.HTTPConnection):
             def connect(self) -> None:
                 super().connect()
+                self.sock = DeadlineSocket.adopt(self.sock, transport.deadline)
                 transport.track(self.sock)
 
         class Pool(urllib3.HTTPConnectionPool):
@@ -309,10 +330,10 @@ class MetadataClient:
         while True:
             if self._closed.is_set():
                 raise MetadataError(f"metadata request for {path} cancelled: tpuboot is stopping")
-            remaining = max(0.05, deadline - time.monotonic())
-            limit = min(self.timeout, remaining)
+            now = time.monotonic()
+            limit = min(self.timeout, max(0.05, deadline - now))
             try:
-                reply = self._try(self._transport, url, {}, (limit, limit), deadline)
+                reply = self._try(self._transport, url, {}, (limit, limit), now + limit)
             except _Retryable as failure:
                 self._failures.failed(failure.kind, url, retrying=True)
                 if failure.kind not in kinds:
@@ -335,8 +356,17 @@ class MetadataClient:
             return reply
 
     def wait_for_change(self, path: str, *, etag: str | None, timeout_sec: int) -> Reply:
-        """One long-poll, no retry: returns when the ETag differs from ``etag`` or after ``timeout_sec``."""
-        return self._poll(self._transport, self.url(path), etag, timeout_sec)
+        """One long-poll, no retry: returns when the ETag differs from ``etag`` or after ``timeout_sec``.
+
+        Raises MetadataError (with MetadataAbsent and MetadataRefused as for ``get``) when the
+        poll fails, at the latest ``timeout_sec`` + ``timeout`` seconds after it began.
+        """
+        try:
+            return self._poll(self._transport, self.url(path), etag, timeout_sec)
+        except _Retryable as failure:
+            raise MetadataError(
+                f"metadata server {self.base_url}: {failure.kind}; check the VM's network, or metadata.host"
+            ) from None
 
     def changes(
         self, path: str, *, stop: threading.Event, etag: str | None = None, timeout_sec: int = 60
@@ -405,7 +435,8 @@ class MetadataClient:
         else:
             params = {"wait_for_change": "true", "last_etag": etag, "timeout_sec": str(timeout_sec)}
             timeouts = (min(self.timeout, 1.0), timeout_sec + self.timeout)
-        return self._try(transport, url, params, timeouts, None)
+        # The whole poll, headers and body, ends by the server's hang time plus one timeout.
+        return self._try(transport, url, params, timeouts, time.monotonic() + timeouts[1])
 
     def _last_chance(self, delay: float, deadline: float) -> float | None:
         """``delay``, shortened to 80% of the time left so a recovery just before the deadline is seen.
@@ -426,18 +457,21 @@ class MetadataClient:
         url: str,
         params: dict[str, str],
         timeouts: tuple[float, float],
-        deadline: float | None,
+        deadline: float,
     ) -> Reply:
-        """One request; raises _Retryable, MetadataAbsent or MetadataRefused."""
+        """One request, over by ``deadline`` (monotonic); raises _Retryable, MetadataAbsent or -Refused."""
         try:
-            with transport.session.get(
-                url,
-                params=params,
-                headers=REQUEST_HEADERS,
-                timeout=timeouts,
-                stream=True,
-                allow_redirects=False,
-            ) as response:
+            with (
+                transport.bounded(deadline),
+                transport.session.get(
+                    url,
+                    params=params,
+                    headers=REQUEST_HEADERS,
+                    timeout=timeouts,
+                    stream=True,
+                    allow_redirects=False,
+                ) as response,
+            ):
                 self._check_answer(response)
                 reply = Reply(self._read_body(response, deadline), response.headers.get("ETag"))
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
@@ -471,9 +505,14 @@ class MetadataClient:
         if status != 200:
             raise MetadataRefused(f"answered HTTP {status}; check the key and the request")
 
-    def _read_body(self, response: requests.Response, deadline: float | None) -> bytes:
-        declared = response.headers.get("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+    def _read_body(self, response: requests.Response, deadline: float) -> bytes:
+        header = response.headers.get("Content-Length")
+        declared = ascii_int(header)
+        if header is not None and declared is None:
+            raise _Retryable(
+                f"answer with Content-Length {header[:40]!r}, not a number (not the metadata server?)"
+            )
+        if declared is not None and declared > self.max_body:
             raise MetadataRefused(self._too_big())
         chunks: list[bytes] = []
         size = 0
@@ -481,12 +520,12 @@ class MetadataClient:
             size += len(chunk)
             if size > self.max_body:
                 raise MetadataRefused(self._too_big())
-            if deadline is not None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # the socket ends each receive by it; this ends the loop
                 raise _Retryable("timed out")
             chunks.append(chunk)
         body = b"".join(chunks)
         encoded = response.headers.get("Content-Encoding", "identity") != "identity"
-        if declared is not None and not encoded and declared.isdigit() and len(body) != int(declared):
+        if declared is not None and not encoded and len(body) != declared:
             raise _Retryable("connection dropped")
         return body
 

@@ -23,6 +23,8 @@ log = logging.getLogger("tpuboot.supervisor")
 
 #: Cap on the wait between tries to reach an absent runtime (dockerd not started yet).
 UNAVAILABLE_RETRY_MAX = 10.0
+#: A runtime that stayed usable this long before failing again starts its backoff afresh.
+UNAVAILABLE_STABLE_AFTER = 60.0
 
 
 class RuntimeUnavailable(TpubootError):
@@ -126,15 +128,21 @@ class Supervisor:
             self._set("supervisor failed (see the journal)")
 
     def _loop(self) -> None:
-        unavailable = RestartPolicy(1.0, UNAVAILABLE_RETRY_MAX, float("inf"))
+        # One backoff for the runtime failing, whether at start or while waiting: a dockerd that
+        # answers but breaks every event stream (start adopts, wait fails at once) is retried at
+        # a growing pace, not in a tight loop. It starts afresh once a wait ends normally or the
+        # runtime held for UNAVAILABLE_STABLE_AFTER.
+        unavailable = RestartPolicy(1.0, UNAVAILABLE_RETRY_MAX, UNAVAILABLE_STABLE_AFTER)
+        last_unavailable = ""
         while not self._stop.is_set():
             self._wake.clear()
             started_at = self.clock()
             try:
                 started = self.runtime.start()
             except RuntimeUnavailable as exc:
-                if unavailable.exits == 0:
+                if unavailable.exits == 0 or str(exc) != last_unavailable:
                     self._log(logging.WARNING, "%s; waiting for it", exc)
+                last_unavailable = str(exc)
                 self._set(f"waiting ({exc})")
                 self._sleep(unavailable.delay_after(0.0))
                 continue
@@ -148,16 +156,20 @@ class Supervisor:
                 continue
             if self._stop.is_set():
                 break
-            unavailable.reset()
             self.starts += 1
             self._log(logging.INFO, "%s %s", started.how, started.ident)
             self._set("running")
             try:
                 ended = self.runtime.wait()
             except RuntimeUnavailable as exc:
-                self._log(logging.WARNING, "%s; waiting for it", exc)
+                delay = unavailable.delay_after(self.clock() - started_at)
+                if unavailable.exits == 1 or str(exc) != last_unavailable:
+                    self._log(logging.WARNING, "%s; waiting for it", exc)
+                last_unavailable = str(exc)
                 self._set(f"waiting ({exc})")
+                self._sleep(delay)
                 continue
+            unavailable.reset()
             if self._stop.is_set():
                 break
             if ended is not None:

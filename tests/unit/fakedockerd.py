@@ -13,6 +13,12 @@ meets: Debian 12's docker.io 20.10 (API 1.41, minimum 1.12), Docker 29 (Ubuntu's
 jammy and noble updates, and docker-ce: API 1.52, minimum 1.44), and an engine newer than any
 tpuboot knows. Assigning ``api_version``/``min_api_version`` while it runs is an upgrade under
 a running client.
+
+Faults, for a dockerd that misbehaves rather than goes away: ``raw_answer`` (these bytes answer
+every request as they are: short bodies, odd Content-Lengths, broken chunking), ``trickle``
+(every answer's status line and a header that never ends, a byte per ``trickle`` seconds),
+``event_preamble`` (raw bytes, chunk framing included or broken, that open each event stream)
+and ``event_flood`` (that many bytes without a newline open each event stream).
 """
 
 from __future__ import annotations
@@ -94,6 +100,11 @@ class FakeDockerd:
         self.requests: list[Request] = []
         self.subscribers: list[Subscriber] = []  # every event stream opened, in order
         self.on_pull: Callable[[], None] | None = None  # runs inside each pull
+        self.raw_answer: bytes | None = None
+        self.trickle = 0.0
+        self.event_preamble: bytes | None = None
+        self.event_flood = 0
+        self.stopped = threading.Event()
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
         self._server: _Server | None = None
@@ -103,6 +114,7 @@ class FakeDockerd:
     def start(self) -> FakeDockerd:
         """Listen (again: containers and images survive a restart, like dockerd's)."""
         self.socket_path.unlink(missing_ok=True)
+        self.stopped.clear()
         server = _Server(str(self.socket_path), _Handler)
         server.fake = self
         self._server = server
@@ -112,6 +124,7 @@ class FakeDockerd:
     def stop(self) -> None:
         """dockerd goes away: no socket, every stream cut, every container stopped."""
         server, self._server = self._server, None
+        self.stopped.set()
         if server is not None:
             server.shutdown()
             server.server_close()
@@ -293,6 +306,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             version, path = match.groups()
         with fake.lock:
             fake.requests.append(Request(method, url.path, query, body, version))
+        if fake.raw_answer is not None:
+            self.close_connection = True
+            self.wfile.write(fake.raw_answer)
+            return None
+        if fake.trickle:
+            self.close_connection = True
+            self._trickle(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Slow: ")
+            while not fake.stopped.is_set():
+                self._trickle(b"a")
+            return None
         minimum = fake.min_api_version or "1.12"  # what engines that did not say accepted
         if version is not None and _version(version) < _version(minimum):
             return self._error(
@@ -334,6 +357,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if match := re.fullmatch(r"/containers/([^/]+)(/json|/start)?", path):
             return self._container(method, match.group(1), match.group(2) or "", query)
         return self._error(404, f"page not found: {method} {path}")
+
+    def _trickle(self, data: bytes) -> None:
+        for byte in data:
+            if self.server.fake.stopped.wait(self.server.fake.trickle):
+                return
+            self.wfile.write(bytes([byte]))
+            self.wfile.flush()
 
     def _container(self, method: str, key: str, action: str, query: dict[str, str]) -> None:
         fake = self.server.fake
@@ -405,6 +435,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             fake.subscribers.append(subscriber)
         self._stream_start()
         try:
+            if fake.event_preamble is not None:
+                self.wfile.write(fake.event_preamble)
+            flood = fake.event_flood
+            while flood > 0 and not fake.stopped.is_set():  # no newline: the client must give up
+                piece = b"x" * min(flood, 65536)
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                flood -= len(piece)
             while True:
                 try:
                     item = subscriber.items.get(timeout=0.01)
