@@ -58,7 +58,8 @@ HOSTNAME = "tpuboot-vm"
 TESTER = "tester"
 TESTER_UID = 1000
 
-GUEST_PACKAGES = (
+# What every guest needs to run tpuboot's scenarios: its init, udev, and tpuboot's dependencies.
+BASE_PACKAGES = (
     "systemd",
     "systemd-sysv",
     "udev",
@@ -71,9 +72,13 @@ GUEST_PACKAGES = (
     "python3-systemd",
     "python3-prometheus-client",
     "procps",
-    "pciutils",  # lspci for humans reading a failing test's output
     "grub2-common",  # grub-mkconfig: proves the package's GRUB drop-in reaches the kernel line
     "grub-pc-bin",
+)
+
+GUEST_PACKAGES = (
+    *BASE_PACKAGES,
+    "pciutils",  # lspci for humans reading a failing test's output
     # The vBar supervisor: a real dockerd in the guest (it needs apparmor). tpuboot talks to it
     # over its socket with the standard library (tpuboot.dockerapi): no docker SDK.
     "docker.io",
@@ -82,23 +87,9 @@ GUEST_PACKAGES = (
 )
 
 # Debian 13: only what the tpuboot scenarios run there need (no docker, no curl: the vBar and
-# benchmark scenarios stay on Debian 12), so that its debootstrap stays short.
-TRIXIE_PACKAGES = (
-    "systemd",
-    "systemd-sysv",
-    "udev",
-    "kmod",
-    "dbus",
-    "python3",
-    "python3-pyudev",
-    "python3-yaml",
-    "python3-requests",
-    "python3-systemd",
-    "python3-prometheus-client",
-    "procps",
-    "grub2-common",  # GRUB 2.12, as on Ubuntu 24.04: the cloud-image drop-in scenario runs on both
-    "grub-pc-bin",
-)
+# benchmark scenarios stay on Debian 12), so that its debootstrap stays short. Its GRUB is 2.12,
+# as on Ubuntu 24.04: the cloud-image drop-in scenario runs on both.
+TRIXIE_PACKAGES = BASE_PACKAGES
 
 
 @dataclass(frozen=True)
