@@ -199,7 +199,9 @@ def test_a_write_that_failed_does_not_change_the_values(
     assert (sync.parsed_values() or {})[KEY] == GOOD
 
 
-def test_a_corrupt_cache_gives_no_values(root: Root, metadata: MetadataEmulator, sync_client: MetadataClient) -> None:
+def test_a_corrupt_cache_gives_no_values(
+    root: Root, metadata: MetadataEmulator, sync_client: MetadataClient
+) -> None:
     config = config_for(metadata)
     EnvSync(root, config, sync_client).sync_once(5)
     cache = root.path(config.env.cache_dir) / "tpu-env.json"
