@@ -115,6 +115,7 @@ class EnvSync:
         self._reported: SyncResult | None = None
         self.watch_retry = (WATCH_RETRY_FIRST, WATCH_RETRY_MAX)
         self._unexpected_seen: set[str] = set()
+        self._untrusted_seen: set[str] = set()
 
     @property
     def cache_path(self) -> str:
@@ -128,6 +129,8 @@ class EnvSync:
         if values is not None:
             return values
         try:
+            if not self._cache_root_only():
+                return None
             cached = self._load_cache()
             return None if cached is None else types.MappingProxyType(parse_tpu_env(cached.yaml).values)
         except TpuEnvError:
@@ -135,6 +138,29 @@ class EnvSync:
         except Exception as exc:  # a bug: the caller falls back to the configuration
             self._unexpected(exc, "tpu-env cache")
             return None
+
+    def _cache_root_only(self) -> bool:
+        """Whether only tpuboot's user (or root) can have written the cache: its directory and the
+        file (if present) are theirs and writable by no one else. A cache_dir moved somewhere shared
+        is still used for tpu-env, but never for what tpuboot runs as root."""
+        for path in (self._env.cache_dir, self.cache_path):
+            try:
+                st = os.lstat(self._root.path(path))
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return False
+            if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+                if path not in self._untrusted_seen:
+                    self._untrusted_seen.add(path)
+                    log.warning(
+                        "tpu-env cache: %s is not root-only (another owner, or writable by others), "
+                        "so vBar's image is not taken from it; chown root and chmod go-w it",
+                        path,
+                        extra={"TPU_ENV_CACHE": self.cache_path},
+                    )
+                return False
+        return True
 
     def sync_once(self, deadline_s: float) -> SyncResult:
         """Fetch tpu-env within ``deadline_s`` seconds, write every file; never raises (see module doc)."""

@@ -223,3 +223,24 @@ def test_the_daemon_wires_the_sync_into_the_agents(
     assert (agents.tpu_env() or {})[KEY] == GOOD
     disabled = cli._agents(ctx, config.replace(env=EnvConfig(enabled=False)), None)
     assert disabled is not None and disabled.tpu_env() is None
+
+
+@pytest.mark.parametrize("change", ["file mode", "file owner", "directory mode", "directory owner"])
+def test_a_cache_others_could_write_is_not_used_for_the_image(
+    change: str, root: Root, metadata: MetadataEmulator, sync_client: MetadataClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    config = config_for(metadata)
+    EnvSync(root, config, sync_client).sync_once(5)
+    directory = root.path(config.env.cache_dir)
+    target = directory if change.startswith("directory") else directory / "tpu-env.json"
+    if change.endswith("mode"):
+        target.chmod(target.stat().st_mode | 0o002)
+    else:
+        os.chown(target, 4242, -1)
+    booting = EnvSync(root, config, sync_client)
+    assert booting.parsed_values() is None and booting.parsed_values() is None
+    warnings = [r.getMessage() for r in caplog.records if "not root-only" in r.getMessage()]
+    assert len(warnings) == 1 and "chown root and chmod go-w" in warnings[0]
+    assert booting.sync_once(5).source == "metadata"  # its own sync still gives it values
+    assert (booting.parsed_values() or {})[KEY] == GOOD
