@@ -6,8 +6,12 @@ the GKE check and dockerd's arrival are waited for in threads, and status lines 
 through ``notify(label, text)``, which the daemon hands to its loop.
 
 vBar's image is tpu-env's ``VBARCONTROL_AGENT_DOCKER_URL`` when set and not empty, else
-``vbar.image``; it is read from the tpu-env file at each start, so a tpu-env change (the
-daemon calls ``reconfigure``) recreates the container with the new image.
+``vbar.image``. tpu-env is taken from ``tpu_env()``, the values tpuboot itself parsed (in memory
+after a sync, else from its root-only cache: :meth:`tpuboot.envsync.EnvSync.parsed_values`), never
+from the tpu-env file: that file's directory may belong to the runtime user, and whoever chooses
+the image of a privileged container owns the VM. A tpu-env change (the daemon calls
+``reconfigure``) recreates the container with the new image. Each image must also come from a
+registry in ``vbar.registries`` / ``telemetry.registries``; another is refused, not run.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tpuboot.backoff import RestartPolicy
@@ -23,9 +27,9 @@ from tpuboot.config import Config
 from tpuboot.containers import DOCKER_SOCKET, ContainerSpec, DockerRuntime
 from tpuboot.dockerapi import DockerAPI
 from tpuboot.gke import Metadata, gke_node
+from tpuboot.imageref import RegistryAllowlist
 from tpuboot.paths import Root
 from tpuboot.supervisor import Runtime, Supervisor
-from tpuboot.tpuenv import parse_env_file
 
 log = logging.getLogger("tpuboot.agents")
 
@@ -34,12 +38,20 @@ TELEMETRY = "telemetry"
 IMAGE_KEY = "VBARCONTROL_AGENT_DOCKER_URL"
 
 
-def vbar_image(config: Config, root: Root) -> str:
-    try:
-        text = root.path(config.env.tpu_env_path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return config.vbar.image
-    return (parse_env_file(text) or {}).get(IMAGE_KEY) or config.vbar.image
+#: Where tpuboot found tpu-env's values: a function returning them, or None when it has none.
+TpuEnvSource = Callable[[], "Mapping[str, str] | None"]
+
+
+def vbar_spec(config: Config, tpu_env: Mapping[str, str] | None) -> ContainerSpec:
+    """The vBar container wanted: tpu-env's image when it names one, else the configuration's."""
+    image = (tpu_env or {}).get(IMAGE_KEY)
+    if image:
+        return ContainerSpec(config.vbar.container_name, image, origin=f"tpu-env's {IMAGE_KEY}")
+    return ContainerSpec(config.vbar.container_name, config.vbar.image, origin="vbar.image")
+
+
+def _no_tpu_env() -> Mapping[str, str] | None:
+    return None
 
 
 class Agents:
@@ -49,10 +61,14 @@ class Agents:
         root: Root,
         metadata: Metadata | None,
         docker_factory: Callable[[], Any] | None = None,
+        tpu_env: TpuEnvSource = _no_tpu_env,
     ) -> None:
+        """``tpu_env``: the tpu-env values tpuboot parsed (EnvSync.parsed_values); without it,
+        vBar runs ``vbar.image``."""
         self.config = config
         self.root = root
         self.metadata = metadata
+        self.tpu_env = tpu_env
         self.docker_factory = docker_factory or functools.partial(DockerAPI, str(root.path(DOCKER_SOCKET)))
         self.statuses: dict[str, str] = {}
         self.supervisors: dict[str, Supervisor] = {}
@@ -132,11 +148,14 @@ class Agents:
 
                 return ExecRuntime(config.vbar.exec_argv)
 
-            def vbar_spec() -> ContainerSpec:
-                return ContainerSpec(config.vbar.container_name, vbar_image(config, self.root))
+            allowlist = RegistryAllowlist(config.vbar.registries, "vbar.registries")
 
-            return DockerRuntime(vbar_spec, retries, self.docker_factory)
+            def wanted() -> ContainerSpec:
+                return vbar_spec(config, self.tpu_env())
+
+            return DockerRuntime(wanted, retries, self.docker_factory, allowlist=allowlist)
         telemetry = config.telemetry
         binds = ((telemetry.config_path, telemetry.config_path),) if telemetry.config_path else ()
-        spec = ContainerSpec(telemetry.container_name, telemetry.image, binds)
-        return DockerRuntime(lambda: spec, retries, self.docker_factory)
+        fixed = ContainerSpec(telemetry.container_name, telemetry.image, binds, origin="telemetry.image")
+        allowlist = RegistryAllowlist(telemetry.registries, "telemetry.registries")
+        return DockerRuntime(lambda: fixed, retries, self.docker_factory, allowlist=allowlist)

@@ -20,6 +20,7 @@ from tpuboot.vfio import Binder
 TYPE_CHECKING = False  # as in tpuboot.config: typing stays out of `tpuboot bind`
 if TYPE_CHECKING:
     from tpuboot.agents import Agents
+    from tpuboot.envsync import EnvSync
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
@@ -71,24 +72,30 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.envsync import EnvSync
     from tpuboot.metadata import MetadataClient
 
-    env = None
+    env = sync = None
     if config.env.enabled:
         client = MetadataClient.from_config(config.metadata)
         sync = EnvSync(ctx.root, config, client)
         env = daemon.EnvJob(sync, client, config.metadata.boot_deadline, config.metadata.watch)
     metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without metrics
-    return daemon.run(binder, monitor, executor, coldplug, env, _agents(ctx, config))
+    return daemon.run(binder, monitor, executor, coldplug, env, _agents(ctx, config, sync))
 
 
-def _agents(ctx: Context, config: Config) -> Agents | None:
-    """The vBar / telemetry component, or None when both are disabled."""
+def _agents(ctx: Context, config: Config, sync: EnvSync | None) -> Agents | None:
+    """The vBar / telemetry component, or None when both are disabled.
+
+    vBar's image comes from the tpu-env values ``sync`` parsed (never from the file it wrote);
+    without a sync (env.enabled false) it is vbar.image.
+    """
     if not (config.vbar.enabled or config.telemetry.enabled):
         return None
     from tpuboot.agents import Agents
     from tpuboot.metadata import MetadataClient
 
     metadata = MetadataClient.from_config(config.metadata) if config.gke == "auto" else None
-    return Agents(config, ctx.root, metadata)
+    if sync is None:
+        return Agents(config, ctx.root, metadata)
+    return Agents(config, ctx.root, metadata, tpu_env=sync.parsed_values)
 
 
 def _print_json(items: list[dict[str, object]]) -> None:

@@ -345,25 +345,67 @@ class SupervisorConfig(Section):
             )
 
 
-class VbarConfig(Section):
+#: The registries the documented procedure pulls its privileged images from: gcr.io for both
+#: images, us-docker.pkg.dev (Artifact Registry) for the `gcloud auth configure-docker` step.
+DEFAULT_REGISTRIES = ("gcr.io", "us-docker.pkg.dev")
+
+
+def parse_registries(value: Any, where: str) -> tuple[str, ...]:
+    """A non-empty list of registry hosts (``host[:port]``), each optionally with a path prefix."""
+    from tpuboot.imageref import parse_entry
+
+    if not isinstance(value, list) or not value:
+        raise _fail(where, "expected a non-empty list of registry hosts, like [gcr.io, us-docker.pkg.dev]")
+    for index, item in enumerate(value):
+        try:
+            parse_entry(parse_str(item, f"{where}[{index}]"))
+        except ValueError as exc:
+            raise _fail(f"{where}[{index}]", str(exc)) from None
+    return tuple(value)
+
+
+class _PrivilegedImage(Section):
+    """A section naming a privileged container's image and the registries it may come from."""
+
+    name: ClassVar[str] = ""
+    image: str  # each subclass's option
+    registries: tuple[str, ...]
+
+    def check(self, where: str) -> None:
+        """An image of the file's own that its allowlist refuses is a mistake: say so at load."""
+        from tpuboot.imageref import ImageRefused, RegistryAllowlist
+
+        allowlist = RegistryAllowlist(self.registries, f"{self.name}.registries")
+        try:
+            allowlist.check(self.image, f"{self.name}.image")
+        except ImageRefused as exc:
+            raise _fail(_key(where, "image"), f"{exc}, or change {self.name}.image") from None
+
+
+class VbarConfig(_PrivilegedImage):
     """The vBar control agent (needed for ICI), supervised unless on a GKE node."""
 
+    name = "vbar"
     enabled: bool = _opt(True, parse_bool)
     runtime: str = _opt("docker", parse_choice("docker", "exec"))
     # Used when tpu-env's VBARCONTROL_AGENT_DOCKER_URL is empty or absent.
     image: str = _opt("gcr.io/cloud-tpu-v2-images/vbar_control_agent:0.0.1", parse_str)
     container_name: str = _opt("tpuboot-vbar-control-agent", parse_str)
     exec_argv: tuple[str, ...] = _opt(VBAR_EXEC_ARGV, parse_argv)
+    # Where the image (this one or tpu-env's) may come from; any other is refused, not run.
+    registries: tuple[str, ...] = _opt(DEFAULT_REGISTRIES, parse_registries)
 
 
-class TelemetryConfig(Section):
+class TelemetryConfig(_PrivilegedImage):
     """The optional AI telemetry collector container."""
 
+    name = "telemetry"
     enabled: bool = _opt(False, parse_bool)
     image: str = _opt("gcr.io/cloud-tpu-v2-images/ai-telemetry-collector:latest", parse_str)
     container_name: str = _opt("tpuboot-ai-telemetry-collector", parse_str)
     # A config.yaml on the host, bind-mounted read-only into the collector when set.
     config_path: str | None = _opt(None, parse_optional_abs_path)
+    registries: tuple[str, ...] = _opt(DEFAULT_REGISTRIES, parse_registries)
 
 
 class MetricsConfig(Section):

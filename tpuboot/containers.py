@@ -4,6 +4,8 @@ Talks to dockerd over its local socket with :mod:`tpuboot.dockerapi` (the standa
 docker SDK, no docker CLI). The container has a fixed name and tpuboot's labels
 (``io.tpuboot.managed=1``, ``io.tpuboot.config=<hash of image and settings>``):
 
+- the image must come from a registry in the agent's allowlist (:mod:`tpuboot.imageref`):
+  otherwise nothing is pulled, created, adopted or started, and ``start`` raises Refused;
 - one already running with the wanted image and settings is adopted (a tpuboot restart does
   not restart the agent); one whose image or settings differ is removed and created again;
 - a missing image is pulled, ``pull_retries`` times at most;
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, EventStream, NotFound, ProtocolError, Unreachable
-from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Started, StartFailed
+from tpuboot.imageref import ImageRefused, RegistryAllowlist
+from tpuboot.supervisor import CannotStart, Refused, RuntimeUnavailable, Started, StartFailed
 
 log = logging.getLogger("tpuboot.containers")
 
@@ -41,6 +44,8 @@ class ContainerSpec:
     name: str
     image: str
     binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, container path), read-only
+    #: Where the image was set, for a message about it ("tpu-env's VBARCONTROL_AGENT_DOCKER_URL").
+    origin: str = field(default="", compare=False)
 
     @property
     def config_hash(self) -> str:
@@ -106,13 +111,17 @@ class DockerRuntime:
         pull_retries: int = 5,
         client_factory: Callable[[], DockerAPI] = DockerAPI,  # connects at its first call (ping)
         pause: Callable[[float], object] | None = None,
+        *,
+        allowlist: RegistryAllowlist,
     ) -> None:
         self.spec = spec
+        self.allowlist = allowlist
         self.pull_retries = pull_retries
         self.client_factory = client_factory
         self.client: DockerAPI | None = None
         self.container_id: str | None = None
         self._running: ContainerSpec | None = None  # the spec of the container being followed
+        self._refused: ContainerSpec | None = None  # the spec start() last refused
         self.fields: dict[str, str] = {"CONTAINER": spec().name}
         self._stream: EventStream | None = None
         self._interrupted = threading.Event()
@@ -129,6 +138,12 @@ class DockerRuntime:
         spec = self.spec()
         self.fields = {"CONTAINER": spec.name, "IMAGE": spec.image}
         self._running = None
+        self._refused = None
+        try:
+            self.allowlist.check(spec.image, spec.origin)  # before dockerd is even asked
+        except ImageRefused as exc:
+            self._refused = spec
+            raise Refused(str(exc)) from None
         try:
             started = self._start(spec)
         except (RuntimeUnavailable, CannotStart, StartFailed):
@@ -188,10 +203,12 @@ class DockerRuntime:
         )
 
     def interrupt(self) -> bool:
-        """Only when the wanted container changed: a tpu-env change elsewhere leaves it be."""
-        if self._running is not None and not self._closed.is_set():
+        """Only when the wanted container changed from the one followed or refused: a tpu-env
+        change elsewhere leaves it be."""
+        current = self._running or self._refused
+        if current is not None and not self._closed.is_set():
             try:
-                if self.spec() == self._running:
+                if self.spec() == current:
                     return False
             except Exception:  # the spec cannot be read now: look again in start()
                 pass

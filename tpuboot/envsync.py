@@ -16,6 +16,10 @@ long-poll in flight; nothing polls ``stop``, so an idle watch never wakes up). S
 after ``sync_once`` has returned: it continues from that sync's ETag (without one it first
 reads and writes the current value).
 
+``parsed_values`` gives the values behind the tpu-env file to the parts of tpuboot that act on
+them as root (vBar's image): those of the last sync that wrote the file, else those of the
+cache. Never the file itself: its directory may belong to the runtime user, who could rewrite it.
+
 Neither can be ended by a value or a fault: every failure the metadata server or the value
 can cause is handled where it arises. Anything else is a bug; ``sync_once`` then falls back
 to the cache like any other failure, and ``watch`` logs it once with its traceback and
@@ -30,7 +34,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tpuboot import metrics
@@ -106,13 +111,56 @@ class EnvSync:
         self._clock = clock
         self._lock = threading.Lock()
         self._etag: str | None = None
+        self._values: Mapping[str, str] | None = None  # what the last good sync wrote (read-only)
         self._reported: SyncResult | None = None
         self.watch_retry = (WATCH_RETRY_FIRST, WATCH_RETRY_MAX)
         self._unexpected_seen: set[str] = set()
+        self._untrusted_seen: set[str] = set()
 
     @property
     def cache_path(self) -> str:
         return self._env.cache_dir.rstrip("/") + "/" + CACHE_NAME
+
+    def parsed_values(self) -> Mapping[str, str] | None:
+        """tpu-env's values as tpuboot parsed them: those the last good sync wrote, else those of the
+        root-only cache (a start before any sync succeeded); None if neither. Never raises."""
+        with self._lock:
+            values = self._values
+        if values is not None:
+            return values
+        try:
+            if not self._cache_root_only():
+                return None
+            cached = self._load_cache()
+            return None if cached is None else types.MappingProxyType(parse_tpu_env(cached.yaml).values)
+        except TpuEnvError:
+            return None  # a cache that does not parse is never used (_from_cache says so)
+        except Exception as exc:  # a bug: the caller falls back to the configuration
+            self._unexpected(exc, "tpu-env cache")
+            return None
+
+    def _cache_root_only(self) -> bool:
+        """Whether only tpuboot's user (or root) can have written the cache: its directory and the
+        file (if present) are theirs and writable by no one else. A cache_dir moved somewhere shared
+        is still used for tpu-env, but never for what tpuboot runs as root."""
+        for path in (self._env.cache_dir, self.cache_path):
+            try:
+                st = os.lstat(self._root.path(path))
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return False
+            if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+                if path not in self._untrusted_seen:
+                    self._untrusted_seen.add(path)
+                    log.warning(
+                        "tpu-env cache: %s is not root-only (another owner, or writable by others), "
+                        "so vBar's image is not taken from it; chown root and chmod go-w it",
+                        path,
+                        extra={"TPU_ENV_CACHE": self.cache_path},
+                    )
+                return False
+        return True
 
     def sync_once(self, deadline_s: float) -> SyncResult:
         """Fetch tpu-env within ``deadline_s`` seconds, write every file; never raises (see module doc)."""
@@ -237,6 +285,7 @@ class EnvSync:
             except FileWriteError as exc:
                 return SyncResult("failed", len(env.values), etag, f"tpu-env: {exc}")
             self._etag = etag
+            self._values = types.MappingProxyType(env.values)
             self._save_cache(body.decode("utf-8"), etag)
         return SyncResult(
             "metadata", len(env.values), etag, f"tpu-env: {_keys(len(env.values))} from metadata", written
@@ -261,6 +310,7 @@ class EnvSync:
                 written = self._write_tpu_env(env.values)
             except FileWriteError as exc:
                 return SyncResult("failed", len(env.values), cached.etag, f"tpu-env: {exc}")
+            self._values = types.MappingProxyType(env.values)
         when = _short_time(cached.fetched)
         status = f"tpu-env: {reason}, {_keys(len(env.values))} from cache of {when}"
         return SyncResult("cache", len(env.values), cached.etag, status, written)

@@ -39,6 +39,11 @@ class CannotStart(TpubootError):
     """Retrying now cannot help (the image cannot be pulled): wait for a change or ``backoff_max``."""
 
 
+class Refused(TpubootError):
+    """The wanted agent must not run (its image's registry is not allowed): nothing was pulled or
+    run, and nothing is retried until the wanted agent changes (``reconfigure``) or tpuboot stops."""
+
+
 @dataclass(frozen=True)
 class Started:
     how: str  # started, adopted, restarted, recreated
@@ -61,7 +66,8 @@ class Runtime(Protocol):
         ...
 
     def interrupt(self) -> bool:
-        """If the wanted agent changed, make ``wait`` return None soon and say True."""
+        """If the wanted agent changed (from the one running or refused), make ``wait`` return None
+        soon and say True."""
         ...
 
     def close(self) -> None:
@@ -113,7 +119,7 @@ class Supervisor:
         metrics.container_up(self.label, text == "running")
         self.on_status(self.status)
 
-    def _sleep(self, seconds: float) -> None:
+    def _sleep(self, seconds: float | None) -> None:
         self._wake.wait(seconds)
         self._wake.clear()
 
@@ -134,6 +140,7 @@ class Supervisor:
         # runtime held for UNAVAILABLE_STABLE_AFTER.
         unavailable = RestartPolicy(1.0, UNAVAILABLE_RETRY_MAX, UNAVAILABLE_STABLE_AFTER)
         last_unavailable = ""
+        last_refused = ""
         while not self._stop.is_set():
             self._wake.clear()
             started_at = self.clock()
@@ -146,6 +153,13 @@ class Supervisor:
                 self._set(f"waiting ({exc})")
                 self._sleep(unavailable.delay_after(0.0))
                 continue
+            except Refused as exc:
+                if str(exc) != last_refused:  # a wake-up for the same refused agent says nothing new
+                    self._log(logging.WARNING, "%s; not retried until the wanted image changes", exc)
+                last_refused = str(exc)
+                self._set(str(exc))
+                self._sleep(None)  # until reconfigure() sees another wanted agent, or stop()
+                continue
             except CannotStart as exc:
                 self._log(logging.ERROR, "%s", exc)
                 self._set(f"failed: {exc}")
@@ -154,6 +168,7 @@ class Supervisor:
             except StartFailed as exc:
                 self._restart_later(f"start failed: {exc}", 0.0)
                 continue
+            last_refused = ""
             if self._stop.is_set():
                 break
             self.starts += 1

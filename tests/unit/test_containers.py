@@ -25,10 +25,12 @@ from tpuboot.containers import (
 )
 from tpuboot.dockerapi import DockerAPI
 from tpuboot.doctor import docker_container_running
+from tpuboot.imageref import RegistryAllowlist
 from tpuboot.paths import Root
 from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Supervisor
 
 IMAGE = "example.invalid/vbar:1"
+ALLOW_TEST = RegistryAllowlist(["example.invalid"], "vbar.registries")
 
 
 @pytest.fixture
@@ -43,6 +45,7 @@ def docker_runtime(fake: FakeDockerd, spec: Callable[[], ContainerSpec] | None =
         pull_retries=2,
         client_factory=lambda: DockerAPI(str(fake.socket_path)),
         pause=lambda s: None,
+        allowlist=ALLOW_TEST,
     )
 
 
@@ -81,8 +84,8 @@ def test_creates_a_labelled_privileged_host_network_container_pulling_the_image(
 
 
 def test_binds_are_read_only(dockerd: FakeDockerd) -> None:
-    dockerd.images.add("collector:1")
-    spec = ContainerSpec("telemetry", "collector:1", (("/etc/c.yaml", "/etc/c.yaml"),))
+    dockerd.images.add("example.invalid/collector:1")
+    spec = ContainerSpec("telemetry", "example.invalid/collector:1", (("/etc/c.yaml", "/etc/c.yaml"),))
     docker_runtime(dockerd, lambda: spec).start()
     (create,) = dockerd.calls("POST", "/containers/create")
     assert create.body["HostConfig"]["Binds"] == ["/etc/c.yaml:/etc/c.yaml:ro"]
@@ -143,7 +146,11 @@ def test_an_image_loaded_while_pulls_fail_is_used(dockerd: FakeDockerd) -> None:
         dockerd.images.add(IMAGE)
 
     runtime = DockerRuntime(
-        lambda: ContainerSpec("vbar", IMAGE), 5, lambda: DockerAPI(str(dockerd.socket_path)), pause
+        lambda: ContainerSpec("vbar", IMAGE),
+        5,
+        lambda: DockerAPI(str(dockerd.socket_path)),
+        pause,
+        allowlist=ALLOW_TEST,
     )
     assert runtime.start().how == "started"
     assert len(dockerd.pulls) == 1 and pauses == [1.0]

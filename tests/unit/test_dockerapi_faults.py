@@ -22,6 +22,7 @@ from tests.unit.test_deadlines import MARGIN, TRICKLE, timed
 from tpuboot.backoff import RestartPolicy
 from tpuboot.containers import ContainerSpec, DockerRuntime
 from tpuboot.dockerapi import MAX_LINE, DockerAPI, DockerError, ProtocolError, Unreachable
+from tpuboot.imageref import RegistryAllowlist
 from tpuboot.supervisor import Supervisor
 
 
@@ -172,6 +173,7 @@ def test_a_garbled_event_stream_makes_the_supervisor_wait_and_come_back_with_bac
     runtime = DockerRuntime(
         lambda: ContainerSpec("vbar", "img:1"),
         client_factory=lambda: DockerAPI(str(dockerd.socket_path), timeout=5),
+        allowlist=RegistryAllowlist(["docker.io"], "vbar.registries"),
     )
     statuses: list[str] = []
     supervisor = Supervisor("vbar", runtime, RestartPolicy(1.0, 8.0, 600.0), statuses.append)

@@ -18,7 +18,7 @@ import pytest
 
 from tests.unit.test_daemon import until
 from tpuboot import metrics
-from tpuboot.agents import Agents, vbar_image
+from tpuboot.agents import Agents, vbar_spec
 from tpuboot.backoff import RestartPolicy
 from tpuboot.children import ExecRuntime, describe_exit
 from tpuboot.config import Config, TelemetryConfig, VbarConfig
@@ -237,11 +237,10 @@ def test_exec_runtime_from_config_and_stop_ends_the_child(kernel: Any, root: Any
     assert runtime.proc.returncode == -signal.SIGTERM
 
 
-def test_vbar_image_comes_from_tpu_env_else_the_config(root: Any) -> None:
+def test_vbar_image_comes_from_tpu_env_else_the_config() -> None:
     config = Config()
-    path = root.path(config.env.tpu_env_path)
-    assert vbar_image(config, root) == config.vbar.image
-    path.write_text(render_env_file({"VBARCONTROL_AGENT_DOCKER_URL": ""}))
-    assert vbar_image(config, root) == config.vbar.image
-    path.write_text(render_env_file({"A": "1", "VBARCONTROL_AGENT_DOCKER_URL": "local/vbar:2"}))
-    assert vbar_image(config, root) == "local/vbar:2"
+    assert vbar_spec(config, None).image == config.vbar.image
+    assert vbar_spec(config, {"VBARCONTROL_AGENT_DOCKER_URL": ""}).image == config.vbar.image
+    wanted = vbar_spec(config, {"A": "1", "VBARCONTROL_AGENT_DOCKER_URL": "local/vbar:2"})
+    assert (wanted.name, wanted.image) == (config.vbar.container_name, "local/vbar:2")
+    assert wanted.origin == "tpu-env's VBARCONTROL_AGENT_DOCKER_URL"
