@@ -891,7 +891,10 @@ IDLE_VBAR_IMAGE = "tpuboot-bench/vbar:1"
 
 def idle_install_hook(deb: Path) -> InstallHook:
     """The idle guest: vBar supervised from a stand-in image, named by tpu-env as on a TPU VM."""
-    config = guest_config(vbar={"enabled": True, "image": IDLE_VBAR_IMAGE})
+    # A local name, which dockerd reads as Docker Hub's.
+    config = guest_config(
+        vbar={"enabled": True, "image": IDLE_VBAR_IMAGE, "registries": ["docker.io/tpuboot-bench"]}
+    )
     tpu_env = {**SAMPLE_TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": IDLE_VBAR_IMAGE}
     return vbar_install_hook(deb, config, tpu_env, [IDLE_VBAR_IMAGE])
 

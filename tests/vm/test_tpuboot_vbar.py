@@ -29,7 +29,8 @@ IMAGE_1 = "tpuboot-test/vbar:1"
 IMAGE_2 = "tpuboot-test/vbar:2"
 TPU_ENV = {**SAMPLE_TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": IMAGE_1}
 CONFIG = guest_config(
-    vbar={"enabled": True, "image": "tpuboot-test/vbar:config"},
+    # The stand-in images are local names, which dockerd reads as Docker Hub's.
+    vbar={"enabled": True, "image": "tpuboot-test/vbar:config", "registries": ["docker.io/tpuboot-test"]},
     supervisor={"backoff_initial": 1, "backoff_max": 8, "stable_after": 60, "pull_retries": 6},
 )
 PUT_SCRIPT = (
@@ -143,6 +144,29 @@ def test_an_image_change_in_tpu_env_recreates_the_container(vm: VM) -> None:
     wait_running(vm)
     assert inspect(vm, "{{.Id}}") != old
     assert managed(vm) == [inspect(vm, "{{.Id}}")]
+
+
+def test_the_tpu_env_file_cannot_choose_the_privileged_image(vm: VM) -> None:
+    """Whoever can write /home/tpu-runtime/tpu-env cannot make tpuboot run another image as root."""
+    wait_running(vm)
+    ident = inspect(vm, "{{.Id}}")
+    vm.run(["sed", "-i", f"s|{IMAGE_2}|{IMAGE_1}|", "/home/tpu-runtime/tpu-env"], check=True)
+    assert IMAGE_1 in vm.run(["cat", "/home/tpu-runtime/tpu-env"], check=True).stdout
+    kill_and_wait(vm)
+    assert inspect(vm, "{{.Id}} {{.Config.Image}}") == f"{ident} {IMAGE_2}"
+
+
+def test_an_image_from_a_registry_not_allowed_is_never_pulled_and_the_status_says_why(vm: VM) -> None:
+    values = {**TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": "evil.example/vbar:1"}
+    vm.run(["python3", "-c", PUT_SCRIPT, f"{MDS_CONTROL}/tpu-env", yaml.safe_dump(values)], check=True)
+    vm.wait_until("systemctl show -P StatusText tpuboot | grep -q 'refused: registry'", timeout=60)
+    assert status_text(vm).endswith(
+        "vBar: image evil.example/vbar:1 refused: registry evil.example not in vbar.registries; "
+        "add it there if you trust it"
+    )
+    assert inspect(vm, "{{.Config.Image}}") == IMAGE_2
+    images = vm.run(["docker", "images", "--format", "{{.Repository}}"], check=True).stdout.split()
+    assert "evil.example/vbar" not in images
 
 
 def test_on_a_gke_node_nothing_is_started_and_the_status_says_why(vm: VM) -> None:
