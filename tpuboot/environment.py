@@ -97,6 +97,12 @@ def _logical_lines(text: str) -> list[str]:
     return logical
 
 
+def _joined(line: str) -> str:
+    """One logical line as read: continuations joined, and a backslash that ends the file (there
+    is no next line to join) dropped, so a line reads the same before and after one is appended."""
+    return line.removesuffix("\n").replace("\\\n", "").removesuffix("\\")
+
+
 @dataclass(frozen=True)
 class EnvironmentPlan:
     """What setting ``wanted`` does to one /etc/environment text, given tpuboot's recorded lines."""
@@ -123,7 +129,7 @@ def plan_environment(
     lines = _logical_lines(text)
     by_key: dict[str, list[int]] = {}
     for index, line in enumerate(lines):
-        match = _ASSIGNMENT.match(line.removesuffix("\n").replace("\\\n", ""))
+        match = _ASSIGNMENT.match(_joined(line))
         if match and match.group(1) in wanted:
             by_key.setdefault(match.group(1), []).append(index)
 
@@ -153,12 +159,11 @@ def plan_environment(
         if ours is not None:
             drop.add(ours)
             changed.append(key)
-        first = lines[theirs[0]].removesuffix("\n")
-        if all(lines[i].removesuffix("\n") == first for i in theirs[1:]) and len(theirs) > 1:
+        first = _joined(lines[theirs[0]])
+        if all(_joined(lines[i]) == first for i in theirs[1:]) and len(theirs) > 1:
             drop.update(theirs[1:])  # repeats of one line: the value read is the same
             changed.append(key)
-        last = lines[theirs[-1]].removesuffix("\n").replace("\\\n", "")
-        value = _value_of(_ASSIGNMENT.match(last).group(2))  # type: ignore[union-attr]
+        value = _value_of(_ASSIGNMENT.match(_joined(lines[theirs[-1]])).group(2))  # type: ignore[union-attr]
         if value != wanted[key]:
             admin[key] = (value, wanted[key])
 
