@@ -109,7 +109,10 @@ def test_an_admins_value_is_logged_once_per_process(root: Root, caplog: pytest.L
     for _ in range(3):
         assert ensure_environment(root, PATH, {"GCS_LOGGED_ONCE": "300"}) == {}
     said = [r.getMessage() for r in caplog.records if "kept the admin's" in r.getMessage()]
-    assert said == [f"{PATH}: kept the admin's GCS_LOGGED_ONCE='1' (tpuboot's value: '300'); remove that line to let tpuboot set it"]
+    assert said == [
+        f"{PATH}: kept the admin's GCS_LOGGED_ONCE='1' (tpuboot's value: '300'); "
+        "remove that line to let tpuboot set it"
+    ]
 
 
 def test_repeats_of_one_admin_line_collapse_into_the_first_position() -> None:
@@ -205,38 +208,44 @@ def test_property_merge_is_idempotent_and_keeps_foreign_lines(lines: list[str], 
 
 
 # --- An admin's value through boot and purge: the file, the record, what purge leaves ----------
-# Each case: /etc/environment and the record as found at boot, the configured value of K; then the
-# file and record tpuboot leaves, and the file the package's purge leaves. "before" says what
-# tpuboot did before an admin's value won (the cases marked so failed then).
+# Each case: /etc/environment and the record as found at boot (K configured as 300); the file and
+# record tpuboot leaves; the file the package's purge leaves. "Before" says what the code before an
+# admin's value won did: each case under one lost the admin's value at purge.
 
 WANTED = {"K": "300"}
 
 
+# fmt: off
+SURVIVES = [
+    # (id, found, recorded, after boot, record after boot, after purge)
+    ("absent: added, removed at purge", "", "", "K=300\n", ["K=300"], ""),
+    ("a comment is no value", "# K=600\n", "", "# K=600\nK=300\n", ["K=300"], "# K=600\n"),
+    ("own line follows config", "A=1\nK=200\nB=2\n", "K=200", "A=1\nK=300\nB=2\n", ["K=300"], "A=1\nB=2\n"),
+    ("admin respelled our line", " export  K=300\n", "K=300", " export  K=300\n", [], " export  K=300\n"),
+    # Before: replaced by K=300 at boot (or put back to it), deleted at purge.
+    ("admin's value before tpuboot", "K=600\n", "", "K=600\n", [], "K=600\n"),
+    ("admin's other spelling", 'export K="600"\n', "", 'export K="600"\n', [], 'export K="600"\n'),
+    ("admin's continued line", "K=1 \\\n2\n", "", "K=1 \\\n2\n", [], "K=1 \\\n2\n"),
+    ("admin's CRLF line", "K=300\r\n", "K=300", "K=300\r\n", [], "K=300\r\n"),
+    ("admin edited our line", "A=1\nK=900\n", "K=300", "A=1\nK=900\n", [], "A=1\nK=900\n"),
+    # Before: collapsed into one K=300 at the first position, deleted at purge.
+    ("admin's different lines", "K=1\nA=1\nK=2\n", "", "K=1\nA=1\nK=2\n", [], "K=1\nA=1\nK=2\n"),
+    ("admin's repeated other value", "K=600\nK=600\n", "", "K=600\n", [], "K=600\n"),
+    ("admin's line above ours", "K=600\nK=300\n", "K=300", "K=600\n", [], "K=600\n"),
+    ("admin's line below ours", "K=300\nK=600\n", "K=300", "K=600\n", [], "K=600\n"),
+    # Before: the admin's line equal to ours was recorded as ours (or taken for it), deleted at purge.
+    ("admin's repeats equal ours", "K=300\nA=1\nK=300\n", "", "K=300\nA=1\n", [], "K=300\nA=1\n"),
+    ("admin repeated our line", "K=300\nB=1\nK=300\n", "K=300", "B=1\nK=300\n", [], "B=1\nK=300\n"),
+    # Before: the postrm deleted the continuation line, changing A's value.
+    ("continuation equal to ours", "A=x \\\nK=300\n", "K=300", "A=x \\\nK=300\nK=300\n", ["K=300"],
+     "A=x \\\nK=300\n"),
+]
+# fmt: on
+
+
 @pytest.mark.parametrize(
     ("found", "recorded", "after_boot", "after_record", "after_purge"),
-    [
-        pytest.param("", "", "K=300\n", ["K=300"], "", id="absent: added, removed at purge"),
-        pytest.param("# K=600\n", "", "# K=600\nK=300\n", ["K=300"], "# K=600\n", id="a comment is no value"),
-        pytest.param("A=1\nK=200\nB=2\n", "K=200", "A=1\nK=300\nB=2\n", ["K=300"], "A=1\nB=2\n", id="own line follows config"),
-        # before: replaced by K=300 at boot and deleted at purge
-        pytest.param("K=600\n", "", "K=600\n", [], "K=600\n", id="admin's value set before tpuboot"),
-        pytest.param('export K="600"\n', "", 'export K="600"\n', [], 'export K="600"\n', id="admin's other spelling"),
-        pytest.param("K=1 \\\n2\n", "", "K=1 \\\n2\n", [], "K=1 \\\n2\n", id="admin's continued line"),
-        # before: replaced back to K=300 at boot, then deleted at purge
-        pytest.param("A=1\nK=900\n", "K=300", "A=1\nK=900\n", [], "A=1\nK=900\n", id="admin edited tpuboot's line"),
-        pytest.param(" export  K=300\n", "K=300", " export  K=300\n", [], " export  K=300\n", id="admin respelled it"),
-        # before: collapsed into one K=300 at the first position, deleted at purge
-        pytest.param("K=1\nA=1\nK=2\n", "", "K=1\nA=1\nK=2\n", [], "K=1\nA=1\nK=2\n", id="admin's different lines"),
-        pytest.param("K=600\nK=600\n", "", "K=600\n", [], "K=600\n", id="admin's repeated other value"),
-        # before: collapsed and recorded as tpuboot's, so purge deleted the admin's equal line
-        pytest.param("K=300\nA=1\nK=300\n", "", "K=300\nA=1\n", [], "K=300\nA=1\n", id="admin's repeats equal ours"),
-        pytest.param("K=300\nB=1\nK=300\n", "K=300", "B=1\nK=300\n", [], "B=1\nK=300\n", id="admin repeated our line"),
-        pytest.param("K=600\nK=300\n", "K=300", "K=600\n", [], "K=600\n", id="admin's line above ours"),
-        pytest.param("K=300\nK=600\n", "K=300", "K=600\n", [], "K=600\n", id="admin's line below ours"),
-        # before: the postrm deleted the continuation line, changing A's value
-        pytest.param("A=x \\\nK=300\n", "K=300", "A=x \\\nK=300\nK=300\n", ["K=300"], "A=x \\\nK=300\n", id="continuation equal to ours"),
-        pytest.param("K=300\r\n", "K=300", "K=300\r\n", [], "K=300\r\n", id="admin's CRLF line"),
-    ],
+    [pytest.param(*case[1:], id=case[0]) for case in SURVIVES],
 )
 def test_an_admins_value_survives_boot_and_purge(
     root: Root, found: str, recorded: str, after_boot: str, after_record: list[str], after_purge: str
@@ -325,7 +334,17 @@ def pam_env_values(text: str) -> dict[str, str]:
 
 ADMIN_LINE = st.one_of(
     st.sampled_from(
-        ["GCS_A=1", "GCS_A=300", 'GCS_A="300"', "export GCS_B=2", "GCS_B=7", "GCS_B=x \\", "# GCS_A=9", "", "X=1"]
+        [
+            "GCS_A=1",
+            "GCS_A=300",
+            'GCS_A="300"',
+            "export GCS_B=2",
+            "GCS_B=7",
+            "GCS_B=x \\",
+            "# GCS_A=9",
+            "",
+            "X=1",
+        ]
     ),
     st.text(st.characters(exclude_characters="\n\0", max_codepoint=0x7F), max_size=10),
 )
