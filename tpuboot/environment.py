@@ -1,30 +1,32 @@
-"""/etc/environment: add tpuboot's keys, never override or lose an admin's, and leave every other byte alone.
+"""/etc/environment: add tpuboot's keys, never override or lose an admin's, leave every other byte alone.
 
 Decision (issue 12, item 8): **an admin's value wins.** A key tpuboot manages (config
-``env.environment``) that an admin has set is left as the admin wrote it, whatever its value:
+``env.environment``) that an admin has set stays as the admin wrote it, whatever its value:
 tpuboot only adds a key that is absent, as the documented configure-env-vars.sh does for
-CLOUDSDK_PYTHON. An admin who set a GCS timeout on purpose meant it; tpuboot says so once in the
-log (and ``admin_values`` lets doctor show it) instead of overriding it. Recording and restoring
-replaced values was rejected: an admin may edit the file between boot and purge, so a restore
-could put back a value the admin had since changed, and the record would have to track positions.
-With this rule there is nothing to restore: tpuboot never rewrites a line it did not write, so
-purge only has to remove its own.
+CLOUDSDK_PYTHON. (The documented configure-gcs-timeouts.sh appends its GCS lines at every boot,
+so its last line overrides an admin's; tpuboot deliberately does not.) An admin who set a GCS
+timeout meant it: tpuboot logs once that it kept it, and ``admin_values`` lets doctor show it.
+Recording and restoring replaced values was rejected: the admin may edit the file between boot
+and purge, and a restore would put back a value the admin has since changed. With this rule
+there is nothing to restore: tpuboot never rewrites a line it did not write, so purge only
+removes tpuboot's own.
 
 Ownership comes from the record (``ENVIRONMENT_RECORD``, read by debian/tpuboot.postrm): a line
 is tpuboot's while it stands byte for byte as recorded. Per key:
 
-- no assignment: tpuboot appends ``KEY=value`` and records it;
-- only tpuboot's line: kept, or replaced where it stands if the configured value changed;
-- any other assignment (set before tpuboot, tpuboot's line edited, another spelling or an extra
-  line added): the key is the admin's. tpuboot removes its own line if one is left (so the
-  admin's value is the one read), forgets the key, and leaves the admin's lines as they are,
-  except that byte-identical repeats (the documented scripts appended one per boot) collapse
-  into the first: the value read stays the same and that line stays at purge.
+- no assignment (a comment is none): tpuboot appends ``KEY=value`` and records it;
+- only tpuboot's line: kept, or replaced where it stands when the configured value changed;
+- any other assignment (set before tpuboot, tpuboot's line edited or respelled, a line added):
+  the key is the admin's. tpuboot removes its own line if one is left (so the admin's value is
+  the one read), forgets the key, and leaves the admin's lines alone, except that repeats of one
+  line (the documented scripts appended one per boot) collapse into the first: the value read is
+  the same, and that line stays at purge.
 
 The record is updated before the file (keys given up are forgotten, new lines added) and
-trimmed after it, so a crash in between can leave a tpuboot line unrecorded (kept at purge), never
-an admin's line recorded. A line tpuboot wrote that an admin later retyped identically is
-indistinguishable from tpuboot's, and goes at purge.
+trimmed after it, so a crash in between can leave a tpuboot line unrecorded (it then counts as
+the admin's and stays at purge), never an admin's line recorded. Limits: a line tpuboot wrote
+that an admin deleted and retyped identically is taken for tpuboot's and goes at purge; a key
+dropped from env.environment keeps tpuboot's line until purge.
 
 Syntax is pam_env's (``KEY=value`` or ``KEY="value"``, optional ``export``, ``#`` comments,
 a trailing backslash continues a line; the last assignment of a key is the one read). Values are
@@ -81,6 +83,12 @@ def _value_of(text: str) -> str:
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
         return text[1:-1]
     return text
+
+
+def _read_value(assignment: str) -> str:
+    """The value pam_env reads from a (joined) assignment line."""
+    match = _ASSIGNMENT.match(assignment)
+    return _value_of(match.group(2)) if match else ""
 
 
 def _logical_lines(text: str) -> list[str]:
@@ -144,10 +152,9 @@ def plan_environment(
         mine = recorded.get(key, frozenset())
         ours = next((i for i in indexes if lines[i].removesuffix("\n") in mine), None)
         theirs = [i for i in indexes if i != ours]
-        if not theirs:  # only tpuboot's own line: follow the configuration
-            assert ours is not None
+        if ours is not None and not theirs:  # only tpuboot's own line: follow the configuration
             body = lines[ours].removesuffix("\n")
-            if _value_of(_ASSIGNMENT.match(body).group(2)) == wanted[key]:  # type: ignore[union-attr]
+            if _read_value(body) == wanted[key]:
                 owned[key] = body
             else:
                 replace[ours] = assignments[key]
@@ -163,7 +170,7 @@ def plan_environment(
         if all(_joined(lines[i]) == first for i in theirs[1:]) and len(theirs) > 1:
             drop.update(theirs[1:])  # repeats of one line: the value read is the same
             changed.append(key)
-        value = _value_of(_ASSIGNMENT.match(_joined(lines[theirs[-1]])).group(2))  # type: ignore[union-attr]
+        value = _read_value(_joined(lines[theirs[-1]]))  # the last assignment is the one read
         if value != wanted[key]:
             admin[key] = (value, wanted[key])
 
