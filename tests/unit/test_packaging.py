@@ -483,6 +483,23 @@ def test_purge_removes_the_environment_lines_tpuboot_wrote_and_only_those(instal
 
 
 @needs_build_tools
+def test_purge_removes_each_recorded_line_once_and_never_an_admins(installed):
+    """Before: the postrm deleted every line equal to a recorded one (the admin's repeat of it, a
+    continuation of the admin's line), and a blank record line emptied the file."""
+    root, env, _log = installed
+    maintscript(root, env, "postinst", "configure", "")
+    (root / "var/lib/tpuboot").mkdir(parents=True)
+    (root / "var/lib/tpuboot/environment.lines").write_text("GCS_A=300\n\nGCS_B=1\nGCS_C=2\n")
+    environment = root / "etc/environment"
+    admins = b"OPTS=a \\\nGCS_A=300\nGCS_C=2\r\nGCS_A=300\nGCS_B=1\n\nGCS_B=1"  # no final newline
+    environment.write_bytes(b"GCS_A=300\n" + admins)
+    maintscript(root, env, "postrm", "purge")
+    # GCS_A: the first standalone line went; the continuation and the admin's repeat stayed.
+    # GCS_B: the first went, the admin's repeat stayed. GCS_C: only a CRLF line, not as written.
+    assert environment.read_bytes() == b"OPTS=a \\\nGCS_A=300\nGCS_C=2\r\nGCS_A=300\n\nGCS_B=1"
+
+
+@needs_build_tools
 def test_purge_keeps_a_home_directory_with_other_files(installed):
     root, env, _log = installed
     maintscript(root, env, "postinst", "configure", "")

@@ -31,6 +31,16 @@ MAX_EXPOSURE = 2.6  # `systemd-analyze security`: 0 is best, 10 is a unit with n
 ADMIN_EDIT = "# edited by the admin: keep me\n"
 LIST_FILES = "import os, sys; [print(p) for p in sys.argv[1:] if os.path.isfile(p)]"
 STUB_UNIT = "[Service]\nExecStart=/bin/sleep infinity\n"
+# /etc/environment as an admin left it in the image, before tpuboot's first boot: two keys tpuboot
+# manages, set to other values, one in another spelling. tpuboot must keep both, and so must purge.
+ADMIN_ENVIRONMENT = 'CLOUDSDK_PYTHON=/opt/python3.11/bin/python3\nexport GCS_RESOLVE_REFRESH_SECS="120"\n'
+# What tpuboot adds at boot: the keys the admin did not set.
+TPUBOOT_LINES = [
+    "GCS_REQUEST_CONNECTION_TIMEOUT_SECS=300",
+    "GCS_METADATA_REQUEST_TIMEOUT_SECS=300",
+    "GCS_READ_REQUEST_TIMEOUT_SECS=300",
+    "GCS_WRITE_REQUEST_TIMEOUT_SECS=600",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +70,7 @@ def vm(
         in_tree(tree, "/boot/grub").mkdir(parents=True, exist_ok=True)
         shutil.copy(kernel.vmlinuz, in_tree(tree, f"/boot/vmlinuz-{kernel.release}"))
         shutil.copy(upgrade_deb, in_tree(tree, "/root/tpuboot-next.deb"))
+        in_tree(tree, "/etc/environment").write_text(ADMIN_ENVIRONMENT)
 
     image = bench.image(hook, key="tpuboot-package")
     with VM.from_artifacts(
@@ -232,13 +243,46 @@ def test_upgrade_keeps_the_admins_conffile_edits(vm: VM) -> None:
     vm.wait_until("systemctl is-active -q tpuboot", timeout=60)  # restarted by the upgrade
 
 
+def test_boot_adds_only_the_keys_the_admin_did_not_set(vm: VM) -> None:
+    """Before: tpuboot replaced the admin's CLOUDSDK_PYTHON and GCS_RESOLVE_REFRESH_SECS at boot."""
+    assert sh(vm, "cat /etc/environment") == ADMIN_ENVIRONMENT + "".join(
+        f"{line}\n" for line in TPUBOOT_LINES
+    )
+    journal = sh(vm, "journalctl -b -u tpuboot -o cat --no-pager")
+    assert "kept the admin's CLOUDSDK_PYTHON='/opt/python3.11/bin/python3'" in journal
+
+
 def test_purge_leaves_nothing_behind(vm: VM) -> None:
+    """And the admin's /etc/environment exactly as the admin left it (before: purge deleted the
+    admin's values where tpuboot had replaced them, or where the admin repeated tpuboot's line)."""
     files = [f for f in sh(vm, "dpkg -L tpuboot").splitlines() if f.strip()]
     conffiles = sh(vm, "dpkg-query -W -f '${Conffiles}' tpuboot").split()[::2]
-    assert "GCS_READ_REQUEST_TIMEOUT_SECS=300" in sh(vm, "cat /etc/environment")  # set at boot
-    sh(vm, "echo 'ADMIN_SETTING=kept' >> /etc/environment")
+    # The admin edits tpuboot's READ line, repeats its METADATA line (as the documented
+    # configure-gcs-timeouts.sh does at every boot) and adds a line of their own; tpuboot restarts.
+    sh(
+        vm,
+        "sed -i 's/^GCS_READ_REQUEST_TIMEOUT_SECS=300$/GCS_READ_REQUEST_TIMEOUT_SECS=900/' /etc/environment"
+        " && printf 'GCS_METADATA_REQUEST_TIMEOUT_SECS=300\\nADMIN_SETTING=kept\\n' >> /etc/environment"
+        " && systemctl restart tpuboot",
+        180,
+    )
+    # tpuboot's METADATA line yielded to the admin's; the admin's edit stood.
+    restarted = [
+        *ADMIN_ENVIRONMENT.splitlines(),
+        "GCS_REQUEST_CONNECTION_TIMEOUT_SECS=300",
+        "GCS_READ_REQUEST_TIMEOUT_SECS=900",
+        "GCS_WRITE_REQUEST_TIMEOUT_SECS=600",
+        "GCS_METADATA_REQUEST_TIMEOUT_SECS=300",
+        "ADMIN_SETTING=kept",
+    ]
+    assert sh(vm, "cat /etc/environment").splitlines() == restarted
+    # After tpuboot's last run, the admin repeats its WRITE line too: purge removes one of the two.
+    sh(vm, "echo GCS_WRITE_REQUEST_TIMEOUT_SECS=600 >> /etc/environment")
+    admins = sh(vm, "cat /etc/environment").replace("GCS_REQUEST_CONNECTION_TIMEOUT_SECS=300\n", "", 1)
+    admins = admins.replace("GCS_WRITE_REQUEST_TIMEOUT_SECS=600\n", "", 1)
     sh(vm, "DEBIAN_FRONTEND=noninteractive apt-get purge -y tpuboot", 300)
-    assert sh(vm, "cat /etc/environment").splitlines() == ["ADMIN_SETTING=kept"]  # ours gone, theirs kept
+    assert sh(vm, "cat /etc/environment") == admins  # ours gone, every admin value as it was
+    assert admins.startswith(ADMIN_ENVIRONMENT) and admins.count("=") == 6
     leftovers = vm.run(["python3", "-c", LIST_FILES, *files, *conffiles]).stdout.split()
     assert leftovers == []
     for path in ("/var/lib/tpuboot", "/etc/tpuboot", "/home/tpu-runtime/tpu-env"):
