@@ -29,7 +29,7 @@ from tpuboot.atomicfile import read_file
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.devices import DeviceTable
 from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
-from tpuboot.environment import merge_environment
+from tpuboot.environment import plan_environment
 from tpuboot.envsync import CACHE_NAME
 from tpuboot.errors import MetadataError
 from tpuboot.imagecheck import CheckResult, Checks, _machine, failed, passed, run_checks, skipped
@@ -381,9 +381,15 @@ class Doctor:
         if not wanted:
             return skipped("env.environment is empty: nothing to set")
         text = self._read(path) or ""
-        _, wrong = merge_environment(text, wanted)
+        plan = plan_environment(text, wanted)
+        wrong = plan.changed
         if not wrong:
-            return passed(f"{path} sets {len(wanted)} variables ({', '.join(sorted(wanted)[:2])}, ...)")
+            kept = "".join(
+                f"; {key}={theirs!r} kept as the admin set it (tpuboot's: {ours!r})"
+                for key, (theirs, ours) in sorted(plan.admin.items())
+            )
+            listed = ", ".join(sorted(wanted)[:2])
+            return passed(f"{path} sets {len(wanted)} variables ({listed}, ...){kept}")
         return failed(
             f"{path} lacks or differs on {', '.join(wrong)}", f"tpuboot env (it sets them in {path})"
         )

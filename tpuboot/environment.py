@@ -276,15 +276,3 @@ def _report_admin_values(path: str, admin: Mapping[str, tuple[str, str]]) -> Non
             ours,
             extra={"ENVIRONMENT_PATH": path, "ENVIRONMENT_KEYS": key},
         )
-
-
-def record_written_lines(root: Root, record: str, lines: Mapping[str, str]) -> None:
-    """Add ``lines`` (key -> the line written) to ``record``, the latest per key.
-
-    ``ensure_environment`` keeps ``ENVIRONMENT_RECORD`` itself; this remains for callers that
-    record elsewhere (a no-op when ``record`` is that file and holds these lines already).
-    """
-    kept = read_record(root, record)
-    merged = {**kept, **{key: [line] for key, line in lines.items()}}
-    if merged != kept:
-        _write_record(root, record, merged)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from tpuboot import metrics
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
 from tpuboot.config import Config
-from tpuboot.environment import ensure_environment, record_written_lines
+from tpuboot.environment import ensure_environment
 from tpuboot.errors import TpubootError
 from tpuboot.metadata import Change, MetadataAbsent, MetadataClient, MetadataError
 from tpuboot.paths import Root
@@ -52,7 +52,6 @@ log = logging.getLogger("tpuboot.envsync")
 TPU_ENV_ATTRIBUTE = "instance/attributes/tpu-env"
 CACHE_NAME = "tpu-env.json"
 # The /etc/environment lines tpuboot wrote, for the package's purge (debian/tpuboot.postrm).
-ENVIRONMENT_RECORD = "environment.lines"
 CACHE_FORMAT = 1
 TPU_ENV_MODE = 0o644  # the runtime user must read it; only root writes it
 CACHE_MODE = 0o600
@@ -355,8 +354,6 @@ class EnvSync:
         """Also set env.environment in /etc/environment; a failure there is added to the status line."""
         try:
             changed = ensure_environment(self._root, self._env.environment_path, self._env.environment)
-            if changed:
-                record_written_lines(self._root, f"{self._env.cache_dir}/{ENVIRONMENT_RECORD}", changed)
         except TpubootError as exc:
             log.error("%s", exc, extra={"ENVIRONMENT_PATH": self._env.environment_path})
             return dataclasses.replace(

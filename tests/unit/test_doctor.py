@@ -296,3 +296,14 @@ def test_metadata_lookup_reads_the_machine_type_and_gives_up_once_on_a_silent_se
         assert lookup("instance/attributes/kube-env") is None  # no second wait
         assert time.monotonic() - started < 3.5
     assert "retrying" not in caplog.text
+
+
+def test_an_admins_own_value_passes_and_is_named(kernel):
+    """tpuboot never overrides an admin's value (tpuboot/environment.py); doctor says which it kept."""
+    env = make_config().env
+    key = sorted(env.environment)[0]
+    lines = [f'{k}="{"900" if k == key else v}"\n' for k, v in env.environment.items()]
+    kernel.p(env.environment_path).write_text("".join(lines))
+    (check,) = [v.result for v in doctor(kernel) if v.result.name == "environment"]
+    assert check.status == "PASS"
+    assert f"; {key}='900' kept as the admin set it (tpuboot's: {env.environment[key]!r})" in check.detail

@@ -22,7 +22,6 @@ from tpuboot.environment import (
     format_assignment,
     merge_environment,
     plan_environment,
-    record_written_lines,
 )
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
@@ -302,18 +301,6 @@ def test_the_record_is_ahead_of_the_file_so_a_crash_never_claims_an_admins_line(
     assert record_lines(root) == ["NEW=1"]  # K given up before the file; NEW recorded ahead
     purge(root)
     assert read_env(root) == "K=300\nB=1\nK=300\n"
-
-
-def test_record_written_lines_agrees_with_the_record_ensure_keeps(root: Root) -> None:
-    """envsync records the returned lines again: a no-op, nothing given up comes back."""
-    root.path(PATH).write_text("K=300\nK=300\n")
-    root.path(ENVIRONMENT_RECORD).parent.mkdir(parents=True)
-    root.path(ENVIRONMENT_RECORD).write_text("K=300\n")
-    written = ensure_environment(root, PATH, {"K": "300", "NEW": "1"})
-    before = root.path(ENVIRONMENT_RECORD).stat().st_mtime_ns
-    record_written_lines(root, ENVIRONMENT_RECORD, written)
-    assert record_lines(root) == ["NEW=1"]
-    assert root.path(ENVIRONMENT_RECORD).stat().st_mtime_ns == before
 
 
 def pam_env_values(text: str) -> dict[str, str]:
