@@ -28,6 +28,7 @@ import secrets
 import stat
 import time
 from collections import deque
+from collections.abc import Iterator
 
 from tpuboot.errors import TpubootError
 from tpuboot.paths import Root
@@ -71,9 +72,7 @@ def write_file(
         _replace(parent, name, data, want_mode, want_owner)
         return True
     except OSError as exc:
-        raise FileWriteError(
-            f"cannot write {path}: {exc.strerror or exc}; check the directory and its permissions"
-        ) from None
+        raise FileWriteError(f"cannot write {path}: {_write_fix(exc)}") from None
     finally:
         os.close(parent)
 
@@ -112,6 +111,18 @@ def _why(exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return "it is a symbolic link in a directory others can write; refusing to follow it (remove it)"
     return f"{exc.strerror or exc}"
+
+
+def _write_fix(exc: OSError) -> str:
+    """What went wrong replacing the file, and the fix, as the end of one line."""
+    if exc.errno == errno.EISDIR:
+        return "a directory is in the way; remove it"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            "permission denied; the directory is not root's and the writer lacks CAP_DAC_OVERRIDE "
+            "(tpuboot.service has it: keep it in CapabilityBoundingSet=)"
+        )
+    return f"{exc.strerror or exc}; check the directory and its permissions"
 
 
 def _split(path: str) -> list[str]:
@@ -283,7 +294,8 @@ def _replace(parent: int, name: str, data: bytes, mode: int, owner: tuple[int, i
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp, dir_fd=parent)
         raise
-    _sweep_stale_temps(parent, name)
+    with contextlib.suppress(OSError):  # the file is in place; leftovers wait for the next write
+        _sweep_stale_temps(parent, name)
     os.fsync(parent)
 
 
@@ -292,7 +304,7 @@ def _sweep_stale_temps(parent: int, name: str) -> None:
     older than STALE_TEMP_S. Anything else with a similar name, a symlink included, stays."""
     prefix = f".{name}.tpuboot-"
     now = time.time()
-    for entry in os.listdir(parent):
+    for entry in _names(parent):
         suffix = entry.removeprefix(prefix)
         if suffix == entry or len(suffix) != _TEMP_HEX or not all(c in "0123456789abcdef" for c in suffix):
             continue
@@ -302,3 +314,10 @@ def _sweep_stale_temps(parent: int, name: str) -> None:
                 os.unlink(entry, dir_fd=parent)
         except FileNotFoundError:
             continue  # gone meanwhile
+
+
+def _names(dir_fd: int) -> Iterator[str]:
+    """The names in a directory, one at a time: a user's directory may hold millions."""
+    with os.scandir(dir_fd) as entries:  # on a duplicate of dir_fd, rewound: dir_fd stays as it was
+        for entry in entries:
+            yield entry.name
