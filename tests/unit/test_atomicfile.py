@@ -318,3 +318,21 @@ def test_without_cap_dac_override_a_users_home_is_a_one_line_error_naming_it(roo
         "and this process lacks CAP_DAC_OVERRIDE (tpuboot.service has it: keep it in CapabilityBoundingSet=)"
     )
     assert list(home.iterdir()) == []
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs a directory owned by another user")
+def test_a_fifo_or_hard_link_the_user_plants_is_replaced_not_opened_for_writing(root: Root) -> None:
+    """A FIFO would block an open for reading; a hard link of the user's own file would be
+    truncated by an open for writing. Neither is written through: the name is replaced."""
+    home = root.path("/home/tpu-runtime")
+    os.chown(home, 65534, 65534)
+    os.mkfifo(home / "tpu-env")
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n", mode=0o644, owner=(0, 0))
+    mine = home / "mine"
+    mine.write_bytes(b"mine\n")
+    os.chown(mine, 65534, 65534)
+    (home / "tpu-env").unlink()
+    os.link(mine, home / "tpu-env")
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=2\n", mode=0o644, owner=(0, 0))
+    assert mine.read_bytes() == b"mine\n"
+    assert (home / "tpu-env").read_bytes() == b"A=2\n" and (home / "tpu-env").stat().st_uid == 0
