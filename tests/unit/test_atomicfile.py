@@ -336,3 +336,36 @@ def test_a_fifo_or_hard_link_the_user_plants_is_replaced_not_opened_for_writing(
     assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=2\n", mode=0o644, owner=(0, 0))
     assert mine.read_bytes() == b"mine\n"
     assert (home / "tpu-env").read_bytes() == b"A=2\n" and (home / "tpu-env").stat().st_uid == 0
+
+
+def unit_capabilities() -> list[str]:
+    """tpuboot.service's CapabilityBoundingSet=, as setpriv names them (sys_module, ...)."""
+    unit = (Path(__file__).parents[2] / "systemd/tpuboot.service").read_text()
+    (line,) = [x for x in unit.splitlines() if x.startswith("CapabilityBoundingSet=")]
+    return [cap.removeprefix("CAP_").lower() for cap in line.partition("=")[2].split()]
+
+
+@pytest.mark.skipif(not IS_ROOT or not shutil.which("setpriv"), reason="needs root and setpriv")
+@pytest.mark.parametrize("home_mode", [0o700, 0o750, 0o2770], ids=oct)
+def test_the_units_capabilities_write_tpu_env_into_a_users_home(
+    root: Root, outside: Path, home_mode: int
+) -> None:
+    """With exactly the unit's capability set: a user's home of the usual modes (0700: adduser,
+    0750: Ubuntu's useradd; setgid: a new file's group is the directory's, fchown gives root's
+    back without CAP_CHOWN) gets a root 0644 file, and a planted link is replaced."""
+    home = root.path("/home/tpu-runtime")
+    os.chown(home, 65534, 65534)
+    home.chmod(home_mode)
+    (home / "tpu-env").symlink_to(outside)
+    code = (
+        "import sys\nfrom tpuboot.atomicfile import write_file\nfrom tpuboot.paths import Root\n"
+        "write_file(Root(sys.argv[1]), '/home/tpu-runtime/tpu-env', b'A=1\\n', mode=0o644, owner=(0, 0))\n"
+    )
+    bounding = ",".join(["-all", *(f"+{cap}" for cap in unit_capabilities())])
+    argv = ["setpriv", f"--bounding-set={bounding}", sys.executable, "-c", code, str(root.prefix)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    st = (home / "tpu-env").lstat()
+    assert (stat.S_ISREG(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (True, 0o644, 0, 0)
+    assert (home / "tpu-env").read_bytes() == b"A=1\n"
+    assert outside.read_bytes() == b"precious\n"
