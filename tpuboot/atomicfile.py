@@ -13,6 +13,17 @@ this process's user) can write, since only they could have put it there; in any 
 directory it is refused (intermediate component) or replaced (final component).
 Absolute symlink targets are resolved under the Root, as a chroot would.
 
+A directory a user owns (``/home/tpu-runtime`` may be the home of a ``tpu-runtime`` user;
+tpuboot.service has CAP_DAC_OVERRIDE to write there): its owner may rename or delete anything
+in it at any moment, tpuboot's files included, and no open-by-name can be made safe against
+that. What holds: tpuboot opens nothing that is there (the only file it writes is the one it
+just created, through that fd), follows no link there, and changes only its own temp name and
+the target's name (one rename); the sweep below may unlink what the user put at a stale temp
+name. So the user can make tpu-env say anything (it is their directory; nothing privileged
+may read it back: tpuboot keeps its own parse), or make a write fail (a directory in the way:
+a one-line error, the next change is written), but not make tpuboot write anywhere else or
+read anything but names. Directory listings stream, so a huge directory costs time, not memory.
+
 Crash safety: temp file written and fsynced, renamed, directory fsynced; a reader (or a
 reboot) sees the old content or the new, never a mix. A crash can leave a temporary
 ``.NAME.tpuboot-XXXXXXXX`` file beside the target; it is never read, and the next write of NAME
@@ -28,6 +39,7 @@ import secrets
 import stat
 import time
 from collections import deque
+from collections.abc import Iterator
 
 from tpuboot.errors import TpubootError
 from tpuboot.paths import Root
@@ -61,7 +73,12 @@ def write_file(
     try:
         parent, name = _resolve(root, path, create=True, dir_mode=dir_mode)
     except OSError as exc:
-        raise FileWriteError(f"cannot write {path}: {_why(exc)}; check the directories on its path") from None
+        fix = (
+            ""
+            if exc.errno in (errno.ELOOP, errno.EACCES, errno.EPERM)
+            else "; check the directories on its path"
+        )
+        raise FileWriteError(f"cannot write {path}: {_why(exc)}{fix}") from None
     try:
         current = _stat_regular(parent, name)
         want_mode = mode if mode is not None else (stat.S_IMODE(current.st_mode) if current else 0o644)
@@ -71,9 +88,7 @@ def write_file(
         _replace(parent, name, data, want_mode, want_owner)
         return True
     except OSError as exc:
-        raise FileWriteError(
-            f"cannot write {path}: {exc.strerror or exc}; check the directory and its permissions"
-        ) from None
+        raise FileWriteError(f"cannot write {path}: {_write_fix(exc)}") from None
     finally:
         os.close(parent)
 
@@ -108,10 +123,27 @@ def read_file(root: Root, path: str, *, limit: int | None = None) -> bytes | Non
     return content
 
 
+_NO_DAC_OVERRIDE = (
+    "permission denied; a directory on its path is not root's and this process lacks "
+    "CAP_DAC_OVERRIDE (tpuboot.service has it: keep it in CapabilityBoundingSet=)"
+)
+
+
 def _why(exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return "it is a symbolic link in a directory others can write; refusing to follow it (remove it)"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return _NO_DAC_OVERRIDE
     return f"{exc.strerror or exc}"
+
+
+def _write_fix(exc: OSError) -> str:
+    """What went wrong replacing the file, and the fix, as the end of one line."""
+    if exc.errno == errno.EISDIR:
+        return "a directory is in the way; remove it"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return _NO_DAC_OVERRIDE
+    return f"{exc.strerror or exc}; check the directory and its permissions"
 
 
 def _split(path: str) -> list[str]:
@@ -283,7 +315,8 @@ def _replace(parent: int, name: str, data: bytes, mode: int, owner: tuple[int, i
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp, dir_fd=parent)
         raise
-    _sweep_stale_temps(parent, name)
+    with contextlib.suppress(OSError):  # the file is in place; leftovers wait for the next write
+        _sweep_stale_temps(parent, name)
     os.fsync(parent)
 
 
@@ -292,7 +325,7 @@ def _sweep_stale_temps(parent: int, name: str) -> None:
     older than STALE_TEMP_S. Anything else with a similar name, a symlink included, stays."""
     prefix = f".{name}.tpuboot-"
     now = time.time()
-    for entry in os.listdir(parent):
+    for entry in _names(parent):
         suffix = entry.removeprefix(prefix)
         if suffix == entry or len(suffix) != _TEMP_HEX or not all(c in "0123456789abcdef" for c in suffix):
             continue
@@ -302,3 +335,10 @@ def _sweep_stale_temps(parent: int, name: str) -> None:
                 os.unlink(entry, dir_fd=parent)
         except FileNotFoundError:
             continue  # gone meanwhile
+
+
+def _names(dir_fd: int) -> Iterator[str]:
+    """The names in a directory, one at a time: a user's directory may hold millions."""
+    with os.scandir(dir_fd) as entries:  # on a duplicate of dir_fd, rewound: dir_fd stays as it was
+        for entry in entries:
+            yield entry.name

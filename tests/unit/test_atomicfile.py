@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -236,3 +239,133 @@ def test_the_next_write_removes_temp_files_a_crash_left_but_nothing_else(root: R
     assert not stale.exists()  # a crash's leftover, a minute old
     assert fresh.exists()  # may be another writer's, in flight
     assert all(other.read_bytes() == b"keep" for other in others) and link.is_symlink()
+
+
+# --- a directory owned by the runtime user (its home), the writer root ----------------------
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs a directory owned by another user")
+def test_users_0700_home_gets_a_root_0644_file_never_written_through(root: Root, outside: Path) -> None:
+    home = root.path("/home/tpu-runtime")
+    os.chown(home, 65534, 65534)
+    home.chmod(0o700)
+    (home / "tpu-env").symlink_to(outside)
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n", mode=0o644, owner=(0, 0))
+    st = (home / "tpu-env").lstat()
+    assert (stat.S_ISREG(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid) == (True, 0o644, 0)
+    assert outside.read_bytes() == b"precious\n"
+    assert (stat.S_IMODE(home.stat().st_mode), home.stat().st_uid) == (0o700, 65534)  # left as it was
+
+
+def test_a_directory_at_the_name_is_one_line_naming_the_fix(root: Root) -> None:
+    (root.path("/home/tpu-runtime/tpu-env") / "sub").mkdir(parents=True)
+    with pytest.raises(FileWriteError) as caught:
+        write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n")
+    assert str(caught.value) == "cannot write /home/tpu-runtime/tpu-env: a directory is in the way; remove it"
+    assert leftovers(root.path("/home/tpu-runtime")) == []
+
+
+def test_a_failing_sweep_does_not_fail_a_write_that_is_done(
+    root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(parent: int, name: str) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(atomicfile, "_sweep_stale_temps", refuse)
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n")
+    assert root.path("/home/tpu-runtime/tpu-env").read_bytes() == b"A=1\n"
+
+
+def test_the_sweep_streams_a_directory_without_listing_it_whole(
+    root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = root.path("/home/tpu-runtime")
+    for i in range(200):
+        (home / f"junk{i}").write_bytes(b"")
+
+    def whole_list(*args: object) -> list[str]:
+        raise AssertionError("os.listdir: a list of all of a user's (maybe millions of) names")
+
+    monkeypatch.setattr(atomicfile.os, "listdir", whole_list)
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n")
+    monkeypatch.undo()
+    assert len(os.listdir(home)) == 201
+
+
+@pytest.mark.skipif(not IS_ROOT or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_without_cap_dac_override_a_users_home_is_a_one_line_error_naming_it(root: Root) -> None:
+    """What tpuboot.service did before it had CAP_DAC_OVERRIDE: root, a 0700 home not its own."""
+    home = root.path("/home/tpu-runtime")
+    os.chown(home, 65534, 65534)
+    home.chmod(0o700)
+    code = (
+        "import sys\nfrom tpuboot.atomicfile import write_file, FileWriteError\n"
+        "from tpuboot.paths import Root\n"
+        "try: write_file(Root(sys.argv[1]), '/home/tpu-runtime/tpu-env', b'A=1\\n')\n"
+        "except FileWriteError as exc: print(exc)\n"
+    )
+    argv = [
+        "setpriv",
+        "--bounding-set=-dac_override,-dac_read_search",
+        sys.executable,
+        "-c",
+        code,
+        str(root.prefix),
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2])
+    assert done.stdout.strip() == (
+        "cannot write /home/tpu-runtime/tpu-env: permission denied; a directory on its path is not root's "
+        "and this process lacks CAP_DAC_OVERRIDE (tpuboot.service has it: keep it in CapabilityBoundingSet=)"
+    )
+    assert list(home.iterdir()) == []
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs a directory owned by another user")
+def test_a_fifo_or_hard_link_the_user_plants_is_replaced_not_opened_for_writing(root: Root) -> None:
+    """A FIFO would block an open for reading; a hard link of the user's own file would be
+    truncated by an open for writing. Neither is written through: the name is replaced."""
+    home = root.path("/home/tpu-runtime")
+    os.chown(home, 65534, 65534)
+    os.mkfifo(home / "tpu-env")
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n", mode=0o644, owner=(0, 0))
+    mine = home / "mine"
+    mine.write_bytes(b"mine\n")
+    os.chown(mine, 65534, 65534)
+    (home / "tpu-env").unlink()
+    os.link(mine, home / "tpu-env")
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=2\n", mode=0o644, owner=(0, 0))
+    assert mine.read_bytes() == b"mine\n"
+    assert (home / "tpu-env").read_bytes() == b"A=2\n" and (home / "tpu-env").stat().st_uid == 0
+
+
+def unit_capabilities() -> list[str]:
+    """tpuboot.service's CapabilityBoundingSet=, as setpriv names them (sys_module, ...)."""
+    unit = (Path(__file__).parents[2] / "systemd/tpuboot.service").read_text()
+    (line,) = [x for x in unit.splitlines() if x.startswith("CapabilityBoundingSet=")]
+    return [cap.removeprefix("CAP_").lower() for cap in line.partition("=")[2].split()]
+
+
+@pytest.mark.skipif(not IS_ROOT or not shutil.which("setpriv"), reason="needs root and setpriv")
+@pytest.mark.parametrize("home_mode", [0o700, 0o750, 0o2770], ids=oct)
+def test_the_units_capabilities_write_tpu_env_into_a_users_home(
+    root: Root, outside: Path, home_mode: int
+) -> None:
+    """With exactly the unit's capability set: a user's home of the usual modes (0700: adduser,
+    0750: Ubuntu's useradd; setgid: a new file's group is the directory's, fchown gives root's
+    back without CAP_CHOWN) gets a root 0644 file, and a planted link is replaced."""
+    home = root.path("/home/tpu-runtime")
+    os.chown(home, 65534, 65534)
+    home.chmod(home_mode)
+    (home / "tpu-env").symlink_to(outside)
+    code = (
+        "import sys\nfrom tpuboot.atomicfile import write_file\nfrom tpuboot.paths import Root\n"
+        "write_file(Root(sys.argv[1]), '/home/tpu-runtime/tpu-env', b'A=1\\n', mode=0o644, owner=(0, 0))\n"
+    )
+    bounding = ",".join(["-all", *(f"+{cap}" for cap in unit_capabilities())])
+    argv = ["setpriv", f"--bounding-set={bounding}", sys.executable, "-c", code, str(root.prefix)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    st = (home / "tpu-env").lstat()
+    assert (stat.S_ISREG(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (True, 0o644, 0, 0)
+    assert (home / "tpu-env").read_bytes() == b"A=1\n"
+    assert outside.read_bytes() == b"precious\n"

@@ -51,6 +51,7 @@ DIRECTIVES: dict[tuple[str, str], int] = {
     ("Service", "ProtectSystem"): 214,  # NEWS 214: "Two new service settings"
     ("Service", "ProtectHome"): 214,
     ("Service", "ReadWritePaths"): 231,  # NEWS 231: ReadWriteDirectories= renamed
+    ("Service", "BindPaths"): 233,  # NEWS 233: "gained new BindPaths="
     ("Service", "StateDirectory"): 235,  # NEWS 235
     ("Service", "PrivateTmp"): 183,  # NEWS 183: "now affects both /tmp and /var/tmp"
     ("Service", "PrivateMounts"): 239,  # NEWS 239

@@ -228,3 +228,13 @@ def test_a_tpu_env_change_is_picked_up_without_restart(vm: VM) -> None:
     # Back to the boot-time value, for the tests after this one.
     put_tpu_env(vm, SAMPLE_TPU_ENV)
     vm.wait_until(f"grep -q '^ZONE=' {TPU_ENV}", timeout=20)
+
+
+def test_tpu_env_dir_is_roots_and_only_it_of_home_is_seen_by_the_service(vm: VM) -> None:
+    """The layout tmpfiles.d makes (tests/vm/test_tpuboot_home.py: a user's home): the directory
+    root's 0755, the file readable by another user, and no other home visible to the unit."""
+    assert vm.run(["stat", "-c", "%a %U", "/home/tpu-runtime"], check=True).stdout.strip() == "755 root"
+    assert vm.run(["sh", "-c", f". {TPU_ENV}; echo $ZONE"], user=TESTER, check=True).stdout.strip()
+    pid = vm.run(["systemctl", "show", "-P", "MainPID", "tpuboot"], check=True).stdout.strip()
+    seen = vm.run(["nsenter", "-t", pid, "-m", "ls", "-A", "/home", "/root"], check=True).stdout.split()
+    assert seen == ["/home:", "tpu-runtime", "/root:"]
