@@ -510,6 +510,22 @@ def test_purge_keeps_a_home_directory_with_other_files(installed):
 
 
 @needs_build_tools
+def test_purge_leaves_a_users_home_and_files_that_are_not_tpuboots(installed):
+    """/home/tpu-runtime may be a user's home (tmpfiles leaves an existing one as it is)."""
+    root, env, _log = installed
+    maintscript(root, env, "postinst", "configure", "")
+    home = root / "home/tpu-runtime"
+    (home / "tpu-env").write_text('ZONE="z"\n')  # tpuboot's: root's, regular
+    os.chown(home, 1000, 1000)
+    maintscript(root, env, "postrm", "purge")
+    assert home.is_dir() and list(home.iterdir()) == []  # tpuboot's file gone, the user's home kept
+    (home / "tpu-env").write_text("mine")
+    os.chown(home / "tpu-env", 1000, 1000)
+    maintscript(root, env, "postrm", "purge")
+    assert (home / "tpu-env").read_text() == "mine"
+
+
+@needs_build_tools
 def test_maintainer_scripts_refuse_unknown_actions(installed):
     root, env, _log = installed
     for script in ("postinst", "postrm"):
@@ -615,14 +631,15 @@ def test_unit_verifies_clean(tmp_path):
 
 @needs_systemd_analyze
 def test_unit_exposure_stays_low():
-    """systemd-analyze security, offline. 2.6 on Debian 12's systemd 252: root, CAP_SYS_MODULE,
-    network and /dev access are what tpuboot's job needs; anything more is a regression."""
+    """systemd-analyze security, offline. 2.8 on Debian 12's systemd 252: root, CAP_SYS_MODULE,
+    CAP_DAC_OVERRIDE (tpu-env in a user's /home/tpu-runtime), network and /dev access are what
+    tpuboot's job needs; anything more is a regression."""
     done = run(
         ["systemd-analyze", "security", "--offline=true", "--no-pager", str(TOP / "systemd/tpuboot.service")]
     )
     match = re.search(r"Overall exposure level for tpuboot.service: (\d+\.\d+)", done.stdout)
     assert match, done.stdout + done.stderr
-    assert float(match.group(1)) <= 2.6
+    assert float(match.group(1)) <= 2.8
 
 
 @needs_systemd_analyze
