@@ -56,7 +56,12 @@ TRANSIENT_ERRNOS = frozenset(
     }
 )
 #: What to do about a permanent errno, in the message (default: see dmesg).
-_DENIED = "run tpuboot as root with CAP_SYS_ADMIN and CAP_FOWNER; check the unit and the audit log (LSM)"
+# Root owns every sysfs attribute and /dev/vfio node tpuboot writes, so no capability is missing
+# when it runs as root (tpuboot.service does): a denial then is a security module's.
+_DENIED = (
+    "run tpuboot as root (tpuboot.service does); as root, an LSM (AppArmor, SELinux) denied it: "
+    "see the audit log"
+)
 ERRNO_FIXES = {
     errno.EPERM: _DENIED,
     errno.EACCES: _DENIED,
