@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tpuboot.backoff import RestartPolicy
 from tpuboot.binding import DeviceAgent
 from tpuboot.coldplug import Coldplug, new_executor
 from tpuboot.envsync import EnvSync, SyncResult
@@ -194,16 +196,16 @@ WATCH_RESTART_MAX = 300.0
 def run_watch(sync: EnvSync, stop: threading.Event, report: Callable[[SyncResult], None]) -> None:
     """The watch thread's body: EnvSync.watch never raises, and should a bug make it, the watch is
     started again (after 1 s, doubling to 5 min) instead of ending for good."""
-    delay = 1.0
+    backoff = RestartPolicy(1.0, WATCH_RESTART_MAX, stable_after=math.inf)
     while not stop.is_set():
         try:
             sync.watch(stop, report)
             return
         except Exception:
+            delay = backoff.delay_after(0.0)
             log.exception("tpu-env: the watch ended unexpectedly; starting it again in %g s", delay)
         if stop.wait(delay):
             return
-        delay = min(delay * 2, WATCH_RESTART_MAX)
 
 
 def run(

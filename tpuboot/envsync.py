@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import threading
 import types
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 from tpuboot import metrics
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
+from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config
 from tpuboot.environment import ensure_environment
 from tpuboot.errors import TpubootError
@@ -200,7 +202,7 @@ class EnvSync:
         Never raises: an unexpected exception (a bug) is logged once with its traceback, reported
         as a failed result, and the watch starts again after a backoff from the last ETag written.
         """
-        failures = 0
+        backoff = RestartPolicy(*self.watch_retry, stable_after=math.inf)
         while not stop.is_set():
             try:
                 changes = self._client.changes(
@@ -210,15 +212,13 @@ class EnvSync:
                     result = self._apply_change(change)
                     self._report(result)
                     on_result(result)
-                    failures = 0
+                    backoff.reset()
                     self._unexpected_seen.clear()
                 return  # the changes end only when stop is set or the client is closed
             except Exception as exc:
                 if stop.is_set():
                     return  # shutting down: the loop reports go to may be closed already
-                failures += 1
-                first, maximum = self.watch_retry
-                delay = min(maximum, first * 2 ** min(failures - 1, 30))
+                delay = backoff.delay_after(0.0)
                 self._unexpected(exc, f"tpu-env watch (retrying in {delay:g} s)")
                 path = self._env.tpu_env_path
                 failed = SyncResult(
@@ -227,7 +227,7 @@ class EnvSync:
                     self._etag,
                     f"tpu-env: watch failed ({type(exc).__name__}); left {path} as it was",
                 )
-                if failures == 1:  # once per streak: STATUS shows it, the log is not flooded
+                if backoff.exits == 1:  # once per streak: STATUS shows it, the log is not flooded
                     self._tell(on_result, failed)
                 if stop.wait(delay):
                     return
