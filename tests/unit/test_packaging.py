@@ -120,6 +120,7 @@ EXPECTED_FILES = {
     "/usr/lib/systemd/system/docker.service.d/50-tpuboot.conf": "-rw-r--r--",
     "/usr/lib/systemd/system/containerd.service.d/50-tpuboot.conf": "-rw-r--r--",
     "/usr/share/man/man8/tpuboot.8.gz": "-rw-r--r--",
+    "/usr/share/tpuboot/prometheus/tpuboot.rules.yml": "-rw-r--r--",
     "/usr/share/doc/tpuboot/copyright": "-rw-r--r--",
     # Named from setup.cfg's metadata: a build that missed it would ship UNKNOWN-0.0.0.dist-info.
     f"/usr/lib/python3/dist-packages/tpuboot-{tpuboot.__version__}.dist-info/METADATA": "-rw-r--r--",
@@ -143,6 +144,7 @@ def test_deb_ships_every_file(contents):
         "/usr/share/doc/",
         "/usr/share/lintian/overrides/",
         "/usr/share/man/",
+        "/usr/share/tpuboot/",
     )
     stray = [p for p, mode in contents.items() if not mode.startswith("d") and not p.startswith(allowed)]
     assert stray == []
