@@ -31,7 +31,8 @@ def vm(vm_artifacts: Artifacts, vm_image_factory: ImageFactory, tpuboot_deb: Pat
 
 
 def names(vm: VM) -> list[str]:
-    return sorted(vm.run(["docker", "ps", "-a", "--format", "{{.Names}}"], check=True, timeout=60).stdout.split())
+    listed = vm.run(["docker", "ps", "-a", "--format", "{{.Names}}"], check=True, timeout=60)
+    return sorted(listed.stdout.split())
 
 
 def test_remove_takes_tpuboots_container_and_leaves_images_and_other_containers(vm: VM) -> None:
