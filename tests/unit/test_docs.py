@@ -3,7 +3,7 @@
 - conf/tpuboot.yaml shows every section and key of tpuboot/config.py, commented out, with its
   default and a line saying what it is;
 - the man page has every command and option of the argparse parser in tpuboot/cli.py, every exit
-  status the CLI returns, and every configuration key;
+  status the CLI returns, every configuration key and every metric (the README every metric too);
 - README.md links and cites only files inside the repository;
 - the man page and the package description say that the package runs privileged containers.
 """
@@ -20,6 +20,7 @@ import yaml
 
 from tpuboot import cli
 from tpuboot.config import Config, MatchRule, Section, parse_config
+from tpuboot.metrics import Metrics
 
 TOP = Path(__file__).resolve().parents[2]
 CONF = TOP / "conf/tpuboot.yaml"
@@ -203,6 +204,24 @@ def test_man_page_lists_every_configuration_key():
                 f"{name}.{key}" for key in cls.options if not re.search(rf"\b{key}\b", documented[name])
             ]
     assert missing == []
+
+
+def test_man_page_and_readme_list_every_metric():
+    families = [
+        line.split()[2]
+        for line in Metrics().exposition().decode().splitlines()
+        if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")
+    ]
+    assert "tpuboot_tpus" in families
+    man = plain(man_sections()["METRICS"])
+    readme = README.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    assert {
+        "man": [f for f in families if f not in man],
+        "README": [f for f in families if f not in readme],
+    } == {
+        "man": [],
+        "README": [],
+    }
 
 
 def test_man_page_says_the_package_runs_a_privileged_container():
