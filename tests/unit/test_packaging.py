@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 import tpuboot
-from tpuboot import config as config_module
-from tpuboot.config import Config, parse_config
+from tpuboot.containers import MANAGED_LABEL
 from tpuboot.imagecheck import run_checks
 from tpuboot.paths import Root
 
@@ -120,6 +119,7 @@ EXPECTED_FILES = {
     "/usr/lib/systemd/system/docker.service.d/50-tpuboot.conf": "-rw-r--r--",
     "/usr/lib/systemd/system/containerd.service.d/50-tpuboot.conf": "-rw-r--r--",
     "/usr/share/man/man8/tpuboot.8.gz": "-rw-r--r--",
+    "/usr/share/tpuboot/prometheus/tpuboot.rules.yml": "-rw-r--r--",
     "/usr/share/doc/tpuboot/copyright": "-rw-r--r--",
     # Named from setup.cfg's metadata: a build that missed it would ship UNKNOWN-0.0.0.dist-info.
     f"/usr/lib/python3/dist-packages/tpuboot-{tpuboot.__version__}.dist-info/METADATA": "-rw-r--r--",
@@ -143,6 +143,7 @@ def test_deb_ships_every_file(contents):
         "/usr/share/doc/",
         "/usr/share/lintian/overrides/",
         "/usr/share/man/",
+        "/usr/share/tpuboot/",
     )
     stray = [p for p, mode in contents.items() if not mode.startswith("d") and not p.startswith(allowed)]
     assert stray == []
@@ -525,6 +526,81 @@ def test_purge_leaves_a_users_home_and_files_that_are_not_tpuboots(installed):
     assert (home / "tpu-env").read_text() == "mine"
 
 
+# A docker CLI standing in for the real one (tests/vm has the real dockerd): `ps` prints the names
+# in $FAKE_DOCKER_PS and exits $FAKE_DOCKER_STATUS (0 by default); every call is logged.
+FAKE_DOCKER = """#!/bin/sh
+echo "docker $*" >> "$CALLS"
+case "$1" in
+ps) [ -z "${FAKE_DOCKER_PS:-}" ] || printf '%s\n' $FAKE_DOCKER_PS ;;
+esac
+exit "${FAKE_DOCKER_STATUS:-0}"
+"""
+
+
+@pytest.fixture
+def live(deb: Path, tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], Path]]:
+    """(root, environment, call log) to run the package's scripts as on a live VM, without
+    DPKG_ROOT: every command they would run on this host is a logging stub (ischroot says "not a
+    chroot"), and docker is FAKE_DOCKER."""
+    root = extract(deb, tmp_path / "root")
+    stubs, log = tmp_path / "stubs", tmp_path / "calls.log"
+    stubs.mkdir()
+    log.touch()
+    for name in (*STUBBED, "deb-systemd-helper", "ischroot"):
+        status = 1 if name == "ischroot" else 0
+        (stubs / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\nexit {status}\n')
+        (stubs / name).chmod(0o755)
+    (stubs / "docker").write_text(FAKE_DOCKER)
+    (stubs / "docker").chmod(0o755)
+    env = {"PATH": f"{stubs}:{SYSTEM_PATH}", "CALLS": str(log), "DPKG_MAINTSCRIPT_PACKAGE": "tpuboot"}
+    yield root, env, log
+
+
+def docker_calls(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if line.startswith("docker ")]
+
+
+def test_postrm_removes_the_containers_labelled_as_tpuboots():
+    """The label the postrm selects is the one tpuboot/containers.py puts on its containers."""
+    postrm = (TOP / "debian/tpuboot.postrm").read_text()
+    assert f"TPUBOOT_LABEL={MANAGED_LABEL}=1\n" in postrm
+
+
+@needs_build_tools
+def test_remove_stops_and_removes_tpuboots_containers_and_keeps_images(live):
+    root, env, log = live
+    names = "tpuboot-vbar-control-agent tpuboot-ai-telemetry-collector"
+    done = maintscript(root, {**env, "FAKE_DOCKER_PS": names}, "postrm", "remove")
+    assert docker_calls(log) == [
+        f"docker ps -a --filter label={MANAGED_LABEL}=1 --format {{{{.Names}}}}",
+        f"docker rm -f {names}",
+    ]  # no rmi, no image prune
+    assert f"removed its containers: {names} (their images stay" in done.stderr
+
+
+@needs_build_tools
+def test_remove_without_containers_or_in_a_chroot_or_on_upgrade_removes_nothing(live):
+    root, env, log = live
+    maintscript(root, env, "postrm", "remove")  # none running
+    assert [c.split()[1] for c in docker_calls(log)] == ["ps"]
+    log.write_text("")
+    for action in ("upgrade", "purge"):
+        maintscript(root, {**env, "FAKE_DOCKER_PS": "tpuboot-vbar-control-agent"}, "postrm", action, "0.2")
+    assert docker_calls(log) == []
+    (Path(env["PATH"].split(":")[0]) / "ischroot").write_text("#!/bin/sh\nexit 0\n")  # a chroot
+    maintscript(root, {**env, "FAKE_DOCKER_PS": "tpuboot-vbar-control-agent"}, "postrm", "remove")
+    assert docker_calls(log) == []
+
+
+@needs_build_tools
+def test_remove_with_dockerd_not_answering_still_succeeds(live):
+    root, env, log = live
+    done = maintscript(root, {**env, "FAKE_DOCKER_STATUS": "1", "FAKE_DOCKER_PS": "x"}, "postrm", "remove")
+    assert [c.split()[1] for c in docker_calls(log)] == ["ps"]
+    if Path("/run/docker.sock").is_socket():
+        assert "xargs -r docker rm -f" in done.stderr
+
+
 @needs_build_tools
 def test_maintainer_scripts_refuse_unknown_actions(installed):
     root, env, _log = installed
@@ -587,24 +663,6 @@ def test_grub_dropin_adds_nothing_already_in_the_default_line():
 def test_grub_dropin_sourced_twice_adds_nothing_more():
     once = grub_cmdline(GRUB_DROPIN, "quiet", "amd64")
     assert grub_cmdline(GRUB_DROPIN, "quiet", "amd64", extra=f'. "{GRUB_DROPIN}"\n') == once
-
-
-def test_default_config_lists_every_key_commented_with_its_default():
-    text = (TOP / "conf/tpuboot.yaml").read_text()
-    assert parse_config(text, "tpuboot.yaml") == Config()  # all commented out
-    uncommented = "\n".join(re.sub(r"^(\s*)#(?=\S)", r"\1", line) for line in text.splitlines())
-    assert parse_config(uncommented, "tpuboot.yaml") == Config()  # and each shown value is the default
-    sections = {
-        "vfio": config_module.VfioConfig,
-        "metadata": config_module.MetadataConfig,
-        "env": config_module.EnvConfig,
-    }
-    for section, cls in sections.items():
-        assert re.search(rf"^#{section}:$", text, re.MULTILINE), section
-        for name in cls.options:
-            match = re.search(rf"^  # (.+)\n  #{name}:", text, re.MULTILINE)
-            assert match, f"{section}.{name} is not listed with a line of explanation"
-    assert re.search(r"^#devices: \[\]$", text, re.MULTILINE)
 
 
 def test_changelog_and_man_page_carry_the_package_version():
