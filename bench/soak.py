@@ -190,6 +190,26 @@ class Growth:
 
 
 @dataclass
+class Life:
+    """One tpuboot process as sampled: how long, and (fds, threads, RSS KiB) first and last."""
+
+    minutes: float = 0.0
+    first: tuple[int, int, int] = (0, 0, 0)
+    last: tuple[int, int, int] = (0, 0, 0)
+
+
+def longest_life(samples: Sequence[tuple[int, float, int, int, int]]) -> Life:
+    """The process (pid) sampled over the longest stretch: growth shows plainest there."""
+    by_pid: dict[int, list[tuple[int, float, int, int, int]]] = collections.defaultdict(list)
+    for sample in samples:
+        by_pid[sample[0]].append(sample)
+    if not by_pid:
+        return Life()
+    life = max(by_pid.values(), key=lambda points: points[-1][1] - points[0][1])
+    return Life((life[-1][1] - life[0][1]) / 60, life[0][2:], life[-1][2:])
+
+
+@dataclass
 class SoakReport:
     minutes: float
     seed: int
@@ -204,8 +224,7 @@ class SoakReport:
     vbar_running_at_end: bool = False
     vbar_longest_down_s: float = 0.0
     growth: Growth = field(default_factory=Growth)
-    first_sample: tuple[int, int, int] = (0, 0, 0)  # fds, threads, RSS KiB
-    last_sample: tuple[int, int, int] = (0, 0, 0)
+    longest: Life = field(default_factory=Life)
     errors_by_kind: dict[str, int] = field(default_factory=dict)
     leftover_temps: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -246,9 +265,10 @@ class SoakReport:
             f"({self.growth.samples} samples): fds {self.growth.fds:+.1f}, "
             f"threads {self.growth.threads:+.1f}, "
             f"RSS {self.growth.rss_kib:+.0f} KiB",
-            f"first/last sample: fds {self.first_sample[0]}/{self.last_sample[0]}, "
-            f"threads {self.first_sample[1]}/{self.last_sample[1]}, "
-            f"RSS {self.first_sample[2]}/{self.last_sample[2]} KiB",
+            f"the longest-lived tpuboot process ({self.longest.minutes:.1f} min), first -> last sample: "
+            f"fds {self.longest.first[0]} -> {self.longest.last[0]}, "
+            f"threads {self.longest.first[1]} -> {self.longest.last[1]}, "
+            f"RSS {self.longest.first[2]} -> {self.longest.last[2]} KiB",
             f"temporary files left behind: {len(self.leftover_temps)}",
             "error and warning lines by kind:",
             *(f"  {n:5d}  {kind}" for kind, n in sorted(self.errors_by_kind.items(), key=lambda kv: -kv[1])),
@@ -317,7 +337,7 @@ class Soak:
         self.want_since: float | None = time.monotonic()
         self.kills = 0
         self.last_lifecycle = self.last_dockerd = -1e9
-        self.samples: list[tuple[int, float, float, float, float]] = []  # pid, t, fds, threads, rss
+        self.samples: list[tuple[int, float, int, int, int]] = []  # pid, t, fds, threads, RSS KiB
         self.last_sample = -1e9
         self.vbar_down_since: float | None = None
         self.unbound_since: dict[str, float] = {}
@@ -396,9 +416,7 @@ class Soak:
         self.read_journal()
         slope = [pooled_slope([(p, t, s[i]) for p, t, *s in self.samples]) for i in range(3)]
         r.growth = Growth(slope[0][0], slope[1][0], slope[2][0], slope[0][1], slope[0][2])
-        if self.samples:
-            r.first_sample = tuple(int(v) for v in self.samples[0][2:])  # type: ignore[assignment]
-            r.last_sample = tuple(int(v) for v in self.samples[-1][2:])  # type: ignore[assignment]
+        r.longest = longest_life(self.samples)
         temps = self.sh(f"find {TEMP_DIRS} -maxdepth 1 -name '.*.tpuboot-*' || true")
         r.leftover_temps = temps.split()
         return r
@@ -490,8 +508,8 @@ class Soak:
         """(name, weight, possible now, do it)."""
         now = time.monotonic
         return [
-            ("hotplug add", 25, lambda: len(self.hot) < HOTPLUG_PORTS, self.hot_add),
-            ("hotplug remove", 22, lambda: bool(self.hot), self.hot_remove),
+            ("hotplug add", 30, lambda: len(self.hot) < HOTPLUG_PORTS, self.hot_add),
+            ("hotplug remove", 28, lambda: bool(self.hot), self.hot_remove),
             ("metadata fault", 12, lambda: self.fault is None, self.start_fault),
             ("tpu-env document", 14, lambda: self.fault != "down", self.serve_document),
             ("vBar kill", 5, lambda: True, self.kill_vbar),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import CATALOG, FAULTS, error_kind, pooled_slope
+from bench.soak import CATALOG, FAULTS, error_kind, longest_life, pooled_slope
 from bench.soak_reader import Tally, parse
 from tests.mds_emulator import HOSTILE_VALUES, Faults
 from tpuboot.tpuenv import MAX_TPU_ENV_BYTES, TpuEnvError, parse_tpu_env, render_env_file
@@ -87,3 +87,10 @@ def test_error_kinds_blank_what_varies() -> None:
     a = error_kind("0000:00:04.0: bind failed (errno 16), retrying in 2.5 s: 'x'\ntraceback")
     b = error_kind('0000:01:00.0: bind failed (errno 5), retrying in 10 s: "y"')
     assert a == b == "DBDF: bind failed (errno N), retrying in N s: '…'"
+
+
+def test_the_longest_lived_process_is_the_one_sampled_longest() -> None:
+    samples = [(1, 0.0, 10, 5, 100), (1, 60.0, 11, 5, 110), (2, 70.0, 9, 4, 90), (2, 250.0, 12, 6, 95)]
+    life = longest_life(samples)
+    assert (life.minutes, life.first, life.last) == (3.0, (9, 4, 90), (12, 6, 95))
+    assert longest_life([]).minutes == 0.0
