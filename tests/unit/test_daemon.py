@@ -18,6 +18,7 @@ from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot import binding, envsync
 from tpuboot.coldplug import new_executor, start_coldplug
+from tpuboot.config import ReadyConfig
 from tpuboot.daemon import Daemon, EnvJob, run_watch
 from tpuboot.envsync import EnvSync
 from tpuboot.notify import Notifier
@@ -79,9 +80,14 @@ def kernel(tmp_path):
     return k
 
 
-def make(kernel: FakeKernel):
+#: READY after each coldplugged TPU's first attempt (ready.wait_for_devices: false), as most
+#: scenarios here assume; the tests of the default (wait) pass ReadyConfig() themselves.
+FIRST_ATTEMPT = ReadyConfig(wait_for_devices=False)
+
+
+def make(kernel: FakeKernel, ready: ReadyConfig = FIRST_ATTEMPT, **kwargs):
     monitor, notifier = QueueMonitor(), RecordingNotifier()
-    return Daemon(binder(kernel), monitor, notifier), monitor, notifier
+    return Daemon(binder(kernel), monitor, notifier, ready=ready, **kwargs), monitor, notifier
 
 
 def test_coldplug_binds_every_tpu_before_ready_and_leaves_others(kernel):
