@@ -288,8 +288,6 @@ class MetadataEmulator:
 
     def _write_guest_attribute(self, path: str, value: str | None) -> tuple[int, str]:
         """(status, body) for a PUT (``value``) or DELETE (None) of ``instance/guest-attributes/...``."""
-        with self._stats_lock:
-            self.guest_attribute_writes += 1
         if not self.guest_attributes_enabled():
             return 403, GUEST_ATTRIBUTES_DISABLED
         parts = path[len(GUEST_ATTRIBUTES) :].split("/")
@@ -483,6 +481,8 @@ class _Handler(BaseHTTPRequestHandler):
         """A PUT or DELETE of a guest attribute, checked as the server checks any request."""
         emulator = self.server.emulator
         emulator._count()
+        with emulator._stats_lock:
+            emulator.guest_attribute_writes += 1
         faults = emulator.faults
         path = urlsplit(self.path).path[len(ROOT) :]
         if faults.delay and emulator._stopping.wait(faults.delay):
