@@ -111,10 +111,11 @@ class Daemon:
     def _env_result(self, result: SyncResult) -> None:
         assert self.env is not None
         self.env.status = result.status
+        held = self.env.published.startswith(("source=metadata", "source=cache"))  # a file written
         if result.source in ("metadata", "cache"):  # when written: a reader computes the age
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             self.env.published = f"source={result.source} keys={result.keys} updated={when}"
-        elif result.source == "absent" or not self.env.published.startswith("source=metadata"):
+        elif result.source == "absent" or not held:  # a failure keeps what the file still holds
             self.env.published = f"source={result.source}"
         if self.agents is not None:
             try:

@@ -118,6 +118,8 @@ class Publisher:
         with self._cond:
             self._stop.set()
             self._cond.notify()
+        if not self.enabled:
+            self.client.close()  # cuts short a check of enable-guest-attributes in flight
         thread = self._thread
         if thread is not None:
             thread.join(timeout=FINAL_DEADLINE)
