@@ -476,3 +476,20 @@ def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(k
 
     asyncio.run(scenario())
     assert emulator.guest_attributes("tpuboot")["tpuboot/state"] == "stopped"
+
+
+def test_the_tpu_env_attribute_keeps_what_the_file_holds_through_a_failure(kernel, root):
+    from tpuboot.envsync import SyncResult
+
+    daemon, _, _ = make(kernel, env=EnvJob(None, None, 1.0, False))  # type: ignore[arg-type]
+    assert daemon.guest_attribute_values()["tpu-env"] == "source=pending"
+    daemon._env_result(SyncResult("failed", 0, None, "tpu-env: failed"))
+    assert daemon.guest_attribute_values()["tpu-env"] == "source=failed"
+    daemon._env_result(SyncResult("metadata", 14, "e1", "tpu-env: 14 keys from metadata"))
+    written = daemon.guest_attribute_values()["tpu-env"]
+    assert written.startswith("source=metadata keys=14 updated=20") and written.endswith("Z")
+    daemon._env_result(SyncResult("failed", 0, None, "tpu-env: metadata server unreachable"))
+    assert daemon.guest_attribute_values()["tpu-env"] == written  # the file still holds it
+    daemon._env_result(SyncResult("absent", 0, None, "tpu-env: not set"))
+    assert daemon.guest_attribute_values()["tpu-env"] == "source=absent"
+    assert daemon.guest_attribute_values()["state"] == "starting"
