@@ -20,6 +20,8 @@ Why each choice:
   that trickles its headers or body a byte at a time cannot hold a try past ``timeout``
   seconds nor ``get`` past its deadline (:class:`tpuboot.netio.DeadlineSocket` re-arms each
   receive to what is left). A long-poll's own bound is ``timeout_sec`` plus ``timeout``.
+- ``put`` (guest attributes, tpuboot/guestattrs.py) takes the same path as ``get``: the same
+  deadlines, flavor check and refusals; ``max_tries`` lets a writer that paces itself ask once.
 - Change watch: long-poll with ``wait_for_change``/``last_etag``/``timeout_sec`` and a read
   timeout a little above ``timeout_sec``. Answers faster than half the poll time (errors,
   the same ETag at once, a flapping ETag) back off exponentially and never come more than
