@@ -83,11 +83,13 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
     if config.guest_attributes.enabled != "false":
         from tpuboot.guestattrs import Publisher
 
-        guest_attrs = Publisher(
-            MetadataClient.from_config(config.metadata),
-            config.guest_attributes,
-            check_deadline=config.metadata.boot_deadline,
-        )
+        try:
+            client = MetadataClient.from_config(config.metadata)
+        except ConfigError as exc:  # a bad $GCE_METADATA_HOST: the TPUs are bound all the same
+            log.error("guest attributes: %s; not publishing", exc)
+        else:
+            boot_deadline = config.metadata.boot_deadline
+            guest_attrs = Publisher(client, config.guest_attributes, check_deadline=boot_deadline)
     return daemon.run(binder, monitor, executor, coldplug, env, agents, config.ready, guest_attrs)
 
 
