@@ -32,6 +32,7 @@ Why each choice:
 from __future__ import annotations
 
 import contextlib
+import http.client
 import logging
 import os
 import random
@@ -510,6 +511,11 @@ class MetadataClient:
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
             metrics.metadata_request("transient")
             raise _Retryable(_failure_kind(exc)) from None
+        except (ValueError, http.client.HTTPException) as exc:
+            # What the HTTP stack raises past its own exception types on a malformed answer: a
+            # negative chunk size reaches read() as ValueError (urllib3 trusts int(size, 16)).
+            metrics.metadata_request("transient")
+            raise _Retryable(f"malformed answer ({type(exc).__name__}: {str(exc)[:80]})") from None
         except _Retryable:
             metrics.metadata_request("transient")
             raise
