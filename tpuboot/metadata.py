@@ -555,8 +555,9 @@ class MetadataClient:
                 head += chunk
                 if len(head) >= 256 or time.monotonic() > deadline:
                     break
-        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError):
-            pass
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, ValueError,
+                http.client.HTTPException):  # fmt: skip
+            pass  # a malformed body cannot turn the refusal into a retried failure
         line = head[:256].decode("utf-8", "replace").strip().splitlines()[:1]
         text = "".join(c if c.isprintable() else "?" for c in (line[0] if line else ""))[:120]
         return f" ({text})" if text else ""

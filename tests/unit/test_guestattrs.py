@@ -116,8 +116,9 @@ def test_writes_are_spaced_under_the_servers_burst_limit(emulator, publishers) -
     publisher.update({f"k{i}": "v" for i in range(5)})
     publisher.start()
     wait_for(lambda: len(emulator.guest_attributes()) == 5)
-    times = emulator.request_times[-5:]
-    assert all(b - a >= SPACING * 0.9 for a, b in itertools.pairwise(times)), times
+    times = emulator.request_times[-5:]  # as they arrived: a loaded machine may delay one a little
+    assert times[-1] - times[0] >= 4 * SPACING - 0.2, times
+    assert all(b - a >= SPACING / 2 for a, b in itertools.pairwise(times)), times
 
 
 def test_update_returns_at_once_while_the_server_hangs(emulator, publishers) -> None:
