@@ -5,8 +5,11 @@ Serves ``/computeMetadata/v1/instance/attributes/<k>``, ``/project/attributes/<k
 long-polls), with the real server's semantics: the request must carry ``Metadata-Flavor:
 Google`` (else 403), every answer carries it, ``ETag`` on values, 404 for a missing key,
 ``wait_for_change``/``last_etag``/``timeout_sec`` long-polls, directory listings and
-``?recursive=true`` JSON. Faults (``Faults``) are injectable at run time. Every request is
-counted with its time, for the fleet benchmark.
+``?recursive=true`` JSON. Guest attributes as the real server keeps them: ``PUT``, ``GET`` and
+``DELETE`` of ``/instance/guest-attributes/<namespace>/<key>`` when ``enable-guest-attributes``
+is true on the instance (else on the project), and 403 "Guest attributes endpoint access is
+disabled." for every guest-attributes request otherwise. Faults (``Faults``) are injectable at
+run time. Every request is counted with its time, for the fleet benchmark.
 
 Standalone (for VM guests)::
 
@@ -15,7 +18,8 @@ Standalone (for VM guests)::
 ``attrs.yaml`` maps attribute names to values; a mapping value (like ``tpu-env``) is
 served as its YAML text. Control endpoints, not counted and without flavor checks:
 ``GET /_emulator/stats`` (JSON), ``PUT /_emulator/v1/<path>`` (body = new value; DELETE
-removes it) and ``PUT /_emulator/faults`` (body = JSON object of ``Faults`` fields).
+removes it) and ``PUT /_emulator/faults`` (body = JSON object of ``Faults`` fields). The stats
+count guest-attribute writes apart (``guest_attribute_writes``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import random
+import re
 import signal
 import socket
 import sys
@@ -40,6 +45,11 @@ import yaml
 
 ROOT = "/computeMetadata/v1/"
 CONTROL = "/_emulator/"
+GUEST_ATTRIBUTES = "instance/guest-attributes/"
+ENABLE_GUEST_ATTRIBUTES = "enable-guest-attributes"
+#: The real server's answer, with 403, to guest-attributes requests on an instance without them.
+GUEST_ATTRIBUTES_DISABLED = "Guest attributes endpoint access is disabled.\n"
+_GUEST_ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9_-]+\Z")  # gcloud's query-path pattern: [\w-]+
 
 #: Values a tpu-env could hold that break naive quoting, evaluation or parsing.
 HOSTILE_VALUES = {
@@ -178,6 +188,7 @@ class MetadataEmulator:
         self._stats_lock = threading.Lock()
         self._counted = threading.Condition(self._stats_lock)
         self.request_times: list[float] = []
+        self.guest_attribute_writes = 0  # PUT and DELETE of guest attributes, answered or refused
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -260,6 +271,30 @@ class MetadataEmulator:
         with self._changed:
             value = self.values.get(path)
         return None if value is None else etag_of(value)
+
+    def guest_attributes_enabled(self) -> bool:
+        """``enable-guest-attributes`` on the instance, else on the project, read as Go's ParseBool."""
+        with self._changed:
+            value = self.values.get(f"instance/attributes/{ENABLE_GUEST_ATTRIBUTES}")
+            if value is None:
+                value = self.values.get(f"project/attributes/{ENABLE_GUEST_ATTRIBUTES}")
+        return value is not None and value.strip() in ("1", "t", "T", "TRUE", "true", "True")
+
+    def guest_attributes(self, namespace: str | None = None) -> dict[str, str]:
+        """The guest attributes written (``ns/key``: value), whether or not reads are allowed now."""
+        prefix = GUEST_ATTRIBUTES + (f"{namespace}/" if namespace else "")
+        with self._changed:
+            return {k[len(GUEST_ATTRIBUTES) :]: v for k, v in self.values.items() if k.startswith(prefix)}
+
+    def _write_guest_attribute(self, path: str, value: str | None) -> tuple[int, str]:
+        """(status, body) for a PUT (``value``) or DELETE (None) of ``instance/guest-attributes/...``."""
+        if not self.guest_attributes_enabled():
+            return 403, GUEST_ATTRIBUTES_DISABLED
+        parts = path[len(GUEST_ATTRIBUTES) :].split("/")
+        if len(parts) != 2 or not all(_GUEST_ATTRIBUTE_NAME.match(part) for part in parts):
+            return 400, "Guest attributes are written as <namespace>/<key>.\n"
+        self.set(path, value)
+        return 200, ""
 
     # -- statistics ---------------------------------------------------------------------------
 
@@ -432,14 +467,44 @@ class _Handler(BaseHTTPRequestHandler):
             else:  # google-auth's ping asks for "/"
                 self._send(200, above, None, "application/text", faults)
             return
-        status, body, etag, content_type = emulator._lookup(split.path[len(ROOT) :], parse_qs(split.query))
+        path = split.path[len(ROOT) :]
+        if path.startswith(GUEST_ATTRIBUTES[:-1]) and not emulator.guest_attributes_enabled():
+            self._send(403, GUEST_ATTRIBUTES_DISABLED, None, "text/plain; charset=utf-8", faults)
+            return
+        status, body, etag, content_type = emulator._lookup(path, parse_qs(split.query))
         if faults.body is not None and status == 200:
             self._send_bytes(200, faults.body, etag, content_type, faults)
             return
         self._send(status, body, etag, content_type, faults)
 
+    def _guest_attribute(self, value: str | None) -> None:
+        """A PUT or DELETE of a guest attribute, checked as the server checks any request."""
+        emulator = self.server.emulator
+        emulator._count()
+        with emulator._stats_lock:
+            emulator.guest_attribute_writes += 1
+        faults = emulator.faults
+        path = urlsplit(self.path).path[len(ROOT) :]
+        if faults.delay and emulator._stopping.wait(faults.delay):
+            return
+        if self.headers.get("Metadata-Flavor") != "Google" or "X-Forwarded-For" in self.headers:
+            self._send(403, "Missing Metadata-Flavor:Google header.\n", None, "text/plain", faults)
+            return
+        injected = faults.status if faults.status is not None else emulator._injected_status(faults)
+        if injected is not None:
+            self._send(injected, f"status {injected}\n", None, "text/plain", faults)
+            return
+        status, body = emulator._write_guest_attribute(path, value)
+        self._send(status, body, None, "text/plain; charset=utf-8", faults)
+
+    def _body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length", "0")))
+
     def do_PUT(self) -> None:
         split = urlsplit(self.path)
+        if split.path.startswith(ROOT + GUEST_ATTRIBUTES):
+            self._guest_attribute(self._body().decode("utf-8", "replace"))
+            return
         prefix = CONTROL + "v1/"
         if split.path == CONTROL + "faults":  # body: JSON object of Faults fields
             length = int(self.headers.get("Content-Length", "0"))
@@ -456,6 +521,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         split = urlsplit(self.path)
+        if split.path.startswith(ROOT + GUEST_ATTRIBUTES):
+            self._guest_attribute(None)
+            return
         prefix = CONTROL + "v1/"
         if split.path.startswith(prefix):
             self.server.emulator.set(split.path[len(prefix) :], None)
@@ -468,6 +536,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "requests": emulator.request_count,
                 "peak_rate": emulator.peak_rate(),
                 "peak_rate_100ms": emulator.peak_rate(0.1),
+                "guest_attribute_writes": emulator.guest_attribute_writes,
             }
             self._send(200, json.dumps(stats) + "\n", None, "application/json", Faults())
         else:
@@ -560,7 +629,11 @@ def main(argv: list[str] | None = None) -> int:
     with emulator:
         print(f"metadata emulator listening on {emulator.host}", flush=True)
         done.wait()
-    stats = {"requests": emulator.request_count, "peak_rate": emulator.peak_rate()}
+    stats = {
+        "requests": emulator.request_count,
+        "peak_rate": emulator.peak_rate(),
+        "guest_attribute_writes": emulator.guest_attribute_writes,
+    }
     print(json.dumps(stats), flush=True)
     return 0
 

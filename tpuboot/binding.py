@@ -7,7 +7,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
@@ -236,6 +236,24 @@ class DeviceAgent:
         if state.retry is not None:
             state.retry.cancel()
             state.retry = None
+
+    def settled(self, addresses: Iterable[str]) -> bool:
+        """Whether each of ``addresses`` is bound, gone, not a TPU after all, or failed for good
+        (a permanent error, or its retries spent): nothing running and no retry pending."""
+        for address in addresses:
+            state = self.devices.get(address)
+            if state is None or state.state in ("bound", "removed"):
+                continue
+            if state.state == "failed" and state.retry is None and not state.running:
+                continue
+            return False
+        return True
+
+    def counts(self) -> tuple[int, int, int]:
+        """(bound, present, failed) TPUs, as STATUS counts them (functions not yet classified apart)."""
+        present = [s for s in self.devices.values() if s.state != "removed" and s.kind != UNCLASSIFIED]
+        bound = sum(1 for s in present if s.state == "bound")
+        return bound, len(present), sum(1 for s in present if s.state == "failed")
 
     def summary(self) -> str:
         """One line for STATUS: how many TPUs are bound, and the first failure."""

@@ -78,7 +78,19 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
         sync = EnvSync(ctx.root, config, client)
         env = daemon.EnvJob(sync, client, config.metadata.boot_deadline, config.metadata.watch)
     metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without metrics
-    return daemon.run(binder, monitor, executor, coldplug, env, _agents(ctx, config, sync))
+    agents = _agents(ctx, config, sync)
+    guest_attrs = None
+    if config.guest_attributes.enabled != "false":
+        from tpuboot.guestattrs import Publisher
+
+        try:
+            client = MetadataClient.from_config(config.metadata)
+        except ConfigError as exc:  # a bad $GCE_METADATA_HOST: the TPUs are bound all the same
+            log.error("guest attributes: %s; not publishing", exc)
+        else:
+            boot_deadline = config.metadata.boot_deadline
+            guest_attrs = Publisher(client, config.guest_attributes, check_deadline=boot_deadline)
+    return daemon.run(binder, monitor, executor, coldplug, env, agents, config.ready, guest_attrs)
 
 
 def _agents(ctx: Context, config: Config, sync: EnvSync | None) -> Agents | None:

@@ -418,6 +418,40 @@ class MetricsConfig(Section):
     textfile_dir: str | None = _opt(None, parse_optional_abs_path)
 
 
+#: The server's guest-attribute quota is 10 queries a minute per VM; 5 keys at most once per 30 s
+#: each stay within it (tpuboot/guestattrs.py).
+GUEST_ATTRIBUTES_MIN_INTERVAL = 30.0
+
+
+def parse_publish_interval(value: Any, where: str) -> float:
+    seconds = parse_seconds(DELAY_MAX)(value, where)
+    if seconds < GUEST_ATTRIBUTES_MIN_INTERVAL:
+        raise _fail(
+            where,
+            f"{seconds:g} is below {GUEST_ATTRIBUTES_MIN_INTERVAL:g} s; the metadata server allows 10 "
+            "guest-attribute writes a minute per VM and may drop writes beyond that",
+        )
+    return seconds
+
+
+class GuestAttributesConfig(Section):
+    """This host's state in the instance's guest attributes (tpuboot/<key>), for slice-wide views."""
+
+    # auto: when enable-guest-attributes is TRUE on the instance (else on the project).
+    enabled: str = _opt("auto", parse_choice("auto", "true", "false"))
+    min_interval: float = _opt(60.0, parse_publish_interval)
+
+
+class ReadyConfig(Section):
+    """When the unit says READY."""
+
+    # Hold READY until every TPU present at start is bound or has failed for good.
+    wait_for_devices: bool = _opt(True, parse_bool)
+    device_deadline: float = _opt(
+        90.0, parse_seconds(BOOT_DEADLINE_MAX, " (systemd's TimeoutStartSec=180 must not end the start)")
+    )
+
+
 class Config(Section):
     devices: tuple[MatchRule, ...] = _opt((), parse_rules)
     vfio: VfioConfig = _opt(VfioConfig(), lambda v, w: _section(VfioConfig, v, w))
@@ -429,6 +463,10 @@ class Config(Section):
     telemetry: TelemetryConfig = _opt(TelemetryConfig(), lambda v, w: _section(TelemetryConfig, v, w))
     supervisor: SupervisorConfig = _opt(SupervisorConfig(), lambda v, w: _section(SupervisorConfig, v, w))
     metrics: MetricsConfig = _opt(MetricsConfig(), lambda v, w: _section(MetricsConfig, v, w))
+    guest_attributes: GuestAttributesConfig = _opt(
+        GuestAttributesConfig(), lambda v, w: _section(GuestAttributesConfig, v, w)
+    )
+    ready: ReadyConfig = _opt(ReadyConfig(), lambda v, w: _section(ReadyConfig, v, w))
 
 
 def _sets_nothing(text: str) -> bool:

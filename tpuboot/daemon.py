@@ -11,13 +11,16 @@ import logging
 import math
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tpuboot import __version__
 from tpuboot.backoff import RestartPolicy
 from tpuboot.binding import DeviceAgent
 from tpuboot.coldplug import Coldplug, new_executor
+from tpuboot.config import ReadyConfig
 from tpuboot.envsync import EnvSync, SyncResult
 from tpuboot.metadata import MetadataClient
 from tpuboot.notify import Notifier, watchdog_interval
@@ -26,6 +29,7 @@ from tpuboot.vfio import Binder
 
 if TYPE_CHECKING:
     from tpuboot.agents import Agents
+    from tpuboot.guestattrs import Publisher
 
 log = logging.getLogger("tpuboot.daemon")
 
@@ -51,6 +55,7 @@ class EnvJob:
         self.watch = watch
         self.stop = threading.Event()
         self.status = "tpu-env: pending"
+        self.published = "source=pending"  # the guest attribute tpuboot/tpu-env
 
 
 class Daemon:
@@ -63,6 +68,8 @@ class Daemon:
         agents: Agents | None = None,
         executor: ThreadPoolExecutor | None = None,
         coldplug: Coldplug | None = None,
+        ready: ReadyConfig | None = None,
+        guest_attrs: Publisher | None = None,
     ) -> None:
         self.binder = binder
         self.monitor = monitor
@@ -71,9 +78,13 @@ class Daemon:
         self.agents = agents  # vBar and telemetry: started at once, never waited for
         self.executor = executor or new_executor()
         self.coldplug = coldplug  # binds started before this module was imported
+        self.ready_config = ready or ReadyConfig()
+        self.guest_attrs = guest_attrs  # publishes the state below; never waited for
         self.devices = DeviceAgent(binder, self.executor, self._publish)
         self.ready = False
         self.stopping = asyncio.Event()
+        self._settled: asyncio.Future[None] | None = None
+        self._waited_for: list[str] = []  # the devices READY waits for (ready.wait_for_devices)
 
     def status_line(self) -> str:
         parts = [self.devices.summary()]
@@ -83,9 +94,29 @@ class Daemon:
             parts.append(self.agents.status)
         return "; ".join(parts)
 
+    def guest_attribute_values(self) -> dict[str, str]:
+        """This host's state as the guest attributes tpuboot/<key> show it (tpuboot/guestattrs.py)."""
+        bound, present, failed = self.devices.counts()
+        vbar = "disabled"
+        if self.agents is not None and "vBar" in self.agents.statuses:
+            vbar = self.agents.statuses["vBar"].removeprefix("vBar: ")
+        return {
+            "state": "ready" if self.ready else "starting",
+            "tpus": f"bound={bound} expected={present} failed={failed}",
+            "tpu-env": "source=disabled" if self.env is None else self.env.published,
+            "vbar": vbar,
+            "version": __version__,
+        }
+
     def _env_result(self, result: SyncResult) -> None:
         assert self.env is not None
         self.env.status = result.status
+        held = self.env.published.startswith(("source=metadata", "source=cache"))  # a file written
+        if result.source in ("metadata", "cache"):  # when written: a reader computes the age
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            self.env.published = f"source={result.source} keys={result.keys} updated={when}"
+        elif result.source == "absent" or not held:  # a failure keeps what the file still holds
+            self.env.published = f"source={result.source}"
         if self.agents is not None:
             try:
                 self.agents.reconfigure()  # VBARCONTROL_AGENT_DOCKER_URL may have changed
@@ -121,8 +152,26 @@ class Daemon:
             ).start()
 
     def _publish(self) -> None:
+        if self._settled is not None and not self._settled.done() and self.devices.settled(self._waited_for):
+            self._settled.set_result(None)
+        if self.guest_attrs is not None:
+            self.guest_attrs.update(self.guest_attribute_values())
         if self.ready:
             self.notifier.status(self.status_line())
+
+    async def _devices_settled(self) -> None:
+        """With ready.wait_for_devices: until every TPU present at start is bound or has failed for
+        good (retries spent, or a permanent error), at the latest after ready.device_deadline."""
+        if not self.ready_config.wait_for_devices or self.devices.settled(self._waited_for):
+            return
+        self._settled = asyncio.get_running_loop().create_future()
+        deadline = self.ready_config.device_deadline
+        done, _ = await asyncio.wait({self._settled}, timeout=deadline)
+        if not done:
+            bound, present, _ = self.devices.counts()
+            log.warning(
+                "ready: %d of %d TPUs bound after %g s (ready.device_deadline); READY now, retries go on",
+                bound, present, deadline)  # fmt: skip
 
     def _on_udev(self) -> None:
         while (device := self.monitor.poll(timeout=0)) is not None:
@@ -154,12 +203,16 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         coldplug = self._start_coldplug()  # before any udev event can start a bind of its own
+        self._waited_for = list(self.devices.devices)  # the TPUs present at start (and unreadable ids)
+        if self.guest_attrs is not None:
+            self.guest_attrs.update(self.guest_attribute_values())
+            self.guest_attrs.start()  # its own thread: READY never waits for it
         loop.add_reader(self.monitor.fileno(), self._on_udev)
         interval = watchdog_interval()
         watchdog = loop.create_task(self._watchdog(interval)) if interval else None
         if self.agents is not None:  # in their own threads: READY never waits for dockerd
             self.agents.start(functools.partial(loop.call_soon_threadsafe, self._agent_status))
-        boot = asyncio.ensure_future(asyncio.gather(*coldplug, self._env_boot()))
+        boot = asyncio.ensure_future(asyncio.gather(*coldplug, self._env_boot(), self._devices_settled()))
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             # SIGTERM during a long boot (metadata server down) must not wait for its deadline.
@@ -170,6 +223,8 @@ class Daemon:
                 line = self.status_line()
                 log.info("ready: %s", line)
                 self.notifier.ready(line)
+                if self.guest_attrs is not None:
+                    self.guest_attrs.update(self.guest_attribute_values())  # state=ready
                 await stop
         finally:
             boot.cancel()
@@ -187,6 +242,8 @@ class Daemon:
                 self.agents.stop()  # containers keep running; an exec child is ended
             self.devices.shutdown()
             self.executor.shutdown(wait=False, cancel_futures=True)
+            if self.guest_attrs is not None:
+                self.guest_attrs.stop(final={"state": "stopped"})
         return 0
 
 
@@ -215,7 +272,12 @@ def run(
     coldplug: Coldplug,
     env: EnvJob | None = None,
     agents: Agents | None = None,
+    ready: ReadyConfig | None = None,
+    guest_attrs: Publisher | None = None,
 ) -> int:
     """Run the daemon until SIGTERM; returns the process exit status."""
-    daemon = Daemon(binder, monitor, env=env, agents=agents, executor=executor, coldplug=coldplug)
+    daemon = Daemon(
+        binder, monitor, env=env, agents=agents, executor=executor, coldplug=coldplug,
+        ready=ready, guest_attrs=guest_attrs,
+    )  # fmt: skip
     return asyncio.run(daemon.run())

@@ -20,6 +20,8 @@ Why each choice:
   that trickles its headers or body a byte at a time cannot hold a try past ``timeout``
   seconds nor ``get`` past its deadline (:class:`tpuboot.netio.DeadlineSocket` re-arms each
   receive to what is left). A long-poll's own bound is ``timeout_sec`` plus ``timeout``.
+- ``put`` (guest attributes, tpuboot/guestattrs.py) takes the same path as ``get``: the same
+  deadlines, flavor check and refusals; ``max_tries`` lets a writer that paces itself ask once.
 - Change watch: long-poll with ``wait_for_change``/``last_etag``/``timeout_sec`` and a read
   timeout a little above ``timeout_sec``. Answers faster than half the poll time (errors,
   the same ETag at once, a flapping ETag) back off exponentially and never come more than
@@ -84,9 +86,16 @@ class MetadataAbsent(MetadataError):
 
 
 class MetadataRefused(MetadataError):
-    """The server answered something retrying will not fix (redirect, 4xx, oversized body)."""
+    """The server answered something retrying will not fix (redirect, 4xx, oversized body).
+
+    ``status`` is the HTTP status when the server refused (403 for guest attributes disabled).
+    """
 
     transient = False
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Retryable(Exception):
@@ -259,6 +268,10 @@ class _TrackingAdapter(HTTPAdapter):
         self.poolmanager.pool_classes_by_scheme = {**self.poolmanager.pool_classes_by_scheme, "http": Pool}
 
 
+def _tries(count: int) -> str:
+    return "1 try" if count == 1 else f"{count} tries"
+
+
 def _failure_kind(exc: BaseException) -> str:
     """A short, stable name for why a try failed (the unit of 'log once per kind')."""
     text = str(exc)
@@ -324,6 +337,20 @@ class MetadataClient:
         Raises MetadataAbsent (404), MetadataRefused (an answer retrying cannot fix), or
         MetadataError (no usable answer before the deadline).
         """
+        return self._request("GET", path, None, deadline_s, max_tries=0)
+
+    def put(self, path: str, value: str, *, deadline_s: float, max_tries: int = 0) -> None:
+        """Write ``value`` at ``path`` (guest attributes: ``instance/guest-attributes/NS/KEY``).
+
+        The same deadline, checks and backoff as ``get``; ``max_tries`` (0: no limit but the
+        deadline) lets a caller that paces its own writes, as the server's quota asks, try once.
+        Raises as ``get`` does; a refusal's MetadataRefused carries the HTTP status.
+        """
+        self._request("PUT", path, value.encode("utf-8"), deadline_s, max_tries=max_tries)
+
+    def _request(
+        self, method: str, path: str, data: bytes | None, deadline_s: float, *, max_tries: int
+    ) -> Reply:
         url = self.url(path)
         deadline = time.monotonic() + deadline_s
         attempt = 0
@@ -334,22 +361,24 @@ class MetadataClient:
             now = time.monotonic()
             limit = min(self.timeout, max(0.05, deadline - now))
             try:
-                reply = self._try(self._transport, url, {}, (limit, limit), now + limit)
+                reply = self._try(self._transport, url, {}, (limit, limit), now + limit, method, data)
             except _Retryable as failure:
-                self._failures.failed(failure.kind, url, retrying=True)
+                if method == "GET":  # a writer paces and reports its own failures
+                    self._failures.failed(failure.kind, url, retrying=True)
                 if failure.kind not in kinds:
                     kinds.append(failure.kind)
                 attempt += 1
                 delay = self._last_chance(self._delay(attempt - 1), deadline)
-                if delay is None:
+                if delay is None or attempt == max_tries:
                     raise MetadataError(
-                        f"metadata server {self.base_url}: {', then '.join(kinds)} ({attempt} tries in "
+                        f"metadata server {self.base_url}: {', then '.join(kinds)} ({_tries(attempt)} in "
                         f"{deadline_s:g} s); check the VM's network, or metadata.host / ${HOST_ENV}"
                     ) from None
                 self._closed.wait(delay)
                 continue
             except MetadataRefused as refused:
-                raise MetadataRefused(f"metadata server {url}: {refused}") from None  # the caller logs it
+                # the caller logs it
+                raise MetadataRefused(f"metadata server {url}: {refused}", refused.status) from None
             except MetadataAbsent:
                 self._failures.recovered(url)
                 raise
@@ -459,21 +488,25 @@ class MetadataClient:
         params: dict[str, str],
         timeouts: tuple[float, float],
         deadline: float,
+        method: str = "GET",
+        data: bytes | None = None,
     ) -> Reply:
         """One request, over by ``deadline`` (monotonic); raises _Retryable, MetadataAbsent or -Refused."""
         try:
             with (
                 transport.bounded(deadline),
-                transport.session.get(
+                transport.session.request(
+                    method,
                     url,
                     params=params,
+                    data=data,
                     headers=REQUEST_HEADERS,
                     timeout=timeouts,
                     stream=True,
                     allow_redirects=False,
                 ) as response,
             ):
-                self._check_answer(response)
+                self._check_answer(response, deadline)
                 reply = Reply(self._read_body(response, deadline), response.headers.get("ETag"))
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
             metrics.metadata_request("transient")
@@ -495,7 +528,7 @@ class MetadataClient:
         metrics.metadata_request("ok")
         return reply
 
-    def _check_answer(self, response: requests.Response) -> None:
+    def _check_answer(self, response: requests.Response, deadline: float) -> None:
         flavor = response.headers.get(FLAVOR_HEADER)
         if flavor != FLAVOR:
             raise _Retryable(
@@ -509,7 +542,25 @@ class MetadataClient:
         if status >= 500 or status == 429:
             raise _Retryable(f"HTTP {status}")
         if status != 200:
-            raise MetadataRefused(f"answered HTTP {status}; check the key and the request")
+            said = self._reason(response, deadline)
+            raise MetadataRefused(f"answered HTTP {status}{said}; check the key and the request", status)
+
+    @staticmethod
+    def _reason(response: requests.Response, deadline: float) -> str:
+        """The first line of a refusal's body, printable and short (the real server says why there:
+        "Guest attributes endpoint access is disabled."); empty if there is none to read in time."""
+        head = b""
+        try:
+            for chunk in response.iter_content(256):
+                head += chunk
+                if len(head) >= 256 or time.monotonic() > deadline:
+                    break
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError, ValueError,
+                http.client.HTTPException):  # fmt: skip
+            pass  # a malformed body cannot turn the refusal into a retried failure
+        line = head[:256].decode("utf-8", "replace").strip().splitlines()[:1]
+        text = "".join(c if c.isprintable() else "?" for c in (line[0] if line else ""))[:120]
+        return f" ({text})" if text else ""
 
     def _read_body(self, response: requests.Response, deadline: float) -> bytes:
         header = response.headers.get("Content-Length")

@@ -35,7 +35,7 @@ def test_device_rules_accept_hex_ints_and_strings():
     ("text", "message"),
     [
         ("vfio: {nodemode: '0600'}", "tpuboot.yaml: vfio: unknown key 'nodemode'"),
-        ("colour: blue", "unknown key .colour. .known keys: devices, env, gke, metadata, metrics, "),
+        ("colour: blue", "unknown key .colour. .known keys: devices, "),
         ("devices: [{vendor: 0x1234}]", "devices.0.: vendor and device are both required"),
         ("devices: [{vendor: 0x1234, device: 1, subsystem_vendor: 1}]", "give both subsystem_vendor"),
         ("devices: [{vendor: 0x12345, device: 1}]", "not a 16-bit PCI id"),
@@ -117,8 +117,10 @@ NUMERIC_KEYS = sorted(
 def test_every_numeric_key_is_listed():
     """A new numeric key joins the table below (and so gets limits) or this fails."""
     assert NUMERIC_KEYS == [
+        "guest_attributes.min_interval",
         "metadata.boot_deadline", "metadata.max_body", "metadata.timeout", "metadata.watch_timeout",
-        "metrics.port", "supervisor.backoff_initial", "supervisor.backoff_max", "supervisor.pull_retries",
+        "metrics.port", "ready.device_deadline",
+        "supervisor.backoff_initial", "supervisor.backoff_max", "supervisor.pull_retries",
         "supervisor.stable_after", "vfio.node_mode", "vfio.node_timeout", "vfio.retries",
     ]  # fmt: skip
 

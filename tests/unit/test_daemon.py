@@ -18,6 +18,7 @@ from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot import binding, envsync
 from tpuboot.coldplug import new_executor, start_coldplug
+from tpuboot.config import ReadyConfig
 from tpuboot.daemon import Daemon, EnvJob, run_watch
 from tpuboot.envsync import EnvSync
 from tpuboot.notify import Notifier
@@ -79,9 +80,14 @@ def kernel(tmp_path):
     return k
 
 
-def make(kernel: FakeKernel):
+#: READY after each coldplugged TPU's first attempt (ready.wait_for_devices: false), as most
+#: scenarios here assume; the tests of the default (wait) pass ReadyConfig() themselves.
+FIRST_ATTEMPT = ReadyConfig(wait_for_devices=False)
+
+
+def make(kernel: FakeKernel, ready: ReadyConfig = FIRST_ATTEMPT, **kwargs):
     monitor, notifier = QueueMonitor(), RecordingNotifier()
-    return Daemon(binder(kernel), monitor, notifier), monitor, notifier
+    return Daemon(binder(kernel), monitor, notifier, ready=ready, **kwargs), monitor, notifier
 
 
 def test_coldplug_binds_every_tpu_before_ready_and_leaves_others(kernel):
@@ -341,3 +347,149 @@ def test_the_watch_thread_starts_a_watch_again_that_raised(monkeypatch, caplog):
         run_watch(Sync(), stop, lambda result: None)
     assert len(calls) == 3 and waits == [1.0, 2.0]
     assert len([r for r in caplog.records if r.exc_info]) == 2
+
+
+# --- READY with ready.wait_for_devices (the default): every coldplugged TPU bound or failed for good
+
+
+def test_ready_waits_until_a_transient_failure_is_retried_into_a_bind(kernel, monkeypatch):
+    monkeypatch.setattr(binding, "BACKOFF_FIRST", 0.05)
+    kernel.refuse_probe.add("0000:00:05.0")
+
+    async def scenario():
+        daemon, _, notifier = make(kernel, ReadyConfig())
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: getattr(daemon.devices.devices.get("0000:00:05.0"), "attempts", 0) >= 2)
+        assert not daemon.ready and notifier.sent == []  # the first attempt failed: no READY yet
+        kernel.refuse_probe.clear()  # the transient cause goes away; the next retry binds it
+        await until(lambda: daemon.ready)
+        assert notifier.sent[0] == "READY=1\nSTATUS=4 TPUs bound to vfio-pci"
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_ready_comes_once_the_retries_are_spent(kernel, monkeypatch):
+    monkeypatch.setattr(binding, "BACKOFF_FIRST", 0.01)
+    kernel.refuse_probe.add("0000:00:05.0")
+
+    async def scenario():
+        daemon, _, notifier = make(kernel, ReadyConfig())
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        state = daemon.devices.devices["0000:00:05.0"]
+        assert (state.state, state.attempts, state.retry) == ("failed", 6, None)  # 1 + vfio.retries
+        assert notifier.sent[0].startswith("READY=1\nSTATUS=3 of 4 TPUs bound to vfio-pci; 0000:00:05.0: ")
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_a_permanent_failure_does_not_hold_ready(tmp_path):
+    noiommu = FakeKernel(tmp_path / "noiommu")
+    add_tpu(noiommu, "0000:00:04.0", V5P, driver=None, group=None)
+
+    async def scenario():
+        daemon, _, notifier = make(noiommu, ReadyConfig())
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready, timeout=2.0)
+        assert "0 of 1 TPU bound to vfio-pci; 0000:00:04.0: no IOMMU group" in notifier.sent[0]
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_the_device_deadline_bounds_the_wait_and_retries_go_on(kernel, monkeypatch, caplog):
+    monkeypatch.setattr(binding, "BACKOFF_FIRST", 30.0)  # the first retry would come long after
+    kernel.refuse_probe.add("0000:00:05.0")
+
+    async def scenario():
+        daemon, _, notifier = make(kernel, ReadyConfig(device_deadline=0.3))
+        task = asyncio.create_task(daemon.run())
+        started = asyncio.get_running_loop().time()
+        await until(lambda: daemon.ready)
+        assert 0.3 <= asyncio.get_running_loop().time() - started < 3.0
+        assert notifier.sent[0].startswith("READY=1\nSTATUS=3 of 4 TPUs bound to vfio-pci")
+        assert daemon.devices.devices["0000:00:05.0"].retry is not None  # still to be retried
+        daemon.stopping.set()
+        await task
+
+    caplog.set_level("WARNING", logger="tpuboot.daemon")
+    asyncio.run(scenario())
+    assert "ready: 3 of 4 TPUs bound after 0.3 s (ready.device_deadline); READY now" in caplog.text
+
+
+def test_a_device_removed_while_ready_waits_for_it_releases_ready(kernel, monkeypatch):
+    monkeypatch.setattr(binding, "BACKOFF_FIRST", 30.0)
+    kernel.refuse_probe.add("0000:00:05.0")
+
+    async def scenario():
+        daemon, monitor, notifier = make(kernel, ReadyConfig())
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: getattr(daemon.devices.devices.get("0000:00:05.0"), "retry", None) is not None)
+        assert not daemon.ready
+        kernel.remove_device("0000:00:05.0")
+        monitor.push("remove", "pci", "0000:00:05.0")
+        await until(lambda: daemon.ready)
+        assert notifier.sent[0] == "READY=1\nSTATUS=3 TPUs bound to vfio-pci"
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+# --- guest attributes: the daemon's state, fed to the publisher -----------------------------------
+
+
+def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(kernel, emulator, root):
+    from tpuboot import __version__
+    from tpuboot.config import GuestAttributesConfig
+    from tpuboot.guestattrs import Publisher
+
+    emulator.set_attribute("enable-guest-attributes", "TRUE")
+    client = make_client(emulator)
+    job = EnvJob(EnvSync(root, make_config(emulator), client), client, 5.0, False)
+    publisher = Publisher(make_client(emulator), GuestAttributesConfig(min_interval=0.3), check_deadline=5)
+    emulator.set_faults(delay=0.5)  # every answer late: READY must not wait for the writes
+
+    async def scenario():
+        daemon, _, _ = make(kernel, ReadyConfig(), env=job, guest_attrs=publisher)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready, timeout=5.0)
+        assert emulator.guest_attribute_writes <= 1
+        emulator.set_faults()
+
+        def written() -> dict[str, str]:
+            return emulator.guest_attributes("tpuboot")
+
+        await until(lambda: len(written()) == 5 and written()["tpuboot/state"] == "ready", timeout=15)
+        values = written()
+        assert values["tpuboot/tpus"] == "bound=4 expected=4 failed=0"
+        assert values["tpuboot/tpu-env"].startswith("source=metadata keys=14 updated=20")
+        assert values["tpuboot/vbar"] == "disabled"
+        assert values["tpuboot/version"] == __version__
+        daemon.stopping.set()
+        await task
+
+    asyncio.run(scenario())
+    assert emulator.guest_attributes("tpuboot")["tpuboot/state"] == "stopped"
+
+
+def test_the_tpu_env_attribute_keeps_what_the_file_holds_through_a_failure(kernel, root):
+    from tpuboot.envsync import SyncResult
+
+    daemon, _, _ = make(kernel, env=EnvJob(None, None, 1.0, False))  # type: ignore[arg-type]
+    assert daemon.guest_attribute_values()["tpu-env"] == "source=pending"
+    daemon._env_result(SyncResult("failed", 0, None, "tpu-env: failed"))
+    assert daemon.guest_attribute_values()["tpu-env"] == "source=failed"
+    daemon._env_result(SyncResult("metadata", 14, "e1", "tpu-env: 14 keys from metadata"))
+    written = daemon.guest_attribute_values()["tpu-env"]
+    assert written.startswith("source=metadata keys=14 updated=20") and written.endswith("Z")
+    daemon._env_result(SyncResult("failed", 0, None, "tpu-env: metadata server unreachable"))
+    assert daemon.guest_attribute_values()["tpu-env"] == written  # the file still holds it
+    daemon._env_result(SyncResult("absent", 0, None, "tpu-env: not set"))
+    assert daemon.guest_attribute_values()["tpu-env"] == "source=absent"
+    assert daemon.guest_attribute_values()["state"] == "starting"

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -484,3 +485,114 @@ def test_a_flapping_server_costs_one_line_per_kind(caplog: pytest.LogCaptureFixt
     lines = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert [level for level, _ in lines] == [logging.WARNING, logging.WARNING, logging.INFO, logging.WARNING]
     assert "answering again (was: connection dropped, timed out)" in lines[2][1]
+
+
+# --- guest attributes: the client's PUT, and the emulator as the real server answers -----------
+
+GUEST = "instance/guest-attributes/tpuboot/state"
+
+
+def enable_guest_attributes(emulator: MetadataEmulator, value: str = "TRUE") -> None:
+    emulator.set_attribute("enable-guest-attributes", value)
+
+
+def test_put_stores_and_get_reads_back(client: MetadataClient, emulator: MetadataEmulator) -> None:
+    enable_guest_attributes(emulator)
+    client.put(GUEST, "ready ☃", deadline_s=5)
+    assert client.get(GUEST, deadline_s=5).text == "ready ☃"
+    assert client.get("instance/guest-attributes/tpuboot/", deadline_s=5).text == "state\n"
+    assert emulator.guest_attributes("tpuboot") == {"tpuboot/state": "ready ☃"}
+    with pytest.raises(MetadataAbsent):
+        client.get("instance/guest-attributes/tpuboot/other", deadline_s=5)
+
+
+def test_delete_removes_a_guest_attribute(emulator: MetadataEmulator) -> None:
+    enable_guest_attributes(emulator)
+    headers = {"Metadata-Flavor": "Google"}
+    assert requests.put(emulator.url + GUEST, data=b"x", headers=headers, timeout=5).status_code == 200
+    assert requests.delete(emulator.url + GUEST, headers=headers, timeout=5).status_code == 200
+    assert emulator.guest_attributes() == {}
+
+
+@pytest.mark.parametrize(
+    ("instance", "project", "enabled"),
+    [
+        (None, None, False),  # GCE's default
+        ("TRUE", None, True),
+        (None, "true", True),
+        ("1", None, True),
+        ("FALSE", "TRUE", False),  # the instance's value wins
+        ("yes", None, False),  # not a value Go's ParseBool accepts
+    ],
+)
+def test_emulator_decides_like_the_server(
+    emulator: MetadataEmulator, instance: str | None, project: str | None, enabled: bool
+) -> None:
+    emulator.set_attribute("enable-guest-attributes", instance)
+    emulator.set("project/attributes/enable-guest-attributes", project)
+    assert emulator.guest_attributes_enabled() is enabled
+
+
+def test_disabled_guest_attributes_are_refused_with_403_and_the_servers_reason(
+    client: MetadataClient, emulator: MetadataEmulator
+) -> None:
+    with pytest.raises(
+        MetadataRefused, match=r"HTTP 403 \(Guest attributes endpoint access is disabled.\)"
+    ) as info:
+        client.put(GUEST, "ready", deadline_s=5)
+    assert info.value.status == 403
+    with pytest.raises(MetadataRefused, match="HTTP 403"):
+        client.get("instance/guest-attributes/", deadline_s=5)
+    assert emulator.request_count == 2  # a refusal is not retried
+    assert emulator.guest_attribute_writes == 1
+    assert emulator.guest_attributes() == {}
+
+
+def test_guest_attribute_names_are_namespace_and_key(
+    client: MetadataClient, emulator: MetadataEmulator
+) -> None:
+    enable_guest_attributes(emulator)
+    with pytest.raises(MetadataRefused, match="HTTP 400") as info:
+        client.put("instance/guest-attributes/no-namespace", "x", deadline_s=5)
+    assert info.value.status == 400
+
+
+def test_put_requires_the_flavor_header_like_a_get(emulator: MetadataEmulator) -> None:
+    enable_guest_attributes(emulator)
+    assert requests.put(emulator.url + GUEST, data=b"x", timeout=5).status_code == 403
+    assert emulator.guest_attributes() == {}
+
+
+def test_put_is_retried_within_its_deadline(client: MetadataClient, emulator: MetadataEmulator) -> None:
+    enable_guest_attributes(emulator)
+    emulator.fail_next(2, status=503)
+    client.put(GUEST, "ready", deadline_s=10)
+    assert emulator.request_count == 3
+    assert emulator.guest_attributes() == {"tpuboot/state": "ready"}
+
+
+def test_put_with_max_tries_asks_once(client: MetadataClient, emulator: MetadataEmulator) -> None:
+    enable_guest_attributes(emulator)
+    emulator.set_faults(status=503)
+    with pytest.raises(MetadataError, match=r"HTTP 503 \(1 try in 10 s\)"):
+        client.put(GUEST, "ready", deadline_s=10, max_tries=1)
+    assert emulator.request_count == 1
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [{"flavor": None}, {"flavor": "Evil"}, {"content_length": "5"}, {"delay": 3.0}, {"trickle_headers": 0.3}],
+    ids=["no-flavor", "wrong-flavor", "short-body", "slow", "trickle"],
+)
+def test_a_hostile_server_cannot_hold_a_put_past_its_deadline(
+    emulator: MetadataEmulator, faults: dict[str, object]
+) -> None:
+    enable_guest_attributes(emulator)
+    client = make_client(emulator, timeout=1.0)
+    emulator.set_faults(**faults)
+    started = time.monotonic()
+    with pytest.raises(MetadataError) as info:
+        client.put(GUEST, "ready", deadline_s=2.0)
+    assert time.monotonic() - started < 2.0 + 1.5
+    assert not isinstance(info.value, MetadataRefused)
+    client.close()
