@@ -16,11 +16,20 @@ from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, wri
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli, imagecheck
 from tpuboot.config import Config, EnvConfig, VbarConfig
-from tpuboot.doctor import Doctor, Verdict, chips_for
+from tpuboot.doctor import Doctor, Verdict
+from tpuboot.errors import MetadataError
 from tpuboot.tpuenv import parse_env_file, render_env_file
 
 REPO = Path(__file__).resolve().parents[2]
-TPU_ENV = {"ACCELERATOR_TYPE": "v5p-8", "ZONE": "us-east5-a", "ODD": 'a"b$c`d\\e\nf'}
+TPU_ENV = {
+    "ACCELERATOR_TYPE": "v5p-8",
+    "TOPOLOGY": "2x2x1",
+    "CHIPS_PER_HOST_BOUNDS": "2,2,1",
+    "HOST_BOUNDS": "1,1,1",
+    "WORKER_ID": "0",
+    "ZONE": "us-east5-a",
+    "ODD": 'a"b$c`d\\e\nf',
+}
 ADDRESSES = [f"0000:00:0{4 + i}.0" for i in range(4)]
 
 
@@ -50,16 +59,18 @@ def healthy(top: Path, vfio: VfioShape = "module") -> FakeKernel:
     write(top, "/usr/lib/systemd/system.conf.d/50-tpuboot.conf", MANAGER_GOOD)
     write(top, "/lib/udev/rules.d/70-tpuboot.rules", 'KERNEL=="accel*", MODE="0666"\n')
     env = EnvConfig()
-    write(top, env.tpu_env_path, render_env_file(TPU_ENV))
-    record = {
-        "format": 1,
-        "fetched": "2026-11-29T20:00:00+00:00",
-        "etag": "e1",
-        "tpu_env": json.dumps(TPU_ENV),
-    }
-    write(top, f"{env.cache_dir}/tpu-env.json", json.dumps(record))
+    set_tpu_env(top, TPU_ENV)
     write(top, env.environment_path, "".join(f'{k}="{v}"\n' for k, v in env.environment.items()))
     return k
+
+
+def set_tpu_env(top: Path, values: dict[str, str]) -> None:
+    """tpu-env as tpuboot writes it from metadata: the file and its cache record agree."""
+    env = EnvConfig()
+    write(top, env.tpu_env_path, render_env_file(values))
+    fetched = "2026-11-29T20:00:00+00:00"
+    record = {"format": 1, "fetched": fetched, "etag": "e1", "tpu_env": json.dumps(values)}
+    write(top, f"{env.cache_dir}/tpu-env.json", json.dumps(record))
 
 
 @pytest.fixture(params=["module", "builtin"])
@@ -70,7 +81,8 @@ def kernel(tmp_path: Path, request: pytest.FixtureRequest) -> FakeKernel:
 
 def doctor(kernel: FakeKernel, config: Config | None = None, **kwargs) -> list[Verdict]:
     kwargs.setdefault("supervisor_present", lambda: True)
-    kwargs.setdefault("container_running", lambda root, name: True)
+    kwargs.setdefault("container_state", lambda root, name: "running")
+    kwargs.setdefault("metadata", lambda path: None)  # a metadata server that has none of the keys
     return Doctor(kernel.root, config or make_config(), **kwargs).run()
 
 
@@ -86,18 +98,24 @@ def test_a_healthy_vm_passes_every_check(kernel):
     verdicts = doctor(kernel)
     found = statuses(verdicts)
     assert failing(verdicts) == [], [v.result for v in verdicts if v.result.status == "FAIL"]
-    # The container runtimes are not installed in this tree: their limits are SKIP.
-    assert {n for n, s in found.items() if s == "SKIP"} == {"docker-limits", "containerd-limits"}
+    # The container runtimes are not installed in this tree: their limits are SKIP; the
+    # telemetry collector is off by default.
+    skips = {n for n, s in found.items() if s == "SKIP"}
+    assert skips == {"docker-limits", "containerd-limits", "telemetry-running"}
     for name in (
         *imagecheck.IMAGE_CHECKS.names,
         "tpus-bound",
         "vfio-node-mode",
         "chip-count",
+        "slice",
         "vbar-running",
     ):
         assert name in found
     assert next(v for v in verdicts if v.result.name == "chip-count").result.detail == (
-        "4 chips usable, as accelerator type v5p-8 implies"
+        "4 chips usable, as CHIPS_PER_HOST_BOUNDS 2,2,1 implies"
+    )
+    assert next(v for v in verdicts if v.result.name == "slice").result.detail == (
+        "v5p-8, 4 chips in 2x2x1, 1 host of 4 chips, this host is worker 0"
     )
 
 
@@ -199,46 +217,39 @@ def test_machine_type_from_metadata_wins_over_tpu_env(kernel):
     assert count.status == "FAIL" and "machine type ct5lp-hightpu-8t implies 8" in count.detail
 
 
-@pytest.mark.parametrize(
-    ("machine", "accelerator", "chips"),
-    [
-        ("zones/x/machineTypes/ct5lp-hightpu-1t", None, 1),
-        ("ct5lp-hightpu-4t", None, 4),
-        ("ct5lp-hightpu-8t", "v5p-8", 8),
-        ("ct4p-hightpu-4t", None, 4),
-        ("ct5p-hightpu-4t", None, 4),
-        (None, "v5p-8", 4),
-        (None, "v4-16", 4),
-        (None, "v5litepod-4", 4),
-        ("n2-standard-8", None, None),
-        (None, "v5litepod-16", None),
-        (None, None, None),
-    ],
-)
-def test_chips_implied_by_machine_or_accelerator_type(machine, accelerator, chips):
-    found = chips_for(machine, accelerator)
-    assert (found[0] if found else None) == chips
-
-
-def test_unknown_type_is_skip(kernel):
-    write(kernel.top, EnvConfig().tpu_env_path, render_env_file({"ACCELERATOR_TYPE": "v9-huge"}))
+def test_unknown_generation_is_a_warning_and_no_chip_count(kernel):
+    set_tpu_env(kernel.top, {"ACCELERATOR_TYPE": "v9-huge"})
     verdicts = doctor(kernel)
     assert statuses(verdicts)["chip-count"] == "SKIP"
+    warning = result_of(verdicts, "slice")
+    assert warning.status == "WARN"
+    assert "'v9-huge' is not a generation in tpuboot's TPU table" in warning.detail
+    assert "v5litepod/v5e" in warning.detail and "tpu7x" in warning.detail
+    assert failing(verdicts) == []
 
 
-def test_vbar_skips_on_gke_without_a_supervisor_or_a_docker_socket(kernel):
+def test_vbar_skips_on_gke_or_when_off_and_fails_when_it_does_not_run(kernel):
     def vbar(**kwargs) -> tuple[str, str]:
-        (v,) = [v.result for v in doctor(kernel, **kwargs) if v.result.name == "vbar-running"]
+        v = result_of(doctor(kernel, **kwargs), "vbar-running")
         return v.status, v.detail
 
     gke = {"instance/attributes/cluster-name": "c1"}
-    assert vbar(metadata=gke.get)[0] == "SKIP" and "GKE" in vbar(metadata=gke.get)[1]
+    assert vbar(metadata=gke.get) == (
+        "SKIP",
+        "a GKE node (instance attribute cluster-name is set): GKE runs vBar (its device plugin)",
+    )
     assert vbar(config=Config(gke="true"))[0] == "SKIP"
     assert vbar(supervisor_present=lambda: False) == ("SKIP", "this tpuboot has no vBar supervisor yet")
-    assert vbar(container_running=lambda root, name: None)[0] == "SKIP"
-    assert vbar(config=Config(vbar=VbarConfig(enabled=False)))[0] == "SKIP"
-    assert vbar(container_running=lambda root, name: False)[0] == "FAIL"
-    assert vbar()[0] == "PASS"
+    assert vbar(config=Config(vbar=VbarConfig(enabled=False))) == (
+        "SKIP",
+        "vbar.enabled is false in the configuration",
+    )
+    assert vbar(container_state=lambda root, name: "absent")[0] == "FAIL"
+    assert vbar(container_state=lambda root, name: "exited (exit code 1)") == (
+        "FAIL",
+        "container tpuboot-vbar-control-agent is exited (exit code 1)",
+    )
+    assert vbar() == ("PASS", "container tpuboot-vbar-control-agent is running")
 
 
 def test_tpu_env_missing_or_garbled(kernel):
@@ -292,8 +303,10 @@ def test_metadata_lookup_reads_the_machine_type_and_gives_up_once_on_a_silent_se
         assert lookup("instance/attributes/cluster-name") is None
         emu.stop()
         started = time.monotonic()
-        assert lookup("instance/machine-type") is None
-        assert lookup("instance/attributes/kube-env") is None  # no second wait
+        with pytest.raises(MetadataError):
+            lookup("instance/machine-type")
+        with pytest.raises(MetadataError):
+            lookup("instance/attributes/kube-env")  # no second wait
         assert time.monotonic() - started < 3.5
     assert "retrying" not in caplog.text
 
