@@ -62,11 +62,19 @@ def env_value(env: Mapping[str, str], key: str) -> str | None:
     return None
 
 
+def _q(text: str) -> str:
+    """A value from tpu-env as a message quotes it: cut short (a value may be a megabyte)."""
+    return repr(text) if len(text) <= 40 else repr(text[:37]) + "..."
+
+
+def _number(text: str) -> int | None:
+    """A positive number of at most 6 ASCII digits (str.isdigit takes '²', which int() refuses)."""
+    return int(text) if re.fullmatch(r"[0-9]{1,6}", text) and int(text) > 0 else None
+
+
 def _dims(text: str, sep: str) -> tuple[int, ...] | None:
-    parts = text.lower().split(sep)
-    if not all(p.isdigit() and len(p) <= 6 and int(p) > 0 for p in parts):
-        return None
-    return tuple(int(p) for p in parts)
+    parts = [_number(p) for p in text.lower().split(sep)]
+    return None if None in parts else tuple(p for p in parts if p is not None)
 
 
 def _padded(dims: tuple[int, ...], size: int) -> tuple[int, ...]:
@@ -106,14 +114,14 @@ class _Reader:
         generation = generation_named(prefix) if prefix else None
         if generation is None:
             self.warnings.append(
-                f"accelerator type {text!r} is not a generation in tpuboot's TPU table ({KNOWN}): "
+                f"accelerator type {_q(text)} is not a generation in tpuboot's TPU table ({KNOWN}): "
                 "its slice and chip count are not checked"
             )
             return None
-        if not count.isdigit() or len(count) > 6 or int(count) == 0:
-            self.fail(f"accelerator type {text!r} has no count (like {generation.prefixes[0]}-8)")
+        number = _number(count)
+        if number is None:
+            self.fail(f"accelerator type {_q(text)} has no count (like {generation.prefixes[0]}-8)")
             return generation, text, None
-        number = int(count)
         unit = "TensorCores, 2 per chip" if generation.per_chip == 2 else "chips"
         if number % generation.per_chip:
             self.fail(f"accelerator type {text} is not a whole number of chips (it counts {unit})")
@@ -130,7 +138,7 @@ class _Reader:
             return None
         dims = _dims(text, ",")
         if dims is None:
-            self.fail(f"{key} {text!r} is not a list of positive numbers like 2,2,1")
+            self.fail(f"{key} {_q(text)} is not a list of positive numbers like 2,2,1")
         return dims
 
     def topology(self, generation: Generation, chips: int | None, acc: str | None) -> tuple[int, ...] | None:
@@ -140,7 +148,7 @@ class _Reader:
         dims = _dims(text, "x")
         like = "AxBxC" if generation.dims == 3 else "AxB"
         if dims is None:
-            self.fail(f"TOPOLOGY {text!r} is not a shape like {like}")
+            self.fail(f"TOPOLOGY {_q(text)} is not a shape like {like}")
             return None
         if len(dims) != generation.dims:
             have = f"{generation.kind} slices have {generation.dims} ({like})"
@@ -191,10 +199,12 @@ def read_slice(env: Mapping[str, str] | None, machine_type: str | None) -> Readi
     elif per_host is not None:
         host_chips, source = math.prod(per_host), f"CHIPS_PER_HOST_BOUNDS {_shown(per_host, ',')}"
     elif chips is not None:
+        host_chips = chips if chips <= generation.host_max else generation.host_chips
         if host_bounds is not None and chips % math.prod(host_bounds) == 0:
-            host_chips = chips // math.prod(host_bounds)
-        else:
-            host_chips = chips if chips <= generation.host_max else generation.host_chips
+            # HOST_BOUNDS decides between the VM sizes of the generation (v6e-8 on 1 VM or 2).
+            split = chips // math.prod(host_bounds)
+            if split in {*generation.machine_types.values(), generation.host_chips}:
+                host_chips = split
         source = named_by
 
     hosts: int | None = None
@@ -231,10 +241,11 @@ def _worker(r: _Reader, hosts: int | None) -> int | None:
         if hosts is not None and hosts > 1:
             r.fail(f"tpu-env has no WORKER_ID, and this is one of {hosts} hosts of a slice")
         return None
-    if not re.fullmatch(r"\d{1,6}", text):
-        r.fail(f"WORKER_ID {text!r} is not a number")
+    if not re.fullmatch(r"[0-9]{1,6}", text):
+        r.fail(f"WORKER_ID {_q(text)} is not a number from 0")
         return None
     worker = int(text)
     if hosts is not None and worker >= hosts:
-        r.fail(f"WORKER_ID {worker} is outside the slice: its {hosts} hosts are workers 0 to {hosts - 1}")
+        many = f"{hosts} hosts are workers 0 to {hosts - 1}" if hosts > 1 else "1 host is worker 0"
+        r.fail(f"WORKER_ID {worker} is outside the slice: its {many}")
     return worker

@@ -11,13 +11,16 @@ from pathlib import Path
 import pytest
 
 from tests.unit.conftest import make_config
+from tests.unit.fakedockerd import fake_dockerd
 from tests.unit.fakekernel import FakeKernel, VfioShape
 from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, write
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli, imagecheck
-from tpuboot.config import Config, EnvConfig, VbarConfig
-from tpuboot.doctor import Doctor, Verdict
+from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig
+from tpuboot.dockerapi import Unreachable
+from tpuboot.doctor import Doctor, Verdict, docker_container_state
 from tpuboot.errors import MetadataError
+from tpuboot.paths import Root
 from tpuboot.tpuenv import parse_env_file, render_env_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -320,3 +323,140 @@ def test_an_admins_own_value_passes_and_is_named(kernel):
     (check,) = [v.result for v in doctor(kernel) if v.result.name == "environment"]
     assert check.status == "PASS"
     assert f"; {key}='900' kept as the admin set it (tpuboot's: {env.environment[key]!r})" in check.detail
+
+
+# --- slices ------------------------------------------------------------------------------------------
+
+
+def test_a_worker_of_a_multi_host_slice_expects_its_own_four_chips(kernel):
+    """v5p-1024: 512 chips on 128 hosts; this one is worker 5 and must have 4, not 512."""
+    set_tpu_env(
+        kernel.top,
+        {
+            "ACCELERATOR_TYPE": "v5p-1024",
+            "TOPOLOGY": "8x8x8",
+            "CHIPS_PER_HOST_BOUNDS": "2,2,1",
+            "HOST_BOUNDS": "4,4,8",
+            "WORKER_ID": "5",
+        },
+    )
+    verdicts = doctor(kernel)
+    assert failing(verdicts) == []
+    assert result_of(verdicts, "chip-count").detail == (
+        "4 chips usable, as CHIPS_PER_HOST_BOUNDS 2,2,1 implies (128 hosts of 4 chips)"
+    )
+    assert result_of(verdicts, "slice").detail == (
+        "v5p-1024, 512 chips in 8x8x8, 128 hosts of 4 chips, this host is worker 5"
+    )
+    kernel.remove_device(ADDRESSES[3])
+    assert result_of(doctor(kernel), "chip-count").detail.startswith("3 chips usable (3 present), ")
+
+
+def test_a_slice_that_contradicts_itself_fails_with_the_fix(kernel, capsys):
+    set_tpu_env(kernel.top, {**TPU_ENV, "WORKER_ID": "4"})
+    verdicts = doctor(kernel)
+    assert failing(verdicts) == ["slice"]
+    bad = result_of(verdicts, "slice")
+    assert bad.detail == "WORKER_ID 4 is outside the slice: its 1 host is worker 0"
+    assert bad.fix.startswith("correct the tpu-env instance attribute") and "tpuboot env" in bad.fix
+    assert cli.main(["--root", str(kernel.top), "doctor"]) == cli.EXIT_FAILED
+    assert "FAIL  slice: WORKER_ID 4 is outside the slice" in capsys.readouterr().out
+
+
+def test_chips_of_another_generation_fail_the_count(kernel):
+    """Four v5p chips where tpu-env and the machine type say v6e: this is not the VM they describe."""
+    set_tpu_env(kernel.top, {"ACCELERATOR_TYPE": "v6e-4", "WORKER_ID": "0"})
+    machine = {"instance/machine-type": "projects/1/machineTypes/ct6e-standard-4t"}
+    verdicts = doctor(kernel, metadata=machine.get)
+    assert failing(verdicts) == ["chip-count"]
+    count = result_of(verdicts, "chip-count")
+    assert count.detail == "TPU v5p present; accelerator type v6e-4 is TPU v6e"
+    assert "recreate the VM" in count.fix
+
+
+def test_an_unknown_generation_warns_in_the_cli_and_fails_nothing(kernel, capsys):
+    set_tpu_env(kernel.top, {"ACCELERATOR_TYPE": "tpu9z-8"})
+    assert cli.main(["--root", str(kernel.top), "doctor"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "WARN  slice: accelerator type 'tpu9z-8' is not a generation in tpuboot's TPU table" in out
+    assert cli.main(["--root", str(kernel.top), "doctor", "--json"]) == cli.EXIT_OK
+    report = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert report["slice"]["status"] == "WARN" and report["slice"]["required"]
+
+
+# --- vBar, the telemetry collector and dockerd ------------------------------------------------------
+
+
+def test_vbar_needed_without_dockerd_fails_with_the_fix(kernel):
+    """Not a GKE node, vBar on, no docker socket: a FAIL naming how to get dockerd, not a SKIP."""
+    verdicts = doctor(kernel, container_state=docker_container_state)
+    vbar = result_of(verdicts, "vbar-running")
+    assert vbar.status == "FAIL"
+    assert vbar.detail == "dockerd does not answer (no socket /run/docker.sock): vBar cannot run"
+    assert vbar.fix == "apt install docker.io (then systemctl restart tpuboot)"
+    write(kernel.top, "/usr/sbin/dockerd", "")  # installed, not running
+    vbar = result_of(doctor(kernel, container_state=docker_container_state), "vbar-running")
+    assert vbar.fix.startswith("systemctl enable --now docker")
+
+
+def test_metadata_that_does_not_answer_cannot_tell_gke_and_skips_the_agents(kernel):
+    def silent(path: str) -> str | None:
+        raise MetadataError("169.254.169.254: connection refused")
+
+    config = Config(telemetry=TelemetryConfig(enabled=True))
+    verdicts = doctor(kernel, config, metadata=silent, container_state=docker_container_state)
+    for name in ("vbar-running", "telemetry-running"):
+        skip = result_of(verdicts, name)
+        assert skip.status == "SKIP" and skip.detail.startswith("cannot tell whether this is a GKE node: ")
+        assert skip.detail.endswith("; set gke: true or false")
+    assert statuses(verdicts)["chip-count"] == "PASS"  # tpu-env still says it
+
+
+@pytest.fixture
+def dockerd():
+    with fake_dockerd() as fake:
+        yield fake
+
+
+def test_container_state_as_dockerd_reports_it(dockerd):
+    root = Root(dockerd.root)
+    dockerd.add_container("running", "example.invalid/a:1")
+    dockerd.add_container("stopped", "example.invalid/a:1")
+    dockerd.die("stopped", 137)
+    assert docker_container_state(root, "running") == "running"
+    assert docker_container_state(root, "stopped") == "exited (exit code 137)"
+    assert docker_container_state(root, "missing") == "absent"
+    dockerd.stop()
+    with pytest.raises(Unreachable):
+        docker_container_state(root, "running")
+
+
+def test_the_telemetry_collector_when_enabled(kernel, dockerd):
+    """Checked like vBar against a dockerd: running, gone, stopped; off or on GKE, not checked."""
+    telemetry = TelemetryConfig(enabled=True)
+    config = Config(telemetry=telemetry)
+
+    def in_dockerd(root: Root, name: str) -> str:  # the fake's socket is not under the kernel's tree
+        return docker_container_state(Root(dockerd.root), name)
+
+    def check(**kwargs):
+        verdicts = doctor(kernel, kwargs.pop("config", config), container_state=in_dockerd, **kwargs)
+        return result_of(verdicts, "telemetry-running")
+
+    dockerd.add_container(telemetry.container_name, telemetry.image)
+    dockerd.add_container(VbarConfig().container_name, "example.invalid/vbar:1")
+    assert (check().status, check().detail) == ("PASS", f"container {telemetry.container_name} is running")
+    dockerd.die(telemetry.container_name, 2)
+    stopped = check()
+    assert (stopped.status, stopped.detail) == (
+        "FAIL",
+        f"container {telemetry.container_name} is exited (exit code 2)",
+    )
+    assert "journalctl -u tpuboot AGENT=telemetry" in stopped.fix
+    del dockerd.containers[telemetry.container_name]
+    assert check().detail == f"container {telemetry.container_name} does not exist"
+    assert check(config=Config()).detail == "telemetry.enabled is false in the configuration"
+    gke = {"instance/attributes/kube-env": "x"}
+    assert check(metadata=gke.get).detail == (
+        "a GKE node (instance attribute kube-env is set): GKE runs the telemetry collector"
+    )
