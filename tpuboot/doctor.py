@@ -305,6 +305,10 @@ class Doctor:
             self._slice = read_slice(self._tpu_env_values(), self._lookup("instance/machine-type"))
         return self._slice
 
+    def _nothing_known(self) -> str:
+        asked = f" (the metadata server: {self.metadata_down})" if self.metadata_down else ""
+        return f"no TPU machine type{asked} and no accelerator type in tpu-env"
+
     def check_chip_count(self) -> CheckResult:
         """The TPU PCI functions usable here: as many as the machine type or slice puts on one
         host, and of the generation it names."""
@@ -312,7 +316,7 @@ class Doctor:
         if found is None or found.host_chips is None:
             if self.slice.warnings:
                 return skipped("the generation is not in tpuboot's TPU table (see the slice check)")
-            return skipped("no TPU machine type and no accelerator type in tpu-env")
+            return skipped(self._nothing_known())
         want, source = found.host_chips, found.host_chips_from
         usable = [t for t in self.tpus if (t.driver == VFIO_PCI if t.managed else t.driver is not None)]
         other = sorted({t.kind for t in self.tpus if found.generation.key not in generations_of_kind(t.kind)})
@@ -341,7 +345,7 @@ class Doctor:
             return warned("; ".join(reading.warnings))
         found = reading.slice
         if found is None:
-            return skipped("no TPU machine type and no accelerator type in tpu-env")
+            return skipped(self._nothing_known())
         parts = [found.accelerator or found.named_by]
         if found.chips is not None:
             parts.append(f"{found.chips} chips" + (f" in {found.topology}" if found.topology else ""))

@@ -460,3 +460,13 @@ def test_the_telemetry_collector_when_enabled(kernel, dockerd):
     assert check(metadata=gke.get).detail == (
         "a GKE node (instance attribute kube-env is set): GKE runs the telemetry collector"
     )
+
+
+def test_without_tpu_env_or_metadata_the_slice_says_why_it_is_not_judged(kernel):
+    kernel.p(EnvConfig().tpu_env_path).unlink()
+    verdicts = Doctor(kernel.root, make_config(), container_state=lambda root, name: "running").run()
+    for name in ("chip-count", "slice"):
+        assert result_of(verdicts, name).detail == (
+            "no TPU machine type (the metadata server: not asked: the root is not this host) "
+            "and no accelerator type in tpu-env"
+        )
