@@ -5,8 +5,7 @@ stand-ins where the accelerator type in the emulator's tpu-env implies 4 chips; 
 vBar's image). Then each deliberately broken setting, one at a time and put back afterwards,
 fails exactly the matching check(s). The kernel parameter case does not reboot (costly under
 TCG): a doctored copy of /proc/cmdline is bind-mounted over it in the guest. With vBar and the
-telemetry collector enabled, the guest's real dockerd is asked about their containers, and then
-stopped: no dockerd where vBar is needed is a FAIL naming how to start it.
+telemetry collector enabled and the guest's dockerd stopped, each is a FAIL naming how to start it.
 """
 
 from __future__ import annotations
@@ -160,27 +159,18 @@ def test_each_broken_setting_fails_exactly_its_check(
         vm.run(["umount", "/proc/cmdline"], check=True)
 
 
-def test_the_agents_containers_and_dockerd_absent(vm: VM) -> None:
-    """vBar and the collector on, not GKE: the real dockerd says their containers do not exist
-    (tpuboot's own configuration has them off); with dockerd stopped, each is a FAIL with the fix."""
+def test_no_dockerd_where_the_agents_are_needed_fails_with_the_fix(vm: VM) -> None:
+    """vBar and the collector on, not GKE, the guest's dockerd stopped (its socket unit too): each
+    is a FAIL naming how to start dockerd, which is installed. (Containers that are absent or
+    stopped under a dockerd that answers: tests/unit/test_doctor.py, against the fake dockerd.)"""
     agents = "{gke: 'false', vbar: {enabled: true}, telemetry: {enabled: true}}\n"
     vm.run(f"printf %s {shlex.quote(agents)} > /run/doctor-agents.yaml", check=True)
-    vm.run(["systemctl", "start", "docker"], check=True, timeout=120)
-    report = doctor(vm, "--config", "/run/doctor-agents.yaml")[1]
-    for name, container in (
-        ("vbar-running", "tpuboot-vbar-control-agent"),
-        ("telemetry-running", "tpuboot-ai-telemetry-collector"),
-    ):
-        assert (report[name]["status"], report[name]["detail"]) == (
-            "FAIL",
-            f"container {container} does not exist",
-        )
     vm.run(["systemctl", "stop", "docker.socket", "docker.service"], check=True, timeout=120)
     try:
         report = doctor(vm, "--config", "/run/doctor-agents.yaml")[1]
-        for name in ("vbar-running", "telemetry-running"):
-            assert report[name]["status"] == "FAIL", report[name]
-            assert str(report[name]["detail"]).startswith("dockerd does not answer ("), report[name]
-            assert str(report[name]["fix"]).startswith("systemctl enable --now docker"), report[name]
     finally:
-        vm.run(["systemctl", "start", "docker"], check=True, timeout=120)
+        vm.run(["systemctl", "start", "--no-block", "docker"], check=True)
+    for name in ("vbar-running", "telemetry-running"):
+        assert report[name]["status"] == "FAIL", report[name]
+        assert str(report[name]["detail"]).startswith("dockerd does not answer ("), report[name]
+        assert str(report[name]["fix"]).startswith("systemctl enable --now docker"), report[name]
