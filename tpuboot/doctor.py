@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tpuboot.agents import TELEMETRY, VBAR
 from tpuboot.atomicfile import read_file
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.devices import DeviceTable, generations_of_kind
@@ -159,6 +160,7 @@ class Doctor:
         self.binder = Binder(root, DeviceTable(config.devices), config.vfio)
         self._tpus: list[TpuStatus] | None = None
         self._slice: Reading | None = None
+        self._gke_answer: tuple[bool | None, str] | None = None
         self.metadata_down: str | None = None  # why the metadata server gave no answer
         self.checks = Checks()
         for name, check in (
@@ -448,7 +450,12 @@ class Doctor:
     # --- vBar ---------------------------------------------------------------------------------------
 
     def _gke(self) -> tuple[bool | None, str]:
-        """(GKE node?, why); None when the metadata server did not say."""
+        """(GKE node?, why); None when the metadata server did not say. Asked once."""
+        if self._gke_answer is None:
+            self._gke_answer = self._ask_gke()
+        return self._gke_answer
+
+    def _ask_gke(self) -> tuple[bool | None, str]:
         mode = self.config.gke
         if mode in ("true", "false"):
             return mode == "true", f"gke is {mode} in the configuration"
@@ -499,7 +506,7 @@ class Doctor:
             "vBar",
             vbar.container_name,
             "systemctl restart tpuboot (it supervises vBar); "
-            "journalctl -u tpuboot AGENT=vBar says why it stopped",
+            f"journalctl -u tpuboot AGENT={VBAR} says why it stopped",
         )
 
     def check_telemetry(self) -> CheckResult:
@@ -511,7 +518,7 @@ class Doctor:
             "the telemetry collector",
             telemetry.container_name,
             "systemctl restart tpuboot (it supervises the collector); "
-            "journalctl -u tpuboot AGENT=telemetry says why it stopped",
+            f"journalctl -u tpuboot AGENT={TELEMETRY} says why it stopped",
         )
 
 
