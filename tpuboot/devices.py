@@ -1,4 +1,5 @@
-"""The device table: which PCI devices are TPUs, which generation, and which tpuboot binds.
+"""The TPU table: which PCI devices are TPUs, which generation, and which tpuboot binds; and for
+each generation, how its accelerator types count, its machine types and its slice shapes.
 
 Data, not code: built-in generations come from public sources (see the README), and
 the configuration file adds match rules without a new release.
@@ -44,7 +45,7 @@ class PciIds:
 class Kind:
     """One entry of the table. ``vfio`` says whether tpuboot binds it to vfio-pci."""
 
-    __slots__ = ("device", "name", "subsystem_device", "subsystem_vendor", "vendor", "vfio")
+    __slots__ = ("device", "generations", "name", "subsystem_device", "subsystem_vendor", "vendor", "vfio")
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class Kind:
         subsystem_vendor: int | None = None,
         subsystem_device: int | None = None,
         vfio: bool = False,
+        generations: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.vendor = vendor
@@ -61,6 +63,7 @@ class Kind:
         self.subsystem_vendor = subsystem_vendor
         self.subsystem_device = subsystem_device
         self.vfio = vfio
+        self.generations = generations  # keys of GENERATIONS this device can be (none: unknown)
 
     def __repr__(self) -> str:
         return f"Kind({self.name!r})"
@@ -75,20 +78,20 @@ class Kind:
 
 # Generations whose runtime reaches the chip through vfio-pci: tpuboot binds these.
 VFIO_KINDS = (
-    Kind("TPU v5p", GOOGLE, 0x0062, GOOGLE, 0x00AD, vfio=True),
-    Kind("TPU v6e", GOOGLE, 0x006F, GOOGLE, 0x00D1, vfio=True),
-    Kind("TPU7x", GOOGLE, 0x0076, GOOGLE, 0x00F2, vfio=True),
+    Kind("TPU v5p", GOOGLE, 0x0062, GOOGLE, 0x00AD, vfio=True, generations=("v5p",)),
+    Kind("TPU v6e", GOOGLE, 0x006F, GOOGLE, 0x00D1, vfio=True, generations=("v6e",)),
+    Kind("TPU7x", GOOGLE, 0x0076, GOOGLE, 0x00F2, vfio=True, generations=("tpu7x",)),
 )
 
 # Known for reporting only: older generations use the accel driver; newer ones are undocumented.
 REPORT_KINDS = (
-    Kind("TPU v2/v3", GOOGLE, 0x0027),
+    Kind("TPU v2/v3", GOOGLE, 0x0027, generations=("v2", "v3")),
     Kind("TPU (unnamed 0x0056)", GOOGLE, 0x0056),
-    Kind("TPU v4", GOOGLE, 0x005E),
-    Kind("TPU v5e", GOOGLE, 0x0063),
-    Kind("TPU v5p (unexpected subsystem)", GOOGLE, 0x0062),
-    Kind("TPU v6e (unexpected subsystem)", GOOGLE, 0x006F),
-    Kind("TPU7x (unexpected subsystem)", GOOGLE, 0x0076),
+    Kind("TPU v4", GOOGLE, 0x005E, generations=("v4",)),
+    Kind("TPU v5e", GOOGLE, 0x0063, generations=("v5e",)),
+    Kind("TPU v5p (unexpected subsystem)", GOOGLE, 0x0062, generations=("v5p",)),
+    Kind("TPU v6e (unexpected subsystem)", GOOGLE, 0x006F, generations=("v6e",)),
+    Kind("TPU7x (unexpected subsystem)", GOOGLE, 0x0076, generations=("tpu7x",)),
     Kind("TPU8t", GOOGLE, 0x007C),
     Kind("TPU8i", GOOGLE, 0x0083),
 )
@@ -108,3 +111,112 @@ class DeviceTable:
     def classify(self, ids: PciIds) -> Kind | None:
         """The first matching kind, or None for a device that is not a TPU."""
         return next((kind for kind in self.kinds if kind.matches(ids)), None)
+
+
+class Generation:
+    """One TPU generation, as its accelerator types (``v5p-1024``), machine types and slices are.
+
+    ``per_chip``: what the number in an accelerator type counts, per chip (2: TensorCores, for
+    v2 to v5p and TPU7x; 1: chips, for v5e and v6e). ``host_chips``: chips per host in a
+    multi-host slice. ``host_max``: the largest slice one host holds. ``machine_types``: chips per
+    VM of each. ``dims``: topology dimensions (2: AxB, 3: AxBxC). ``shapes``: the valid 2D
+    topologies, or () where a rule decides (3D: every side at most 4, or every side a multiple of
+    4). ``max_chips``: the pod's size. ``kind``: the name :data:`VFIO_KINDS`/:data:`REPORT_KINDS`
+    give its chips.
+    """
+
+    __slots__ = (
+        "dims",
+        "host_chips",
+        "host_max",
+        "key",
+        "kind",
+        "machine_types",
+        "max_chips",
+        "per_chip",
+        "prefixes",
+        "shapes",
+    )
+
+    def __init__(
+        self,
+        key: str,
+        kind: str,
+        prefixes: tuple[str, ...],
+        per_chip: int,
+        dims: int,
+        host_max: int,
+        machine_types: dict[str, int],
+        shapes: tuple[str, ...],
+        max_chips: int,
+        host_chips: int = 4,
+    ) -> None:
+        self.key = key
+        self.kind = kind
+        self.prefixes = prefixes
+        self.per_chip = per_chip
+        self.dims = dims
+        self.host_max = host_max
+        self.machine_types = machine_types
+        self.shapes = shapes
+        self.max_chips = max_chips
+        self.host_chips = host_chips
+
+    def __repr__(self) -> str:
+        return f"Generation({self.key!r})"
+
+
+_SHAPES_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+
+#: Every generation tpuboot knows, from public sources: GKE's TPU page (machine types, chips per VM,
+#: v5e topologies and VMs per slice: ../shared/reference/001_*.txt), Cloud TPU's v4, v5p, v6e and
+#: TPU7x pages (TensorCores per chip, pod sizes, v6e's ct6e-standard-* and 3D topology rules), and
+#: GKE's Ironwood page (4 chips per tpu7x-standard-4t VM). The number in an accelerator type
+#: counts TensorCores for v2 to v5p and TPU7x (v5p-8 and tpu7x-8 are 4 chips), chips for v5e/v6e.
+GENERATIONS = (
+    Generation("v2", "TPU v2/v3", ("v2",), 2, 2, 4, {}, (), 256),
+    Generation("v3", "TPU v2/v3", ("v3",), 2, 2, 4, {}, (), 1024),
+    Generation("v4", "TPU v4", ("v4",), 2, 3, 4, {"ct4p-hightpu-4t": 4}, (), 4096),
+    Generation(
+        "v5e",
+        "TPU v5e",
+        ("v5litepod", "v5e"),
+        1,
+        2,
+        8,
+        {"ct5lp-hightpu-1t": 1, "ct5lp-hightpu-4t": 4, "ct5lp-hightpu-8t": 8},
+        _SHAPES_2D,
+        256,
+    ),
+    Generation("v5p", "TPU v5p", ("v5p",), 2, 3, 4, {"ct5p-hightpu-4t": 4}, (), 8960),
+    Generation(
+        "v6e",
+        "TPU v6e",
+        ("v6e",),
+        1,
+        2,
+        8,
+        {"ct6e-standard-1t": 1, "ct6e-standard-4t": 4, "ct6e-standard-8t": 8},
+        _SHAPES_2D,
+        256,
+    ),
+    Generation(
+        "tpu7x", "TPU7x", ("tpu7x",), 2, 3, 4, {"tpu7x-standard-1t": 1, "tpu7x-standard-4t": 4}, (), 9216
+    ),
+)
+
+
+def generation_named(prefix: str) -> Generation | None:
+    """The generation whose accelerator types start ``prefix-`` (``v5litepod``, ``tpu7x``)."""
+    return next((g for g in GENERATIONS if prefix.lower() in g.prefixes), None)
+
+
+def generation_of_machine(machine_type: str) -> tuple[Generation, int] | None:
+    """(generation, chips per VM) of a TPU machine type, None for any other machine type."""
+    found = (g for g in GENERATIONS if machine_type in g.machine_types)
+    return next(((g, g.machine_types[machine_type]) for g in found), None)
+
+
+def generations_of_kind(name: str) -> tuple[str, ...]:
+    """The generations a built-in kind named ``name`` can be; () for a configured or unknown one."""
+    return next((k.generations for k in (*VFIO_KINDS, *REPORT_KINDS) if k.name == name), ())

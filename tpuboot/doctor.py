@@ -3,14 +3,16 @@
 The checks of GKE's OS image certification for TPU hosts (../shared/notes/tpu-facts.md) and
 tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_pci loaded, the
 /dev/vfio nodes' mode, allow_unsafe_interrupts on x86_64, the IOMMU groups viable, tpu-env present,
-parseable and fresh, the GCS variables in /etc/environment, vBar running (not on GKE) and the
-number of usable chips the machine type implies. The image settings (kernel command line,
+parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry collector
+running (not on GKE), the number of usable chips the machine type or the slice implies, and the
+slice tpu-env describes (:mod:`tpuboot.slices`). The image settings (kernel command line,
 transparent huge pages, limits for logins and the container runtimes, the accel udev rule) are
 :mod:`tpuboot.imagecheck`'s checks, run as they are.
 
 Everything goes through the injectable :class:`~tpuboot.paths.Root`; the metadata server and the
 docker socket through callables a test replaces. A check that cannot be judged here is SKIP with
-the reason. Every check is required (a FAIL makes the exit status non-zero) except those in
+the reason; WARN is a doubt that fails nothing (a TPU generation tpuboot's table does not know).
+Every check is required (a FAIL makes the exit status non-zero) except those in
 :data:`ADVISORY`.
 """
 
@@ -25,17 +27,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tpuboot.agents import TELEMETRY, VBAR
 from tpuboot.atomicfile import read_file
 from tpuboot.config import Config, MetadataConfig
-from tpuboot.devices import DeviceTable
+from tpuboot.devices import DeviceTable, generations_of_kind
 from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
 from tpuboot.environment import plan_environment
 from tpuboot.envsync import CACHE_NAME
 from tpuboot.errors import MetadataError
-from tpuboot.imagecheck import CheckResult, Checks, _machine, failed, passed, run_checks, skipped
+from tpuboot.gke import gke_attribute
+from tpuboot.imagecheck import CheckResult, Checks, _machine, failed, passed, run_checks, skipped, warned
 from tpuboot.kmodule import NO_VFIO_PCI_FIX, module_state
 from tpuboot.paths import Root
 from tpuboot.pci import PCI_DRIVERS
+from tpuboot.slices import Reading, read_slice
 from tpuboot.status import TpuStatus, survey
 from tpuboot.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.vfio import VFIO_PCI, Binder
@@ -43,22 +48,19 @@ from tpuboot.vfio import VFIO_PCI, Binder
 #: A FAIL of these is reported but does not make `tpuboot doctor` fail.
 ADVISORY = frozenset({"tpu-env-fresh"})
 
-#: Chips per VM for each TPU machine type (GKE's table).
-MACHINE_CHIPS = {
-    "ct5lp-hightpu-1t": 1,
-    "ct5lp-hightpu-4t": 4,
-    "ct5lp-hightpu-8t": 8,
-    "ct4p-hightpu-4t": 4,
-    "ct5p-hightpu-4t": 4,
-}
 UNSAFE_INTERRUPTS = "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts"
-GKE_ATTRIBUTES = ("cluster-name", "kube-env")  # set by GKE on its nodes
 MAX_FILE = 1 << 20
+#: Where Debian's and Ubuntu's docker.io (/usr/sbin) and Docker's docker-ce (/usr/bin) put dockerd.
+DOCKERD = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
+RUNNING, ABSENT = "running", "absent"
 
-#: ``lookup(path)``: a metadata value (``instance/machine-type``), None if absent or unreachable.
+#: ``lookup(path)``: a metadata value (``instance/machine-type``), None if absent; raises
+#: :class:`MetadataError` when the server does not answer.
 MetadataLookup = Callable[[str], str | None]
-#: ``running(name)``: whether the container runs, None when the runtime cannot be asked.
-ContainerProbe = Callable[[Root, str], bool | None]
+#: ``state(root, name)``: "running", "absent", or how the container stands ("exited (code 1)");
+#: raises :class:`Unreachable` when dockerd does not answer, another DockerError when it answers
+#: unusably.
+ContainerProbe = Callable[[Root, str], str]
 
 
 @dataclass(frozen=True)
@@ -72,53 +74,38 @@ class Verdict:
         return {**self.result.as_dict(), "required": self.required}
 
 
-def chips_for(machine_type: str | None, accelerator_type: str | None) -> tuple[int, str] | None:
-    """(chips this VM should have, why), from the machine type or else the accelerator type."""
-    if machine_type:
-        name = machine_type.rsplit("/", 1)[-1]
-        if name in MACHINE_CHIPS:
-            return MACHINE_CHIPS[name], f"machine type {name}"
-    if accelerator_type:
-        match = re.fullmatch(r"(v5litepod|v5e|v6e)-(\d+)", accelerator_type)
-        if match and int(match.group(2)) in (1, 4, 8):  # a single-host slice: all of it here
-            return int(match.group(2)), f"accelerator type {accelerator_type}"
-        match = re.fullmatch(r"(v4|v5p)-(\d+)", accelerator_type)  # N TensorCores, 2 per chip
-        if match and int(match.group(2)) >= 2:
-            return min(int(match.group(2)) // 2, 4), f"accelerator type {accelerator_type}"
-    return None
-
-
-def docker_container_running(root: Root, name: str) -> bool | None:
-    """Ask dockerd over its socket whether ``name`` runs; None if the socket does not answer.
-
-    A dockerd that answers but cannot be used (no API version in common, an error) raises
-    :class:`DockerError`: that is a finding, not a SKIP.
-    """
+def docker_container_state(root: Root, name: str) -> str:
+    """How container ``name`` stands, asked of dockerd over its socket (see :data:`ContainerProbe`)."""
     path = root.path(DOCKER_SOCKET)
     if not path.exists():
-        return None
+        raise Unreachable(f"no socket {DOCKER_SOCKET}")
     try:
         data = DockerAPI(str(path), timeout=5).inspect_container(name)
     except NotFound:
-        return False
-    except Unreachable:
-        return None
+        return ABSENT
     state = data.get("State") if isinstance(data, dict) else None
-    return bool(state.get("Running")) if isinstance(state, dict) else None
+    if not isinstance(state, dict):
+        return "in no state dockerd reports"
+    if state.get("Restarting"):
+        return "restarting"
+    if state.get("Running"):
+        return RUNNING
+    status, code = state.get("Status") or "stopped", state.get("ExitCode")
+    return f"{status} (exit code {code})" if isinstance(code, int) and status == "exited" else str(status)
 
 
 def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> MetadataLookup:
-    """A lookup on the metadata server: None for an absent key, and for every key once the
-    server did not answer (the doctor waits for it once, not per check)."""
+    """A lookup on the metadata server: None for an absent key; once the server did not answer,
+    MetadataError for every key at once (the doctor waits for it once, not per check)."""
     from tpuboot.metadata import MetadataAbsent, MetadataClient
 
     client = MetadataClient.from_config(config)
-    down = False
+    down: MetadataError | None = None
 
     def lookup(path: str) -> str | None:
         nonlocal down
-        if down:
-            return None
+        if down is not None:
+            raise down
         quiet = logging.getLogger("tpuboot.metadata")
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # a server that does not answer is the check's SKIP, not a warning
@@ -126,13 +113,25 @@ def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> Metadata
             return client.get(path, deadline_s=deadline_s).text
         except MetadataAbsent:
             return None
-        except MetadataError:
-            down = True
-            return None
+        except MetadataError as exc:
+            down = exc
+            raise
         finally:
             quiet.setLevel(level)
 
     return lookup
+
+
+def _dockerd_fix(root: Root) -> str:
+    """Start dockerd where it is installed, else install it."""
+    if any(root.path(path).exists() for path in DOCKERD):
+        return "systemctl enable --now docker; journalctl -u docker says why it stopped"
+    return "apt install docker.io (then systemctl restart tpuboot)"
+
+
+def _not_asked(path: str) -> str | None:
+    """The lookup where there is no metadata server to ask (``--root`` names another tree)."""
+    raise MetadataError("not asked: the root is not this host")
 
 
 def _supervisor_present() -> bool:
@@ -148,18 +147,21 @@ class Doctor:
         config: Config,
         *,
         metadata: MetadataLookup | None = None,
-        container_running: ContainerProbe = docker_container_running,
+        container_state: ContainerProbe = docker_container_state,
         supervisor_present: Callable[[], bool] = _supervisor_present,
         now: Callable[[], float] = time.time,
     ) -> None:
         self.root = root
         self.config = config
-        self.metadata = metadata or (lambda path: None)
-        self.container_running = container_running
+        self.metadata = metadata or _not_asked
+        self.container_state = container_state
         self.supervisor_present = supervisor_present
         self.now = now
         self.binder = Binder(root, DeviceTable(config.devices), config.vfio)
         self._tpus: list[TpuStatus] | None = None
+        self._slice: Reading | None = None
+        self._gke_answer: tuple[bool | None, str] | None = None
+        self.metadata_down: str | None = None  # why the metadata server gave no answer
         self.checks = Checks()
         for name, check in (
             ("tpus-bound", self.check_tpus_bound),
@@ -168,10 +170,12 @@ class Doctor:
             ("unsafe-interrupts", self.check_unsafe_interrupts),
             ("iommu-groups-viable", self.check_groups_viable),
             ("chip-count", self.check_chip_count),
+            ("slice", self.check_slice),
             ("tpu-env", self.check_tpu_env),
             ("tpu-env-fresh", self.check_tpu_env_fresh),
             ("environment", self.check_environment),
             ("vbar-running", self.check_vbar),
+            ("telemetry-running", self.check_telemetry),
         ):
             self.checks.add(name)(lambda root, check=check: check())
 
@@ -179,7 +183,8 @@ class Doctor:
         """The device checks, then imagecheck's, then the rest; each result named."""
         own = self.checks.run(self.root)
         image = run_checks(self.root)
-        ordered = own[:6] + image + own[6:]
+        split = self.checks.names.index("tpu-env")
+        ordered = own[:split] + image + own[split:]
         return [Verdict(r, r.name not in ADVISORY) for r in ordered]
 
     # --- devices -------------------------------------------------------------------------------
@@ -287,23 +292,71 @@ class Doctor:
             "bind every endpoint of the group to vfio-pci (tpuboot bind --force DBDF) or unbind it",
         )
 
+    def _lookup(self, path: str) -> str | None:
+        """A metadata value; None if absent or if the server does not answer (then said once)."""
+        try:
+            return self.metadata(path)
+        except MetadataError as exc:
+            self.metadata_down = str(exc)
+            return None
+
+    @property
+    def slice(self) -> Reading:
+        """This host's slice, from the machine type and tpu-env (read once)."""
+        if self._slice is None:
+            self._slice = read_slice(self._tpu_env_values(), self._lookup("instance/machine-type"))
+        return self._slice
+
+    def _nothing_known(self) -> str:
+        asked = f" (the metadata server: {self.metadata_down})" if self.metadata_down else ""
+        return f"no TPU machine type{asked} and no accelerator type in tpu-env"
+
     def check_chip_count(self) -> CheckResult:
-        machine_type = self.metadata("instance/machine-type")
-        env = self._tpu_env_values() or {}
-        accelerator = env.get("ACCELERATOR_TYPE") or env.get("TPU_ACCELERATOR_TYPE")
-        expected = chips_for(machine_type, accelerator)
-        if expected is None:
-            known = machine_type or accelerator
-            why = f"{known!r} implies no known chip count" if known else "no machine type or accelerator type"
-            return skipped(why)
-        want, source = expected
+        """The TPU PCI functions usable here: as many as the machine type or slice puts on one
+        host, and of the generation it names."""
+        found = self.slice.slice
+        if found is None or found.host_chips is None:
+            if self.slice.warnings:
+                return skipped("the generation is not in tpuboot's TPU table (see the slice check)")
+            return skipped(self._nothing_known())
+        want, source = found.host_chips, found.host_chips_from
         usable = [t for t in self.tpus if (t.driver == VFIO_PCI if t.managed else t.driver is not None)]
+        other = sorted({t.kind for t in self.tpus if found.generation.key not in generations_of_kind(t.kind)})
+        other = [k for k in other if generations_of_kind(k)]  # a configured kind can be anything
+        if other:
+            return failed(
+                f"{', '.join(other)} present; {found.named_by} is {found.generation.kind}",
+                "tpu-env or the machine type describes another VM: recreate the VM, or correct the tpu-env "
+                "instance attribute, then tpuboot env",
+            )
+        shape = f" ({found.hosts} hosts of {want} chips)" if found.hosts and found.hosts > 1 else ""
         if len(usable) == want:
-            return passed(f"{want} chips usable, as {source} implies")
+            return passed(f"{want} chips usable, as {source} implies{shape}")
         return failed(
-            f"{len(usable)} chips usable ({len(self.tpus)} present), {source} implies {want}",
+            f"{len(usable)} chips usable ({len(self.tpus)} present), {source} implies {want}{shape}",
             "tpuboot status shows each chip; a missing chip is a host problem: recreate or repair the VM",
         )
+
+    def check_slice(self) -> CheckResult:
+        """tpu-env's ACCELERATOR_TYPE, TOPOLOGY, CHIPS_PER_HOST_BOUNDS, HOST_BOUNDS and WORKER_ID,
+        and the machine type, agree with each other and with the TPU table."""
+        reading = self.slice
+        if reading.problems:
+            return failed("; ".join(p.what for p in reading.problems), reading.problems[0].fix)
+        if reading.warnings:
+            return warned("; ".join(reading.warnings))
+        found = reading.slice
+        if found is None:
+            return skipped(self._nothing_known())
+        parts = [found.accelerator or found.named_by]
+        if found.chips is not None:
+            parts.append(f"{found.chips} chips" + (f" in {found.topology}" if found.topology else ""))
+        if found.hosts is not None and found.host_chips is not None:
+            many = f"{found.hosts} hosts" if found.hosts > 1 else "1 host"
+            parts.append(f"{many} of {found.host_chips} chips")
+        if found.worker is not None:
+            parts.append(f"this host is worker {found.worker}")
+        return passed(", ".join(parts))
 
     # --- the runtime environment -------------------------------------------------------------------
 
@@ -396,38 +449,81 @@ class Doctor:
 
     # --- vBar ---------------------------------------------------------------------------------------
 
-    def _gke(self) -> bool:
+    def _gke(self) -> tuple[bool | None, str]:
+        """(GKE node?, why); None when the metadata server did not say. Asked once."""
+        if self._gke_answer is None:
+            self._gke_answer = self._ask_gke()
+        return self._gke_answer
+
+    def _ask_gke(self) -> tuple[bool | None, str]:
         mode = self.config.gke
         if mode in ("true", "false"):
-            return mode == "true"
-        return any(self.metadata(f"instance/attributes/{name}") is not None for name in GKE_ATTRIBUTES)
+            return mode == "true", f"gke is {mode} in the configuration"
+        try:
+            name = gke_attribute(lambda path: self.metadata(path) is not None)
+        except MetadataError as exc:
+            self.metadata_down = str(exc)
+            return None, f"the metadata server did not answer ({exc})"
+        if name is None:
+            return False, "no GKE instance attribute"
+        return True, f"instance attribute {name} is set"
+
+    def _container(self, label: str, name: str, fix: str) -> CheckResult:
+        """A supervised container: dockerd answers, and the container exists and runs."""
+        try:
+            state = self.container_state(self.root, name)
+        except Unreachable as exc:
+            return failed(f"dockerd does not answer ({exc}): {label} cannot run", _dockerd_fix(self.root))
+        except DockerError as exc:  # dockerd answered, unusably: its message says what to upgrade
+            return failed(f"dockerd: {exc}", "do what dockerd's answer says; journalctl -u docker has more")
+        if state == RUNNING:
+            return passed(f"container {name} is running")
+        if state == ABSENT:
+            return failed(f"container {name} does not exist", fix)
+        return failed(f"container {name} is {state}", fix)
+
+    def _agent_needed(self, enabled: bool, key: str, what: str) -> CheckResult | None:
+        """SKIP when the agent is off or GKE runs it; None when tpuboot must run it here."""
+        if not enabled:
+            return skipped(f"{key} is false in the configuration")
+        gke, why = self._gke()
+        if gke:
+            return skipped(f"a GKE node ({why}): GKE runs {what}")
+        if gke is None:
+            return skipped(f"cannot tell whether this is a GKE node: {why}; set gke: true or false")
+        return None
 
     def check_vbar(self) -> CheckResult:
         vbar = self.config.vbar
-        if not vbar.enabled:
-            return skipped("vbar.enabled is false in the configuration")
-        if self._gke():
-            return skipped("a GKE node: GKE's device plugin runs vBar")
+        not_here = self._agent_needed(vbar.enabled, "vbar.enabled", "vBar (its device plugin)")
+        if not_here is not None:
+            return not_here
         if not self.supervisor_present():
             return skipped("this tpuboot has no vBar supervisor yet")
         if vbar.runtime != "docker":
             return skipped(f"vbar.runtime is {vbar.runtime}: no container to ask about")
-        try:
-            running = self.container_running(self.root, vbar.container_name)
-        except DockerError as exc:  # dockerd answered, unusably: its message says what to upgrade
-            return failed(f"dockerd: {exc}", "do what dockerd's answer says; journalctl -u docker has more")
-        if running is None:
-            return skipped(f"the docker socket {DOCKER_SOCKET} does not answer")
-        if running:
-            return passed(f"container {vbar.container_name} is running")
-        return failed(
-            f"container {vbar.container_name} is not running",
-            "systemctl restart tpuboot (it supervises vBar); journalctl -u tpuboot says why it stopped",
+        return self._container(
+            "vBar",
+            vbar.container_name,
+            "systemctl restart tpuboot (it supervises vBar); "
+            f"journalctl -u tpuboot AGENT={VBAR} says why it stopped",
+        )
+
+    def check_telemetry(self) -> CheckResult:
+        telemetry = self.config.telemetry
+        not_here = self._agent_needed(telemetry.enabled, "telemetry.enabled", "the telemetry collector")
+        if not_here is not None:
+            return not_here
+        return self._container(
+            "the telemetry collector",
+            telemetry.container_name,
+            "systemctl restart tpuboot (it supervises the collector); "
+            f"journalctl -u tpuboot AGENT={TELEMETRY} says why it stopped",
         )
 
 
 def summary(verdicts: list[Verdict]) -> str:
-    counts = {s: sum(1 for v in verdicts if v.result.status == s) for s in ("PASS", "FAIL", "SKIP")}
+    counts = {s: sum(1 for v in verdicts if v.result.status == s) for s in ("PASS", "FAIL", "WARN", "SKIP")}
     return ", ".join(f"{n} {s}" for s, n in counts.items())
 
 

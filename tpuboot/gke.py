@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from tpuboot.errors import MetadataError
@@ -19,6 +20,15 @@ GKE_ATTRIBUTES = ("cluster-name", "kube-env")
 
 class Metadata(Protocol):
     def get(self, path: str, *, deadline_s: float) -> object: ...
+
+
+def gke_attribute(is_set: Callable[[str], bool]) -> str | None:
+    """The first GKE instance attribute ``is_set(path)`` finds, None on a VM that is no GKE node.
+
+    ``is_set`` raises :class:`MetadataError` when the server does not answer: not knowing is not
+    an answer (the daemon asks again; `tpuboot doctor` says it cannot tell).
+    """
+    return next((name for name in GKE_ATTRIBUTES if is_set(f"instance/attributes/{name}")), None)
 
 
 def gke_node(
@@ -35,17 +45,20 @@ def gke_node(
         return False
     from tpuboot.metadata import MetadataAbsent
 
+    def is_set(path: str) -> bool:
+        try:
+            client.get(path, deadline_s=deadline_s)
+        except MetadataAbsent:
+            return False
+        return True
+
     reported = False
     while not stop.is_set():
         try:
-            for name in GKE_ATTRIBUTES:
-                try:
-                    client.get(f"instance/attributes/{name}", deadline_s=deadline_s)
-                except MetadataAbsent:
-                    continue
+            name = gke_attribute(is_set)
+            if name is not None:
                 log.info("GKE node: instance attribute %s is set", name)
-                return True
-            return False
+            return name is not None
         except MetadataError as exc:
             if not reported:
                 log.warning("GKE check: %s; asking again", exc)

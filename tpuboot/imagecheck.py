@@ -30,7 +30,7 @@ from tpuboot.errors import TpubootError
 from tpuboot.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.paths import Root
 
-Status = Literal["PASS", "FAIL", "SKIP"]
+Status = Literal["PASS", "FAIL", "SKIP", "WARN"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,11 @@ def failed(detail: str, fix: str) -> CheckResult:
 
 def skipped(detail: str) -> CheckResult:
     return CheckResult("", "SKIP", detail)
+
+
+def warned(detail: str) -> CheckResult:
+    """Judged, with a doubt that fails nothing (a value tpuboot's tables do not know)."""
+    return CheckResult("", "WARN", detail)
 
 
 Check = Callable[[Root], CheckResult]

@@ -23,8 +23,8 @@ from tpuboot.containers import (
     DockerRuntime,
     split_image,
 )
-from tpuboot.dockerapi import DockerAPI
-from tpuboot.doctor import docker_container_running
+from tpuboot.dockerapi import DockerAPI, Unreachable
+from tpuboot.doctor import docker_container_state
 from tpuboot.imageref import RegistryAllowlist
 from tpuboot.paths import Root
 from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Supervisor
@@ -311,14 +311,16 @@ def test_agents_find_dockerd_under_the_root(dockerd: FakeDockerd) -> None:
 
 def test_the_doctor_asks_dockerd_whether_the_container_runs(dockerd: FakeDockerd, tmp_path: Path) -> None:
     root = Root(dockerd.root)
-    assert docker_container_running(root, "vbar") is False
+    assert docker_container_state(root, "vbar") == "absent"
     dockerd.add_container("vbar", IMAGE)
-    assert docker_container_running(root, "vbar") is True
+    assert docker_container_state(root, "vbar") == "running"
     dockerd.die("vbar", 1)
-    assert docker_container_running(root, "vbar") is False
+    assert docker_container_state(root, "vbar") == "exited (exit code 1)"
     dockerd.stop()
-    assert docker_container_running(root, "vbar") is None
-    assert docker_container_running(Root(tmp_path), "vbar") is None
+    with pytest.raises(Unreachable):
+        docker_container_state(root, "vbar")
+    with pytest.raises(Unreachable):
+        docker_container_state(Root(tmp_path), "vbar")
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config
 from tpuboot.containers import ContainerSpec
 from tpuboot.dockerapi import DockerError
-from tpuboot.doctor import Doctor, docker_container_running
+from tpuboot.doctor import Doctor, docker_container_state
 from tpuboot.paths import Root
 from tpuboot.supervisor import StartFailed, Supervisor
 
@@ -65,9 +65,9 @@ def test_supervisor_runs_vbar_on_each_engine_and_across_a_dockerd_upgrade(before
 def test_the_doctors_probe_on_each_engine(engine: str) -> None:
     with fake_dockerd(*ENGINES[engine]) as fake:
         root = Root(fake.root)
-        assert docker_container_running(root, "vbar") is False
+        assert docker_container_state(root, "vbar") == "absent"
         fake.add_container("vbar", IMAGE)
-        assert docker_container_running(root, "vbar") is True
+        assert docker_container_state(root, "vbar") == "running"
     assert set(versions_used(fake)) == {SPOKEN[engine]}
 
 
@@ -78,7 +78,7 @@ def test_an_engine_with_no_version_in_common_is_a_start_failure_and_a_doctor_fai
         with pytest.raises(StartFailed) as caught:
             docker_runtime(fake).start()
         with pytest.raises(DockerError):
-            docker_container_running(Root(fake.root), "vbar")
+            docker_container_state(Root(fake.root), "vbar")
         verdicts = Doctor(Root(fake.root), Config(gke="false"), supervisor_present=lambda: True).checks.run(
             Root(fake.root)
         )

@@ -11,16 +11,28 @@ from pathlib import Path
 import pytest
 
 from tests.unit.conftest import make_config
+from tests.unit.fakedockerd import fake_dockerd
 from tests.unit.fakekernel import FakeKernel, VfioShape
 from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, write
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli, imagecheck
-from tpuboot.config import Config, EnvConfig, VbarConfig
-from tpuboot.doctor import Doctor, Verdict, chips_for
+from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig
+from tpuboot.dockerapi import Unreachable
+from tpuboot.doctor import Doctor, Verdict, docker_container_state
+from tpuboot.errors import MetadataError
+from tpuboot.paths import Root
 from tpuboot.tpuenv import parse_env_file, render_env_file
 
 REPO = Path(__file__).resolve().parents[2]
-TPU_ENV = {"ACCELERATOR_TYPE": "v5p-8", "ZONE": "us-east5-a", "ODD": 'a"b$c`d\\e\nf'}
+TPU_ENV = {
+    "ACCELERATOR_TYPE": "v5p-8",
+    "TOPOLOGY": "2x2x1",
+    "CHIPS_PER_HOST_BOUNDS": "2,2,1",
+    "HOST_BOUNDS": "1,1,1",
+    "WORKER_ID": "0",
+    "ZONE": "us-east5-a",
+    "ODD": 'a"b$c`d\\e\nf',
+}
 ADDRESSES = [f"0000:00:0{4 + i}.0" for i in range(4)]
 
 
@@ -50,16 +62,18 @@ def healthy(top: Path, vfio: VfioShape = "module") -> FakeKernel:
     write(top, "/usr/lib/systemd/system.conf.d/50-tpuboot.conf", MANAGER_GOOD)
     write(top, "/lib/udev/rules.d/70-tpuboot.rules", 'KERNEL=="accel*", MODE="0666"\n')
     env = EnvConfig()
-    write(top, env.tpu_env_path, render_env_file(TPU_ENV))
-    record = {
-        "format": 1,
-        "fetched": "2026-11-29T20:00:00+00:00",
-        "etag": "e1",
-        "tpu_env": json.dumps(TPU_ENV),
-    }
-    write(top, f"{env.cache_dir}/tpu-env.json", json.dumps(record))
+    set_tpu_env(top, TPU_ENV)
     write(top, env.environment_path, "".join(f'{k}="{v}"\n' for k, v in env.environment.items()))
     return k
+
+
+def set_tpu_env(top: Path, values: dict[str, str]) -> None:
+    """tpu-env as tpuboot writes it from metadata: the file and its cache record agree."""
+    env = EnvConfig()
+    write(top, env.tpu_env_path, render_env_file(values))
+    fetched = "2026-11-29T20:00:00+00:00"
+    record = {"format": 1, "fetched": fetched, "etag": "e1", "tpu_env": json.dumps(values)}
+    write(top, f"{env.cache_dir}/tpu-env.json", json.dumps(record))
 
 
 @pytest.fixture(params=["module", "builtin"])
@@ -70,7 +84,8 @@ def kernel(tmp_path: Path, request: pytest.FixtureRequest) -> FakeKernel:
 
 def doctor(kernel: FakeKernel, config: Config | None = None, **kwargs) -> list[Verdict]:
     kwargs.setdefault("supervisor_present", lambda: True)
-    kwargs.setdefault("container_running", lambda root, name: True)
+    kwargs.setdefault("container_state", lambda root, name: "running")
+    kwargs.setdefault("metadata", lambda path: None)  # a metadata server that has none of the keys
     return Doctor(kernel.root, config or make_config(), **kwargs).run()
 
 
@@ -86,18 +101,24 @@ def test_a_healthy_vm_passes_every_check(kernel):
     verdicts = doctor(kernel)
     found = statuses(verdicts)
     assert failing(verdicts) == [], [v.result for v in verdicts if v.result.status == "FAIL"]
-    # The container runtimes are not installed in this tree: their limits are SKIP.
-    assert {n for n, s in found.items() if s == "SKIP"} == {"docker-limits", "containerd-limits"}
+    # The container runtimes are not installed in this tree: their limits are SKIP; the
+    # telemetry collector is off by default.
+    skips = {n for n, s in found.items() if s == "SKIP"}
+    assert skips == {"docker-limits", "containerd-limits", "telemetry-running"}
     for name in (
         *imagecheck.IMAGE_CHECKS.names,
         "tpus-bound",
         "vfio-node-mode",
         "chip-count",
+        "slice",
         "vbar-running",
     ):
         assert name in found
     assert next(v for v in verdicts if v.result.name == "chip-count").result.detail == (
-        "4 chips usable, as accelerator type v5p-8 implies"
+        "4 chips usable, as CHIPS_PER_HOST_BOUNDS 2,2,1 implies"
+    )
+    assert next(v for v in verdicts if v.result.name == "slice").result.detail == (
+        "v5p-8, 4 chips in 2x2x1, 1 host of 4 chips, this host is worker 0"
     )
 
 
@@ -199,46 +220,39 @@ def test_machine_type_from_metadata_wins_over_tpu_env(kernel):
     assert count.status == "FAIL" and "machine type ct5lp-hightpu-8t implies 8" in count.detail
 
 
-@pytest.mark.parametrize(
-    ("machine", "accelerator", "chips"),
-    [
-        ("zones/x/machineTypes/ct5lp-hightpu-1t", None, 1),
-        ("ct5lp-hightpu-4t", None, 4),
-        ("ct5lp-hightpu-8t", "v5p-8", 8),
-        ("ct4p-hightpu-4t", None, 4),
-        ("ct5p-hightpu-4t", None, 4),
-        (None, "v5p-8", 4),
-        (None, "v4-16", 4),
-        (None, "v5litepod-4", 4),
-        ("n2-standard-8", None, None),
-        (None, "v5litepod-16", None),
-        (None, None, None),
-    ],
-)
-def test_chips_implied_by_machine_or_accelerator_type(machine, accelerator, chips):
-    found = chips_for(machine, accelerator)
-    assert (found[0] if found else None) == chips
-
-
-def test_unknown_type_is_skip(kernel):
-    write(kernel.top, EnvConfig().tpu_env_path, render_env_file({"ACCELERATOR_TYPE": "v9-huge"}))
+def test_unknown_generation_is_a_warning_and_no_chip_count(kernel):
+    set_tpu_env(kernel.top, {"ACCELERATOR_TYPE": "v9-huge"})
     verdicts = doctor(kernel)
     assert statuses(verdicts)["chip-count"] == "SKIP"
+    warning = result_of(verdicts, "slice")
+    assert warning.status == "WARN"
+    assert "'v9-huge' is not a generation in tpuboot's TPU table" in warning.detail
+    assert "v5litepod/v5e" in warning.detail and "tpu7x" in warning.detail
+    assert failing(verdicts) == []
 
 
-def test_vbar_skips_on_gke_without_a_supervisor_or_a_docker_socket(kernel):
+def test_vbar_skips_on_gke_or_when_off_and_fails_when_it_does_not_run(kernel):
     def vbar(**kwargs) -> tuple[str, str]:
-        (v,) = [v.result for v in doctor(kernel, **kwargs) if v.result.name == "vbar-running"]
+        v = result_of(doctor(kernel, **kwargs), "vbar-running")
         return v.status, v.detail
 
     gke = {"instance/attributes/cluster-name": "c1"}
-    assert vbar(metadata=gke.get)[0] == "SKIP" and "GKE" in vbar(metadata=gke.get)[1]
+    assert vbar(metadata=gke.get) == (
+        "SKIP",
+        "a GKE node (instance attribute cluster-name is set): GKE runs vBar (its device plugin)",
+    )
     assert vbar(config=Config(gke="true"))[0] == "SKIP"
     assert vbar(supervisor_present=lambda: False) == ("SKIP", "this tpuboot has no vBar supervisor yet")
-    assert vbar(container_running=lambda root, name: None)[0] == "SKIP"
-    assert vbar(config=Config(vbar=VbarConfig(enabled=False)))[0] == "SKIP"
-    assert vbar(container_running=lambda root, name: False)[0] == "FAIL"
-    assert vbar()[0] == "PASS"
+    assert vbar(config=Config(vbar=VbarConfig(enabled=False))) == (
+        "SKIP",
+        "vbar.enabled is false in the configuration",
+    )
+    assert vbar(container_state=lambda root, name: "absent")[0] == "FAIL"
+    assert vbar(container_state=lambda root, name: "exited (exit code 1)") == (
+        "FAIL",
+        "container tpuboot-vbar-control-agent is exited (exit code 1)",
+    )
+    assert vbar() == ("PASS", "container tpuboot-vbar-control-agent is running")
 
 
 def test_tpu_env_missing_or_garbled(kernel):
@@ -292,8 +306,10 @@ def test_metadata_lookup_reads_the_machine_type_and_gives_up_once_on_a_silent_se
         assert lookup("instance/attributes/cluster-name") is None
         emu.stop()
         started = time.monotonic()
-        assert lookup("instance/machine-type") is None
-        assert lookup("instance/attributes/kube-env") is None  # no second wait
+        with pytest.raises(MetadataError):
+            lookup("instance/machine-type")
+        with pytest.raises(MetadataError):
+            lookup("instance/attributes/kube-env")  # no second wait
         assert time.monotonic() - started < 3.5
     assert "retrying" not in caplog.text
 
@@ -307,3 +323,150 @@ def test_an_admins_own_value_passes_and_is_named(kernel):
     (check,) = [v.result for v in doctor(kernel) if v.result.name == "environment"]
     assert check.status == "PASS"
     assert f"; {key}='900' kept as the admin set it (tpuboot's: {env.environment[key]!r})" in check.detail
+
+
+# --- slices ------------------------------------------------------------------------------------------
+
+
+def test_a_worker_of_a_multi_host_slice_expects_its_own_four_chips(kernel):
+    """v5p-1024: 512 chips on 128 hosts; this one is worker 5 and must have 4, not 512."""
+    set_tpu_env(
+        kernel.top,
+        {
+            "ACCELERATOR_TYPE": "v5p-1024",
+            "TOPOLOGY": "8x8x8",
+            "CHIPS_PER_HOST_BOUNDS": "2,2,1",
+            "HOST_BOUNDS": "4,4,8",
+            "WORKER_ID": "5",
+        },
+    )
+    verdicts = doctor(kernel)
+    assert failing(verdicts) == []
+    assert result_of(verdicts, "chip-count").detail == (
+        "4 chips usable, as CHIPS_PER_HOST_BOUNDS 2,2,1 implies (128 hosts of 4 chips)"
+    )
+    assert result_of(verdicts, "slice").detail == (
+        "v5p-1024, 512 chips in 8x8x8, 128 hosts of 4 chips, this host is worker 5"
+    )
+    kernel.remove_device(ADDRESSES[3])
+    assert result_of(doctor(kernel), "chip-count").detail.startswith("3 chips usable (3 present), ")
+
+
+def test_a_slice_that_contradicts_itself_fails_with_the_fix(kernel, capsys):
+    set_tpu_env(kernel.top, {**TPU_ENV, "WORKER_ID": "4"})
+    verdicts = doctor(kernel)
+    assert failing(verdicts) == ["slice"]
+    bad = result_of(verdicts, "slice")
+    assert bad.detail == "WORKER_ID 4 is outside the slice: its 1 host is worker 0"
+    assert bad.fix.startswith("correct the tpu-env instance attribute") and "tpuboot env" in bad.fix
+    assert cli.main(["--root", str(kernel.top), "doctor"]) == cli.EXIT_FAILED
+    assert "FAIL  slice: WORKER_ID 4 is outside the slice" in capsys.readouterr().out
+
+
+def test_chips_of_another_generation_fail_the_count(kernel):
+    """Four v5p chips where tpu-env and the machine type say v6e: this is not the VM they describe."""
+    set_tpu_env(kernel.top, {"ACCELERATOR_TYPE": "v6e-4", "WORKER_ID": "0"})
+    machine = {"instance/machine-type": "projects/1/machineTypes/ct6e-standard-4t"}
+    verdicts = doctor(kernel, metadata=machine.get)
+    assert failing(verdicts) == ["chip-count"]
+    count = result_of(verdicts, "chip-count")
+    assert count.detail == "TPU v5p present; accelerator type v6e-4 is TPU v6e"
+    assert "recreate the VM" in count.fix
+
+
+def test_an_unknown_generation_warns_in_the_cli_and_fails_nothing(kernel, capsys):
+    set_tpu_env(kernel.top, {"ACCELERATOR_TYPE": "tpu9z-8"})
+    assert cli.main(["--root", str(kernel.top), "doctor"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "WARN  slice: accelerator type 'tpu9z-8' is not a generation in tpuboot's TPU table" in out
+    assert cli.main(["--root", str(kernel.top), "doctor", "--json"]) == cli.EXIT_OK
+    report = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert report["slice"]["status"] == "WARN" and report["slice"]["required"]
+
+
+# --- vBar, the telemetry collector and dockerd ------------------------------------------------------
+
+
+def test_vbar_needed_without_dockerd_fails_with_the_fix(kernel):
+    """Not a GKE node, vBar on, no docker socket: a FAIL naming how to get dockerd, not a SKIP."""
+    verdicts = doctor(kernel, container_state=docker_container_state)
+    vbar = result_of(verdicts, "vbar-running")
+    assert vbar.status == "FAIL"
+    assert vbar.detail == "dockerd does not answer (no socket /run/docker.sock): vBar cannot run"
+    assert vbar.fix == "apt install docker.io (then systemctl restart tpuboot)"
+    write(kernel.top, "/usr/sbin/dockerd", "")  # installed, not running
+    vbar = result_of(doctor(kernel, container_state=docker_container_state), "vbar-running")
+    assert vbar.fix.startswith("systemctl enable --now docker")
+
+
+def test_metadata_that_does_not_answer_cannot_tell_gke_and_skips_the_agents(kernel):
+    def silent(path: str) -> str | None:
+        raise MetadataError("169.254.169.254: connection refused")
+
+    config = Config(telemetry=TelemetryConfig(enabled=True))
+    verdicts = doctor(kernel, config, metadata=silent, container_state=docker_container_state)
+    for name in ("vbar-running", "telemetry-running"):
+        skip = result_of(verdicts, name)
+        assert skip.status == "SKIP" and skip.detail.startswith("cannot tell whether this is a GKE node: ")
+        assert skip.detail.endswith("; set gke: true or false")
+    assert statuses(verdicts)["chip-count"] == "PASS"  # tpu-env still says it
+
+
+@pytest.fixture
+def dockerd():
+    with fake_dockerd() as fake:
+        yield fake
+
+
+def test_container_state_as_dockerd_reports_it(dockerd):
+    root = Root(dockerd.root)
+    dockerd.add_container("running", "example.invalid/a:1")
+    dockerd.add_container("stopped", "example.invalid/a:1")
+    dockerd.die("stopped", 137)
+    assert docker_container_state(root, "running") == "running"
+    assert docker_container_state(root, "stopped") == "exited (exit code 137)"
+    assert docker_container_state(root, "missing") == "absent"
+    dockerd.stop()
+    with pytest.raises(Unreachable):
+        docker_container_state(root, "running")
+
+
+def test_the_telemetry_collector_when_enabled(kernel, dockerd):
+    """Checked like vBar against a dockerd: running, gone, stopped; off or on GKE, not checked."""
+    telemetry = TelemetryConfig(enabled=True)
+    config = Config(telemetry=telemetry)
+
+    def in_dockerd(root: Root, name: str) -> str:  # the fake's socket is not under the kernel's tree
+        return docker_container_state(Root(dockerd.root), name)
+
+    def check(**kwargs):
+        verdicts = doctor(kernel, kwargs.pop("config", config), container_state=in_dockerd, **kwargs)
+        return result_of(verdicts, "telemetry-running")
+
+    dockerd.add_container(telemetry.container_name, telemetry.image)
+    dockerd.add_container(VbarConfig().container_name, "example.invalid/vbar:1")
+    assert (check().status, check().detail) == ("PASS", f"container {telemetry.container_name} is running")
+    dockerd.die(telemetry.container_name, 2)
+    stopped = check()
+    assert (stopped.status, stopped.detail) == (
+        "FAIL",
+        f"container {telemetry.container_name} is exited (exit code 2)",
+    )
+    assert "journalctl -u tpuboot AGENT=telemetry" in stopped.fix
+    del dockerd.containers[telemetry.container_name]
+    assert check().detail == f"container {telemetry.container_name} does not exist"
+    assert check(config=Config()).detail == "telemetry.enabled is false in the configuration"
+    gke = {"instance/attributes/kube-env": "x"}
+    assert check(metadata=gke.get).detail == (
+        "a GKE node (instance attribute kube-env is set): GKE runs the telemetry collector"
+    )
+
+
+def test_without_tpu_env_or_metadata_the_slice_says_why_it_is_not_judged(kernel):
+    kernel.p(EnvConfig().tpu_env_path).unlink()
+    verdicts = Doctor(kernel.root, make_config(), container_state=lambda root, name: "running").run()
+    for name in ("chip-count", "slice"):
+        assert result_of(verdicts, name).detail == (
+            "no TPU machine type (the metadata server: not asked: the root is not this host) "
+            "and no accelerator type in tpu-env"
+        )

@@ -4,12 +4,14 @@ The good image passes every check except those the bench cannot satisfy (``BENCH
 stand-ins where the accelerator type in the emulator's tpu-env implies 4 chips; no network for
 vBar's image). Then each deliberately broken setting, one at a time and put back afterwards,
 fails exactly the matching check(s). The kernel parameter case does not reboot (costly under
-TCG): a doctored copy of /proc/cmdline is bind-mounted over it in the guest.
+TCG): a doctored copy of /proc/cmdline is bind-mounted over it in the guest. With vBar and the
+telemetry collector enabled and the guest's dockerd stopped, each is a FAIL naming how to start it.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +32,7 @@ MUST_PASS = {
     "vfio-node-mode",
     "unsafe-interrupts",
     "iommu-groups-viable",
+    "slice",
     "cmdline-idle-poll",
     "cmdline-transparent-hugepage",
     "cmdline-intel-iommu",
@@ -72,8 +75,8 @@ def good(vm: VM) -> tuple[int, dict[str, dict[str, object]]]:
     return doctor(vm)
 
 
-def doctor(vm: VM) -> tuple[int, dict[str, dict[str, object]]]:
-    result = vm.run(["tpuboot", "doctor", "--json"], env=DOCTOR_ENV, timeout=90)
+def doctor(vm: VM, *options: str) -> tuple[int, dict[str, dict[str, object]]]:
+    result = vm.run(["tpuboot", *options, "doctor", "--json"], env=DOCTOR_ENV, timeout=90)
     assert result.rc in (0, 1), result.stdout + result.stderr
     return result.rc, {r["name"]: r for r in json.loads(result.stdout)}
 
@@ -95,7 +98,8 @@ def test_good_image_passes_all_but_the_bench_limits(
     assert rc == (1 if failing(report) else 0)
     text = vm.run(["tpuboot", "doctor"], env=DOCTOR_ENV, timeout=90).stdout.splitlines()
     assert len(text) == len(report)
-    assert all(line.split()[0] in ("PASS", "FAIL", "SKIP") for line in text)
+    assert all(line.split()[0] in ("PASS", "FAIL", "SKIP", "WARN") for line in text)
+    assert report["slice"]["detail"] == "v5p-8, 4 chips in 2x2x1, 1 host of 4 chips, this host is worker 0"
     assert all(" fix: " in line for line in text if line.startswith("FAIL"))
 
 
@@ -153,3 +157,20 @@ def test_each_broken_setting_fails_exactly_its_check(
         assert newly_failing(vm, baseline) == {"cmdline-idle-poll"}
     finally:
         vm.run(["umount", "/proc/cmdline"], check=True)
+
+
+def test_no_dockerd_where_the_agents_are_needed_fails_with_the_fix(vm: VM) -> None:
+    """vBar and the collector on, not GKE, the guest's dockerd stopped (its socket unit too): each
+    is a FAIL naming how to start dockerd, which is installed. (Containers that are absent or
+    stopped under a dockerd that answers: tests/unit/test_doctor.py, against the fake dockerd.)"""
+    agents = "{gke: 'false', vbar: {enabled: true}, telemetry: {enabled: true}}\n"
+    vm.run(f"printf %s {shlex.quote(agents)} > /run/doctor-agents.yaml", check=True)
+    vm.run(["systemctl", "stop", "docker.socket", "docker.service"], check=True, timeout=120)
+    try:
+        report = doctor(vm, "--config", "/run/doctor-agents.yaml")[1]
+    finally:
+        vm.run(["systemctl", "start", "--no-block", "docker"], check=True)
+    for name in ("vbar-running", "telemetry-running"):
+        assert report[name]["status"] == "FAIL", report[name]
+        assert str(report[name]["detail"]).startswith("dockerd does not answer ("), report[name]
+        assert str(report[name]["fix"]).startswith("systemctl enable --now docker"), report[name]
