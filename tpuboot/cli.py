@@ -7,7 +7,7 @@ import functools
 import logging
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tpuboot import __version__, logs
 from tpuboot.config import CONFIG_PATH, Config, load_config
@@ -110,7 +110,7 @@ def _agents(ctx: Context, config: Config, sync: EnvSync | None) -> Agents | None
     return Agents(config, ctx.root, metadata, tpu_env=sync.parsed_values)
 
 
-def _print_json(items: list[dict[str, object]]) -> None:
+def _print_json(items: Sequence[Mapping[str, object]]) -> None:
     import json  # only for --json: a cold start of `tpuboot bind` is part of recovery time
 
     print(json.dumps(items, indent=2))
@@ -312,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.setup(args.verbose)
     ctx = Context(args)
     try:
-        return args.func(ctx, args)
+        status: int = args.func(ctx, args)
+        return status
     except UsageError as exc:
         print(f"tpuboot: {exc}", file=sys.stderr)
         return EXIT_USAGE

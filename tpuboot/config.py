@@ -125,7 +125,7 @@ def parse_choice(*choices: str) -> Parser:
             value = "false"
         if value not in choices:
             raise _fail(where, f"{value!r} is not one of {', '.join(choices)}")
-        return value
+        return str(value)
 
     return parse
 
@@ -193,7 +193,7 @@ class Section:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined]
+        return self._values() == other._values()
 
     def __hash__(self) -> int:
         return hash(self._values())
@@ -424,7 +424,7 @@ GUEST_ATTRIBUTES_MIN_INTERVAL = 30.0
 
 
 def parse_publish_interval(value: Any, where: str) -> float:
-    seconds = parse_seconds(DELAY_MAX)(value, where)
+    seconds: float = parse_seconds(DELAY_MAX)(value, where)
     if seconds < GUEST_ATTRIBUTES_MIN_INTERVAL:
         raise _fail(
             where,
@@ -490,7 +490,8 @@ def parse_config(text: str, source: str) -> Config:
         # PyYAML builds some scalars with int() or datetime(): 2001-02-30, an int of 5000 digits.
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:80]
         raise ConfigError(f"{source}: a value cannot be read ({reason}); quote it or fix it") from None
-    return _section(Config, data, source)
+    config: Config = _section(Config, data, source)
+    return config
 
 
 def load_config(root: Root, path: str | None = None) -> Config:

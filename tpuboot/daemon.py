@@ -6,7 +6,6 @@ The loop owns no polling: it wakes for a udev event, a retry timer, the watchdog
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import signal
@@ -146,7 +145,10 @@ class Daemon:
         else:
             self._env_result(result)
         if env.watch:
-            report = functools.partial(loop.call_soon_threadsafe, self._env_result)
+
+            def report(result: SyncResult) -> None:  # from the watch thread, onto the loop
+                loop.call_soon_threadsafe(self._env_result, result)
+
             threading.Thread(
                 target=run_watch, args=(env.sync, env.stop, report), name="tpuboot-env-watch", daemon=True
             ).start()
@@ -211,12 +213,17 @@ class Daemon:
         interval = watchdog_interval()
         watchdog = loop.create_task(self._watchdog(interval)) if interval else None
         if self.agents is not None:  # in their own threads: READY never waits for dockerd
-            self.agents.start(functools.partial(loop.call_soon_threadsafe, self._agent_status))
+
+            def agent_status(label: str, text: str) -> None:  # from a supervisor thread
+                loop.call_soon_threadsafe(self._agent_status, label, text)
+
+            self.agents.start(agent_status)
         boot = asyncio.ensure_future(asyncio.gather(*coldplug, self._env_boot(), self._devices_settled()))
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             # SIGTERM during a long boot (metadata server down) must not wait for its deadline.
-            await asyncio.wait({boot, stop}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {boot, stop}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if boot.done():
                 boot.result()
                 self.ready = True

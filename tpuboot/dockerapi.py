@@ -320,7 +320,7 @@ class DockerAPI:
 
     def inspect_container(self, name: str) -> dict[str, Any]:
         """``docker inspect`` data of a container (by name or id); :class:`NotFound` if absent."""
-        return self._call("GET", f"/containers/{_quote(name)}/json")
+        return _object(self._call("GET", f"/containers/{_quote(name)}/json"), f"inspect of {name}")
 
     def create_container(self, name: str, config: dict[str, Any]) -> str:
         """Create ``name`` from an Engine API container config (``Image``, ``HostConfig``...); its id."""
@@ -338,7 +338,7 @@ class DockerAPI:
 
     def inspect_image(self, name: str) -> dict[str, Any]:
         """The image's data; :class:`NotFound` if dockerd does not have it."""
-        return self._call("GET", f"/images/{_quote(name)}/json")
+        return _object(self._call("GET", f"/images/{_quote(name)}/json"), f"inspect of image {name}")
 
     def pull_image(self, repository: str, tag: str) -> None:
         """Pull ``repository`` at ``tag`` (a tag or a ``sha256:`` digest), to the end of the stream.
@@ -445,6 +445,13 @@ class DockerAPI:
             raise ProtocolError(
                 f"dockerd sent an answer to {method} {path} that is not JSON: {data[:60]!r}"
             ) from None
+
+
+def _object(answer: Any, what: str) -> dict[str, Any]:
+    """A JSON answer that must be an object: anything else is a protocol error, not a crash later."""
+    if not isinstance(answer, dict):
+        raise ProtocolError(f"dockerd answered the {what} with {type(answer).__name__}, not an object")
+    return answer
 
 
 def _why(exc: BaseException) -> str:

@@ -36,7 +36,17 @@ from tpuboot.environment import plan_environment
 from tpuboot.envsync import CACHE_NAME
 from tpuboot.errors import MetadataError
 from tpuboot.gke import gke_attribute
-from tpuboot.imagecheck import CheckResult, Checks, _machine, failed, passed, run_checks, skipped, warned
+from tpuboot.imagecheck import (
+    Check,
+    CheckResult,
+    Checks,
+    failed,
+    kernel_arch,
+    passed,
+    run_checks,
+    skipped,
+    warned,
+)
 from tpuboot.kmodule import NO_VFIO_PCI_FIX, module_state
 from tpuboot.paths import Root
 from tpuboot.pci import PCI_DRIVERS
@@ -138,6 +148,11 @@ def _supervisor_present() -> bool:
     return importlib.util.find_spec("tpuboot.supervisor") is not None
 
 
+def _ignoring_root(check: Callable[[], CheckResult]) -> Check:
+    """A doctor check as the check table wants it: doctor's checks hold their root already."""
+    return lambda root: check()
+
+
 class Doctor:
     """The doctor's own checks for one system; :meth:`run` adds imagecheck's."""
 
@@ -177,7 +192,7 @@ class Doctor:
             ("vbar-running", self.check_vbar),
             ("telemetry-running", self.check_telemetry),
         ):
-            self.checks.add(name)(lambda root, check=check: check())
+            self.checks.add(name)(_ignoring_root(check))
 
     def run(self) -> list[Verdict]:
         """The device checks, then imagecheck's, then the rest; each result named."""
@@ -253,7 +268,7 @@ class Doctor:
         )
 
     def check_unsafe_interrupts(self) -> CheckResult:
-        machine = _machine(self.root)
+        machine = kernel_arch(self.root)
         if machine != "x86_64":
             return skipped(f"not needed on {machine}")
         if self.config.vfio.allow_unsafe_interrupts == "false":

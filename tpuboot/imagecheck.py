@@ -164,7 +164,7 @@ def _cmdline(root: Root) -> list[tuple[str, str | None]] | None:
     return params
 
 
-def _machine(root: Root) -> str:
+def kernel_arch(root: Root) -> str:
     """The running kernel's architecture (``/proc/sys/kernel/arch``; the host's if unreadable)."""
     text = _read(root, "/proc/sys/kernel/arch")
     return text.strip() if text else os.uname().machine
@@ -216,7 +216,7 @@ def _intel_iommu_ok(values: list[str | None]) -> bool:
 @IMAGE_CHECKS.add("cmdline-intel-iommu")
 def check_intel_iommu(root: Root) -> CheckResult:
     """intel_iommu=on,sm_on: the IOMMU in scalable mode, which vfio-pci needs (x86_64 only)."""
-    machine = _machine(root)
+    machine = kernel_arch(root)
     if machine != "x86_64":
         return skipped(f"not needed on {machine}")
     return _cmdline_check(root, "intel_iommu", "intel_iommu=on,sm_on", _intel_iommu_ok)

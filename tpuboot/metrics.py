@@ -227,11 +227,17 @@ class _Server(ThreadingMixIn, WSGIServer):
     def shutdown(self) -> None:
         """Stop serve_forever, which sleeps in select() between requests: knock until it ends."""
         finished = threading.Event()
-        stopper = threading.Thread(target=lambda: (super(_Server, self).shutdown(), finished.set()))
+
+        def stop() -> None:
+            super(_Server, self).shutdown()
+            finished.set()
+
+        stopper = threading.Thread(target=stop)
         stopper.start()
+        host, port = self.server_address[:2]
         while not finished.wait(0.05):
             with contextlib.suppress(OSError):
-                socket.create_connection(self.server_address[:2], timeout=1).close()
+                socket.create_connection((str(host), port), timeout=1).close()
         stopper.join()
 
 

@@ -173,6 +173,7 @@ def read_slice(env: Mapping[str, str] | None, machine_type: str | None) -> Readi
         generation, acc, chips = by_accelerator
         named_by = f"accelerator type {acc}"
     else:
+        assert by_machine is not None  # both None returned above
         generation, acc, chips = by_machine[0], None, None
         named_by = f"machine type {r.machine}"
     if by_machine is not None and by_machine[0] is not generation:

@@ -23,6 +23,12 @@ from tpuboot.errors import DeviceError, IommuOffError, TpubootError, TransientDe
 from tpuboot.paths import Root
 from tpuboot.pci import DRIVERS_PROBE, PCI_DRIVERS, PciFunction, group_members
 
+TYPE_CHECKING = False  # typing's own flag, without importing typing on `tpuboot bind`'s path
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    _T = TypeVar("_T")
+
 log = logging.getLogger("tpuboot.vfio")
 
 VFIO_PCI = "vfio-pci"
@@ -353,7 +359,7 @@ class Binder:
             os.chmod(real, self.config.node_mode)
         return node
 
-    def _wait(self, probe: Callable[[], object], deadline: float) -> object:
+    def _wait(self, probe: Callable[[], _T], deadline: float) -> _T:
         """Poll ``probe`` until truthy, the deadline, or stop; bounded, for a node that is usually there."""
         while True:
             value = probe()
