@@ -8,6 +8,8 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import make_client, make_config
@@ -163,6 +165,26 @@ def test_docker_gets_every_value_it_can_carry_and_the_rest_is_left_out_whole() -
     assert "carriage return" in skipped["ENDS_CR"]
     assert docker_env_file(text) == {k: v for k, v in values.items() if k not in skipped}
     assert text.count("\n") == 1 + len(values) - len(skipped)  # never a stray line
+
+
+# Text as tpu-env accepts it (no NUL, no lone surrogates), weighted to what the readers treat specially.
+VALUES = st.text(
+    st.one_of(
+        st.sampled_from(list(" \t\n\r\"'\\$`#;=")),
+        st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"),
+    ),
+    max_size=20,
+)
+NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.dictionaries(NAMES, VALUES, max_size=6))
+def test_any_value_reaches_systemd_and_docker_exactly_or_is_named(values: dict[str, str]) -> None:
+    assert systemd_load_env_file(render_systemd_env_file(values)) == values
+    text, skipped = render_docker_env_file(values)
+    assert docker_env_file(text) == {k: v for k, v in values.items() if k not in skipped}
+    assert all("\n" in values[k] or values[k].endswith("\r") for k in skipped)
 
 
 def test_a_line_longer_than_dockers_buffer_is_left_out() -> None:
