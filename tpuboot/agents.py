@@ -17,13 +17,15 @@ registry in ``vbar.registries`` / ``telemetry.registries``; another is refused, 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tpuboot.atomicfile import FileWriteError, read_file
 from tpuboot.backoff import RestartPolicy
-from tpuboot.config import Config
+from tpuboot.config import Config, TelemetryConfig
 from tpuboot.containers import DOCKER_SOCKET, ContainerSpec, DockerRuntime
 from tpuboot.dockerapi import DockerAPI
 from tpuboot.gke import Metadata, gke_node
@@ -48,6 +50,35 @@ def vbar_spec(config: Config, tpu_env: Mapping[str, str] | None) -> ContainerSpe
     if image:
         return ContainerSpec(config.vbar.container_name, image, origin=f"tpu-env's {IMAGE_KEY}")
     return ContainerSpec(config.vbar.container_name, config.vbar.image, origin="vbar.image")
+
+
+#: A collector configuration is a few KiB; this bounds what is read to hash it.
+MAX_TELEMETRY_CONFIG = 1 << 20
+
+
+def telemetry_spec(config: TelemetryConfig, root: Root) -> ContainerSpec:
+    """The collector's container: ``config_path`` bound read-only at ``config_target`` (default:
+    the same path), its content's digest in the container's label so an edited file makes a new
+    container at the next start. A missing file is a problem, not a bind: dockerd would create a
+    directory in its place, and the collector would run on its defaults unnoticed."""
+    name, image = config.container_name, config.image
+    if not config.config_path:
+        return ContainerSpec(name, image, origin="telemetry.image")
+    target = config.config_target or config.config_path
+    binds = ((config.config_path, target),)
+    try:
+        data = read_file(root, config.config_path, limit=MAX_TELEMETRY_CONFIG)
+    except FileWriteError as exc:
+        problem = f"telemetry.config_path: {exc}"
+    else:
+        if data is not None:
+            digest = hashlib.sha256(data).hexdigest()[:16]
+            return ContainerSpec(name, image, binds, origin="telemetry.image", content=digest)
+        problem = (
+            f"telemetry.config_path {config.config_path}: no such file; "
+            "create it or unset telemetry.config_path"
+        )
+    return ContainerSpec(name, image, binds, origin="telemetry.image", problem=problem)
 
 
 def _no_tpu_env() -> Mapping[str, str] | None:
@@ -155,7 +186,7 @@ class Agents:
 
             return DockerRuntime(wanted, retries, self.docker_factory, allowlist=allowlist)
         telemetry = config.telemetry
-        binds = ((telemetry.config_path, telemetry.config_path),) if telemetry.config_path else ()
-        fixed = ContainerSpec(telemetry.container_name, telemetry.image, binds, origin="telemetry.image")
         allowlist = RegistryAllowlist(telemetry.registries, "telemetry.registries")
-        return DockerRuntime(lambda: fixed, retries, self.docker_factory, allowlist=allowlist)
+        return DockerRuntime(
+            lambda: telemetry_spec(telemetry, self.root), retries, self.docker_factory, allowlist=allowlist
+        )

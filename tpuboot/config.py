@@ -304,6 +304,13 @@ class EnvConfig(Section):
     cache_dir: str = _opt("/var/lib/tpuboot", parse_abs_path)
     environment_path: str = _opt("/etc/environment", parse_abs_path)
     environment: dict[str, str] = _opt(DEFAULT_ENVIRONMENT, parse_str_map)
+    # tpu-env's values again for systemd's EnvironmentFile= and `docker run --env-file` (null: not written).
+    systemd_env_path: str | None = _opt(
+        "/run/tpuboot/tpu-env.env", lambda v, w: parse_optional_abs_path(v, w)
+    )
+    docker_env_path: str | None = _opt(
+        "/run/tpuboot/tpu-env.docker", lambda v, w: parse_optional_abs_path(v, w)
+    )
 
 
 def parse_argv(value: Any, where: str) -> tuple[str, ...]:
@@ -405,6 +412,8 @@ class TelemetryConfig(_PrivilegedImage):
     container_name: str = _opt("tpuboot-ai-telemetry-collector", parse_str)
     # A config.yaml on the host, bind-mounted read-only into the collector when set.
     config_path: str | None = _opt(None, parse_optional_abs_path)
+    # Where the collector finds config_path inside its container (null: the same path as on the host).
+    config_target: str | None = _opt(None, parse_optional_abs_path)
     registries: tuple[str, ...] = _opt(DEFAULT_REGISTRIES, parse_registries)
 
 

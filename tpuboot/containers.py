@@ -46,10 +46,22 @@ class ContainerSpec:
     binds: tuple[tuple[str, str], ...] = field(default=())  # (host path, container path), read-only
     #: Where the image was set, for a message about it ("tpu-env's VBARCONTROL_AGENT_DOCKER_URL").
     origin: str = field(default="", compare=False)
+    #: A digest of the bound files' content: a file bound by itself stays the old inode in the
+    #: container when it is replaced, so a new content must make a new container.
+    content: str = ""
+    #: Why this container cannot be started now (a bound file missing): ``start`` says so.
+    problem: str = ""
 
     @property
     def config_hash(self) -> str:
-        data = {"image": self.image, "privileged": True, "network": "host", "binds": list(self.binds)}
+        data: dict[str, Any] = {
+            "image": self.image,
+            "privileged": True,
+            "network": "host",
+            "binds": list(self.binds),
+        }
+        if self.content:  # absent otherwise, so a container made before this field is still adopted
+            data["content"] = self.content
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -144,6 +156,8 @@ class DockerRuntime:
         except ImageRefused as exc:
             self._refused = spec
             raise Refused(str(exc)) from None
+        if spec.problem:
+            raise CannotStart(spec.problem)
         try:
             started = self._start(spec)
         except (RuntimeUnavailable, CannotStart, StartFailed):

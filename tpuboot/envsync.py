@@ -10,6 +10,11 @@ configure-gcs-timeouts.sh). ``sync_once`` runs at boot; ``watch`` keeps tpu-env 
 - An absent attribute (404) is an answer: /etc/environment is still written, and an
   existing tpu-env file is left as it is (it is not deleted).
 - /etc/environment gets ``env.environment`` whatever metadata says.
+- The same values go to ``env.systemd_env_path`` (systemd's ``EnvironmentFile=``) and
+  ``env.docker_env_path`` (``docker run --env-file``), each in its reader's syntax
+  (:mod:`tpuboot.tpuenv`), written with tpu-env: root's, 0644, atomically. A value docker's
+  format cannot carry (a newline) is left out of that file only, named in one warning. A
+  failure to write either is logged and added to the status line; tpu-env itself still counts.
 
 ``watch`` ends when ``stop`` is set and the client is closed (``client.close()`` cuts a
 long-poll in flight; nothing polls ``stop``, so an idle watch never wakes up). Start it
@@ -47,7 +52,13 @@ from tpuboot.environment import ensure_environment
 from tpuboot.errors import TpubootError
 from tpuboot.metadata import Change, MetadataAbsent, MetadataClient, MetadataError
 from tpuboot.paths import Root
-from tpuboot.tpuenv import TpuEnvError, parse_tpu_env, render_env_file
+from tpuboot.tpuenv import (
+    TpuEnvError,
+    parse_tpu_env,
+    render_docker_env_file,
+    render_env_file,
+    render_systemd_env_file,
+)
 
 log = logging.getLogger("tpuboot.envsync")
 
@@ -280,15 +291,14 @@ class EnvSync:
             return self._from_cache("metadata tpu-env is invalid")
         with self._lock:
             try:
-                written = self._write_tpu_env(env.values)
+                written, more = self._write_tpu_env(env.values)
             except FileWriteError as exc:
                 return SyncResult("failed", len(env.values), etag, f"tpu-env: {exc}")
             self._etag = etag
             self._values = types.MappingProxyType(env.values)
             self._save_cache(body.decode("utf-8"), etag)
-        return SyncResult(
-            "metadata", len(env.values), etag, f"tpu-env: {_keys(len(env.values))} from metadata", written
-        )
+        status = f"tpu-env: {_keys(len(env.values))} from metadata{more}"
+        return SyncResult("metadata", len(env.values), etag, status, written)
 
     def _from_cache(self, reason: str) -> SyncResult:
         path = self._env.tpu_env_path
@@ -306,18 +316,50 @@ class EnvSync:
             )
         with self._lock:
             try:
-                written = self._write_tpu_env(env.values)
+                written, more = self._write_tpu_env(env.values)
             except FileWriteError as exc:
                 return SyncResult("failed", len(env.values), cached.etag, f"tpu-env: {exc}")
             self._values = types.MappingProxyType(env.values)
         when = _short_time(cached.fetched)
-        status = f"tpu-env: {reason}, {_keys(len(env.values))} from cache of {when}"
+        status = f"tpu-env: {reason}, {_keys(len(env.values))} from cache of {when}{more}"
         return SyncResult("cache", len(env.values), cached.etag, status, written)
 
-    def _write_tpu_env(self, values: dict[str, str]) -> bool:
+    def _write_tpu_env(self, values: dict[str, str]) -> tuple[bool, str]:
+        """Write tpu-env (FileWriteError if that fails), then the systemd and docker files; whether
+        tpu-env was rewritten, and what to add to the status line (empty: all written)."""
         data = render_env_file(values).encode("utf-8")
         owner = (os.geteuid(), os.getegid())
-        return write_file(self._root, self._env.tpu_env_path, data, mode=TPU_ENV_MODE, owner=owner)
+        written = write_file(self._root, self._env.tpu_env_path, data, mode=TPU_ENV_MODE, owner=owner)
+        failed = [f"{path} not written: {exc}" for path, exc in self._write_formats(values, owner)]
+        return written, "".join(f"; {line}" for line in failed)
+
+    def _write_formats(
+        self, values: dict[str, str], owner: tuple[int, int]
+    ) -> list[tuple[str, FileWriteError]]:
+        """The systemd and docker files that are configured; the failures, each logged."""
+        failures: list[tuple[str, FileWriteError]] = []
+        docker_text, skipped = render_docker_env_file(values)
+        for path, text in (
+            (self._env.systemd_env_path, render_systemd_env_file(values)),
+            (self._env.docker_env_path, docker_text),
+        ):
+            if path is None:
+                continue
+            try:
+                rewritten = write_file(self._root, path, text.encode("utf-8"), mode=TPU_ENV_MODE, owner=owner)
+            except FileWriteError as exc:
+                log.error("tpu-env: %s", exc, extra={"TPU_ENV_PATH": path})
+                failures.append((path, exc))
+                continue
+            if rewritten and skipped and path == self._env.docker_env_path:
+                log.warning(
+                    "tpu-env: %s left out of %s: %s",
+                    ", ".join(skipped),
+                    path,
+                    "; ".join(f"{key} {why}" for key, why in skipped.items()),
+                    extra={"TPU_ENV_PATH": path, "TPU_ENV_SKIPPED": " ".join(skipped)},
+                )
+        return failures
 
     def _save_cache(self, text: str, etag: str | None) -> None:
         """Keep the last good value; a failure here costs only the next offline boot, so it only warns."""

@@ -312,3 +312,63 @@ def parse_env_file(text: str) -> dict[str, str] | None:
         values[match.group(1)] = re.sub(r"\\(.)", r"\1", match.group(2), flags=re.S)
         pos = match.end()
     return values
+
+
+# --- the same values for systemd's EnvironmentFile= and for `docker run --env-file` ---------------
+
+#: First line of the systemd and docker files; both readers skip a line starting with ``#``.
+GENERATED_HEADER = "# Written by tpuboot from the tpu-env metadata attribute; edits are overwritten.\n"
+
+
+def render_systemd_env_file(values: Mapping[str, str]) -> str:
+    """The tpu-env values for systemd's ``EnvironmentFile=``: ``KEY="value"``, one per key.
+
+    systemd's reader (parse_env_file_internal in src/basic/env-file.c, the same state machine in
+    249 and 257) takes a double-quoted value up to the closing quote, newlines and carriage
+    returns included; inside it ``\\`` followed by one of ``"\\`$`` (SHELL_NEED_ESCAPE) gives that
+    character, and nothing is expanded. So :func:`shell_quote`'s escaping is read back byte for
+    byte: every value tpu-env accepts (UTF-8, no NUL) is carried. Since 248 (pull request 18129)
+    env_value_is_valid refuses no control character; 239 to 247 dropped values holding one other
+    than tab and newline, but no supported release has those.
+    """
+    return GENERATED_HEADER + render_env_file(values)
+
+
+#: The longest line (its newline not counted) docker's reader takes: opts/envfile.go in docker/cli
+#: scans with bufio.Scanner's default 64 KiB buffer, which must hold the newline too; a longer
+#: line fails the whole ``docker run``.
+DOCKER_MAX_LINE = 64 * 1024 - 1
+
+
+def docker_problem(key: str, value: str) -> str | None:
+    """Why ``KEY=value`` cannot be a line of a docker env-file (None: it can, byte for byte).
+
+    docker reads one variable a line, with no quoting or escapes: the value is everything after
+    the first ``=`` up to the newline, trailing blanks kept. bufio.ScanLines drops one carriage
+    return before the newline, and a line must fit the scanner's buffer.
+    """
+    if "\n" in value:
+        return "holds a newline, and docker's --env-file reads one line per variable"
+    if value.endswith("\r"):
+        return "ends in a carriage return, which docker's --env-file drops"
+    size = len(key) + 1 + len(value.encode("utf-8"))
+    if size > DOCKER_MAX_LINE:
+        return f"{size} bytes as KEY=value, over the {DOCKER_MAX_LINE} docker's --env-file reads in a line"
+    return None
+
+
+def render_docker_env_file(values: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """The tpu-env values as ``docker run --env-file`` reads them, and those left out (key → why).
+
+    A value docker cannot carry is left out whole, never written as a line docker would read
+    differently (a newline would start a new variable, or make docker refuse the file).
+    """
+    lines = [GENERATED_HEADER]
+    skipped: dict[str, str] = {}
+    for key, value in values.items():
+        why = docker_problem(key, value)
+        if why is None:
+            lines.append(f"{key}={value}\n")
+        else:
+            skipped[key] = why
+    return "".join(lines), skipped

@@ -12,9 +12,9 @@ import pytest
 
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_supervisor import Statuses, wait_until
-from tpuboot.agents import Agents
+from tpuboot.agents import Agents, telemetry_spec
 from tpuboot.backoff import RestartPolicy
-from tpuboot.config import Config
+from tpuboot.config import Config, TelemetryConfig
 from tpuboot.containers import (
     CONFIG_LABEL,
     DOCKER_SOCKET,
@@ -339,3 +339,43 @@ def test_the_doctor_asks_dockerd_whether_the_container_runs(dockerd: FakeDockerd
 )
 def test_split_image(image: str, parts: tuple[str, str]) -> None:
     assert split_image(image) == parts
+
+
+# --- the telemetry collector's configuration -------------------------------------------------
+
+
+def test_the_collector_gets_its_config_file_read_only_where_it_is_told(root: Root) -> None:
+    root.path("/etc/tpuboot").mkdir(parents=True, exist_ok=True)
+    root.path("/etc/tpuboot/collector.yaml").write_text("interval: 30s\n")
+    config = TelemetryConfig(
+        enabled=True, config_path="/etc/tpuboot/collector.yaml", config_target="/etc/collector/config.yaml"
+    )
+    first = telemetry_spec(config, root)
+    assert first.binds == (("/etc/tpuboot/collector.yaml", "/etc/collector/config.yaml"),)
+    assert not first.problem and first.content
+    same = telemetry_spec(config.replace(config_target=None), root)
+    assert same.binds == (("/etc/tpuboot/collector.yaml", "/etc/tpuboot/collector.yaml"),)
+    # An edited file is another container: a bound file stays the old inode inside.
+    root.path("/etc/tpuboot/collector.yaml").write_text("interval: 60s\n")
+    edited = telemetry_spec(config, root)
+    assert edited != first and edited.config_hash != first.config_hash
+    # Without a file, no bind and the hash of a container made before this field (still adopted).
+    plain = telemetry_spec(TelemetryConfig(enabled=True), root)
+    assert plain.binds == () and plain.config_hash == ContainerSpec(plain.name, plain.image).config_hash
+
+
+def test_a_missing_config_file_is_never_bound_and_the_status_says_how_to_fix_it(
+    root: Root, dockerd: FakeDockerd
+) -> None:
+    config = TelemetryConfig(enabled=True, image=IMAGE, config_path="/etc/tpuboot/collector.yaml")
+    spec = telemetry_spec(config, root)
+    assert spec.problem == (
+        "telemetry.config_path /etc/tpuboot/collector.yaml: no such file; "
+        "create it or unset telemetry.config_path"
+    )
+    dockerd.images.add(IMAGE)
+    with pytest.raises(CannotStart, match="no such file"):
+        docker_runtime(dockerd, lambda: spec).start()
+    assert dockerd.calls("POST", "/containers/create") == []  # dockerd would make a directory there
+    root.path("/etc/tpuboot/collector.yaml").mkdir(parents=True)
+    assert "not a regular file" in telemetry_spec(config, root).problem

@@ -10,7 +10,7 @@ import io
 import os
 import shutil
 import tarfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -127,8 +127,18 @@ ExecStartPost=-/bin/sh {VBAR_IMPORT_SCRIPT}
 DOCKER_DAEMON_JSON = '{"bridge": "none", "iptables": false}\n'
 
 
+#: Where the collector stand-in looks for its configuration, and says what it found.
+COLLECTOR_CONFIG = "/etc/ai-telemetry-collector/config.yaml"
+COLLECTOR_SCRIPT = (
+    f"if [ -f {COLLECTOR_CONFIG} ]; then echo 'collector config:'; /bin/busybox cat {COLLECTOR_CONFIG}; "
+    f"else echo 'collector: no config at {COLLECTOR_CONFIG}'; fi\n"
+    "echo 'collector stand-in up'\nexec /bin/busybox sleep 1000000\n"
+).encode()
+
+
 def vbar_rootfs_tar() -> bytes:
-    """busybox, /bin/sh and /vbar (says it is up, then sleeps) as a tarball for ``docker import``."""
+    """busybox, /bin/sh, /vbar (says it is up, then sleeps) and /collector (prints the config it
+    finds at COLLECTOR_CONFIG, then sleeps) as a tarball for ``docker import``."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
 
@@ -142,6 +152,7 @@ def vbar_rootfs_tar() -> bytes:
         link.type, link.linkname = tarfile.SYMTYPE, "busybox"
         tar.addfile(link)
         add("vbar", b"echo vbar stand-in up\nexec /bin/busybox sleep 1000000\n", 0o644)
+        add("collector", COLLECTOR_SCRIPT, 0o644)
     return buf.getvalue()
 
 
@@ -150,11 +161,24 @@ def vbar_install_hook(
 ) -> Callable[[Path], None]:
     """The .deb with ``config`` (vBar on), the emulator serving ``tpu-env``, and stand-in vBar
     ``images`` that dockerd imports at each start (no registry is reachable)."""
+    return stand_in_install_hook(deb, config, tpu_env, {image: "/vbar" for image in images})
+
+
+def stand_in_install_hook(
+    deb: Path,
+    config: str,
+    tpu_env: dict[str, str],
+    images: Mapping[str, str],
+    files: Mapping[str, str] | None = None,
+) -> Callable[[Path], None]:
+    """The .deb with ``config``, the emulator serving ``tpu-env``, stand-in ``images`` (name →
+    the script of the stand-in rootfs it runs: /vbar or /collector) that dockerd imports at each
+    start, and extra guest ``files`` (path → text)."""
     base = package_install_hook(deb, config)
     script = "".join(
         f"docker image inspect {image} >/dev/null 2>&1 || "
-        f'docker import --change \'CMD ["/bin/sh", "/vbar"]\' {VBAR_ROOTFS} {image}\n'
-        for image in images
+        f'docker import --change \'CMD ["/bin/sh", "{cmd}"]\' {VBAR_ROOTFS} {image}\n'
+        for image, cmd in images.items()
     )
 
     def hook(tree: Path) -> None:
@@ -164,5 +188,7 @@ def vbar_install_hook(
         _write(tree, "/etc/systemd/system/docker.service.d/tpuboot-test-images.conf", VBAR_DOCKER_DROP_IN)
         _write(tree, VBAR_IMPORT_SCRIPT, script)
         _write(tree, "/etc/docker/daemon.json", DOCKER_DAEMON_JSON)
+        for path, text in (files or {}).items():
+            _write(tree, path, text)
 
     return hook
