@@ -26,8 +26,8 @@ from typing import Any
 from tpuboot.atomicfile import FileWriteError, read_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config, TelemetryConfig
-from tpuboot.containers import DOCKER_SOCKET, ContainerSpec, DockerRuntime
-from tpuboot.dockerapi import DockerAPI
+from tpuboot.containers import ContainerSpec, DockerRuntime
+from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI
 from tpuboot.gke import Metadata, gke_node
 from tpuboot.imageref import RegistryAllowlist
 from tpuboot.paths import Root

@@ -49,8 +49,8 @@ from tpuboot.atomicfile import FileWriteError, read_file, write_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config
 from tpuboot.environment import ensure_environment
-from tpuboot.errors import TpubootError
-from tpuboot.metadata import Change, MetadataAbsent, MetadataClient, MetadataError
+from tpuboot.errors import MetadataError, TpubootError
+from tpuboot.metadata import Change, MetadataAbsent, MetadataClient
 from tpuboot.paths import Root
 from tpuboot.tpuenv import (
     TpuEnvError,
