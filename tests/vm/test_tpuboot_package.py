@@ -285,7 +285,7 @@ def test_purge_leaves_nothing_behind(vm: VM) -> None:
     assert admins.startswith(ADMIN_ENVIRONMENT) and admins.count("=") == 6
     leftovers = vm.run(["python3", "-c", LIST_FILES, *files, *conffiles]).stdout.split()
     assert leftovers == []
-    for path in ("/var/lib/tpuboot", "/etc/tpuboot", "/home/tpu-runtime/tpu-env"):
+    for path in ("/var/lib/tpuboot", "/run/tpuboot", "/etc/tpuboot", "/home/tpu-runtime/tpu-env"):
         assert vm.run(["test", "-e", path]).rc == 1, path
     assert vm.run(["test", "-L", "/etc/systemd/system/multi-user.target.wants/tpuboot.service"]).rc == 1
     assert sh(vm, "systemctl is-active tpuboot || true").strip() == "inactive"
