@@ -207,51 +207,26 @@ def test_tpuboot_run_publishes_its_state_and_the_last_word_at_stop(
     tmp_path, emulator: MetadataEmulator
 ) -> None:
     """The wiring in `tpuboot run` (cli.cmd_run), end to end in a subprocess as systemd starts it."""
-    import os
     import signal
-    import socket
-    import subprocess
-    import sys
 
     from tests.unit.fakekernel import FakeKernel
-    from tests.unit.test_run_start import REPO, START_TIMEOUT, free_port, receive
+    from tests.unit.runproc import free_port, tpuboot_run
     from tpuboot import __version__
 
     emulator.set_attribute("enable-guest-attributes", "TRUE")
     kernel = FakeKernel(tmp_path / "root")
     (kernel.top / "home" / "tpu-runtime").mkdir(parents=True)
     (kernel.top / "etc").mkdir()
-    (kernel.top / "tpuboot.yaml").write_text(
-        f"vbar: {{enabled: false}}\nmetrics: {{port: {free_port()}}}\nmetadata: {{watch: false}}\n"
-    )
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
-        notify.bind(str(tmp_path / "notify"))
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "NOTIFY_SOCKET": str(tmp_path / "notify"),
-               "GCE_METADATA_HOST": emulator.host}  # fmt: skip
-        command = [
-            sys.executable,
-            "-m",
-            "tpuboot",
-            "--root",
-            str(kernel.top),
-            "--config",
-            "/tpuboot.yaml",
-            "run",
-        ]
-        daemon = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
-        try:
-            receive(notify, "READY=1", daemon, START_TIMEOUT)
-            wait_for(lambda: len(emulator.guest_attributes("tpuboot")) == 5, timeout=20)
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait(timeout=20)
-        finally:
-            if daemon.poll() is None:
-                daemon.kill()
-            stderr = daemon.communicate(timeout=10)[1]
-    assert daemon.returncode == 0, stderr
+    config = f"vbar: {{enabled: false}}\nmetrics: {{port: {free_port()}}}\nmetadata: {{watch: false}}\n"
+    with tpuboot_run(kernel.top, config, emulator.host, tmp_path) as daemon:
+        daemon.receive("READY=1")
+        wait_for(lambda: len(emulator.guest_attributes("tpuboot")) == 5, timeout=20)
+        daemon.process.send_signal(signal.SIGTERM)
+        daemon.process.wait(timeout=20)
+    assert daemon.process.returncode == 0, daemon.stderr
     written = emulator.guest_attributes("tpuboot")
     assert written["tpuboot/state"] == "stopped"
     assert written["tpuboot/tpus"] == "bound=0 expected=0 failed=0"
     assert written["tpuboot/tpu-env"].startswith("source=metadata keys=14 updated=")
     assert written["tpuboot/version"] == __version__
-    assert "Traceback" not in stderr, stderr
+    assert "Traceback" not in daemon.stderr, daemon.stderr

@@ -1,0 +1,74 @@
+"""`tpuboot run` in a subprocess as systemd starts it: a notify socket, the metadata emulator's
+address, the config in a fake root. For the tests that take the daemon's whole start-up path."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 60.0  # imports and the first metadata fetch on a loaded 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningDaemon:
+    """The subprocess and its notify socket; ``stderr`` is filled in once it has ended."""
+
+    def __init__(self, process: subprocess.Popen[str], notify: socket.socket) -> None:
+        self.process = process
+        self.notify = notify
+        self.stderr = ""
+
+    def receive(self, wanted: str, within: float = START_TIMEOUT) -> list[str]:
+        """Notifications until one holding ``wanted``; fails when the daemon exits or time runs out."""
+        deadline = time.monotonic() + within
+        self.notify.settimeout(0.2)
+        seen: list[str] = []
+        while not any(wanted in message for message in seen):
+            try:
+                seen.append(self.notify.recv(4096).decode())
+                continue
+            except TimeoutError:
+                pass
+            ended = self.process.poll()
+            if ended is not None and "STOPPING" not in wanted:
+                raise AssertionError(f"tpuboot run exited ({ended}) before {wanted!r}: {seen}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {wanted!r} from tpuboot run within {within:.0f} s; got {seen}")
+        return seen
+
+
+@contextmanager
+def tpuboot_run(top: Path, config: str, metadata_host: str, work: Path) -> Iterator[RunningDaemon]:
+    """Start ``tpuboot --root TOP --config /tpuboot.yaml run`` with ``config``; killed if still
+    running at exit, its stderr printed (pytest shows it on failure)."""
+    (top / "tpuboot.yaml").write_text(config)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(work / "notify"))
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "NOTIFY_SOCKET": str(work / "notify"),
+            "GCE_METADATA_HOST": metadata_host,
+        }
+        command = [sys.executable, "-m", "tpuboot", "--root", str(top), "--config", "/tpuboot.yaml", "run"]
+        running = RunningDaemon(
+            subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True), notify
+        )
+        try:
+            yield running
+        finally:
+            if running.process.poll() is None:
+                running.process.kill()
+            running.stderr = running.process.communicate(timeout=10)[1]
+            print(f"tpuboot run's stderr:\n{running.stderr}", file=sys.stderr)
