@@ -2,7 +2,7 @@
 """The metadata emulator as google-guest-agent needs it: directory long-polls, nested JSON.
 
 The agent's one idle request is a long-poll of the whole tree
-(``/computeMetadata/v1/?recursive=true&alt=json&wait_for_change=true&timeout_sec=60&last_etag=E``).
+(``/computeMetadata/v1//?recursive=true&alt=json&wait_for_change=true&timeout_sec=60&last_etag=E``).
 tests/mds_emulator.py answers a directory at once and lists it flat, which would make the agent
 spin; the real server waits until something under the directory changes (or the timeout), and
 answers a recursive directory as nested JSON. This subclass does both; leaf paths are
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import threading
@@ -68,6 +69,7 @@ class GceEmulator(MetadataEmulator):
         return 200, body, etag_of(body), "application/json"
 
     def _lookup(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, str | None, str]:
+        path = re.sub("/+", "/", path).lstrip("/")  # the agent asks for ".../v1//": the root
         if not (path == "" or path.endswith("/")):
             return super()._lookup(path, query)
         if query.get("wait_for_change", [""])[0] == "true":

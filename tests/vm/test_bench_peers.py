@@ -105,6 +105,7 @@ def test_gce_emulator_nests_the_tree_and_long_polls_directories(monkeypatch: pyt
 
         tree, etag = get("?recursive=true&alt=json")
         assert tree == {"instance": {"attributes": {"k": "v"}, "id": "7"}}
+        assert get("/?recursive=true&alt=json") == (tree, etag)  # the guest agent's ".../v1//"
         # Behind (an old etag): at once. Current etag: waits, and a change under the tree wakes it.
         assert get("?recursive=true&wait_for_change=true&last_etag=old")[1] == etag
         box: dict[str, object] = {}
