@@ -1,13 +1,16 @@
-"""tpuboot's benchmarks in one run, each against its baseline measured in the same run.
+"""tpuboot's benchmarks in one run, each against its baseline and its peer measured in the same run.
 
 Binding and start-up against the documented udev rule + shell handler and cloud-init script, on
 a real kernel; idle cost against a sleeping python3; the metadata client against the documented
-fetch made to retry. Usage, from the repository root (root is needed for the image build and
-QEMU)::
+fetch made to retry. The peers, the tools people already run for these jobs (``bench/peers.py``,
+Debian's packages in the same guests, never active beside tpuboot): ``driverctl`` for binding
+(by hand, its saved overrides at boot and on hot add), ``google-guest-agent`` for the idle
+footprint. Usage, from the repository root (root is needed for the image build and QEMU)::
 
     sudo .venv/bin/python -m bench.run [--json FILE] [--markdown FILE]
-                                       [--only hotplug,coldplug,cli,idle,fleet]
+                                       [--only hotplug,coldplug,cli,icount,idle,fleet]
                                        [--reps 6] [--coldplug-reps 5] [--cli-runs 10]
+                                       [--icount-runs 5]
 
 About 7 minutes with warm caches (.cache/vm), more while other QEMU guests share the host: the
 .deb and one guest image are built, then one QEMU guest (TCG, 2 vCPUs) per scenario family, and
@@ -18,6 +21,13 @@ control --reload``; for tpuboot, the rule removed and reloaded, tpuboot started.
 is ``bench/baseline/``: the documented ``99-tpu-vfiopci.rules`` with the stand-in ids (edu
 1234:11e8, virtio-rng 1af4:1005) and ``bind_to_vfio_pci.sh`` (modprobe vfio-pci,
 driver_override, unbind, drivers_probe, chmod 0666 /dev/vfio/<group>, allow_unsafe_interrupts).
+
+driverctl's side: its udev rules unmasked, the overrides saved in /etc/driverctl.d as
+``driverctl set-override`` saves them, ``udevadm control --reload``; plus what driverctl does not
+do and a user must add for an unprivileged user: a udev rule ``SUBSYSTEM=="vfio", MODE="0666"``
+(the mode tpuboot and the documented script set) and ``allow_unsafe_interrupts`` as a module
+option. Its ``driverctl@.service`` units are stopped between reps (a bench drop-in allows it):
+a unit still active from the last add would not run again.
 
 "Usable" always means what a TPU user needs: as the unprivileged ``tester``, the VFIO type1 walk
 of ``tests/vm/guest/vfio_read.py`` (container, group, IOMMU, device fd) reads the edu device's
@@ -52,12 +62,19 @@ Families and timing methods:
    edu is then no TPU), which is what an image without extra device rules runs. Then the
    interpreter's start-up and each import step of ``tpuboot run`` are timed (and their RSS
    taken) in a fresh python3, best of 2, and 3 ``tpuboot bind`` runs stamp their own imports
-   and functions: where the time goes.
+   and functions: where the time goes. Then bind -> usable (``bind_guest.py usable``): ``tpuboot
+   bind``, the script and ``driverctl set-override DBDF vfio-pci`` run as root while a forked
+   poller, already ``tester``, polls every 5 ms; until usable, and until the command returns.
+3b. icount -- the cli family's commands again in a guest whose clock counts instructions
+   (``bench/icount.py``: one vCPU, ``-icount shift=0``): what TCG's translation cost does not skew.
 4. idle -- the daemon's VmRSS, CPU ticks (utime+stime) and per-thread wakeups (voluntary
    context switches; schedstat timeslices) over the 60 s that a ``python3 -c 'import time;
    time.sleep(60)'`` process sleeps; that process's VmRSS is the RSS baseline. Threads are named
    by the system call they block in (Python 3.11 gives its threads no kernel name). This window
    runs first, while the next family's guest boots: wakeups and RSS do not depend on host load.
+   Then tpuboot is stopped and google-guest-agent started alone, against ``bench/gce_mds.py`` on
+   169.254.169.254:80 (an address on lo); after 30 s of its start-up work, the same window on its
+   process. Each emulator counts the requests of the window (``GET /_emulator/stats``).
 
 5. fleet -- on the host, no guest: ``bench/fleet.py``'s 64 simulated hosts boot at once against
    one metadata server emulator failing 20% of requests (then again after a 5 s total outage),
@@ -1183,6 +1200,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=6, help="hotplug adds per side (default 6)")
     parser.add_argument("--coldplug-reps", type=int, default=5, help="coldplug runs per side (default 5)")
     parser.add_argument("--cli-runs", type=int, default=10, help="CLI runs per side (default 10)")
+    parser.add_argument("--icount-runs", type=int, default=5, help="icount guest runs per side (default 5)")
     parser.add_argument("--idle-window", type=float, default=60.0, help="idle window in s (default 60)")
     args = parser.parse_args(argv)
     args.families = [f.strip() for f in args.only.split(",") if f.strip()]
@@ -1241,7 +1259,7 @@ def run_guests(
         "cli": ({"devices": ["edu"]}, lambda vm: run_cli(vm, args.cli_runs, report)),
         "icount": (
             {"devices": ["edu"], "smp": 1, "vm_class": IcountVM, "boot_timeout": 900},
-            lambda vm: run_icount(vm, args.cli_runs, report),
+            lambda vm: run_icount(vm, args.icount_runs, report),
         ),
     }
     idle: IdleFamily | None = None
