@@ -597,11 +597,11 @@ def tpuboot_start_split(vm: VM) -> dict[str, float]:
     }
 
 
-def run_coldplug(vm: VM, reps: int, report: Report) -> None:
-    addresses = edu_addresses(vm)
-    if len(addresses) != 8:
-        raise BenchError(f"expected 8 edu devices, the guest has {addresses}")
-    check_usable(vm, addresses[0])
+def coldplug_reps(
+    vm: VM, addresses: Sequence[str], reps: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``reps`` rounds of each side from all unbound; the reps, and any redone because a device
+    was bound again before the start."""
     results: list[dict[str, Any]] = []
     rebound: list[dict[str, Any]] = []
     for i in range(reps):
@@ -640,6 +640,15 @@ def run_coldplug(vm: VM, reps: int, report: Report) -> None:
                 data["command_s"],
                 data["all_usable_s"],
             )
+    return results, rebound
+
+
+def run_coldplug(vm: VM, reps: int, report: Report) -> None:
+    addresses = edu_addresses(vm)
+    if len(addresses) != 8:
+        raise BenchError(f"expected 8 edu devices, the guest has {addresses}")
+    check_usable(vm, addresses[0])
+    results, rebound = coldplug_reps(vm, addresses, reps)
     status = vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"]).stdout.strip()
 
     def per_side(key: str) -> dict[str, list[float]]:
@@ -785,9 +794,22 @@ def insn_row(metric: str, ours: Sequence[float], base: Sequence[float]) -> Row:
 
 
 def run_icount(vm: VM, runs: int, report: Report) -> None:
-    """The cli family's commands again in a guest whose clock counts instructions (bench/icount.py)."""
-    (address,) = edu_addresses(vm)
+    """The cli and coldplug families' commands again in a guest whose clock counts instructions
+    (bench/icount.py)."""
+    addresses = edu_addresses(vm)
+    address = addresses[0]
+    results, _ = coldplug_reps(vm, addresses, runs)
+    for key, metric in (
+        ("all_usable_s", f"icount (M instructions): coldplug 8, start -> all 8 usable (n={runs})"),
+        ("command_s", "  start -> READY (8 bound, tpu-env) | trigger --settle + env script"),
+    ):
+        values = {s: [r[key] for r in results if r["side"] == s and r[key] is not None] for s in SIDES}
+        row = insn_row(metric, values["tpuboot"], values["baseline"])
+        if key == "all_usable_s":
+            row.against(PEER, insn(values[PEER]), median_ratio(values["tpuboot"], values[PEER]), 1.0)
+        report.add("icount", row)
     stop_tpuboot(vm)
+    driverctl_armed(vm, False)
     data = helper(vm, "cli", address, "--runs", str(runs), timeout=1800)
     if data["errors"]:
         raise BenchError(f"icount: CLI runs failed: {data['errors']}")
@@ -821,7 +843,7 @@ def run_icount(vm: VM, runs: int, report: Report) -> None:
         "one vCPU, single-threaded TCG, -icount shift=0: the guest clock advances 1 ns per instruction "
         "the whole guest executes, plus real time while it idles (sleep=on); host perf has no PMU here",
     )
-    report.raw["icount"] = {"address": address, **data, "usable": usable}
+    report.raw["icount"] = {"address": address, **data, "usable": usable, "coldplug": results}
 
 
 # --------------------------------------------------------------------------- 4. idle
@@ -1258,7 +1280,7 @@ def run_guests(
         "coldplug": ({"devices": ["edu"] * 8}, lambda vm: run_coldplug(vm, args.coldplug_reps, report)),
         "cli": ({"devices": ["edu"]}, lambda vm: run_cli(vm, args.cli_runs, report)),
         "icount": (
-            {"devices": ["edu"], "smp": 1, "vm_class": IcountVM, "boot_timeout": 900},
+            {"devices": ["edu"] * 8, "smp": 1, "vm_class": IcountVM, "boot_timeout": 900},
             lambda vm: run_icount(vm, args.icount_runs, report),
         ),
     }
