@@ -10,7 +10,8 @@
   Installed disabled; the idle family starts it alone, against a second in-guest emulator on
   169.254.169.254:80 (``bench/gce_mds.py``).
 
-The .debs come from the host's apt (``apt-get download``), cached under the VM cache. Their
+The .debs are bookworm's (``apt-get download``, with the private apt state the kernel download
+uses when the host runs another release), cached under the VM cache. Their
 udev rules are masked in the image (a /dev/null link in /etc/udev/rules.d) so that tpuboot's and
 the documented procedure's families run exactly as without them; ``bind_guest.py driverctl
 on|off`` arms and disarms them.
@@ -28,7 +29,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.vm.artifacts import InstallHook, chroot_run, in_tree, install_debs
+from tests.vm.artifacts import BOOKWORM, InstallHook, apt_options, chroot_run, in_tree, install_debs
 
 log = logging.getLogger("bench.peers")
 
@@ -55,7 +56,9 @@ GCE_INSTANCE = {
 
 
 def download_peers(cache: Path, packages: Sequence[str] = PEER_PACKAGES) -> list[Path]:
-    """The peers' .debs, fetched once with the host's apt into ``cache/peers`` (bookworm's)."""
+    """The peers' .debs from bookworm (the guest's release, whatever the host runs), fetched once
+    with apt into ``cache/peers``."""
+    apt = apt_options(BOOKWORM, cache)
     dest = cache / "peers"
     dest.mkdir(parents=True, exist_ok=True)
     debs: list[Path] = []
@@ -66,7 +69,7 @@ def download_peers(cache: Path, packages: Sequence[str] = PEER_PACKAGES) -> list
             if not found:
                 with tempfile.TemporaryDirectory(dir=dest) as tmp:
                     subprocess.run(
-                        ["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", name],
+                        ["apt-get", *apt, "download", "-q", "-o", "APT::Sandbox::User=root", name],
                         cwd=tmp, check=True, capture_output=True, timeout=600,
                     )  # fmt: skip
                     for deb in Path(tmp).glob("*.deb"):
