@@ -16,6 +16,12 @@ subcommand prints one JSON object on stdout; times are guest CLOCK_MONOTONIC sec
   unbound before each run; plus the Python start-up floor.
 * ``imports``: what each import step of ``tpuboot run`` adds in wall time and RSS.
 * ``profile bind|run ADDR...``: tpuboot's main() with stamps around its imports and key functions.
+* ``driverctl on ADDR... | off``: arm driverctl (its udev rules unmasked, the /dev/vfio mode
+  rule, ADDR's overrides saved as ``driverctl set-override`` saves them) or disarm it (rules
+  masked, overrides and driverctl@ units gone).
+* ``usable ADDR --runs N``: ``tpuboot bind``, the documented script and ``driverctl
+  set-override``, each until ``tester`` can use the device (a forked poller, as tester).
+* ``route-metadata``: 169.254.169.254 on lo (no iproute2 in the guest), for google-guest-agent.
 * ``idle PID``: per-thread wakeups, CPU ticks and RSS of PID over the life of a
   ``python3 -c 'import time; time.sleep(60)'`` process, whose RSS is the baseline.
 
@@ -29,14 +35,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import glob
 import grp
 import json
 import os
 import pwd
 import shlex
+import socket
+import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -449,9 +460,11 @@ def cmd_idle(args: argparse.Namespace) -> int:
                 break
         time.sleep(0.01)
     sleeper_rss = _kib(_fields(f"/proc/{sleeper.pid}/status"), "VmRSS")
+    requests_before = emulator_requests(args.stats)
     before, t0 = thread_snapshot(args.pid), now()
     sleeper.wait(timeout=args.window + 30)
     after, t1 = thread_snapshot(args.pid), now()
+    requests_after = emulator_requests(args.stats)
     status = _fields(f"/proc/{args.pid}/status")
     threads = []
     for tid, end in after.items():
@@ -467,9 +480,141 @@ def cmd_idle(args: argparse.Namespace) -> int:
         "threads": threads,
         "gone": sorted(set(before) - set(after)),
         "clk_tck": os.sysconf("SC_CLK_TCK"),
+        "metadata_requests": None
+        if requests_before is None or requests_after is None
+        else requests_after - requests_before,
     }
     print(json.dumps(result))
     return 0
+
+
+# --------------------------------------------------------------------------- peers: driverctl
+
+DRIVERCTL_RULES = ("05-driverctl.rules", "89-vfio-uio.rules")
+DRIVERCTL_CONF = "/etc/driverctl.d"
+VFIO_MODE_RULE = "/etc/udev/rules.d/70-tpuboot-bench-vfio-mode.rules"
+VFIO_MODE_TEXT = 'SUBSYSTEM=="vfio", MODE="0666"\n'
+
+
+def driverctl_arm(active: bool, addrs: Sequence[str] = ()) -> None:
+    """driverctl as the guest's binder (its rules, the mode rule, ADDR's overrides saved), or inert."""
+    subprocess.run(["systemctl", "stop", "driverctl@*.service"], check=False, capture_output=True)
+    for path in glob.glob(f"{DRIVERCTL_CONF}/*"):
+        os.unlink(path)
+    for name in DRIVERCTL_RULES:
+        mask = f"/etc/udev/rules.d/{name}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mask)
+        if not active:
+            os.symlink("/dev/null", mask)
+    if active:
+        with open(VFIO_MODE_RULE, "w") as f:
+            f.write(VFIO_MODE_TEXT)
+        os.makedirs(DRIVERCTL_CONF, exist_ok=True)
+        for addr in addrs:  # what `driverctl set-override ADDR vfio-pci` saves
+            with open(f"{DRIVERCTL_CONF}/pci-{addr}", "w") as f:
+                f.write("vfio-pci\n")
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(VFIO_MODE_RULE)
+    subprocess.run(["udevadm", "control", "--reload"], check=True)
+
+
+def cmd_driverctl(args: argparse.Namespace) -> int:
+    driverctl_arm(args.state == "on", args.addr)
+    print(json.dumps({"driverctl": args.state, "overrides": sorted(os.listdir(DRIVERCTL_CONF))
+                      if os.path.isdir(DRIVERCTL_CONF) else []}))  # fmt: skip
+    return 0
+
+
+def until_usable(addr: str, argv: Sequence[str], interval: float, timeout: float = 30.0) -> dict[str, Any]:
+    """Run ``argv`` as root while a forked child, already ``tester``, polls until ADDR is usable."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the poller: unprivileged before the clock starts
+        code = 1
+        try:
+            drop_to(TESTER)
+            os.write(ready_w, b"r")
+            start = float(os.read(go_r, 64))
+            group = None
+            usable = None
+            while now() < start + timeout:
+                group = group or group_of(addr)
+                if group is not None and node_open_to_all(group) and readable(addr):
+                    usable = now() - start
+                    break
+                time.sleep(interval)
+            os.write(out_w, json.dumps(usable).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    for fd in (ready_w, go_r, out_w):
+        os.close(fd)
+    try:
+        os.read(ready_r, 1)
+        start = now()
+        os.write(go_w, repr(start).encode())
+        done = subprocess.run(argv, capture_output=True, timeout=60, check=False)
+        command_s = now() - start
+        usable = json.loads(os.read(out_r, 64) or b"null")
+    finally:
+        os.waitpid(pid, 0)
+        for fd in (ready_r, go_w, out_r):
+            os.close(fd)
+    return {"command_s": command_s, "usable_s": usable, "rc": done.returncode,
+            "stderr": done.stderr.decode(errors="replace")[-300:]}  # fmt: skip
+
+
+def cmd_usable(args: argparse.Namespace) -> int:
+    """Each binder by hand until tester can use the device, each first in turn, each alone armed."""
+    commands = {
+        "tpuboot": ["tpuboot", "bind", args.addr],
+        "baseline": [BASELINE_SCRIPT, args.addr],
+        "driverctl": ["driverctl", "set-override", args.addr, "vfio-pci"],
+    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in commands}
+    errors: list[str] = []
+    for i in range(args.runs + 1):  # the first round is a warm-up
+        names = list(commands)
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            driverctl_arm(name == "driverctl")
+            unbind(args.addr)
+            subprocess.run(["udevadm", "settle", "--timeout=30"], check=False)
+            result = until_usable(args.addr, commands[name], args.interval)
+            if result["rc"] != 0 or result["usable_s"] is None:
+                errors.append(f"{name} run {i}: {result}")
+            if i > 0:
+                runs[name].append(result)
+    driverctl_arm(False)
+    print(json.dumps({"runs": runs, "errors": errors}))
+    return 1 if errors else 0
+
+
+# --------------------------------------------------------------------------- peers: metadata address
+
+SIOCSIFADDR, SIOCSIFNETMASK = 0x8916, 0x891C
+
+
+def cmd_route_metadata(args: argparse.Namespace) -> int:
+    """``args.address``/32 on ``lo:1``: the guest has no NIC and no iproute2, only ioctls."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for request, addr in ((SIOCSIFADDR, args.address), (SIOCSIFNETMASK, "255.255.255.255")):
+            ifreq = struct.pack(
+                "16sH2s4s8s", b"lo:1", socket.AF_INET, b"\0\0", socket.inet_aton(addr), b"\0" * 8
+            )
+            fcntl.ioctl(s.fileno(), request, ifreq)
+    print(json.dumps({"lo:1": args.address}))
+    return 0
+
+
+def emulator_requests(url: str | None) -> int | None:
+    if not url:
+        return None
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return int(json.loads(answer.read())["requests"])
 
 
 def cmd_unbind(args: argparse.Namespace) -> int:
@@ -514,7 +659,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("idle")
     p.add_argument("pid", type=int)
     p.add_argument("--window", type=float, default=60.0)
+    p.add_argument("--stats", help="the metadata emulator's stats URL: its requests during the window")
     p.set_defaults(func=cmd_idle)
+    p = sub.add_parser("driverctl")
+    p.add_argument("state", choices=("on", "off"))
+    p.add_argument("addr", nargs="*", help="devices whose override is saved (on)")
+    p.set_defaults(func=cmd_driverctl)
+    p = sub.add_parser("usable")
+    p.add_argument("addr")
+    p.add_argument("--runs", type=int, default=6)
+    p.add_argument("--interval", type=float, default=0.005)
+    p.set_defaults(func=cmd_usable)
+    p = sub.add_parser("route-metadata")
+    p.add_argument("--address", default="169.254.169.254")
+    p.set_defaults(func=cmd_route_metadata)
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result

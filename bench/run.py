@@ -1,13 +1,16 @@
-"""tpuboot's benchmarks in one run, each against its baseline measured in the same run.
+"""tpuboot's benchmarks in one run, each against its baseline and its peer measured in the same run.
 
 Binding and start-up against the documented udev rule + shell handler and cloud-init script, on
 a real kernel; idle cost against a sleeping python3; the metadata client against the documented
-fetch made to retry. Usage, from the repository root (root is needed for the image build and
-QEMU)::
+fetch made to retry. The peers, the tools people already run for these jobs (``bench/peers.py``,
+Debian's packages in the same guests, never active beside tpuboot): ``driverctl`` for binding
+(by hand, its saved overrides at boot and on hot add), ``google-guest-agent`` for the idle
+footprint. Usage, from the repository root (root is needed for the image build and QEMU)::
 
     sudo .venv/bin/python -m bench.run [--json FILE] [--markdown FILE]
-                                       [--only hotplug,coldplug,cli,idle,fleet]
+                                       [--only hotplug,coldplug,cli,icount,idle,fleet]
                                        [--reps 6] [--coldplug-reps 5] [--cli-runs 10]
+                                       [--icount-runs 5]
 
 About 7 minutes with warm caches (.cache/vm), more while other QEMU guests share the host: the
 .deb and one guest image are built, then one QEMU guest (TCG, 2 vCPUs) per scenario family, and
@@ -18,6 +21,13 @@ control --reload``; for tpuboot, the rule removed and reloaded, tpuboot started.
 is ``bench/baseline/``: the documented ``99-tpu-vfiopci.rules`` with the stand-in ids (edu
 1234:11e8, virtio-rng 1af4:1005) and ``bind_to_vfio_pci.sh`` (modprobe vfio-pci,
 driver_override, unbind, drivers_probe, chmod 0666 /dev/vfio/<group>, allow_unsafe_interrupts).
+
+driverctl's side: its udev rules unmasked, the overrides saved in /etc/driverctl.d as
+``driverctl set-override`` saves them, ``udevadm control --reload``; plus what driverctl does not
+do and a user must add for an unprivileged user: a udev rule ``SUBSYSTEM=="vfio", MODE="0666"``
+(the mode tpuboot and the documented script set) and ``allow_unsafe_interrupts`` as a module
+option. Its ``driverctl@.service`` units are stopped between reps (a bench drop-in allows it):
+a unit still active from the last add would not run again.
 
 "Usable" always means what a TPU user needs: as the unprivileged ``tester``, the VFIO type1 walk
 of ``tests/vm/guest/vfio_read.py`` (container, group, IOMMU, device fd) reads the edu device's
@@ -52,12 +62,19 @@ Families and timing methods:
    edu is then no TPU), which is what an image without extra device rules runs. Then the
    interpreter's start-up and each import step of ``tpuboot run`` are timed (and their RSS
    taken) in a fresh python3, best of 2, and 3 ``tpuboot bind`` runs stamp their own imports
-   and functions: where the time goes.
+   and functions: where the time goes. Then bind -> usable (``bind_guest.py usable``): ``tpuboot
+   bind``, the script and ``driverctl set-override DBDF vfio-pci`` run as root while a forked
+   poller, already ``tester``, polls every 5 ms; until usable, and until the command returns.
+3b. icount -- the cli family's commands again in a guest whose clock counts instructions
+   (``bench/icount.py``: one vCPU, ``-icount shift=0``): what TCG's translation cost does not skew.
 4. idle -- the daemon's VmRSS, CPU ticks (utime+stime) and per-thread wakeups (voluntary
    context switches; schedstat timeslices) over the 60 s that a ``python3 -c 'import time;
    time.sleep(60)'`` process sleeps; that process's VmRSS is the RSS baseline. Threads are named
    by the system call they block in (Python 3.11 gives its threads no kernel name). This window
    runs first, while the next family's guest boots: wakeups and RSS do not depend on host load.
+   Then tpuboot is stopped and google-guest-agent started alone, against ``bench/gce_mds.py`` on
+   169.254.169.254:80 (an address on lo); after 30 s of its start-up work, the same window on its
+   process. Each emulator counts the requests of the window (``GET /_emulator/stats``).
 
 5. fleet -- on the host, no guest: ``bench/fleet.py``'s 64 simulated hosts boot at once against
    one metadata server emulator failing 20% of requests (then again after a 5 s total outage),
@@ -88,6 +105,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import peers
+from bench.icount import IcountVM
 from tests.mds_emulator import SAMPLE_TPU_ENV
 from tests.vm.accel import select_accel
 from tests.vm.agent import Result
@@ -115,9 +134,10 @@ STAGED_RULE = f"{BENCH_LIBEXEC}/{RULE_NAME}"
 ACTIVE_RULE = f"/etc/udev/rules.d/{RULE_NAME}"
 HANDLER = "/lib/udev/bind_to_vfio_pci.sh"
 HOTPLUG_PORT = "hp0"
-FAMILIES = ("hotplug", "coldplug", "cli", "idle", "fleet")
-VM_FAMILIES = ("hotplug", "coldplug", "cli", "idle")
-SIDES = ("tpuboot", "baseline")
+FAMILIES = ("hotplug", "coldplug", "cli", "icount", "idle", "fleet")
+VM_FAMILIES = ("hotplug", "coldplug", "cli", "icount", "idle")
+SIDES = ("tpuboot", "baseline", "driverctl")  # the binding families' sides, one armed at a time
+PEER = "driverctl"
 RSS_GOAL_MIB = 20.0
 LONG_POLL_S = 60.0  # metadata.watch_timeout: the watch's long-poll returns this often when idle
 
@@ -131,7 +151,8 @@ class BenchError(RuntimeError):
 
 @dataclass
 class Row:
-    """One line of the final table; ``ratio`` is tpuboot / baseline where both exist."""
+    """One line of the final table; ``ratio`` is tpuboot / baseline where both exist, ``peer_ratio``
+    tpuboot / the peer tool (driverctl, google-guest-agent) measured in the same guest."""
 
     metric: str
     tpuboot: str
@@ -139,6 +160,24 @@ class Row:
     ratio: float | None = None
     goal: str = "(info)"
     verdict: str = ""
+    peer: str = ""
+    peer_ratio: float | None = None
+    peer_goal: str = ""
+    peer_verdict: str = ""
+
+    def against(self, name: str, shown: str, ratio: float | None, goal: float | None = None) -> Row:
+        """This row with the peer ``name``'s figure, its ratio and, with a goal, the verdict."""
+        self.peer, self.peer_ratio = f"{name}: {shown}", ratio
+        if goal is not None:
+            self.peer_goal = f"<= {goal:g}x"
+            self.peer_verdict = "n/a" if ratio is None else ("PASS" if ratio <= goal else "FAIL")
+        return self
+
+    def at_most(self, name: str, shown: str, ours: float, theirs: float) -> Row:
+        """This row against a peer's count (ticks, wakeups, MiB): met when ours <= theirs, even at 0."""
+        self.peer, self.peer_ratio = f"{name}: {shown}", ours / theirs if theirs > 0 else None
+        self.peer_goal, self.peer_verdict = "<= 1x", "PASS" if ours <= theirs else "FAIL"
+        return self
 
 
 @dataclass
@@ -163,6 +202,10 @@ def spread(values: Sequence[float]) -> str:
     if not values:
         return "n/a"
     return f"{median(values):.3f} s [{min(values):.3f}-{max(values):.3f}]"
+
+
+def median_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float | None:
+    return median(ours) / median(theirs) if ours and theirs and median(theirs) > 0 else None
 
 
 def ratio_row(
@@ -244,13 +287,21 @@ def stop_tpuboot(vm: VM) -> float:
     return stop.duration
 
 
-def use_side(vm: VM, side: str) -> float:
-    """Make ``side`` the guest's only binder; returns the time ``systemctl stop tpuboot`` took."""
-    if side == "baseline":
+def driverctl_armed(vm: VM, active: bool, addresses: Sequence[str] = ()) -> None:
+    """driverctl armed with ``addresses``' overrides saved (bind_guest.py driverctl), or inert."""
+    helper(vm, "driverctl", "on" if active else "off", *addresses)
+
+
+def use_side(vm: VM, side: str, addresses: Sequence[str] = ()) -> float:
+    """Make ``side`` the guest's only binder (driverctl: with ``addresses``' overrides saved);
+    returns the time ``systemctl stop tpuboot`` took."""
+    if side in ("baseline", PEER):
         stopped = stop_tpuboot(vm)
-        baseline_rule(vm, True)
+        baseline_rule(vm, side == "baseline")
+        driverctl_armed(vm, side == PEER, addresses)
         return stopped
     baseline_rule(vm, False)
+    driverctl_armed(vm, False)
     vm.run("systemctl reset-failed tpuboot; systemctl start tpuboot", timeout=120, check=True)
     return 0.0
 
@@ -262,12 +313,19 @@ def unbind_all(vm: VM, addresses: Sequence[str]) -> None:
 
 
 @contextmanager
-def booted(artifacts: Artifacts, image: Path, name: str, **kwargs: Any) -> Iterator[VM]:
+def booted(
+    artifacts: Artifacts,
+    image: Path,
+    name: str,
+    vm_class: type[VM] = VM,
+    boot_timeout: float = 240.0,
+    **kwargs: Any,
+) -> Iterator[VM]:
     """A booted guest with tpuboot active, killed afterwards (its disk is a snapshot: nothing to save)."""
-    vm = VM.from_artifacts(artifacts, image, name=f"bindbench-{name}", **kwargs)
+    vm = vm_class.from_artifacts(artifacts, image, name=f"bindbench-{name}", **kwargs)
     try:
         vm.start()
-        status = vm.wait_booted()
+        status = vm.wait_booted(boot_timeout)
         log.info("%s: guest booted in %.1f s", name, status.seconds)
         if status.failed_units:
             log.warning("%s: failed units at boot: %s", name, ", ".join(status.failed_units))
@@ -410,6 +468,8 @@ def hotplug_rep(
         waiter.join(timeout=60)
     marks = guest_json(box["r"], "hotplug waiter") if "r" in box else {}
     vm.device_del(device_id)
+    if side == PEER:  # its unit stays active (RemainAfterExit) and would not run on the next add
+        driverctl_armed(vm, True, [address])
     if marks.get("usable") is None:
         raise BenchError(f"{side}: hot-added {address} never became usable: {marks}")
     guest_add = marks["start"] + (t0 - ready_at)
@@ -450,8 +510,8 @@ def run_hotplug(vm: VM, reps: int, report: Report) -> None:
     serial = 0
     try:
         for side in (*SIDES, *SIDES):
-            stopped = use_side(vm, side)
-            if side == "baseline":
+            stopped = use_side(vm, side, [address])
+            if side != "tpuboot":
                 stops.append(stopped)
             for i in range(half + 1):
                 serial += 1
@@ -473,17 +533,25 @@ def run_hotplug(vm: VM, reps: int, report: Report) -> None:
             for s in SIDES
         ]
 
-    total = per_side(None)
+    def row(metric: str, phase: str | None, goal: float | None = None, aim: str = "") -> Row:
+        tp, base, peer = per_side(phase)
+        shown = spread(peer)
+        return ratio_row(metric, tp, base, goal, aim).against(
+            PEER, shown, median_ratio(tp, peer), goal and 1.0
+        )
+
     metric = f"hotplug: device_add -> usable by tester (host clock, n={half * 2})"
-    report.add("hotplug", ratio_row(metric, *total, 1.0, ", aim 0.5x"))
+    report.add("hotplug", row(metric, None, 1.0, ", aim 0.5x"))
     for phase, name in PHASES.items():
-        report.add("hotplug", ratio_row(f"  device_add -> {name} (guest clock)", *per_side(phase)))
+        report.add("hotplug", row(f"  device_add -> {name} (guest clock)", phase))
     skews = [abs(r.skew_ms) for r in results]
     report.note(
         "hotplug",
         f"marker skew |host span - guest span| median {median(skews):.1f} ms, max {max(skews):.1f} ms; "
         f"device_add QMP round trip median {median([r.qmp_s for r in results]) * 1000:.1f} ms; "
-        f"`systemctl stop tpuboot` took {', '.join(f'{s:.2f}' for s in stops)} s",
+        f"`systemctl stop tpuboot` took {', '.join(f'{s:.2f}' for s in stops)} s; driverctl: "
+        "its saved override applied by its udev rule and driverctl@.service, the node opened by a "
+        'udev MODE="0666" rule',
     )
     report.raw["hotplug"] = {"address": address, "reps": [asdict(r) for r in results], "stop_s": stops}
 
@@ -502,6 +570,9 @@ COLDPLUG_COMMANDS = {  # shell words for bind_guest.py's --command
             f"udevadm trigger --settle --action=add --subsystem-match=pci && {ENV_SCRIPT} >/dev/null",
         ]
     ),
+    # driverctl's boot job: the same trigger; its rule starts driverctl@pci-DBDF.service per saved
+    # override (asynchronously: the poll, not the command, says when all 8 are usable). No tpu-env.
+    PEER: "udevadm trigger --settle --action=add --subsystem-match=pci",
 }
 
 
@@ -526,23 +597,26 @@ def tpuboot_start_split(vm: VM) -> dict[str, float]:
     }
 
 
-def run_coldplug(vm: VM, reps: int, report: Report) -> None:
-    addresses = edu_addresses(vm)
-    if len(addresses) != 8:
-        raise BenchError(f"expected 8 edu devices, the guest has {addresses}")
-    check_usable(vm, addresses[0])
+def coldplug_reps(
+    vm: VM, addresses: Sequence[str], reps: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``reps`` rounds of each side from all unbound; the reps, and any redone because a device
+    was bound again before the start."""
     results: list[dict[str, Any]] = []
     rebound: list[dict[str, Any]] = []
     for i in range(reps):
-        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+        for side in SIDES[i % len(SIDES) :] + SIDES[: i % len(SIDES)]:  # each first in turn
             for _attempt in range(3):
                 # Unbound with no binder armed and udev idle, then the side armed: a clean start.
                 stop_tpuboot(vm)
                 baseline_rule(vm, False)
+                driverctl_armed(vm, False)
                 unbind_all(vm, addresses)
                 vm.run(["rm", "-f", TPU_ENV_FILE], check=True)  # each side must write it afresh
                 vm.run(["udevadm", "settle", "--timeout=60"], timeout=90)
                 baseline_rule(vm, side == "baseline")
+                if side == PEER:
+                    driverctl_armed(vm, True, addresses)
                 command = COLDPLUG_COMMANDS[side]
                 data = helper(vm, "coldplug", *addresses, "--command", command, timeout=120)
                 if not data["bound_at_start"]:
@@ -555,7 +629,7 @@ def run_coldplug(vm: VM, reps: int, report: Report) -> None:
                 raise BenchError(f"coldplug {side}: devices keep coming back bound: {rebound}")
             data["side"] = side
             written = vm.run(["grep", "-c", "^[A-Z_]*=", TPU_ENV_FILE]).stdout.strip()
-            if not written.isdigit() or int(written) == 0:
+            if side != PEER and (not written.isdigit() or int(written) == 0):
                 raise BenchError(f"coldplug {side}: {TPU_ENV_FILE} not written\n{data.get('stderr', '')}")
             if side == "tpuboot":
                 data["split"] = tpuboot_start_split(vm)
@@ -566,6 +640,15 @@ def run_coldplug(vm: VM, reps: int, report: Report) -> None:
                 data["command_s"],
                 data["all_usable_s"],
             )
+    return results, rebound
+
+
+def run_coldplug(vm: VM, reps: int, report: Report) -> None:
+    addresses = edu_addresses(vm)
+    if len(addresses) != 8:
+        raise BenchError(f"expected 8 edu devices, the guest has {addresses}")
+    check_usable(vm, addresses[0])
+    results, rebound = coldplug_reps(vm, addresses, reps)
     status = vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"]).stdout.strip()
 
     def per_side(key: str) -> dict[str, list[float]]:
@@ -575,7 +658,10 @@ def run_coldplug(vm: VM, reps: int, report: Report) -> None:
     row = ratio_row(
         f"coldplug 8: start -> all 8 usable (n={reps})", usable["tpuboot"], usable["baseline"], 0.5
     )
-    report.add("coldplug", row)
+    report.add(
+        "coldplug",
+        row.against(PEER, spread(usable[PEER]), median_ratio(usable["tpuboot"], usable[PEER]), 1.0),
+    )
     report.add(
         "coldplug",
         ratio_row(
@@ -595,8 +681,14 @@ def run_coldplug(vm: VM, reps: int, report: Report) -> None:
             f"of 8 logged {spanned:.3f} s (binds started before the daemon loaded log their result once it "
             f"has), exec -> READY {ready:.3f} s",
         )
+    report.note(
+        "coldplug",
+        f"driverctl: `udevadm trigger --settle` returned after {spread(done[PEER])}; its "
+        "driverctl@.service units bind after that, and it writes no tpu-env",
+    )
     stop_tpuboot(vm)
     baseline_rule(vm, False)
+    driverctl_armed(vm, False)
     metadata_env = unit_properties(vm, "Environment")["Environment"].split()
     env_args = [arg for item in metadata_env for arg in ("--env", item)]
     stamped = helper(vm, "profile", "run", *addresses, *env_args, timeout=120)["runs"]
@@ -664,7 +756,94 @@ def run_cli(vm: VM, runs: int, report: Report) -> None:
     report.note(
         "cli", "`tpuboot bind` stamped inside (median of 3): " + profile_segments(stamped, BIND_SEGMENTS)
     )
-    report.raw["cli"] = {"address": address, **data, "imports": imports, "stamped": stamped}
+    usable = helper(vm, "usable", address, "--runs", str(runs), timeout=900)
+    if usable["errors"]:
+        raise BenchError(f"bind-until-usable runs failed: {usable['errors']}")
+    for key, metric in (
+        (
+            "usable_s",
+            f"CLI bind -> usable by tester: tpuboot bind | script | driverctl set-override (n={runs})",
+        ),
+        ("command_s", "  the same, until the command returns"),
+    ):
+        values = {side: [r[key] for r in usable["runs"][side]] for side in SIDES}
+        ours, peer = values["tpuboot"], values[PEER]
+        row = ratio_row(metric, ours, values["baseline"])
+        report.add("cli", row.against(PEER, spread(peer), median_ratio(ours, peer), 1.0))
+    report.note(
+        "cli",
+        "bind -> usable: each command run as root while a forked poller, already tester, polls (5 ms) "
+        "until the VFIO read succeeds; driverctl with its rules armed and the udev mode rule, the others "
+        "with driverctl's rules masked",
+    )
+    report.raw["cli"] = {"address": address, **data, "imports": imports, "stamped": stamped, "usable": usable}
+
+
+# --------------------------------------------------------------------------- 3b. icount
+
+
+def insn(values: Sequence[float]) -> str:
+    """Guest seconds under ``-icount shift=0`` as millions of instructions, ``median [min-max]``."""
+    if not values:
+        return "n/a"
+    return f"{median(values) * 1e3:.0f} M [{min(values) * 1e3:.0f}-{max(values) * 1e3:.0f}]"
+
+
+def insn_row(metric: str, ours: Sequence[float], base: Sequence[float]) -> Row:
+    return Row(metric, insn(ours), insn(base), median_ratio(ours, base))
+
+
+def run_icount(vm: VM, runs: int, report: Report) -> None:
+    """The cli and coldplug families' commands again in a guest whose clock counts instructions
+    (bench/icount.py)."""
+    addresses = edu_addresses(vm)
+    address = addresses[0]
+    results, _ = coldplug_reps(vm, addresses, runs)
+    for key, metric in (
+        ("all_usable_s", f"icount (M instructions): coldplug 8, start -> all 8 usable (n={runs})"),
+        ("command_s", "  start -> READY (8 bound, tpu-env) | trigger --settle + env script"),
+    ):
+        values = {s: [r[key] for r in results if r["side"] == s and r[key] is not None] for s in SIDES}
+        row = insn_row(metric, values["tpuboot"], values["baseline"])
+        if key == "all_usable_s":
+            row.against(PEER, insn(values[PEER]), median_ratio(values["tpuboot"], values[PEER]), 1.0)
+        report.add("icount", row)
+    stop_tpuboot(vm)
+    driverctl_armed(vm, False)
+    data = helper(vm, "cli", address, "--runs", str(runs), timeout=1800)
+    if data["errors"]:
+        raise BenchError(f"icount: CLI runs failed: {data['errors']}")
+    usable = helper(vm, "usable", address, "--runs", str(runs), timeout=1800)
+    if usable["errors"]:
+        raise BenchError(f"icount: bind-until-usable runs failed: {usable['errors']}")
+    times = data["times"]
+    for metric, ours, base in (
+        (
+            f"icount (M instructions): CLI bind, tpuboot | bind_to_vfio_pci.sh (n={runs})",
+            "tpuboot",
+            "baseline",
+        ),
+        ("  the same with the shipped config", "tpuboot, shipped config", "baseline"),
+        ("  python3 -c pass | bash -c true", "python3 -c pass", "bash -c true"),
+        ("  python3 -c 'import tpuboot.cli' | bash -c true", "import tpuboot.cli", "bash -c true"),
+    ):
+        report.add("icount", insn_row(metric, times[ours], times[base]))
+    for key, metric in (
+        ("usable_s", "  CLI bind -> usable by tester: tpuboot | script | driverctl"),
+        ("command_s", "  the same, until the command returns"),
+    ):
+        values = {side: [r[key] for r in usable["runs"][side]] for side in SIDES}
+        row = insn_row(metric, values["tpuboot"], values["baseline"])
+        report.add(
+            "icount",
+            row.against(PEER, insn(values[PEER]), median_ratio(values["tpuboot"], values[PEER]), 1.0),
+        )
+    report.note(
+        "icount",
+        "one vCPU, single-threaded TCG, -icount shift=0: the guest clock advances 1 ns per instruction "
+        "the whole guest executes, plus real time while it idles (sleep=on); host perf has no PMU here",
+    )
+    report.raw["icount"] = {"address": address, **data, "usable": usable, "coldplug": results}
 
 
 # --------------------------------------------------------------------------- 4. idle
@@ -729,8 +908,10 @@ class IdleFamily:
         def measure() -> None:
             try:
                 self._result["data"] = helper(
-                    vm, "idle", props["MainPID"], "--window", str(self.window), timeout=self.window + 90
-                )
+                    vm, "idle", props["MainPID"], "--window", str(self.window),
+                    "--stats", f"http://127.0.0.1:{MDS_PORT}/_emulator/stats", timeout=self.window + 90,
+                )  # fmt: skip
+                self._result["peer"] = idle_peer(vm, self.window)
             except BaseException as exc:  # reported by finish(), in the main thread
                 self._error = exc
 
@@ -743,32 +924,91 @@ class IdleFamily:
         if self._thread is None:
             return
         thread, self._thread = self._thread, None
-        thread.join(timeout=self.window + 120)
+        thread.join(timeout=2 * self.window + PEER_SETTLE_S + 300)
         self.close()
         if thread.is_alive():
             raise BenchError("idle: the measurement did not end")
         if self._error is not None:
             raise self._error
-        idle_report(self._result["data"], self._result["unit"], report)
+        idle_report(self._result["data"], self._result["unit"], report, self._result.get("peer"))
 
     def close(self) -> None:
         """Kill the idle guest (safe to call twice)."""
         self._guest.close()
 
 
-def idle_report(data: dict[str, Any], unit: dict[str, str], report: Report) -> None:
+PEER_SETTLE_S = 30.0  # google-guest-agent's start-up work (users, keys, OS Login) is over by then
+GCE_MDS_UNIT = "tpuboot-bench-gce-mds"
+
+
+def idle_peer(vm: VM, window: float) -> dict[str, Any]:
+    """google-guest-agent alone (tpuboot stopped) against the GCE emulator on 169.254.169.254:80,
+    over the same window, once its start-up work is over."""
+    stop_tpuboot(vm)
+    helper(vm, "route-metadata", "--address", peers.GCE_MDS_ADDRESS)
+    vm.run(
+        ["systemd-run", f"--unit={GCE_MDS_UNIT}", "python3", peers.GCE_MDS,
+         "--attributes", "/etc/tpuboot-test/attributes.yaml", "--instance", peers.GCE_INSTANCE_FILE],
+        check=True,
+    )  # fmt: skip
+    url = f"http://{peers.GCE_MDS_ADDRESS}/computeMetadata/v1/instance/id"
+    vm.wait_until(f"curl -sf -H 'Metadata-Flavor: Google' {url}", timeout=60, interval=1.0)
+    vm.run(["systemctl", "start", "google-guest-agent"], timeout=180, check=True)
+    time.sleep(PEER_SETTLE_S)
+    props = unit_properties(vm, "MainPID", "ActiveState", unit="google-guest-agent")
+    if props.get("ActiveState") != "active" or props.get("MainPID", "0") == "0":
+        raise BenchError(f"google-guest-agent is not running: {props}\n{vm.journal('google-guest-agent')}")
+    data = helper(
+        vm, "idle", props["MainPID"], "--window", str(window),
+        "--stats", f"http://{peers.GCE_MDS_ADDRESS}/_emulator/stats", timeout=window + 90,
+    )  # fmt: skip
+    data["journal"] = vm.journal("google-guest-agent")[-3000:]
+    data["requests_log"] = vm.journal(GCE_MDS_UNIT)[-6000:]
+    return data
+
+
+def idle_report(
+    data: dict[str, Any], unit: dict[str, str], report: Report, peer: dict[str, Any] | None = None
+) -> None:
     window = data["window_s"]
     ping_s = systemd_seconds(unit["WatchdogUSec"]) / 2
     pings = int(window // ping_s) if ping_s else 0
     polls = int(window // LONG_POLL_S)
     rss, sleeper = data["rss_kib"] / 1024, data["sleeper_rss_kib"] / 1024
-    report.add(
-        "idle",
-        Row("idle RSS: daemon | sleeping python3", f"{rss:.1f} MiB", f"{sleeper:.1f} MiB", rss / sleeper,
-            f"<= {RSS_GOAL_MIB:g} MiB", "PASS" if rss <= RSS_GOAL_MIB else "FAIL"),
-    )  # fmt: skip
+    verdict = "PASS" if rss <= RSS_GOAL_MIB else "FAIL"
+    rss_row = Row("idle RSS: daemon | sleeping python3", f"{rss:.1f} MiB", f"{sleeper:.1f} MiB",
+                  rss / sleeper, f"<= {RSS_GOAL_MIB:g} MiB", verdict)  # fmt: skip
     ticks = sum(t["ticks"] for t in data["threads"])
-    report.add("idle", Row(f"idle CPU over {window:.0f} s (utime+stime)", f"{ticks} ticks", "", None))
+    ticks_row = Row(f"idle CPU over {window:.0f} s (utime+stime)", f"{ticks} ticks", "", None)
+    split = Row("  RSS anon + file", split_mib(data), "", None)
+    voluntary = sum(t["voluntary"] for t in data["threads"])
+    wakeups = Row(
+        f"  wakeups (voluntary switches, all threads) over {window:.0f} s", str(voluntary), "", None
+    )
+    per_minute = Row("idle metadata requests per minute", requests_per_minute(data), "", None)
+    if peer is not None:
+        gga = "google-guest-agent"
+        peer_rss = peer["rss_kib"] / 1024
+        rss_row.at_most(gga, f"{peer_rss:.1f} MiB", rss, peer_rss)
+        split.at_most(gga, split_mib(peer), data["rss_anon_kib"], peer["rss_anon_kib"])
+        peer_ticks = sum(t["ticks"] for t in peer["threads"])
+        ticks_row.at_most(gga, f"{peer_ticks} ticks", ticks, peer_ticks)
+        peer_voluntary = sum(t["voluntary"] for t in peer["threads"])
+        wakeups.at_most(gga, str(peer_voluntary), voluntary, peer_voluntary)
+        per_minute.peer = f"{gga}: {requests_per_minute(peer)}"
+        report.note(
+            "idle",
+            f"google-guest-agent {len(peer['threads'])} threads: "
+            + "; ".join(
+                f"tid {t['tid']} {t['syscall']}: {t['voluntary']} voluntary, {t['ticks']} ticks"
+                for t in peer["threads"]
+                if t["voluntary"] or t["ticks"]
+            ),
+        )
+        report.raw["idle_peer"] = peer
+    report.add("idle", rss_row)
+    report.add("idle", split)
+    report.add("idle", ticks_row)
     unexpected = 0
     per_role: dict[str, int] = {}
     for t in data["threads"]:
@@ -790,6 +1030,8 @@ def idle_report(data: dict[str, Any], unit: dict[str, str], report: Report) -> N
             f"expected: {pings} pings + <= {polls + 1} long-poll", None, "watchdog + long-poll only",
             "PASS" if unexpected == 0 else f"FAIL (+{unexpected})"),
     )  # fmt: skip
+    report.add("idle", wakeups)
+    report.add("idle", per_minute)
     report.note(
         "idle",
         f"WatchdogSec={unit['WatchdogUSec']}: a ping every {ping_s:g} s; RSS "
@@ -797,6 +1039,15 @@ def idle_report(data: dict[str, Any], unit: dict[str, str], report: Report) -> N
         f"status: {unit['StatusText']}",
     )
     report.raw["idle"] = {"unit": unit, **data}
+
+
+def split_mib(data: dict[str, Any]) -> str:
+    return f"{data['rss_anon_kib'] / 1024:.1f} + {data['rss_file_kib'] / 1024:.1f} MiB"
+
+
+def requests_per_minute(data: dict[str, Any]) -> str:
+    count = data.get("metadata_requests")
+    return "n/a" if count is None else f"{count * 60 / data['window_s']:.1f}/min"
 
 
 # --------------------------------------------------------------------------- 5. fleet (host)
@@ -866,9 +1117,9 @@ def _ratio(ours: float, base: float) -> float | None:
 # --------------------------------------------------------------------------- image, table, main
 
 
-def bench_install_hook(package: InstallHook) -> InstallHook:
-    """``package`` (tpuboot from its .deb, as the tests install it), the baseline files and the
-    guest helper."""
+def bench_install_hook(package: InstallHook, peer_debs: Sequence[Path] = ()) -> InstallHook:
+    """``package`` (tpuboot from its .deb, as the tests install it), the baseline files, the
+    guest helper and the peers (``bench/peers.py``: installed, inert)."""
 
     def install(tree: Path) -> None:
         package(tree)
@@ -882,6 +1133,8 @@ def bench_install_hook(package: InstallHook) -> InstallHook:
         handler = in_tree(tree, HANDLER)
         shutil.copy(HERE / "baseline" / "bind_to_vfio_pci.sh", handler)
         handler.chmod(0o755)
+        if peer_debs:
+            peers.peers_install_hook(peer_debs)(tree)
 
     return install
 
@@ -918,12 +1171,9 @@ def tree_revision() -> str:
 
 
 def print_table(report: Report) -> None:
-    header = ("metric", "tpuboot", "baseline", "ratio", "goal", "verdict")
+    header = ("metric", "tpuboot", "baseline", "ratio", "goal", "verdict", "peer", "ratio", "goal", "verdict")
     rows = [r for f in FAMILIES for r in report.rows.get(f, [])]
-    lines = [
-        (r.metric, r.tpuboot, r.baseline, "" if r.ratio is None else f"{r.ratio:.2f}x", r.goal, r.verdict)
-        for r in rows
-    ]
+    lines = [table_cells(r) for r in rows]
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
     print()
     for line in [header, tuple("-" * w for w in widths), *lines]:
@@ -934,14 +1184,27 @@ def print_table(report: Report) -> None:
             print(f"* {family}: {note}")
 
 
+def table_cells(r: Row) -> tuple[str, ...]:
+    """A row's cells: metric, tpuboot, the documented baseline (ratio, goal, verdict), the peer (same)."""
+
+    def ratio(value: float | None) -> str:
+        return "" if value is None else f"{value:.2f}x"
+
+    return (r.metric, r.tpuboot, r.baseline, ratio(r.ratio), r.goal, r.verdict,
+            r.peer, ratio(r.peer_ratio), r.peer_goal, r.peer_verdict)  # fmt: skip
+
+
 def markdown_table(report: Report) -> str:
     """The table as Markdown, for the README."""
-    lines = ["| metric | tpuboot | baseline | ratio | goal | verdict |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| metric | tpuboot | documented | ratio | goal | verdict | peer | ratio | goal | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in (r for f in FAMILIES for r in report.rows.get(f, [])):
-        ratio = "" if r.ratio is None else f"{r.ratio:.2f}x"
-        metric = r.metric.replace("|", "/").strip()
-        metric = f"&nbsp;&nbsp;{metric}" if r.metric.startswith(" ") else metric
-        lines.append(f"| {metric} | {r.tpuboot} | {r.baseline} | {ratio} | {r.goal} | {r.verdict} |")
+        cells = [c.replace("|", "/") for c in table_cells(r)]
+        metric = cells[0].strip()
+        cells[0] = f"&nbsp;&nbsp;{metric}" if r.metric.startswith(" ") else metric
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -959,6 +1222,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=6, help="hotplug adds per side (default 6)")
     parser.add_argument("--coldplug-reps", type=int, default=5, help="coldplug runs per side (default 5)")
     parser.add_argument("--cli-runs", type=int, default=10, help="CLI runs per side (default 10)")
+    parser.add_argument("--icount-runs", type=int, default=5, help="icount guest runs per side (default 5)")
     parser.add_argument("--idle-window", type=float, default=60.0, help="idle window in s (default 60)")
     args = parser.parse_args(argv)
     args.families = [f.strip() for f in args.only.split(",") if f.strip()]
@@ -1015,13 +1279,22 @@ def run_guests(
         "hotplug": ({"hotplug_ports": 1}, lambda vm: run_hotplug(vm, args.reps, report)),
         "coldplug": ({"devices": ["edu"] * 8}, lambda vm: run_coldplug(vm, args.coldplug_reps, report)),
         "cli": ({"devices": ["edu"]}, lambda vm: run_cli(vm, args.cli_runs, report)),
+        "icount": (
+            {"devices": ["edu"] * 8, "smp": 1, "vm_class": IcountVM, "boot_timeout": 900},
+            lambda vm: run_icount(vm, args.icount_runs, report),
+        ),
     }
     idle: IdleFamily | None = None
     try:
         deb = build_deb(work / "deb")
-        image = build_image(artifacts, work / "bindbench.ext4", bench_install_hook(package_install_hook(deb)))
+        peer_debs = peers.download_peers(cache_dir())
+        versions = {d.name.split("_")[0]: peers.deb_version(d) for d in peer_debs}
+        report.raw["peers"] = versions
+        report.note("hotplug", "peers: " + ", ".join(f"{n} {v}" for n, v in versions.items()))
+        hook = bench_install_hook(package_install_hook(deb), peer_debs)
+        image = build_image(artifacts, work / "bindbench.ext4", hook)
         if "idle" in args.families:
-            hook = bench_install_hook(idle_install_hook(deb))
+            hook = bench_install_hook(idle_install_hook(deb), peer_debs)
             vbar_image = build_image(artifacts, work / "bindbench-vbar.ext4", hook)
             idle = IdleFamily(artifacts, vbar_image, args.idle_window)
             idle.start()
