@@ -19,6 +19,7 @@ from tpuboot import cli, imagecheck
 from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig
 from tpuboot.dockerapi import Unreachable
 from tpuboot.doctor import Doctor, Verdict, docker_container_state
+from tpuboot.envsync import PRODUCT_UUID_PATH
 from tpuboot.errors import MetadataError
 from tpuboot.paths import Root
 from tpuboot.tpuenv import parse_env_file, render_env_file
@@ -34,6 +35,7 @@ TPU_ENV = {
     "ODD": 'a"b$c`d\\e\nf',
 }
 ADDRESSES = [f"0000:00:0{4 + i}.0" for i in range(4)]
+UUID = "0c5f2b8e-61d4-4f0a-b3c7-9e2a1d8f4b60"  # the instance's SMBIOS system UUID
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +74,15 @@ def set_tpu_env(top: Path, values: dict[str, str]) -> None:
     env = EnvConfig()
     write(top, env.tpu_env_path, render_env_file(values))
     fetched = "2026-11-29T20:00:00+00:00"
-    record = {"format": 1, "fetched": fetched, "etag": "e1", "tpu_env": json.dumps(values)}
+    record = {
+        "format": 2,
+        "product_uuid": UUID,
+        "fetched": fetched,
+        "etag": "e1",
+        "tpu_env": json.dumps(values),
+    }
     write(top, f"{env.cache_dir}/tpu-env.json", json.dumps(record))
+    write(top, PRODUCT_UUID_PATH, UUID.upper() + "\n")  # this instance wrote the record
 
 
 @pytest.fixture(params=["module", "builtin"])
