@@ -108,7 +108,7 @@ class SyncResult:
 
 @dataclass(frozen=True)
 class Cached:
-    """A cache record of this instance's: the raw YAML, its ETag, when it was fetched and where."""
+    """A cache record: the raw YAML, its ETag, when it was fetched and on which instance."""
 
     yaml: str
     etag: str | None

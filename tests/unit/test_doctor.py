@@ -479,3 +479,12 @@ def test_without_tpu_env_or_metadata_the_slice_says_why_it_is_not_judged(kernel)
             "no TPU machine type (the metadata server: not asked: the root is not this host) "
             "and no accelerator type in tpu-env"
         )
+
+
+def test_a_cache_record_of_another_instance_fails_freshness_with_the_reason(kernel):
+    kernel.p(PRODUCT_UUID_PATH).write_text("0f0e0d0c-0b0a-4908-8706-050403020100\n")  # a clone of the VM
+    verdicts = doctor(kernel)
+    assert failing(verdicts) == ["tpu-env-fresh"]
+    fresh = next(v.result for v in verdicts if v.result.name == "tpu-env-fresh")
+    assert f"belongs to another instance (system UUID {UUID}, this one is 0f0e0d0c-" in fresh.detail
+    assert fresh.fix
