@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import json
 import logging
 import re
 import time
@@ -33,7 +32,7 @@ from tpuboot.config import Config, MetadataConfig
 from tpuboot.devices import DeviceTable, generations_of_kind
 from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
 from tpuboot.environment import plan_environment
-from tpuboot.envsync import CACHE_NAME
+from tpuboot.envsync import cache_path, read_cache
 from tpuboot.errors import MetadataError
 from tpuboot.gke import gke_attribute
 from tpuboot.imagecheck import (
@@ -411,16 +410,16 @@ class Doctor:
         if text is None:
             return skipped(f"{path} is missing (see the tpu-env check)")
         fix = "tpuboot env (or systemctl restart tpuboot), then check the metadata server"
-        cache = self.config.env.cache_dir.rstrip("/") + "/" + CACHE_NAME
-        raw = self._read(cache)
-        if raw is not None:
+        cache = cache_path(self.config)
+        state = read_cache(self.root, self.config)  # the record tpuboot itself would use, or why not
+        if state.problem is not None:
+            return failed(f"{state.problem}; {path} may not be this instance's", fix)
+        if state.cached is not None:
             try:
-                record = json.loads(raw)
-                cached = render_env_file(parse_tpu_env(record["tpu_env"]).values)
-                fetched = str(record["fetched"])
-            except (ValueError, KeyError, TypeError, TpuEnvError):
-                return failed(f"cache record {cache} is unreadable", fix)
-            age = self._age(fetched)
+                cached = render_env_file(parse_tpu_env(state.cached.yaml).values)
+            except TpuEnvError:
+                return failed(f"cache record {cache} holds an invalid tpu-env", fix)
+            age = self._age(state.cached.fetched)
             if cached == text:
                 return passed(f"{path} matches the last value fetched from metadata{age}")
             return failed(f"{path} differs from the last value fetched from metadata{age}", fix)

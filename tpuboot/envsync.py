@@ -5,8 +5,23 @@ configure-gcs-timeouts.sh). ``sync_once`` runs at boot; ``watch`` keeps tpu-env 
 
 - tpu-env comes from the ``tpu-env`` instance attribute and is written to
   ``env.tpu_env_path``. The last good raw YAML is kept in ``env.cache_dir/tpu-env.json``
-  with its ETag and fetch time, so a boot with the metadata server down still writes
-  tpu-env. A value that fails to parse is never cached and never replaces a good file.
+  with its ETag, fetch time and the instance it was fetched on, so a boot with the metadata
+  server down still writes tpu-env. A value that fails to parse is never cached and never
+  replaces a good file.
+- The cache is used only on the instance that wrote it: a disk captured from a running TPU VM
+  would otherwise give every clone its parent's tpu-env (WORKER_ID among others). The cache is
+  read only when the metadata server is silent, so the identity must be local: the SMBIOS
+  system UUID (``/sys/class/dmi/id/product_uuid``), which GCE sets per instance and QEMU with
+  ``-uuid``. That is what cloud-init trusts offline for the same question (its datasources'
+  ``check_instance_id`` compares the cached instance-id with the DMI system UUID without the
+  network); google-guest-agent compares metadata's ``instance/id`` with a stored one, which
+  needs the server, so it cannot help here. A record with another UUID, one with none (format
+  1, written by an older tpuboot), or any record on a machine without a usable UUID (absent,
+  unreadable, all zeros) is not used: on an upgraded VM that costs at most the fallback of one
+  offline boot before the next good fetch rewrites the record, while using it on a clone is
+  exactly the bug. Each refusal is logged once with its reason; the result is what it is with
+  no cache, and the next good fetch replaces the record. ``read_cache`` is the one reader
+  (doctor uses it too); a record of the wrong shape counts as corrupt.
 - An absent attribute (404) is an answer: /etc/environment is still written, and an
   existing tpu-env file is left as it is (it is not deleted).
 - /etc/environment gets ``env.environment`` whatever metadata says.
@@ -39,6 +54,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import types
 from collections.abc import Callable, Mapping
@@ -64,8 +80,13 @@ log = logging.getLogger("tpuboot.envsync")
 
 TPU_ENV_ATTRIBUTE = "instance/attributes/tpu-env"
 CACHE_NAME = "tpu-env.json"
-# The /etc/environment lines tpuboot wrote, for the package's purge (debian/tpuboot.postrm).
-CACHE_FORMAT = 1
+#: 2: the record names its instance (``product_uuid``); 1 (older tpuboot): it does not.
+CACHE_FORMAT = 2
+#: The SMBIOS system UUID: set per instance by GCE (and QEMU's ``-uuid``), readable by root only.
+PRODUCT_UUID_PATH = "/sys/class/dmi/id/product_uuid"
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+#: What firmware puts there when it has no UUID to give: never an instance's identity.
+_NO_UUID = frozenset({"00000000-0000-0000-0000-000000000000", "ffffffff-ffff-ffff-ffff-ffffffffffff"})
 TPU_ENV_MODE = 0o644  # the runtime user must read it; only root writes it
 CACHE_MODE = 0o600
 #: The watch's wait after an unexpected exception: first, doubling up to the maximum.
@@ -86,10 +107,106 @@ class SyncResult:
 
 
 @dataclass(frozen=True)
-class _Cached:
+class Cached:
+    """A cache record: the raw YAML, its ETag, when it was fetched and on which instance."""
+
     yaml: str
     etag: str | None
     fetched: str  # ISO 8601 UTC
+    product_uuid: str | None  # the instance that fetched it (None: a format-1 record)
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """The cache as this instance sees it: ``cached`` when usable, else why not (``problem``).
+    Both None: there is no record."""
+
+    cached: Cached | None
+    problem: str | None = None
+
+
+def instance_identity(root: Root) -> str | None:
+    """This machine's SMBIOS system UUID in lower case, or None when it has none worth trusting."""
+    try:
+        with open(root.path(PRODUCT_UUID_PATH), "rb") as file:
+            raw = file.read(128)
+    except OSError:
+        return None
+    text = raw.decode("ascii", "replace").strip().lower()
+    if not _UUID.fullmatch(text) or text in _NO_UUID:
+        return None
+    return text
+
+
+def cache_path(config: Config) -> str:
+    return config.env.cache_dir.rstrip("/") + "/" + CACHE_NAME
+
+
+def read_cache(root: Root, config: Config) -> CacheState:
+    """The cache record if it is this instance's, else the reason it is not used; logs nothing."""
+    path = cache_path(config)
+    try:
+        raw = read_file(root, path, limit=8 * max(config.metadata.max_body, 1 << 16))
+    except FileWriteError as exc:
+        return CacheState(None, f"tpu-env cache: {exc}")
+    if raw is None:
+        return CacheState(None)
+    record = _parse_record(raw)
+    if record is None:
+        return CacheState(None, f"tpu-env cache {path} is corrupt")
+    here = instance_identity(root)
+    if here is None:
+        return CacheState(
+            None,
+            f"tpu-env cache {path}: this machine has no usable system UUID ({PRODUCT_UUID_PATH}), "
+            "so tpuboot cannot tell whether the record is its own",
+        )
+    if record.product_uuid is None:
+        return CacheState(
+            None,
+            f"tpu-env cache {path} does not name its instance (an older tpuboot wrote it, "
+            "perhaps on the image's build VM, or this machine had no system UUID then)",
+        )
+    if here != record.product_uuid:
+        return CacheState(
+            None,
+            f"tpu-env cache {path} belongs to another instance (system UUID {record.product_uuid}, "
+            f"this one is {here}: a disk cloned or moved from it)",
+        )
+    return CacheState(record)
+
+
+def _warn_unused(problem: str, path: str) -> None:
+    log.warning(
+        "%s; not using it (the next good fetch from metadata replaces it)",
+        problem,
+        extra={"TPU_ENV_CACHE": path},
+    )
+
+
+def _parse_record(raw: bytes) -> Cached | None:
+    """A record of either format, or None if it is not one (bad JSON, a field missing or mistyped)."""
+    try:
+        record = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    if not isinstance(record, dict):
+        return None
+    yaml, etag, fetched = record.get("tpu_env"), record.get("etag"), record.get("fetched")
+    form, uuid = record.get("format"), record.get("product_uuid")
+    if form not in (1, CACHE_FORMAT) or isinstance(form, bool):
+        return None
+    if (
+        not isinstance(yaml, str)
+        or not isinstance(fetched, str)
+        or not (etag is None or isinstance(etag, str))
+    ):
+        return None
+    if form == 1:
+        return Cached(yaml, etag, fetched, None)
+    if uuid is not None and not (isinstance(uuid, str) and _UUID.fullmatch(uuid)):
+        return None
+    return Cached(yaml, etag, fetched, uuid)  # None: written on a machine without a system UUID
 
 
 def _now_utc() -> datetime.datetime:
@@ -128,10 +245,12 @@ class EnvSync:
         self.watch_retry = (WATCH_RETRY_FIRST, WATCH_RETRY_MAX)
         self._unexpected_seen: set[str] = set()
         self._untrusted_seen: set[str] = set()
+        self._unused_seen: set[str] = set()
+        self._config = config
 
     @property
     def cache_path(self) -> str:
-        return self._env.cache_dir.rstrip("/") + "/" + CACHE_NAME
+        return cache_path(self._config)
 
     def parsed_values(self) -> Mapping[str, str] | None:
         """tpu-env's values as tpuboot parsed them: those the last good sync wrote, else those of the
@@ -362,35 +481,29 @@ class EnvSync:
         return failures
 
     def _save_cache(self, text: str, etag: str | None) -> None:
-        """Keep the last good value; a failure here costs only the next offline boot, so it only warns."""
-        record = {"format": CACHE_FORMAT, "fetched": self._clock().isoformat(), "etag": etag, "tpu_env": text}
+        """Keep the last good value with this instance's identity; a failure here costs only the next
+        offline boot, so it only warns."""
+        record = {
+            "format": CACHE_FORMAT,
+            "product_uuid": instance_identity(self._root),
+            "fetched": self._clock().isoformat(),
+            "etag": etag,
+            "tpu_env": text,
+        }
         data = (json.dumps(record, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
         try:
             write_file(self._root, self.cache_path, data, mode=CACHE_MODE)
         except FileWriteError as exc:
             log.warning("tpu-env cache: %s", exc, extra={"TPU_ENV_CACHE": self.cache_path})
 
-    def _load_cache(self) -> _Cached | None:
-        try:
-            raw = read_file(self._root, self.cache_path, limit=8 * max(self._metadata.max_body, 1 << 16))
-        except FileWriteError as exc:
-            log.warning("tpu-env cache: %s", exc, extra={"TPU_ENV_CACHE": self.cache_path})
-            return None
-        if raw is None:
-            return None
-        try:
-            record = json.loads(raw)
-            cached = _Cached(record["tpu_env"], record.get("etag"), record["fetched"])
-        except (ValueError, TypeError, KeyError):
-            log.warning(
-                "tpu-env cache %s is corrupt; ignoring it (the next good fetch replaces it)",
-                self.cache_path,
-                extra={"TPU_ENV_CACHE": self.cache_path},
-            )
-            return None
-        if not isinstance(cached.yaml, str) or not isinstance(cached.fetched, str):
-            return None
-        return cached
+    def _load_cache(self) -> Cached | None:
+        """This instance's cache record; a record not used is named once per reason (the boot sync
+        and parsed_values both look)."""
+        state = read_cache(self._root, self._config)
+        if state.problem is not None and state.problem not in self._unused_seen:
+            self._unused_seen.add(state.problem)
+            _warn_unused(state.problem, self.cache_path)
+        return state.cached
 
     def _with_environment(self, result: SyncResult) -> SyncResult:
         """Also set env.environment in /etc/environment; a failure there is added to the status line."""

@@ -102,11 +102,18 @@ def client(emulator: MetadataEmulator) -> Iterator[MetadataClient]:
     c.close()
 
 
+#: The SMBIOS system UUID of the ``root`` tree's instance.
+INSTANCE_UUID = "5d1c3a7e-0b6f-4e2a-9c41-7f3e2d1b0a98"
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Root:
     """A temporary host tree with /etc and /home/tpu-runtime, as on a TPU VM image."""
     (tmp_path / "root" / "etc").mkdir(parents=True)
     (tmp_path / "root" / "home" / "tpu-runtime").mkdir(parents=True)
+    dmi = tmp_path / "root" / "sys" / "class" / "dmi" / "id"  # the instance's identity (envsync)
+    dmi.mkdir(parents=True)
+    (dmi / "product_uuid").write_text(INSTANCE_UUID + "\n")
     return Root(tmp_path / "root")
 
 

@@ -19,6 +19,7 @@ from tpuboot import cli, imagecheck
 from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig
 from tpuboot.dockerapi import Unreachable
 from tpuboot.doctor import Doctor, Verdict, docker_container_state
+from tpuboot.envsync import PRODUCT_UUID_PATH
 from tpuboot.errors import MetadataError
 from tpuboot.paths import Root
 from tpuboot.tpuenv import parse_env_file, render_env_file
@@ -34,6 +35,7 @@ TPU_ENV = {
     "ODD": 'a"b$c`d\\e\nf',
 }
 ADDRESSES = [f"0000:00:0{4 + i}.0" for i in range(4)]
+UUID = "0c5f2b8e-61d4-4f0a-b3c7-9e2a1d8f4b60"  # the instance's SMBIOS system UUID
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +74,15 @@ def set_tpu_env(top: Path, values: dict[str, str]) -> None:
     env = EnvConfig()
     write(top, env.tpu_env_path, render_env_file(values))
     fetched = "2026-11-29T20:00:00+00:00"
-    record = {"format": 1, "fetched": fetched, "etag": "e1", "tpu_env": json.dumps(values)}
+    record = {
+        "format": 2,
+        "product_uuid": UUID,
+        "fetched": fetched,
+        "etag": "e1",
+        "tpu_env": json.dumps(values),
+    }
     write(top, f"{env.cache_dir}/tpu-env.json", json.dumps(record))
+    write(top, PRODUCT_UUID_PATH, UUID.upper() + "\n")  # this instance wrote the record
 
 
 @pytest.fixture(params=["module", "builtin"])
@@ -470,3 +479,12 @@ def test_without_tpu_env_or_metadata_the_slice_says_why_it_is_not_judged(kernel)
             "no TPU machine type (the metadata server: not asked: the root is not this host) "
             "and no accelerator type in tpu-env"
         )
+
+
+def test_a_cache_record_of_another_instance_fails_freshness_with_the_reason(kernel):
+    kernel.p(PRODUCT_UUID_PATH).write_text("0f0e0d0c-0b0a-4908-8706-050403020100\n")  # a clone of the VM
+    verdicts = doctor(kernel)
+    assert failing(verdicts) == ["tpu-env-fresh"]
+    fresh = next(v.result for v in verdicts if v.result.name == "tpu-env-fresh")
+    assert f"belongs to another instance (system UUID {UUID}, this one is 0f0e0d0c-" in fresh.detail
+    assert fresh.fix

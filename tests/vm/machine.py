@@ -177,6 +177,7 @@ class VM:
         quiet: bool = True,
         name: str = "vm",
         workdir: Path | None = None,
+        uuid: str | None = None,
     ) -> None:
         self.image = Path(image)
         self.kernel = Path(kernel)
@@ -191,6 +192,7 @@ class VM:
         self.reboot_allowed = reboot
         self.quiet = quiet
         self.name = name
+        self.uuid = uuid  # the SMBIOS system UUID (QEMU's -uuid): the guest's product_uuid
         # For QEMU's -name and the work folder: no commas (QEMU option syntax), short
         # enough for the 108-byte limit on unix socket paths.
         self._safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:40]
@@ -235,6 +237,8 @@ class VM:
         ]  # fmt: skip
         if not self.reboot_allowed:
             argv.append("-no-reboot")
+        if self.uuid is not None:
+            argv += ["-uuid", self.uuid]
         if self.iommu:
             # Before any other PCI device, so that all of them sit behind it.
             argv += ["-device", "intel-iommu,intremap=on"]
