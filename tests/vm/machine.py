@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from uuid import uuid4
 
 from .accel import accel_args, select_accel
 from .agent import AgentClient, AgentError, Result
@@ -192,7 +193,9 @@ class VM:
         self.reboot_allowed = reboot
         self.quiet = quiet
         self.name = name
-        self.uuid = uuid  # the SMBIOS system UUID (QEMU's -uuid): the guest's product_uuid
+        # The SMBIOS system UUID (QEMU's -uuid), the guest's product_uuid: one per VM, as GCE gives
+        # each instance (tpuboot's cache is tied to it), unless a test names it.
+        self.uuid = uuid if uuid is not None else str(uuid4())
         # For QEMU's -name and the work folder: no commas (QEMU option syntax), short
         # enough for the 108-byte limit on unix socket paths.
         self._safe_name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:40]
@@ -237,8 +240,7 @@ class VM:
         ]  # fmt: skip
         if not self.reboot_allowed:
             argv.append("-no-reboot")
-        if self.uuid is not None:
-            argv += ["-uuid", self.uuid]
+        argv += ["-uuid", self.uuid]
         if self.iommu:
             # Before any other PCI device, so that all of them sit behind it.
             argv += ["-device", "intel-iommu,intremap=on"]

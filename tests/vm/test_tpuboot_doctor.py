@@ -59,7 +59,6 @@ def vm(vm_artifacts: Artifacts, tpuboot_image: Path) -> Iterator[VM]:
         devices=["edu", "edu"],
         cmdline_extra=" ".join(KERNEL_PARAMS),
         name="doctor",
-        uuid="d0c7012a-0000-4000-8000-000000000001",  # a system UUID, as GCE gives (tpu-env-fresh)
     ) as machine:
         machine.wait_booted()
         machine.wait_until(
