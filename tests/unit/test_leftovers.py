@@ -123,6 +123,7 @@ def test_a_rule_setting_driver_override_is_a_binder(tmp_path):
 def test_no_binder_in_harmless_rules(tmp_path, rules):
     write(tmp_path, "/etc/udev/rules.d/90-local.rules", rules)
     write(tmp_path, "/usr/bin/logger", "#!/bin/sh\n")
+    write(tmp_path, "/usr/bin/tpuboot", "# writes vfio-pci to driver_override, as a binder does\n")
     found = check(tmp_path, "leftover-vfio-binder")
     assert (found.status, found.detail) == ("PASS", "no udev rule binds to vfio-pci but tpuboot")
 
