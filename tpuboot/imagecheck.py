@@ -26,6 +26,7 @@ from typing import Literal
 
 from tpuboot import subproc
 from tpuboot.atomicfile import read_file
+from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.errors import TpubootError, UsageError
 from tpuboot.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.paths import Root
@@ -640,6 +641,7 @@ CLOUD_INSTANCE_FILES = ("user-data.txt", "cloud-config.txt", "vendor-data.txt")
 _NOT_FILES = ("/proc/", "/sys/", "/dev/", "/run/")
 _NAMED_PATH = re.compile(r"(?<![\w$}])/[\w.+@-]+(?:/[\w.+@-]+)+")
 MAX_NAMED_PATHS = 64  # paths named in one runner that are followed to their scripts
+MAX_SCRIPT_BYTES = 256 << 10  # bigger files (dockerd, udev's hwdb.bin) are no boot script: not read
 
 
 def _own(path: str) -> bool:
@@ -647,9 +649,11 @@ def _own(path: str) -> bool:
 
 
 def _read_quiet(root: Root, path: str) -> str | None:
-    """``path``'s text, or None when it is absent, not a regular file, unreadable or not text: a
-    leftover scan reads files it knows nothing about and judges only those it can read."""
+    """``path``'s text, or None when it is absent, not a regular file, big, unreadable or not
+    text: a leftover scan reads files it knows nothing about and judges only those it can read."""
     try:
+        if root.path(path).stat().st_size > MAX_SCRIPT_BYTES:
+            return None
         return _read(root, path)
     except (TpubootError, OSError, UnicodeDecodeError):
         return None
@@ -776,23 +780,24 @@ def _run_programs(rule: list[tuple[str, str, str]]) -> list[str]:
 
 
 def _rule_binds(root: Root, rule: list[tuple[str, str, str]]) -> str | None:
-    """What makes ``rule`` a vfio binder (the program it runs, or its driver_override), or None."""
+    """What makes ``rule`` a vfio binder (the script it runs, or its driver_override), or None."""
     for key, op, value in rule:
         if key == "ATTR{driver_override}" and op in ("=", ":=") and value == "vfio-pci":
             return 'ATTR{driver_override}="vfio-pci"'
     for program in _run_programs(rule):
         if _own(program):
             continue
-        if "bind_to_vfio_pci" in os.path.basename(program):
-            return program
         # udev runs a relative program from its own directories.
         paths = (
             [program]
             if program.startswith("/")
             else [f"{d}/{program}" for d in ("/lib/udev", "/usr/lib/udev")]
         )
-        if any(_binds_vfio(_read_quiet(root, path) or "") for path in paths):
-            return program
+        for path in paths:
+            if _binds_vfio(_read_quiet(root, path) or ""):
+                return path
+        if "bind_to_vfio_pci" in os.path.basename(program):  # its script may be gone: still a binder
+            return paths[0]
     return None
 
 
@@ -800,24 +805,22 @@ def _rule_binds(root: Root, rule: list[tuple[str, str, str]]) -> str | None:
 def check_leftover_vfio_binder(root: Root) -> CheckResult:
     """A udev rule that binds TPUs to vfio-pci races tpuboot's bind (both write driver_override,
     unbind and probe the same device): FAIL. A bind script no rule runs: WARN."""
-    rules: list[str] = []
-    runs: set[str] = set()
+    rules: dict[str, list[str]] = {}  # rule file -> what binds in it
     for shown, text in _texts(root, _layered(root, UDEV_RULES_DIRS, "*.rules")):
-        if _own(shown):
-            continue
         binders = [b for b in (_rule_binds(root, rule) for rule in _udev_rules(text)) if b]
-        if binders:
-            rules.append(f"{shown} ({', '.join(dict.fromkeys(binders))})")
-            runs.update(b for b in binders if b.startswith("/"))
+        if binders and not _own(shown):
+            rules[shown] = list(dict.fromkeys(binders))
     if rules:
-        scripts = " and ".join(sorted(runs))
-        also = f" (and {scripts})" if scripts else ""
-        return failed(
-            f"udev binds TPUs to vfio-pci beside tpuboot: {'; '.join(rules)}",
-            f"remove {', '.join(r.split(' (')[0] for r in rules)}{also}: tpuboot binds TPUs itself",
+        scripts = sorted(
+            {b for binders in rules.values() for b in binders if b.startswith("/") and root.path(b).is_file()}
         )
-    idle = [path for path, text in _scripts(root) if path.endswith(".sh") or "bind_to_vfio_pci" in path]
-    idle = [path for path in idle if _binds_vfio(_read_quiet(root, path) or "")]
+        also = f" (and {' and '.join(scripts)})" if scripts else ""
+        named = "; ".join(f"{path} ({', '.join(binders)})" for path, binders in rules.items())
+        return failed(
+            f"udev binds TPUs to vfio-pci beside tpuboot: {named}",
+            f"remove {' and '.join(rules)}{also}: tpuboot binds TPUs itself",
+        )
+    idle = [path for path, text in _scripts(root) if _binds_vfio(text)]
     if idle:
         return warned(
             f"{', '.join(idle)} binds devices to vfio-pci; no udev rule runs it",
@@ -881,17 +884,11 @@ def check_leftover_tpu_env_writer(root: Root) -> CheckResult:
     )
 
 
-def _environment_keys() -> tuple[str, ...]:
-    from tpuboot.config import DEFAULT_ENVIRONMENT
-
-    return tuple(DEFAULT_ENVIRONMENT)
-
-
 def _appends_environment(text: str) -> bool:
     """A line appending one of tpuboot's /etc/environment keys (CLOUDSDK_PYTHON, the GCS
     timeouts), as the documented scripts do at every boot."""
     appends = re.compile(r"""(?:>>\s*|\btee\s+(?:-\w+\s+)*-a\s+(?:-\w+\s+)*)["']?/etc/environment\b""")
-    keys = re.compile(r"\b(?:" + "|".join(map(re.escape, _environment_keys())) + r")=")
+    keys = re.compile(r"\b(?:" + "|".join(map(re.escape, DEFAULT_ENVIRONMENT)) + r")=")
     return any(appends.search(line) and keys.search(line) for line in text.splitlines())
 
 

@@ -90,13 +90,23 @@ def test_documented_udev_rule_is_a_second_binder(tmp_path):
     )
 
 
+def test_the_documented_rule_without_its_script_still_fails(tmp_path):
+    """udev logs the failed RUN at every add; the rule is what to remove."""
+    write(tmp_path, "/etc/udev/rules.d/99-tpu-vfiopci.rules", VFIO_RULES)
+    found = check(tmp_path, "leftover-vfio-binder")
+    assert (found.status, found.fix) == (
+        "FAIL",
+        "remove /etc/udev/rules.d/99-tpu-vfiopci.rules: tpuboot binds TPUs itself",
+    )
+
+
 def test_a_binder_is_found_by_what_its_script_does_not_its_name(tmp_path):
     write(tmp_path, "/lib/udev/rules.d/60-accel-vfio.rules", 'ACTION=="add", RUN+="tpu-bind %k"\n')
     write(tmp_path, "/lib/udev/tpu-bind", BIND_SCRIPT)  # udev runs a relative program from /lib/udev
     found = check(tmp_path, "leftover-vfio-binder")
     assert (found.status, found.fix) == (
         "FAIL",
-        "remove /lib/udev/rules.d/60-accel-vfio.rules: tpuboot binds TPUs itself",
+        "remove /lib/udev/rules.d/60-accel-vfio.rules (and /lib/udev/tpu-bind): tpuboot binds TPUs itself",
     )
 
 
