@@ -1,6 +1,7 @@
 """Which of the settings a TPU OS image needs are in force: the kernel command line, vfio-pci in
 the kernel, transparent huge pages, memlock/nofile limits for logins, services and container
-runtimes, the accel udev rule.
+runtimes, the accel udev rule; and the documented procedure's files left in the image that would
+fight tpuboot (the ``leftover-*`` checks).
 
 Each check reads files through a Root, so it runs the same on the host, against an image tree
 (``--root``) and on a test's temporary tree. A fact that exists only on a running system
