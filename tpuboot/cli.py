@@ -226,12 +226,12 @@ def cmd_env(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_image_check(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.imagecheck import run_checks
 
-    results = run_checks(ctx.root)
+    results = run_checks(ctx.root, [p for text in args.only for p in text.split(",") if p])
     if args.json:
         _print_json([r.as_dict() for r in results])
     else:
         for r in results:
-            fix = f"  fix: {r.fix}" if r.status == "FAIL" and r.fix else ""
+            fix = f"  fix: {r.fix}" if r.status in ("FAIL", "WARN") and r.fix else ""
             print(f"{r.status:<4}  {r.name}: {r.detail}{fix}")
     return EXIT_FAILED if any(r.status == "FAIL" for r in results) else EXIT_OK
 
@@ -247,7 +247,7 @@ def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
     else:
         for v in verdicts:
             r = v.result
-            fix = f"  fix: {r.fix}" if r.status == "FAIL" and r.fix else ""
+            fix = f"  fix: {r.fix}" if r.status in ("FAIL", "WARN") and r.fix else ""
             note = "" if v.required or r.status != "FAIL" else " (advisory)"
             print(f"{r.status:<4}  {r.name}{note}: {r.detail}{fix}")
     return EXIT_FAILED if failed_required(verdicts) else EXIT_OK
@@ -286,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME[,NAME]",
+        help="run only these checks (shell patterns, e.g. 'leftover-*'; repeatable)",
+    )
     p = command("doctor", cmd_doctor, "check that this TPU VM is ready for a workload, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("env", cmd_env, "fetch tpu-env once and write it and /etc/environment")

@@ -1,6 +1,7 @@
 """Which of the settings a TPU OS image needs are in force: the kernel command line, vfio-pci in
 the kernel, transparent huge pages, memlock/nofile limits for logins, services and container
-runtimes, the accel udev rule.
+runtimes, the accel udev rule; and the documented procedure's files left in the image that would
+fight tpuboot (the ``leftover-*`` checks).
 
 Each check reads files through a Root, so it runs the same on the host, against an image tree
 (``--root``) and on a test's temporary tree. A fact that exists only on a running system
@@ -19,14 +20,15 @@ import fnmatch
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from tpuboot import subproc
 from tpuboot.atomicfile import read_file
-from tpuboot.errors import TpubootError
+from tpuboot.config import DEFAULT_ENVIRONMENT
+from tpuboot.errors import TpubootError, UsageError
 from tpuboot.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.paths import Root
 
@@ -58,9 +60,10 @@ def skipped(detail: str) -> CheckResult:
     return CheckResult("", "SKIP", detail)
 
 
-def warned(detail: str) -> CheckResult:
-    """Judged, with a doubt that fails nothing (a value tpuboot's tables do not know)."""
-    return CheckResult("", "WARN", detail)
+def warned(detail: str, fix: str = "") -> CheckResult:
+    """Judged, with a doubt that fails nothing (a value tpuboot's tables do not know, a leftover
+    that duplicates what tpuboot sets); ``fix`` says how to clear it."""
+    return CheckResult("", "WARN", detail, fix)
 
 
 Check = Callable[[Root], CheckResult]
@@ -87,10 +90,21 @@ class Checks:
     def names(self) -> list[str]:
         return list(self._checks)
 
-    def run(self, root: Root) -> list[CheckResult]:
-        """Every check's result; a check that cannot read what it needs FAILs alone."""
+    def select(self, patterns: Sequence[str]) -> list[str]:
+        """The names matching any of ``patterns`` (shell-style: ``leftover-*``), in run order; a
+        pattern matching none is a UsageError."""
+        for pattern in patterns:
+            if not fnmatch.filter(self._checks, pattern):
+                raise UsageError(f"no check named {pattern!r}; the names are {', '.join(self._checks)}")
+        return [name for name in self._checks if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+
+    def run(self, root: Root, names: Sequence[str] | None = None) -> list[CheckResult]:
+        """Every check's result (or those in ``names``); a check that cannot read what it needs
+        FAILs alone."""
         results = []
         for name, func in self._checks.items():
+            if names is not None and name not in names:
+                continue
             try:
                 result = func(root)
             except (OSError, UnicodeDecodeError, TpubootError) as exc:
@@ -102,9 +116,9 @@ class Checks:
 IMAGE_CHECKS = Checks()
 
 
-def run_checks(root: Root) -> list[CheckResult]:
-    """The image checks against ``root`` (``tpuboot image-check``)."""
-    return IMAGE_CHECKS.run(root)
+def run_checks(root: Root, only: Sequence[str] = ()) -> list[CheckResult]:
+    """The image checks against ``root`` (``tpuboot image-check``); ``only``: name patterns."""
+    return IMAGE_CHECKS.run(root, IMAGE_CHECKS.select(only) if only else None)
 
 
 # --- Reading files under the root ---------------------------------------------------------------
@@ -587,4 +601,429 @@ def check_accel_rule(root: Root) -> CheckResult:
     return failed(
         "no udev rule gives accel* mode 0666",
         'install tpuboot (70-tpuboot.rules) or put KERNEL=="accel*", MODE="0666" in /etc/udev/rules.d/',
+    )
+
+
+# --- The documented procedure's leftovers ------------------------------------------------------
+#
+# An image built by the documented custom-image procedure and then given tpuboot keeps the
+# procedure's files, and each fights tpuboot: a second vfio binder racing tpuboot's, a second
+# writer of tpu-env, /etc/environment appended at every boot, GRUB and limits edits that purge
+# cannot take back. They are found by what they do (a udev rule whose RUN binds to vfio-pci, a
+# boot-time script that fetches tpu-env), not by their documented names. A leftover that fights
+# tpuboot is a FAIL; one that only duplicates what tpuboot sets is a WARN. tpuboot's own files
+# (names holding "tpuboot") are never flagged. debian/tpuboot.postinst runs these checks
+# (``image-check --only 'leftover-*'``) to warn at install.
+
+TPUBOOT_UDEV_RULE = "70-tpuboot.rules"
+#: Where the procedure's boot-time scripts live (its write_files targets) and where such scripts
+#: are commonly kept: a script here runs only if something names it.
+SCRIPT_DIRS = ("/var/scripts", "/usr/local/bin", "/usr/local/sbin", "/lib/udev", "/usr/lib/udev")
+#: What runs at boot and may run a leftover: cloud-init's configuration, per-boot/instance/once
+#: scripts, the current instance's user-data and generated scripts, NoCloud seeds baked into the
+#: image, rc.local, cron and the admin's units.
+RUNNER_FILES = (
+    "/etc/cloud/cloud.cfg",
+    "/etc/rc.local",
+    "/etc/crontab",
+    "/var/lib/cloud/seed/nocloud/user-data",
+    "/var/lib/cloud/seed/nocloud-net/user-data",
+)
+RUNNER_DIRS = (
+    "/etc/cloud/cloud.cfg.d",
+    "/var/lib/cloud/scripts/per-boot",
+    "/var/lib/cloud/scripts/per-instance",
+    "/var/lib/cloud/scripts/per-once",
+    "/etc/cron.d",
+    "/etc/systemd/system",
+)
+CLOUD_INSTANCE_LINK = "/var/lib/cloud/instance"  # -> instances/<id>: this instance's files
+CLOUD_INSTANCE_FILES = ("user-data.txt", "cloud-config.txt", "vendor-data.txt")
+_NOT_FILES = ("/proc/", "/sys/", "/dev/", "/run/")
+_NAMED_PATH = re.compile(r"(?<![\w$}])/[\w.+@-]+(?:/[\w.+@-]+)+")
+MAX_NAMED_PATHS = 64  # paths named in one runner that are followed to their scripts
+MAX_SCRIPT_BYTES = 256 << 10  # bigger files (dockerd, udev's hwdb.bin) are no boot script: not read
+
+
+def _own(path: str) -> bool:
+    return "tpuboot" in os.path.basename(path)
+
+
+def _read_quiet(root: Root, path: str) -> str | None:
+    """``path``'s text, or None when it is absent, not a regular file, big, unreadable or not
+    text: a leftover scan reads files it knows nothing about and judges only those it can read."""
+    try:
+        if root.path(path).stat().st_size > MAX_SCRIPT_BYTES:
+            return None
+        return _read(root, path)
+    except (TpubootError, OSError, UnicodeDecodeError):
+        return None
+
+
+def _files_in(root: Root, directory: str) -> list[str]:
+    """The regular files directly in ``directory`` under the root, sorted (none if absent)."""
+    real = root.path(directory)
+    if not real.is_dir():
+        return []
+    return sorted(f"{directory}/{e.name}" for e in real.iterdir() if e.is_file() and not e.is_symlink())
+
+
+def _cloud_instance(root: Root) -> str | None:
+    """The current cloud-init instance directory (the link's target, read under the root)."""
+    link = root.path(CLOUD_INSTANCE_LINK)
+    if not link.is_symlink():
+        return CLOUD_INSTANCE_LINK if link.is_dir() else None
+    target = os.readlink(link)
+    if not target.startswith("/"):
+        target = os.path.normpath(f"{os.path.dirname(CLOUD_INSTANCE_LINK)}/{target}")
+    return target if root.path(target).is_dir() and not root.path(target).is_symlink() else None
+
+
+def _runners(root: Root) -> Iterator[tuple[str, str]]:
+    """(path, text) of every file that runs something at boot, tpuboot's own left out."""
+    paths = list(RUNNER_FILES)
+    for directory in RUNNER_DIRS:
+        paths += _files_in(root, directory)
+    instance = _cloud_instance(root)
+    if instance is not None:
+        paths += [f"{instance}/{name}" for name in CLOUD_INSTANCE_FILES]
+        paths += _files_in(root, f"{instance}/scripts")
+    seen: set[str] = set()
+    for path in paths:
+        if path in seen or _own(path):
+            continue
+        seen.add(path)
+        text = _read_quiet(root, path)
+        if text is not None:
+            yield path, text
+
+
+def _scripts(root: Root) -> Iterator[tuple[str, str]]:
+    """(path, text) of the files in SCRIPT_DIRS, each real file once (/lib may be /usr/lib)."""
+    seen: set[Path] = set()
+    for directory in SCRIPT_DIRS:
+        for path in _files_in(root, directory):
+            real = root.path(path).resolve()
+            if real in seen or _own(path):
+                continue
+            seen.add(real)
+            text = _read_quiet(root, path)
+            if text is not None:
+                yield path, text
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A runner that does the thing (``via``: the script it runs that does it, or None)."""
+
+    runner: str
+    via: str | None = None
+
+    def __str__(self) -> str:
+        return self.runner if self.via is None else f"{self.runner} (running {self.via})"
+
+
+def _boot_leftovers(root: Root, does: Callable[[str], bool]) -> tuple[list[Leftover], list[str]]:
+    """Runners that do what ``does`` recognises, themselves or through a script whose path they
+    name; and the scripts that do it but that nothing in the image runs."""
+    found: list[Leftover] = []
+    run: set[str] = set()
+    for runner, text in _runners(root):
+        if does(text):
+            found.append(Leftover(runner))
+            continue
+        named = [p for p in dict.fromkeys(_NAMED_PATH.findall(text)) if not p.startswith(_NOT_FILES)]
+        for path in named[:MAX_NAMED_PATHS]:
+            script = None if _own(path) else _read_quiet(root, path)
+            if script is not None and does(script):
+                found.append(Leftover(runner, path))
+                run.add(path)
+                break
+    idle = [path for path, text in _scripts(root) if path not in run and does(text)]
+    return found, idle
+
+
+def _removals(found: list[Leftover]) -> str:
+    paths = dict.fromkeys(p for f in found for p in (f.runner, f.via) if p is not None)
+    return " and ".join(paths)
+
+
+def _judge_boot(root: Root, does: Callable[[str], bool], what: str, why: str) -> CheckResult:
+    """FAIL for what runs at boot, WARN for a script nothing in the image runs (instance
+    user-data given at VM creation may), PASS when there is neither."""
+    found, idle = _boot_leftovers(root, does)
+    if found:
+        named = "; ".join(map(str, found))
+        return failed(f"{named}: runs at boot and {what}", f"remove {_removals(found)}: {why}")
+    if idle:
+        return warned(
+            f"{', '.join(idle)}: {what}; nothing in the image runs it (instance user-data may)",
+            f"remove {' and '.join(idle)} and any runcmd that runs it: {why}",
+        )
+    return passed(f"nothing at boot {what}")
+
+
+# A second vfio binder.
+
+
+def _binds_vfio(text: str) -> bool:
+    """A script that binds devices to vfio-pci: it writes vfio-pci as a driver_override."""
+    return "driver_override" in text and "vfio-pci" in text
+
+
+def _run_programs(rule: list[tuple[str, str, str]]) -> list[str]:
+    """The program of each RUN assignment (``RUN{program}`` too; not ``RUN{builtin}``)."""
+    programs = []
+    for key, op, value in rule:
+        if key in ("RUN", "RUN{program}") and op in ("=", "+=", ":=") and value.split():
+            programs.append(value.split()[0])
+    return programs
+
+
+def _rule_binds(root: Root, rule: list[tuple[str, str, str]]) -> str | None:
+    """What makes ``rule`` a vfio binder (the script it runs, or its driver_override), or None."""
+    for key, op, value in rule:
+        if key == "ATTR{driver_override}" and op in ("=", ":=") and value == "vfio-pci":
+            return 'ATTR{driver_override}="vfio-pci"'
+    for program in _run_programs(rule):
+        if _own(program):
+            continue
+        # udev runs a relative program from its own directories.
+        paths = (
+            [program]
+            if program.startswith("/")
+            else [f"{d}/{program}" for d in ("/lib/udev", "/usr/lib/udev")]
+        )
+        for path in paths:
+            if _binds_vfio(_read_quiet(root, path) or ""):
+                return path
+        if "bind_to_vfio_pci" in os.path.basename(program):  # its script may be gone: still a binder
+            return paths[0]
+    return None
+
+
+@IMAGE_CHECKS.add("leftover-vfio-binder")
+def check_leftover_vfio_binder(root: Root) -> CheckResult:
+    """A udev rule that binds TPUs to vfio-pci races tpuboot's bind (both write driver_override,
+    unbind and probe the same device): FAIL. A bind script no rule runs: WARN."""
+    rules: dict[str, list[str]] = {}  # rule file -> what binds in it
+    for shown, text in _texts(root, _layered(root, UDEV_RULES_DIRS, "*.rules")):
+        binders = [b for b in (_rule_binds(root, rule) for rule in _udev_rules(text)) if b]
+        if binders and not _own(shown):
+            rules[shown] = list(dict.fromkeys(binders))
+    if rules:
+        scripts = sorted(
+            {b for binders in rules.values() for b in binders if b.startswith("/") and root.path(b).is_file()}
+        )
+        also = f" (and {' and '.join(scripts)})" if scripts else ""
+        named = "; ".join(f"{path} ({', '.join(binders)})" for path, binders in rules.items())
+        return failed(
+            f"udev binds TPUs to vfio-pci beside tpuboot: {named}",
+            f"remove {' and '.join(rules)}{also}: tpuboot binds TPUs itself",
+        )
+    idle = [path for path, text in _scripts(root) if _binds_vfio(text)]
+    if idle:
+        return warned(
+            f"{', '.join(idle)} binds devices to vfio-pci; no udev rule runs it",
+            f"remove {' and '.join(idle)}: tpuboot binds TPUs itself (`tpuboot bind DBDF` by hand)",
+        )
+    return passed("no udev rule binds to vfio-pci but tpuboot")
+
+
+@IMAGE_CHECKS.add("leftover-accel-rule")
+def check_leftover_accel_rule(root: Root) -> CheckResult:
+    """A second rule setting /dev/accel*'s mode: harmless while both say 0666, but the later file
+    wins over tpuboot's rule and over an admin's override of it (WARN)."""
+    files = _layered(root, UDEV_RULES_DIRS, "*.rules")
+    if not any(os.path.basename(f) == TPUBOOT_UDEV_RULE for f in files):
+        return skipped(f"tpuboot's {TPUBOOT_UDEV_RULE} is not installed: another accel rule is no leftover")
+    others = [
+        shown
+        for shown, text in _texts(root, files)
+        if not _own(shown)
+        and any(
+            any(
+                fnmatch.fnmatchcase("accel0", p)
+                for k, op, v in rule
+                if k == "KERNEL" and op == "=="
+                for p in v.split("|")
+            )
+            and any(k == "MODE" and op in ("=", ":=") for k, op, v in rule)
+            for rule in _udev_rules(text)
+        )
+    ]
+    if others:
+        return warned(
+            f"{', '.join(others)} also sets the accel* mode (the later file wins over {TPUBOOT_UDEV_RULE})",
+            f"remove {' and '.join(others)}: tpuboot's {TPUBOOT_UDEV_RULE} sets it "
+            f"(to change it, put a {TPUBOOT_UDEV_RULE} in /etc/udev/rules.d/)",
+        )
+    return passed(f"only {TPUBOOT_UDEV_RULE} sets the accel* mode")
+
+
+# Boot-time scripts of cloud-init.
+
+_FETCHES_TPU_ENV = re.compile(r"attributes/tpu-env\b")
+_WRITES_TPU_ENV = re.compile(r"""(?:>>?|\btee(?:\s+-a)?)\s*["']?[^\s"';|&]*/tpu-env["']?(?:[\s;|&)]|\Z)""")
+
+
+def _writes_tpu_env(text: str) -> bool:
+    """Fetches the tpu-env attribute (the only reason to at boot is to write it), or redirects
+    output into a file named tpu-env."""
+    return bool(_FETCHES_TPU_ENV.search(text) or _WRITES_TPU_ENV.search(text))
+
+
+@IMAGE_CHECKS.add("leftover-tpu-env-writer")
+def check_leftover_tpu_env_writer(root: Root) -> CheckResult:
+    """Two writers of tpu-env: the last one wins, and the documented one evals the values (a shell
+    injection) and writes no cache, so a slow metadata server at boot leaves an empty file."""
+    return _judge_boot(
+        root,
+        _writes_tpu_env,
+        "writes tpu-env",
+        "tpuboot writes tpu-env (and keeps it current)",
+    )
+
+
+def _appends_environment(text: str) -> bool:
+    """A line appending one of tpuboot's /etc/environment keys (CLOUDSDK_PYTHON, the GCS
+    timeouts), as the documented scripts do at every boot."""
+    appends = re.compile(r"""(?:>>\s*|\btee\s+(?:-\w+\s+)*-a\s+(?:-\w+\s+)*)["']?/etc/environment\b""")
+    keys = re.compile(r"\b(?:" + "|".join(map(re.escape, DEFAULT_ENVIRONMENT)) + r")=")
+    return any(appends.search(line) and keys.search(line) for line in text.splitlines())
+
+
+@IMAGE_CHECKS.add("leftover-environment-appender")
+def check_leftover_environment_appender(root: Root) -> CheckResult:
+    """A boot-time script appending tpuboot's keys to /etc/environment: the file grows at each
+    boot and the appended value counts as the admin's, so tpuboot's env.environment is ignored."""
+    return _judge_boot(
+        root,
+        _appends_environment,
+        "appends tpuboot's keys to /etc/environment",
+        "tpuboot sets each env.environment key once",
+    )
+
+
+_QUERIES_METADATA = re.compile(r"computeMetadata/v1/instance/")
+
+
+def _metadata_utility(text: str) -> bool:
+    """A helper that prints the metadata value named on its command line (get-vm-metadata.py)."""
+    return bool(_QUERIES_METADATA.search(text)) and "sys.argv" in text and not _writes_tpu_env(text)
+
+
+@IMAGE_CHECKS.add("leftover-metadata-script")
+def check_leftover_metadata_script(root: Root) -> CheckResult:
+    """get-vm-metadata.py: harmless, but it asks metadata.google.internal (which may not resolve
+    early in boot) without retries, checking no Metadata-Flavor answer (WARN)."""
+    found = [path for path, text in _scripts(root) if _metadata_utility(text)]
+    if found:
+        return warned(
+            f"{', '.join(found)} reads metadata values",
+            f"remove {' and '.join(found)}: `tpuboot metadata get KEY [--default V] [--type T]` does it, "
+            "with retries",
+        )
+    return passed("no metadata helper script besides tpuboot's")
+
+
+# Edits of files tpuboot's drop-ins now cover.
+
+
+def _limits_lines(text: str) -> list[str]:
+    """limits.conf lines setting memlock or nofile for every user (``*``) or root."""
+    lines = []
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        if len(fields) == 4 and fields[0] in ("*", "root") and fields[2] in ITEMS:
+            lines.append(" ".join(fields))
+    return lines
+
+
+@IMAGE_CHECKS.add("leftover-limits-conf")
+def check_leftover_limits(root: Root) -> CheckResult:
+    """memlock/nofile lines in limits.conf beside tpuboot's drop-in: it wins (read later), and
+    ``apt purge tpuboot`` cannot take the edits back (WARN)."""
+    if _read(root, PAM_DROPIN) is None:
+        return skipped(f"no {PAM_DROPIN}: the limits.conf lines are no leftover")
+    lines = _limits_lines(_read(root, PAM_LIMITS) or "")
+    if lines:
+        return warned(
+            f"{PAM_LIMITS} sets memlock/nofile ({'; '.join(lines)}) beside {PAM_DROPIN}",
+            f"remove the memlock and nofile lines from {PAM_LIMITS}: {PAM_DROPIN} sets them",
+        )
+    return passed(f"only {PAM_DROPIN} sets memlock and nofile")
+
+
+GRUB_DEFAULT = "/etc/default/grub"
+TPU_PARAMS = {"idle": "poll", "transparent_hugepage": "always", "intel_iommu": "on,sm_on"}
+_GRUB_CMDLINE = re.compile(r"""^\s*(GRUB_CMDLINE_LINUX(?:_DEFAULT)?)=(?:"([^"]*)"|'([^']*)'|(\S*))""", re.M)
+
+
+def _param_ok(name: str, values: list[str]) -> bool:
+    if name == "intel_iommu":
+        return _intel_iommu_ok(list(values))
+    return values[-1:] == [TPU_PARAMS[name]]
+
+
+@IMAGE_CHECKS.add("leftover-grub-cmdline")
+def check_leftover_grub(root: Root) -> CheckResult:
+    """TPU parameters typed into /etc/default/grub. tpuboot's drop-in adds a parameter only if it
+    is not set, so a wrong value there wins (the documented THP sed, run after the IOMMU one,
+    gives ``intel_iommu=on transparent_hugepage=always,sm_on``): FAIL. Right values only
+    duplicate the drop-in's, but stay after ``apt purge tpuboot``: WARN."""
+    text = _read(root, GRUB_DEFAULT)
+    if text is None:
+        return passed(f"no {GRUB_DEFAULT}: no parameter typed there")
+    line: dict[str, str] = {}
+    for match in _GRUB_CMDLINE.finditer(text):  # the last assignment of each variable wins
+        line[match.group(1)] = next(g for g in match.groups()[1:] if g is not None)
+    words = " ".join(line.get(v, "") for v in ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")).split()
+    set_here: dict[str, list[str]] = {}
+    for word in words:
+        name, _, value = word.partition("=")
+        if name in TPU_PARAMS:
+            set_here.setdefault(name, []).append(value)
+    if not set_here:
+        return passed(f"{GRUB_DEFAULT} sets no TPU kernel parameter")
+    wrong = {name: values for name, values in set_here.items() if not _param_ok(name, values)}
+    shown = " ".join(f"{name}={v}" for name, values in set_here.items() for v in values)
+    if wrong:
+        want = " ".join(f"{name}={TPU_PARAMS[name]}" for name in wrong)
+        return failed(
+            f"{GRUB_DEFAULT} sets {shown}; tpuboot's drop-in then adds nothing for {', '.join(wrong)}",
+            f"remove {' '.join(f'{n}={v}' for n, vs in wrong.items() for v in vs)} from {GRUB_DEFAULT} "
+            f"(tpuboot's {GRUB_DROPIN} adds {want}), update-grub, reboot",
+        )
+    if not root.path(GRUB_DROPIN).exists():
+        return passed(f"{GRUB_DEFAULT} sets {shown} (no {GRUB_DROPIN}: they are needed there)")
+    return warned(
+        f"{GRUB_DEFAULT} sets {shown}, as {GRUB_DROPIN} does",
+        f"remove {shown} from {GRUB_DEFAULT}, update-grub: {GRUB_DROPIN} adds them (and purge removes it)",
+    )
+
+
+_ENV_KEY = re.compile(r"^[ \t]*(?:export[ \t]+)?([A-Za-z_][A-Za-z0-9_]*)=")
+ENVIRONMENT = "/etc/environment"
+
+
+@IMAGE_CHECKS.add("leftover-environment-duplicates")
+def check_leftover_environment_duplicates(root: Root) -> CheckResult:
+    """Keys assigned more than once in /etc/environment (the documented scripts appended at
+    every boot): pam_env reads the last, so the lines are only noise while they agree (WARN)."""
+    text = _read(root, ENVIRONMENT)
+    if text is None:
+        return passed(f"no {ENVIRONMENT}: no line repeated")
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        match = _ENV_KEY.match(line)
+        if match:
+            counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    repeated = {key: n for key, n in counts.items() if n > 1}
+    if not repeated:
+        return passed(f"{ENVIRONMENT} assigns each variable once")
+    listed = ", ".join(f"{key} {n} times" for key, n in sorted(repeated.items()))
+    return warned(
+        f"{ENVIRONMENT} assigns {listed}",
+        f"keep one line per variable in {ENVIRONMENT} (`tpuboot env` collapses its keys' identical repeats)",
     )

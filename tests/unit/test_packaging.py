@@ -526,6 +526,49 @@ def test_purge_leaves_a_users_home_and_files_that_are_not_tpuboots(installed):
     assert (home / "tpu-env").read_text() == "mine"
 
 
+@needs_build_tools
+def test_postinst_warns_of_the_documented_procedures_leftovers(installed, tmp_path):
+    """The image's own tpuboot (run by the host's python3 under DPKG_ROOT) names each leftover and
+    its fix on stderr; the install succeeds all the same and leaves no byte-code behind."""
+    root, env, _log = installed
+    rules = root / "etc/udev/rules.d"
+    rules.mkdir(parents=True)
+    (rules / "99-tpu-vfiopci.rules").write_text(
+        'SUBSYSTEM=="pci", ATTRS{vendor}=="0x1ae0", TAG+="bind_to_vfio_pci"\n'
+        'TAG=="bind_to_vfio_pci", RUN+="/lib/udev/bind_to_vfio_pci.sh $kernel"\n'
+    )
+    (root / "etc/environment").write_text("GCS_RESOLVE_REFRESH_SECS=60\nGCS_RESOLVE_REFRESH_SECS=60\n")
+    done = maintscript(root, env, "postinst", "configure", "")
+    lines = [line for line in done.stderr.splitlines() if "leftover-" in line]
+    assert [line.split()[:3] for line in lines] == [
+        ["tpuboot:", "FAIL", "leftover-vfio-binder:"],
+        ["tpuboot:", "WARN", "leftover-environment-duplicates:"],
+    ]
+    assert "fix: remove /etc/udev/rules.d/99-tpu-vfiopci.rules" in lines[0]
+    assert "tpuboot binds TPUs itself" in lines[0]
+    assert not list((root / "usr/lib/python3/dist-packages").rglob("__pycache__"))
+
+
+@needs_build_tools
+def test_postinst_says_nothing_of_leftovers_on_a_clean_image(installed):
+    root, env, _log = installed
+    (root / "etc/environment").write_text("GCS_RESOLVE_REFRESH_SECS=60\n")
+    done = maintscript(root, env, "postinst", "configure", "")
+    assert "leftover-" not in done.stderr
+
+
+@needs_build_tools
+def test_postinst_leftover_scan_never_fails_the_install(installed, tmp_path):
+    """A python3 that cannot run tpuboot (here: one that fails) changes nothing: exit 0."""
+    root, env, log = installed
+    stubs = Path(env["PATH"].split(":")[0])
+    (stubs / "python3").write_text(f'#!/bin/sh\necho "python3 $*" >> {log}\nexit 1\n')
+    (stubs / "python3").chmod(0o755)
+    done = maintscript(root, env, "postinst", "configure", "")
+    assert "image-check --only leftover-*" in log.read_text()
+    assert "leftover-" not in done.stderr
+
+
 # A docker CLI standing in for the real one (tests/vm has the real dockerd): `ps` prints the names
 # in $FAKE_DOCKER_PS and exits $FAKE_DOCKER_STATUS (0 by default); every call is logged.
 FAKE_DOCKER = """#!/bin/sh

@@ -45,6 +45,8 @@ MUST_PASS = {
     "tpu-env-fresh",
     "environment",
 }
+# The documented rule's last line (the tagging lines before it match no stand-in anyway).
+LEFTOVER_RULE = 'TAG=="bind_to_vfio_pci", RUN+="/lib/udev/bind_to_vfio_pci.sh $kernel"'
 DOCTOR_ENV = {"GCE_METADATA_HOST": "127.0.0.1:8080"}  # the guest's metadata emulator
 LIMITS = "/etc/security/limits.d/tpuboot.conf"
 METRICS_URL = "http://127.0.0.1:9431/metrics"  # metrics.address and metrics.port by default
@@ -146,6 +148,18 @@ def test_each_broken_setting_fails_exactly_its_check(
         assert newly_failing(vm, baseline) == {"pam-memlock", "pam-nofile"}
     finally:
         vm.run(["mv", "/root/limits.conf.away", LIMITS], check=True)
+
+    # The documented procedure's udev rule left in the image: a second vfio binder, named.
+    rule = "/etc/udev/rules.d/99-tpu-vfiopci.rules"
+    vm.run(f"printf '%s\\n' {shlex.quote(LEFTOVER_RULE)} > {rule}", check=True)
+    try:
+        report = doctor(vm)[1]
+        assert failing(report) - baseline == {"leftover-vfio-binder"}
+        leftover = report["leftover-vfio-binder"]
+        assert str(leftover["detail"]).endswith(f"{rule} (/lib/udev/bind_to_vfio_pci.sh)"), leftover
+        assert leftover["fix"] == f"remove {rule}: tpuboot binds TPUs itself", leftover
+    finally:
+        vm.run(["rm", "-f", rule], check=True)
 
     # A kernel parameter missing: a doctored /proc/cmdline bind-mounted over the real one.
     vm.run(
