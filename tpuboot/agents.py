@@ -1,7 +1,10 @@
 """The daemon's agents component: the vBar control agent and the AI telemetry collector.
 
 Each enabled agent gets a :class:`~tpuboot.supervisor.Supervisor` in its own thread, unless
-this VM is a GKE node (GKE runs both itself). Nothing here blocks the daemon's loop or READY:
+this VM is a GKE node (GKE runs both itself), and only once it is known to be a TPU VM: a TPU is
+present or tpu-env is held (the daemon calls :meth:`Agents.tpu_vm_seen`). An image-building VM
+has neither, so installing the package there runs no privileged container and pulls nothing into
+the image. Nothing here blocks the daemon's loop or READY:
 the GKE check and dockerd's arrival are waited for in threads, and status lines come back
 through ``notify(label, text)``, which the daemon hands to its loop.
 
@@ -106,6 +109,8 @@ class Agents:
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._tpu_vm = threading.Event()  # a TPU present or tpu-env held: the supervisors may start
+        self._gate = threading.Event()  # set by the first of tpu_vm_seen() and stop()
         for label, enabled in ((VBAR, config.vbar.enabled), (TELEMETRY, config.telemetry.enabled)):
             if enabled:
                 self.statuses[label] = f"{label}: starting"
@@ -123,6 +128,19 @@ class Agents:
         )
         self._thread.start()
 
+    @property
+    def is_tpu_vm(self) -> bool:
+        return self._tpu_vm.is_set()
+
+    def tpu_vm_seen(self, why: str) -> None:
+        """This VM is a TPU VM (``why``: a TPU present, tpu-env held); from any thread, once."""
+        if self._tpu_vm.is_set():
+            return
+        self._tpu_vm.set()
+        if self.statuses:
+            log.info("%s: a TPU VM (%s)", " and ".join(self.statuses), why)
+        self._gate.set()
+
     def set_status(self, label: str, text: str) -> None:
         """On the daemon's loop: record a status line sent with ``notify``."""
         self.statuses[label] = text
@@ -137,6 +155,7 @@ class Agents:
     def stop(self) -> None:
         """Stop supervising. Containers keep running; an exec child is ended."""
         self.stopping.set()
+        self._gate.set()
         close = getattr(self.metadata, "close", None)
         if close is not None:
             close()  # cuts short a GKE check in flight
@@ -160,6 +179,12 @@ class Agents:
                 log.info("%s", text, extra={"AGENT": label})
                 notify(label, text)
             return
+        if not self._tpu_vm.is_set():
+            for label in self.statuses:
+                text = f"{label}: not started, not a TPU VM (no TPU present, no tpu-env)"
+                log.info("%s; starting once either appears", text, extra={"AGENT": label})
+                notify(label, text)
+            self._gate.wait()
         with self._lock:
             if self.stopping.is_set():
                 return

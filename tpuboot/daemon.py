@@ -153,7 +153,17 @@ class Daemon:
                 target=run_watch, args=(env.sync, env.stop, report), name="tpuboot-env-watch", daemon=True
             ).start()
 
+    def _note_tpu_vm(self) -> None:
+        """vBar and the collector start only on a TPU VM: a TPU present, or tpu-env held."""
+        if self.agents is None:
+            return
+        if self.devices.counts()[1]:
+            self.agents.tpu_vm_seen("a TPU is present")
+        elif self.env is not None and self.env.published.startswith(("source=metadata", "source=cache")):
+            self.agents.tpu_vm_seen("tpu-env is held")
+
     def _publish(self) -> None:
+        self._note_tpu_vm()
         if self._settled is not None and not self._settled.done() and self.devices.settled(self._waited_for):
             self._settled.set_result(None)
         if self.guest_attrs is not None:
@@ -217,6 +227,7 @@ class Daemon:
             def agent_status(label: str, text: str) -> None:  # from a supervisor thread
                 loop.call_soon_threadsafe(self._agent_status, label, text)
 
+            self._note_tpu_vm()  # the TPUs coldplug found; tpu-env, when it comes, in _publish
             self.agents.start(agent_status)
         boot = asyncio.ensure_future(asyncio.gather(*coldplug, self._env_boot(), self._devices_settled()))
         stop = asyncio.ensure_future(self.stopping.wait())

@@ -300,6 +300,7 @@ def test_agents_find_dockerd_under_the_root(dockerd: FakeDockerd) -> None:
     config = Config(gke="false")
     dockerd.images.add(config.vbar.image)
     agents = Agents(config, Root(dockerd.root), None)
+    agents.tpu_vm_seen("a TPU is present")
     status: list[tuple[str, str]] = []
     agents.start(lambda label, text: status.append((label, text)))
     try:

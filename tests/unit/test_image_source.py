@@ -64,8 +64,11 @@ def agents_for(config: Config, root: Root, dockerd: FakeDockerd, sync: EnvSync |
         return DockerAPI(str(dockerd.socket_path))
 
     if sync is None:
-        return Agents(config, root, None, docker_factory=client)
-    return Agents(config, root, None, docker_factory=client, tpu_env=sync.parsed_values)
+        agents = Agents(config, root, None, docker_factory=client)
+    else:
+        agents = Agents(config, root, None, docker_factory=client, tpu_env=sync.parsed_values)
+    agents.tpu_vm_seen("a TPU is present")
+    return agents
 
 
 def user_rewrites(root: Root, image: str) -> None:

@@ -353,6 +353,7 @@ def test_the_agents_refuse_a_tpu_env_image_outside_vbar_registries(dockerd: Fake
     dockerd.images.add("attacker.example/vbar:1")
     values = {"VBARCONTROL_AGENT_DOCKER_URL": "attacker.example/vbar:1"}
     agents = Agents(config, Root(dockerd.root), None, tpu_env=lambda: values)
+    agents.tpu_vm_seen("a TPU is present")
     seen: list[tuple[str, str]] = []
     done = threading.Event()
 

@@ -244,3 +244,64 @@ def test_vbar_image_comes_from_tpu_env_else_the_config() -> None:
     wanted = vbar_spec(config, {"A": "1", "VBARCONTROL_AGENT_DOCKER_URL": "local/vbar:2"})
     assert (wanted.name, wanted.image) == (config.vbar.container_name, "local/vbar:2")
     assert wanted.origin == "tpu-env's VBARCONTROL_AGENT_DOCKER_URL"
+
+
+def test_on_an_image_building_vm_nothing_privileged_starts_until_a_tpu_appears(
+    tmp_path: Path, root: Any
+) -> None:
+    """No TPU and no tpu-env (a VM building an image): vBar is not started and dockerd is never
+    asked, so nothing is pulled into the image; a TPU hot-added later starts it."""
+    from tests.unit.fakekernel import FakeKernel
+    from tests.unit.test_daemon import QueueMonitor, RecordingNotifier
+    from tests.unit.test_vfio import V5P, add_tpu, binder
+    from tpuboot.daemon import Daemon
+
+    asked = threading.Event()
+
+    def docker() -> Any:
+        asked.set()
+        raise ConnectionRefusedError("no dockerd here")
+
+    kernel = FakeKernel(tmp_path / "kernel")
+    kernel.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")  # a boot disk
+    agents = Agents(Config(gke="false"), root, None, docker_factory=docker)
+
+    async def scenario() -> None:
+        monitor = QueueMonitor()
+        daemon = Daemon(binder(kernel), monitor, RecordingNotifier(), agents=agents)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready and "vBar: not started" in daemon.status_line())
+        assert daemon.status_line() == (
+            "no TPUs found; vBar: not started, not a TPU VM (no TPU present, no tpu-env)"
+        )
+        await asyncio.sleep(0.3)
+        assert not asked.is_set()
+        add_tpu(kernel, "0000:00:04.0", V5P, driver=None, group="4")
+        monitor.push("add", "pci", "0000:00:04.0")
+        await until(asked.is_set)
+        await until(lambda: "vBar: waiting" in daemon.status_line())
+        daemon.stopping.set()
+        await asyncio.wait_for(task, 10.0)
+
+    asyncio.run(scenario())
+
+
+def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any) -> None:
+    """tpu-env held (from metadata or the cache) counts as a TPU VM before any TPU shows; a failed
+    or absent tpu-env does not."""
+    from tests.unit.fakekernel import FakeKernel
+    from tests.unit.test_daemon import QueueMonitor, RecordingNotifier
+    from tests.unit.test_vfio import binder
+    from tpuboot.daemon import Daemon, EnvJob
+    from tpuboot.envsync import SyncResult
+
+    agents = Agents(Config(gke="false"), root, None)
+    daemon = Daemon(
+        binder(FakeKernel(tmp_path / "kernel")), QueueMonitor(), RecordingNotifier(), agents=agents
+    )
+    daemon.env = EnvJob(None, None, 1.0, False)
+    for source, keys in (("failed", 0), ("absent", 0)):
+        daemon._env_result(SyncResult(source, keys, None, f"tpu-env: {source}"))
+        assert not agents.is_tpu_vm
+    daemon._env_result(SyncResult("cache", 14, None, "tpu-env: 14 keys from cache"))
+    assert agents.is_tpu_vm
