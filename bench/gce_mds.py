@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import sys
 import threading
 from typing import Any
@@ -102,12 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         bind=args.bind,
         port=args.port,
     )
-    done = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: done.set())
-    with emulator:
-        print(f"GCE metadata emulator listening on {emulator.host}", flush=True)
-        done.wait()
+    mds_emulator.serve_until_signalled(emulator, "GCE metadata emulator")
     return 0
 
 

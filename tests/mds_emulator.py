@@ -603,6 +603,16 @@ def _load_values(path: str | None) -> dict[str, str]:
     return {str(k): v if isinstance(v, str) else tpu_env_yaml(v) for k, v in data.items()}
 
 
+def serve_until_signalled(emulator: MetadataEmulator, what: str) -> None:
+    """Serve until SIGTERM or SIGINT (a guest's systemd unit stops it so), then stop."""
+    done = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: done.set())
+    with emulator:
+        print(f"{what} listening on {emulator.host}", flush=True)
+        done.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="GCE metadata server emulator (for tests)")
     parser.add_argument("--bind", default="127.0.0.1")
@@ -623,12 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     emulator.set_faults(error_rate=args.error_rate, delay=args.delay)
-    done = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: done.set())
-    with emulator:
-        print(f"metadata emulator listening on {emulator.host}", flush=True)
-        done.wait()
+    serve_until_signalled(emulator, "metadata emulator")
     stats = {
         "requests": emulator.request_count,
         "peak_rate": emulator.peak_rate(),
