@@ -246,7 +246,7 @@ IMPORT_STEPS = (
     ("systemd.daemon", "systemd.daemon"),
     ("pyudev", "pyudev"),
     ("requests", "requests"),
-    ("rest of tpuboot.daemon/envsync/metadata", "tpuboot.daemon, tpuboot.envsync, tpuboot.metadata"),
+    ("rest of tpuboot.daemon/envsync/metadata", "tpuboot.daemon, tpuboot.env.sync, tpuboot.env.metadata"),
 )
 _IMPORT_SCRIPT = """
 import json, sys, time
@@ -302,15 +302,15 @@ def wrap(owner, name):
         finally:
             stamp("< " + name)
     setattr(owner, name, traced)
-from tpuboot.vfio import Binder
+from tpuboot.devices.vfio import Binder
 for name in ("bind", "_attach", "prepare_node"):
     wrap(Binder, name)
 wrap(cli, "load_config")
 if mode == "run":
-    import tpuboot.coldplug
+    import tpuboot.devices.udev
     from tpuboot.notify import Notifier
-    wrap(tpuboot.coldplug, "open_udev_monitor")
-    wrap(tpuboot.coldplug, "start_coldplug")
+    wrap(tpuboot.devices.udev, "open_udev_monitor")
+    wrap(tpuboot.devices.udev, "start_coldplug")
     real_import = builtins.__import__
     def stamping_import(name, globals=None, locals=None, fromlist=(), level=0):
         # `tpuboot run` imports the daemon's heavy parts after coldplug started: stamp that span.
@@ -321,7 +321,7 @@ if mode == "run":
         module = real_import(name, globals, locals, fromlist, level)
         if first:
             stamp("< import daemon, envsync, metadata")
-        if name == "tpuboot.envsync" and not hasattr(sys.modules[name].EnvSync.sync_once, "__wrapped__"):
+        if name == "tpuboot.env.sync" and not hasattr(sys.modules[name].EnvSync.sync_once, "__wrapped__"):
             wrap(sys.modules[name].EnvSync, "sync_once")
         return module
     builtins.__import__ = stamping_import

@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO))
 
 from tests.mds_emulator import SAMPLE_TPU_ENV, tpu_env_yaml  # noqa: E402
 from tpuboot.config import Config, EnvConfig, MetadataConfig  # noqa: E402
-from tpuboot.envsync import EnvSync  # noqa: E402
-from tpuboot.metadata import MetadataClient  # noqa: E402
+from tpuboot.env.metadata import MetadataClient  # noqa: E402
+from tpuboot.env.sync import EnvSync  # noqa: E402
 from tpuboot.paths import Root  # noqa: E402
 
 GOAL_PER_HOST = 2.0  # requests per second

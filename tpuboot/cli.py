@@ -11,20 +11,20 @@ from collections.abc import Callable, Mapping, Sequence
 
 from tpuboot import __version__, logs
 from tpuboot.config import CONFIG_PATH, Config, load_config
-from tpuboot.devices import DeviceTable
+from tpuboot.devices.pci import parse_dbdf
+from tpuboot.devices.table import DeviceTable
+from tpuboot.devices.vfio import Binder
 from tpuboot.errors import ConfigError, TpubootError, UsageError
 from tpuboot.paths import ROOT_ENV, Root
-from tpuboot.pci import parse_dbdf
-from tpuboot.vfio import Binder
 
 TYPE_CHECKING = False  # as in tpuboot.config: typing stays out of `tpuboot bind`
 if TYPE_CHECKING:
-    from tpuboot.agents import Agents
-    from tpuboot.envsync import EnvSync
+    from tpuboot.containers.service import Agents
+    from tpuboot.env.sync import EnvSync
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
-METADATA_KINDS = ("attributes", "project-attributes", "instance")  # tpuboot.metadata.KINDS
+METADATA_KINDS = ("attributes", "project-attributes", "instance")  # tpuboot.env.metadata.KINDS
 log = logging.getLogger("tpuboot.cli")
 
 
@@ -61,16 +61,16 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
         log.error("%s; running with built-in defaults", exc)
         ctx._config = config = Config()
     binder = Binder(ctx.root, DeviceTable(config.devices), config.vfio)
-    # The TPUs present are bound while the rest loads (tpuboot.coldplug says why).
-    from tpuboot.coldplug import new_executor, open_udev_monitor, start_coldplug
+    # The TPUs present are bound while the rest loads (tpuboot.devices.udev says why).
+    from tpuboot.devices.udev import new_executor, open_udev_monitor, start_coldplug
 
     monitor = open_udev_monitor()  # before enumerating, so no device falls in between
     executor = new_executor()
     coldplug = start_coldplug(binder, executor)
 
     from tpuboot import daemon, metrics
-    from tpuboot.envsync import EnvSync
-    from tpuboot.metadata import MetadataClient
+    from tpuboot.env.metadata import MetadataClient
+    from tpuboot.env.sync import EnvSync
 
     env = sync = None
     if config.env.enabled:
@@ -101,8 +101,8 @@ def _agents(ctx: Context, config: Config, sync: EnvSync | None) -> Agents | None
     """
     if not (config.vbar.enabled or config.telemetry.enabled):
         return None
-    from tpuboot.agents import Agents
-    from tpuboot.metadata import MetadataClient
+    from tpuboot.containers.service import Agents
+    from tpuboot.env.metadata import MetadataClient
 
     metadata = MetadataClient.from_config(config.metadata) if config.gke == "auto" else None
     if sync is None:
@@ -173,7 +173,7 @@ def cmd_unbind(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.status import driver_summary, survey
+    from tpuboot.devices.survey import driver_summary, survey
 
     binder = ctx.binder()
     tpus = survey(binder)
@@ -193,7 +193,7 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.metadata import MetadataAbsent, MetadataClient, metadata_get
+    from tpuboot.env.metadata import MetadataAbsent, MetadataClient, metadata_get
 
     client = MetadataClient.from_config(ctx.config.metadata)
     try:
@@ -211,8 +211,8 @@ def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_env(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.envsync import EnvSync
-    from tpuboot.metadata import MetadataClient
+    from tpuboot.env.metadata import MetadataClient
+    from tpuboot.env.sync import EnvSync
 
     config = ctx.config
     client = MetadataClient.from_config(config.metadata)
@@ -224,7 +224,7 @@ def cmd_env(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_image_check(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.imagecheck import run_checks
+    from tpuboot.checks.image import run_checks
 
     results = run_checks(ctx.root, [p for text in args.only for p in text.split(",") if p])
     if args.json:
@@ -237,7 +237,7 @@ def cmd_image_check(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.doctor import Doctor, failed_required, metadata_lookup
+    from tpuboot.checks.doctor import Doctor, failed_required, metadata_lookup
 
     config = ctx.config
     lookup = metadata_lookup(config.metadata) if ctx.root.is_host else None
@@ -344,7 +344,7 @@ def _write_metrics_textfile(ctx: Context) -> None:
         if config.metrics.textfile_dir is None:
             return
         from tpuboot import metrics
-        from tpuboot.status import survey
+        from tpuboot.devices.survey import survey
 
         tpus = survey(ctx.binder())
     except Exception as exc:  # the metrics file never changes a command's outcome

@@ -359,7 +359,7 @@ DEFAULT_REGISTRIES = ("gcr.io", "us-docker.pkg.dev")
 
 def parse_registries(value: Any, where: str) -> tuple[str, ...]:
     """A non-empty list of registry hosts (``host[:port]``), each optionally with a path prefix."""
-    from tpuboot.imageref import parse_entry
+    from tpuboot.containers.imageref import parse_entry
 
     if not isinstance(value, list) or not value:
         raise _fail(where, "expected a non-empty list of registry hosts, like [gcr.io, us-docker.pkg.dev]")
@@ -380,7 +380,7 @@ class _PrivilegedImage(Section):
 
     def check(self, where: str) -> None:
         """An image of the file's own that its allowlist refuses is a mistake: say so at load."""
-        from tpuboot.imageref import ImageRefused, RegistryAllowlist
+        from tpuboot.containers.imageref import ImageRefused, RegistryAllowlist
 
         allowlist = RegistryAllowlist(self.registries, f"{self.name}.registries")
         try:

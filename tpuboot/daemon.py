@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tpuboot import __version__
 from tpuboot.backoff import RestartPolicy
-from tpuboot.binding import DeviceAgent
-from tpuboot.coldplug import Coldplug, new_executor
 from tpuboot.config import ReadyConfig
-from tpuboot.envsync import EnvSync, SyncResult
-from tpuboot.metadata import MetadataClient
+from tpuboot.devices.manager import DeviceAgent
+from tpuboot.devices.pci import list_addresses
+from tpuboot.devices.udev import Coldplug, new_executor
+from tpuboot.devices.vfio import Binder
+from tpuboot.env.metadata import MetadataClient
+from tpuboot.env.sync import EnvSync, SyncResult
 from tpuboot.notify import Notifier, watchdog_interval
-from tpuboot.pci import list_addresses
-from tpuboot.vfio import Binder
 
 if TYPE_CHECKING:
-    from tpuboot.agents import Agents
+    from tpuboot.containers.service import Agents
     from tpuboot.guestattrs import Publisher
 
 log = logging.getLogger("tpuboot.daemon")

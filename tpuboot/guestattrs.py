@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Mapping
 
 from tpuboot.config import GuestAttributesConfig
+from tpuboot.env.metadata import MetadataAbsent, MetadataClient, MetadataRefused
 from tpuboot.errors import MetadataError
-from tpuboot.metadata import MetadataAbsent, MetadataClient, MetadataRefused
 
 log = logging.getLogger("tpuboot.guestattrs")
 

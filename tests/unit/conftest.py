@@ -21,7 +21,7 @@ import pytest
 
 from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tpuboot.config import Config, EnvConfig, MetadataConfig
-from tpuboot.metadata import Backoff, MetadataClient
+from tpuboot.env.metadata import Backoff, MetadataClient
 from tpuboot.paths import Root
 
 _real_connect = socket.socket.connect

@@ -1,7 +1,7 @@
 """A fake dockerd: the Engine API subset tpuboot uses, served over HTTP on a unix socket.
 
 Real HTTP/1.1 on a real ``AF_UNIX`` socket (chunked streams included), so the tests drive
-:mod:`tpuboot.dockerapi` as dockerd would answer it. It records every request and can be told
+:mod:`tpuboot.containers.dockerapi` as dockerd would answer it. It records every request and can be told
 to have or not have a container or an image, fail a pull inside a 200 stream (as dockerd does),
 send a container's ``die`` event, end the event streams cleanly, or go away (``stop``: the
 socket is removed, streams are cut, containers stop as at a dockerd restart).

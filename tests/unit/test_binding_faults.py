@@ -15,9 +15,10 @@ import pytest
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_daemon import QueueMonitor, RecordingNotifier, until
 from tests.unit.test_vfio import V5P, add_tpu, binder
-from tpuboot import binding, cli
-from tpuboot.coldplug import new_executor, start_coldplug
+from tpuboot import cli
 from tpuboot.daemon import Daemon
+from tpuboot.devices import manager
+from tpuboot.devices.udev import new_executor, start_coldplug
 from tpuboot.errors import DeviceError, TpubootError
 
 DBDF = "0000:00:04.0"
@@ -158,7 +159,9 @@ def test_a_refused_chmod_at_coldplug_fails_that_device_only(four, early, caplog)
 
     with caplog.at_level(logging.INFO, logger="tpuboot"):
         run_daemon(four, check, early=early)
-    (record,) = [r for r in caplog.records if "EPERM" in r.getMessage() and r.name == "tpuboot.binding"]
+    (record,) = [
+        r for r in caplog.records if "EPERM" in r.getMessage() and r.name == "tpuboot.devices.manager"
+    ]
     assert record.levelname == "ERROR" and record.DBDF == "0000:00:05.0"  # type: ignore[attr-defined]
     assert [four.driver(f"0000:00:0{4 + i}.0") for i in (0, 2, 3)] == ["vfio-pci"] * 3
 
@@ -170,7 +173,7 @@ def test_a_refused_chmod_at_coldplug_fails_that_device_only(four, early, caplog)
      ("chmod", "/dev/vfio/5"), ("open", "0000:00:05.0/uevent")],
 )  # fmt: skip
 def test_a_transient_errno_is_retried_until_bound(four, monkeypatch, early, op, suffix):
-    monkeypatch.setattr(binding, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
     four.faults.add(op, suffix, errno.EIO, times=2)
 
     async def check(daemon):
@@ -181,7 +184,7 @@ def test_a_transient_errno_is_retried_until_bound(four, monkeypatch, early, op, 
 
 
 def test_unreadable_ids_at_an_event_are_shown_and_retried_and_a_non_tpu_is_then_dropped(four, monkeypatch):
-    monkeypatch.setattr(binding, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
 
     async def check(daemon):
         four.add_device("0000:00:0b.0", 0x1AF4, 0x1000, driver="virtio-pci", group="11")
@@ -243,7 +246,7 @@ def test_a_broken_node_event_does_not_end_the_loop(four):
 
 def test_backoff_of_a_long_series_does_not_overflow(four, monkeypatch):
     """retries is bounded at load, but the delay must not raise OverflowError for any attempt."""
-    monkeypatch.setattr(binding, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
     four.faults.add("open", "0000:00:05.0/uevent", errno.EIO)
 
     async def check(daemon):

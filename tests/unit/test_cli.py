@@ -10,7 +10,9 @@ import pytest
 from tests.mds_emulator import MetadataEmulator
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu
-from tpuboot import cli, metadata, vfio
+from tpuboot import cli
+from tpuboot.devices import vfio
+from tpuboot.env import metadata
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ import pytest
 
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_supervisor import Statuses, wait_until
-from tpuboot.agents import Agents, telemetry_spec
 from tpuboot.backoff import RestartPolicy
+from tpuboot.checks.doctor import docker_container_state
 from tpuboot.config import Config, TelemetryConfig
-from tpuboot.containers import (
+from tpuboot.containers.docker import (
     CONFIG_LABEL,
     DOCKER_SOCKET,
     MANAGED_LABEL,
@@ -23,11 +23,11 @@ from tpuboot.containers import (
     DockerRuntime,
     split_image,
 )
-from tpuboot.dockerapi import DockerAPI, Unreachable
-from tpuboot.doctor import docker_container_state
-from tpuboot.imageref import RegistryAllowlist
+from tpuboot.containers.dockerapi import DockerAPI, Unreachable
+from tpuboot.containers.imageref import RegistryAllowlist
+from tpuboot.containers.service import Agents, telemetry_spec
+from tpuboot.containers.supervisor import CannotStart, RuntimeUnavailable, Supervisor
 from tpuboot.paths import Root
-from tpuboot.supervisor import CannotStart, RuntimeUnavailable, Supervisor
 
 IMAGE = "example.invalid/vbar:1"
 ALLOW_TEST = RegistryAllowlist(["example.invalid"], "vbar.registries")

@@ -16,11 +16,12 @@ import pytest
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu, binder
-from tpuboot import binding, envsync
-from tpuboot.coldplug import new_executor, start_coldplug
 from tpuboot.config import ReadyConfig
 from tpuboot.daemon import Daemon, EnvJob, run_watch
-from tpuboot.envsync import EnvSync
+from tpuboot.devices import manager
+from tpuboot.devices.udev import new_executor, start_coldplug
+from tpuboot.env import sync as envsync
+from tpuboot.env.sync import EnvSync
 from tpuboot.notify import Notifier
 
 
@@ -126,7 +127,7 @@ def test_hotplug_add_is_bound_and_remove_is_logged(kernel, caplog):
 
 
 def test_one_failing_device_does_not_stop_the_others_and_is_retried(kernel, monkeypatch):
-    monkeypatch.setattr(binding, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
     kernel.refuse_probe.add("0000:00:05.0")
 
     async def scenario():
@@ -353,7 +354,7 @@ def test_the_watch_thread_starts_a_watch_again_that_raised(monkeypatch, caplog):
 
 
 def test_ready_waits_until_a_transient_failure_is_retried_into_a_bind(kernel, monkeypatch):
-    monkeypatch.setattr(binding, "BACKOFF_FIRST", 0.05)
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.05)
     kernel.refuse_probe.add("0000:00:05.0")
 
     async def scenario():
@@ -371,7 +372,7 @@ def test_ready_waits_until_a_transient_failure_is_retried_into_a_bind(kernel, mo
 
 
 def test_ready_comes_once_the_retries_are_spent(kernel, monkeypatch):
-    monkeypatch.setattr(binding, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
     kernel.refuse_probe.add("0000:00:05.0")
 
     async def scenario():
@@ -403,7 +404,7 @@ def test_a_permanent_failure_does_not_hold_ready(tmp_path):
 
 
 def test_the_device_deadline_bounds_the_wait_and_retries_go_on(kernel, monkeypatch, caplog):
-    monkeypatch.setattr(binding, "BACKOFF_FIRST", 30.0)  # the first retry would come long after
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 30.0)  # the first retry would come long after
     kernel.refuse_probe.add("0000:00:05.0")
 
     async def scenario():
@@ -423,7 +424,7 @@ def test_the_device_deadline_bounds_the_wait_and_retries_go_on(kernel, monkeypat
 
 
 def test_a_device_removed_while_ready_waits_for_it_releases_ready(kernel, monkeypatch):
-    monkeypatch.setattr(binding, "BACKOFF_FIRST", 30.0)
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 30.0)
     kernel.refuse_probe.add("0000:00:05.0")
 
     async def scenario():
@@ -479,7 +480,7 @@ def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(k
 
 
 def test_the_tpu_env_attribute_keeps_what_the_file_holds_through_a_failure(kernel, root):
-    from tpuboot.envsync import SyncResult
+    from tpuboot.env.sync import SyncResult
 
     daemon, _, _ = make(kernel, env=EnvJob(None, None, 1.0, False))  # type: ignore[arg-type]
     assert daemon.guest_attribute_values()["tpu-env"] == "source=pending"

@@ -12,12 +12,12 @@ from tests.unit.fakedockerd import ENGINES, FakeDockerd, fake_dockerd
 from tests.unit.test_containers import IMAGE, docker_runtime
 from tests.unit.test_supervisor import Statuses, wait_until
 from tpuboot.backoff import RestartPolicy
+from tpuboot.checks.doctor import Doctor, docker_container_state
 from tpuboot.config import Config
-from tpuboot.containers import ContainerSpec
-from tpuboot.dockerapi import DockerError
-from tpuboot.doctor import Doctor, docker_container_state
+from tpuboot.containers.docker import ContainerSpec
+from tpuboot.containers.dockerapi import DockerError
+from tpuboot.containers.supervisor import StartFailed, Supervisor
 from tpuboot.paths import Root
-from tpuboot.supervisor import StartFailed, Supervisor
 
 SPOKEN = {"debian12": "1.41", "docker29": "1.52", "future": "1.52"}
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.unit.fakedockerd import ENGINES, FakeDockerd, fake_dockerd
-from tpuboot.dockerapi import (
+from tpuboot.containers.dockerapi import (
     NEWEST_API,
     APIError,
     DockerAPI,
@@ -341,7 +341,7 @@ def test_closing_the_stream_from_another_thread_ends_a_blocked_read_at_once(dock
 
 
 def test_streamed_objects_split_or_joined_across_reads_come_out_whole() -> None:
-    from tpuboot.dockerapi import _json_objects
+    from tpuboot.containers.dockerapi import _json_objects
 
     class Pieces:
         def __init__(self, *pieces: bytes) -> None:

@@ -20,10 +20,10 @@ import pytest
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_deadlines import MARGIN, TRICKLE, timed
 from tpuboot.backoff import RestartPolicy
-from tpuboot.containers import ContainerSpec, DockerRuntime
-from tpuboot.dockerapi import MAX_LINE, DockerAPI, DockerError, ProtocolError, Unreachable
-from tpuboot.imageref import RegistryAllowlist
-from tpuboot.supervisor import Supervisor
+from tpuboot.containers.docker import ContainerSpec, DockerRuntime
+from tpuboot.containers.dockerapi import MAX_LINE, DockerAPI, DockerError, ProtocolError, Unreachable
+from tpuboot.containers.imageref import RegistryAllowlist
+from tpuboot.containers.supervisor import Supervisor
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_a_malformed_answer_is_a_one_line_protocol_error(
 
 
 def test_an_endless_body_is_cut_at_the_cap(dockerd: FakeDockerd, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tpuboot.dockerapi.MAX_BODY", 100_000)
+    monkeypatch.setattr("tpuboot.containers.dockerapi.MAX_BODY", 100_000)
     client = negotiated(dockerd)
     dockerd.raw_answer = answer("Connection: close\r\n", b"[" + b"1," * 200_000)
     with pytest.raises(ProtocolError, match="over 100000 bytes"):

@@ -15,14 +15,15 @@ from tests.unit.fakedockerd import fake_dockerd
 from tests.unit.fakekernel import FakeKernel, VfioShape
 from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, write
 from tests.unit.test_vfio import V5P, add_tpu
-from tpuboot import cli, imagecheck
+from tpuboot import cli
+from tpuboot.checks import image as imagecheck
+from tpuboot.checks.doctor import Doctor, Verdict, docker_container_state
 from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig
-from tpuboot.dockerapi import Unreachable
-from tpuboot.doctor import Doctor, Verdict, docker_container_state
-from tpuboot.envsync import PRODUCT_UUID_PATH
+from tpuboot.containers.dockerapi import Unreachable
+from tpuboot.env.sync import PRODUCT_UUID_PATH
+from tpuboot.env.tpuenv import parse_env_file, render_env_file
 from tpuboot.errors import MetadataError
 from tpuboot.paths import Root
-from tpuboot.tpuenv import parse_env_file, render_env_file
 
 REPO = Path(__file__).resolve().parents[2]
 TPU_ENV = {
@@ -147,7 +148,7 @@ BREAKAGES = {
 
 
 def imagecheck_unsafe() -> str:
-    from tpuboot.doctor import UNSAFE_INTERRUPTS
+    from tpuboot.checks.doctor import UNSAFE_INTERRUPTS
 
     return UNSAFE_INTERRUPTS
 
@@ -305,8 +306,8 @@ def test_cli_lines_json_and_exit_status(kernel, capsys):
 
 def test_metadata_lookup_reads_the_machine_type_and_gives_up_once_on_a_silent_server(caplog):
     from tests.mds_emulator import MetadataEmulator
+    from tpuboot.checks.doctor import metadata_lookup
     from tpuboot.config import MetadataConfig
-    from tpuboot.doctor import metadata_lookup
 
     machine = "projects/1/machineTypes/ct5p-hightpu-4t"
     with MetadataEmulator({}, instance={"machine-type": machine}) as emu:
@@ -324,7 +325,7 @@ def test_metadata_lookup_reads_the_machine_type_and_gives_up_once_on_a_silent_se
 
 
 def test_an_admins_own_value_passes_and_is_named(kernel):
-    """tpuboot never overrides an admin's value (tpuboot/environment.py); doctor says which it kept."""
+    """tpuboot keeps an admin's value (tpuboot/env/etc_environment.py); doctor says which it kept."""
     env = make_config().env
     key = sorted(env.environment)[0]
     lines = [f'{k}="{"900" if k == key else v}"\n' for k, v in env.environment.items()]

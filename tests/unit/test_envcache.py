@@ -14,7 +14,8 @@ import pytest
 
 from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import INSTANCE_UUID, make_client, make_config
-from tpuboot.envsync import (
+from tpuboot.env.metadata import MetadataClient
+from tpuboot.env.sync import (
     CACHE_FORMAT,
     PRODUCT_UUID_PATH,
     CacheState,
@@ -22,9 +23,8 @@ from tpuboot.envsync import (
     instance_identity,
     read_cache,
 )
-from tpuboot.metadata import MetadataClient
+from tpuboot.env.tpuenv import render_env_file
 from tpuboot.paths import Root
-from tpuboot.tpuenv import render_env_file
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"
 CACHE = "/var/lib/tpuboot/tpu-env.json"
@@ -79,7 +79,7 @@ def boot_offline(
 ) -> tuple[str, str, list[str]]:
     """One boot sync with the server silent: its source, status and the cache warnings logged."""
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tpuboot.envsync"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env.sync"):
         result = EnvSync(root, make_config(), client).sync_once(deadline_s=0.3)
     unused = [r.getMessage() for r in caplog.records if "not using it" in r.getMessage()]
     return result.source, result.status, unused
@@ -106,7 +106,7 @@ def test_a_clone_does_not_use_its_parents_cache_and_the_next_fetch_replaces_it(
 ) -> None:
     set_uuid(cached, OTHER_UUID + "\n")  # the same disk, booted as another instance
     sync = EnvSync(cached, make_config(), offline)
-    with caplog.at_level(logging.WARNING, logger="tpuboot.envsync"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env.sync"):
         result = sync.sync_once(deadline_s=0.3)
         assert sync.parsed_values() is None  # nor is vBar's image taken from it
         assert sync.sync_once(deadline_s=0.3).source == "failed"

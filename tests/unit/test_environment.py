@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpuboot.config import DEFAULT_ENVIRONMENT
-from tpuboot.environment import (
+from tpuboot.env.etc_environment import (
     ENVIRONMENT_RECORD,
     admin_values,
     ensure_environment,
@@ -286,7 +286,7 @@ def test_the_record_is_ahead_of_the_file_so_a_crash_never_claims_an_admins_line(
     root.path(PATH).write_text("K=300\nB=1\nK=300\n")  # ours first, the admin's repeat after
     root.path(ENVIRONMENT_RECORD).parent.mkdir(parents=True)
     root.path(ENVIRONMENT_RECORD).write_text("K=300\n")
-    from tpuboot import environment
+    from tpuboot.env import etc_environment as environment
 
     real = environment.write_file
 

@@ -21,12 +21,12 @@ from tests.mds_emulator import (
     tpu_env_yaml,
 )
 from tests.unit.conftest import make_client, make_config
-from tpuboot import envsync
 from tpuboot.config import DEFAULT_ENVIRONMENT
-from tpuboot.envsync import EnvSync, SyncResult
-from tpuboot.metadata import MetadataClient
+from tpuboot.env import sync as envsync
+from tpuboot.env.metadata import MetadataClient
+from tpuboot.env.sync import EnvSync, SyncResult
+from tpuboot.env.tpuenv import TpuEnv, render_env_file
 from tpuboot.paths import Root
-from tpuboot.tpuenv import TpuEnv, render_env_file
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"
 CACHE = "/var/lib/tpuboot/tpu-env.json"
@@ -276,7 +276,7 @@ def test_an_attribute_still_unset_is_logged_once_not_again_by_the_watch(
         stop.set()
         sync_client.close()
         worker.join(timeout=5)
-    said = [r.getMessage() for r in caplog.records if r.name == "tpuboot.envsync"]
+    said = [r.getMessage() for r in caplog.records if r.name == "tpuboot.env.sync"]
     assert [s.split(";")[0] for s in said] == [
         "tpu-env: no tpu-env attribute in metadata",
         "tpu-env: 1 key from metadata",

@@ -18,13 +18,13 @@ from tests.unit.conftest import make_client, make_config
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_supervisor import wait_until
 from tpuboot import cli
-from tpuboot.agents import Agents
 from tpuboot.config import Config, EnvConfig
-from tpuboot.dockerapi import DockerAPI
-from tpuboot.envsync import EnvSync
-from tpuboot.metadata import MetadataClient
+from tpuboot.containers.dockerapi import DockerAPI
+from tpuboot.containers.service import Agents
+from tpuboot.env.metadata import MetadataClient
+from tpuboot.env.sync import EnvSync
+from tpuboot.env.tpuenv import render_env_file
 from tpuboot.paths import Root
-from tpuboot.tpuenv import render_env_file
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"
 KEY = "VBARCONTROL_AGENT_DOCKER_URL"

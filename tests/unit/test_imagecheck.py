@@ -1,4 +1,4 @@
-"""tpuboot.imagecheck against temporary trees: each check passes, fails and skips where it should."""
+"""tpuboot.checks.image against temporary trees: each check passes, fails and skips where it should."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tpuboot import imagecheck
-from tpuboot.imagecheck import CheckResult, Checks, run_checks
+from tpuboot.checks import image as imagecheck
+from tpuboot.checks.image import CheckResult, Checks, run_checks
 from tpuboot.paths import Root
 
 GOOD_CMDLINE = (

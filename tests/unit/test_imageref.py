@@ -14,15 +14,21 @@ import pytest
 
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_supervisor import Statuses, wait_until
-from tpuboot.agents import Agents
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import DEFAULT_REGISTRIES, Config, TelemetryConfig, VbarConfig, parse_config
-from tpuboot.containers import ContainerSpec, DockerRuntime
-from tpuboot.dockerapi import DockerAPI
+from tpuboot.containers.docker import ContainerSpec, DockerRuntime
+from tpuboot.containers.dockerapi import DockerAPI
+from tpuboot.containers.imageref import (
+    ImageRefused,
+    InvalidReference,
+    RegistryAllowlist,
+    parse_entry,
+    parse_image,
+)
+from tpuboot.containers.service import Agents
+from tpuboot.containers.supervisor import Refused, Supervisor
 from tpuboot.errors import ConfigError
-from tpuboot.imageref import ImageRefused, InvalidReference, RegistryAllowlist, parse_entry, parse_image
 from tpuboot.paths import Root
-from tpuboot.supervisor import Refused, Supervisor
 
 TOP = Path(__file__).parents[2]
 DEFAULT = RegistryAllowlist(DEFAULT_REGISTRIES, "vbar.registries")

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.unit.fakekernel import FakeKernel
-from tpuboot.kmodule import canonical, in_kernel, installed_releases, module_state
+from tpuboot.devices.kmodule import canonical, in_kernel, installed_releases, module_state
 from tpuboot.paths import Root
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tpuboot import cli
+from tpuboot.checks.doctor import Doctor
+from tpuboot.checks.image import CheckResult, run_checks
 from tpuboot.config import Config
-from tpuboot.doctor import Doctor
-from tpuboot.imagecheck import CheckResult, run_checks
 from tpuboot.paths import Root
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,8 +20,7 @@ from tests import mds_emulator
 from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, etag_of, tpu_env_yaml
 from tests.unit.conftest import make_client
 from tpuboot.config import MetadataConfig
-from tpuboot.errors import ConfigError, MetadataError, UsageError
-from tpuboot.metadata import (
+from tpuboot.env.metadata import (
     MIN_POLL_INTERVAL,
     Backoff,
     Change,
@@ -31,7 +30,8 @@ from tpuboot.metadata import (
     metadata_base_url,
     metadata_get,
 )
-from tpuboot.tpuenv import parse_tpu_env
+from tpuboot.env.tpuenv import parse_tpu_env
+from tpuboot.errors import ConfigError, MetadataError, UsageError
 
 TPU_ENV = "instance/attributes/tpu-env"
 
@@ -130,7 +130,7 @@ def test_failures_end_at_the_deadline_logged_once(
     client = make_client(emulator, timeout=1.0)
     emulator.set_faults(**faults)
     with (
-        caplog.at_level(logging.WARNING, logger="tpuboot.metadata"),
+        caplog.at_level(logging.WARNING, logger="tpuboot.env.metadata"),
         pytest.raises(MetadataError, match=kind),
     ):
         client.get(TPU_ENV, deadline_s=2.0)
@@ -153,7 +153,7 @@ def test_connection_refused(emulator: MetadataEmulator) -> None:
 def test_recovery_is_logged_and_a_new_failure_logged_again(
     client: MetadataClient, emulator: MetadataEmulator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="tpuboot.metadata"):
+    with caplog.at_level(logging.INFO, logger="tpuboot.env.metadata"):
         emulator.fail_next(5)
         client.get(TPU_ENV, deadline_s=10)
         emulator.fail_next(2)
@@ -474,10 +474,10 @@ def test_emulator_runs_standalone_for_vm_guests(tmp_path: Path) -> None:
 
 
 def test_a_flapping_server_costs_one_line_per_kind(caplog: pytest.LogCaptureFixture) -> None:
-    from tpuboot.metadata import _FailureLog
+    from tpuboot.env.metadata import _FailureLog
 
     failures = _FailureLog()
-    with caplog.at_level(logging.INFO, logger="tpuboot.metadata"):
+    with caplog.at_level(logging.INFO, logger="tpuboot.env.metadata"):
         for kind in ("connection dropped", "timed out", "connection dropped", "timed out"):
             failures.failed(kind, "http://127.0.0.1:1/", retrying=True)
         failures.recovered("http://127.0.0.1:1/")

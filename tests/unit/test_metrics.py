@@ -25,8 +25,8 @@ from tests.unit.test_daemon import make
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import __version__, cli, metrics
 from tpuboot.config import MetricsConfig
-from tpuboot.envsync import EnvSync
-from tpuboot.metadata import MetadataAbsent
+from tpuboot.env.metadata import MetadataAbsent
+from tpuboot.env.sync import EnvSync
 from tpuboot.paths import Root
 
 PROMTOOL = shutil.which("promtool")

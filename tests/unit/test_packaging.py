@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import tpuboot
-from tpuboot.containers import MANAGED_LABEL
-from tpuboot.imagecheck import run_checks
+from tpuboot.checks.image import run_checks
+from tpuboot.containers.docker import MANAGED_LABEL
 from tpuboot.paths import Root
 
 pytestmark = pytest.mark.packaging
@@ -108,7 +108,7 @@ EXPECTED_FILES = {
     "/usr/bin/tpuboot": "-rwxr-xr-x",
     "/usr/lib/python3/dist-packages/tpuboot/__init__.py": "-rw-r--r--",
     "/usr/lib/python3/dist-packages/tpuboot/cli.py": "-rw-r--r--",
-    "/usr/lib/python3/dist-packages/tpuboot/imagecheck.py": "-rw-r--r--",
+    "/usr/lib/python3/dist-packages/tpuboot/checks/image.py": "-rw-r--r--",
     "/lib/systemd/system/tpuboot.service": "-rw-r--r--",
     "/usr/lib/tmpfiles.d/tpuboot.conf": "-rw-r--r--",
     "/lib/udev/rules.d/70-tpuboot.rules": "-rw-r--r--",
@@ -164,7 +164,7 @@ def test_deb_control_conffiles_and_depends(deb):
     depends = {re.sub(r"[ :(].*", "", dep.strip()) for dep in control["Depends"].split(",")}
     wanted = {"kmod", "python3", "python3-pyudev", "python3-yaml", "python3-requests", "python3-systemd"}
     assert wanted | {"python3-prometheus-client"} <= depends
-    assert "python3-docker" not in depends  # tpuboot.dockerapi speaks the Engine API itself
+    assert "python3-docker" not in depends  # tpuboot.containers.dockerapi speaks the Engine API itself
 
 
 # --- Depends against the four systems' versions -------------------------------------------------
@@ -604,7 +604,7 @@ def docker_calls(log: Path) -> list[str]:
 
 
 def test_postrm_removes_the_containers_labelled_as_tpuboots():
-    """The label the postrm selects is the one tpuboot/containers.py puts on its containers."""
+    """The label the postrm selects is the one tpuboot/containers/docker.py puts on its containers."""
     postrm = (TOP / "debian/tpuboot.postrm").read_text()
     assert f"TPUBOOT_LABEL={MANAGED_LABEL}=1\n" in postrm
 

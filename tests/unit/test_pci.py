@@ -1,10 +1,10 @@
 import pytest
 
 from tpuboot.config import MatchRule
-from tpuboot.devices import DeviceTable, PciIds
+from tpuboot.devices.pci import PciFunction, parse_dbdf
+from tpuboot.devices.table import DeviceTable, PciIds
 from tpuboot.errors import UsageError
 from tpuboot.paths import Root
-from tpuboot.pci import PciFunction, parse_dbdf
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import re
 
 from tests.mds_emulator import MetadataEmulator
 from tests.unit.conftest import make_client, make_config
-from tpuboot.envsync import EnvSync
+from tpuboot.env.sync import EnvSync
 from tpuboot.paths import Root
 
 CACHE = "/var/lib/tpuboot/tpu-env.json"

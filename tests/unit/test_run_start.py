@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port, tpuboot_run
-from tpuboot.tpuenv import render_env_file
+from tpuboot.env.tpuenv import render_env_file
 
 
 def test_run_starts_reports_ready_serves_metrics_and_stops_on_sigterm(

@@ -6,7 +6,7 @@ import pytest
 
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import add_tpu, binder
-from tpuboot.status import driver_summary, survey
+from tpuboot.devices.survey import driver_summary, survey
 
 
 def problems(kernel: FakeKernel) -> list[str | None]:

@@ -18,13 +18,13 @@ import pytest
 
 from tests.unit.test_daemon import until
 from tpuboot import metrics
-from tpuboot.agents import Agents, vbar_spec
 from tpuboot.backoff import RestartPolicy
-from tpuboot.children import ExecRuntime, describe_exit
 from tpuboot.config import Config, TelemetryConfig, VbarConfig
-from tpuboot.gke import gke_node
-from tpuboot.supervisor import Supervisor
-from tpuboot.tpuenv import parse_env_file, render_env_file
+from tpuboot.containers.exec import ExecRuntime, describe_exit
+from tpuboot.containers.gke import gke_node
+from tpuboot.containers.service import Agents, vbar_spec
+from tpuboot.containers.supervisor import Supervisor
+from tpuboot.env.tpuenv import parse_env_file, render_env_file
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -201,7 +201,7 @@ class FakeMetadata:
         self.asked: list[str] = []
 
     def get(self, path: str, *, deadline_s: float) -> object:
-        from tpuboot.metadata import MetadataAbsent
+        from tpuboot.env.metadata import MetadataAbsent
 
         self.asked.append(path)
         if path.rsplit("/", 1)[-1] not in self.present:
@@ -293,7 +293,7 @@ def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any) -> None:
     from tests.unit.test_daemon import QueueMonitor, RecordingNotifier
     from tests.unit.test_vfio import binder
     from tpuboot.daemon import Daemon, EnvJob
-    from tpuboot.envsync import SyncResult
+    from tpuboot.env.sync import SyncResult
 
     agents = Agents(Config(gke="false"), root, None)
     daemon = Daemon(

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.mds_emulator import ALIAS_BOMB, HOSTILE_VALUES, INVALID_YAML, SAMPLE_TPU_ENV, tpu_env_yaml
-from tpuboot.tpuenv import (
+from tpuboot.env.tpuenv import (
     MAX_DEPTH,
     TpuEnvError,
     parse_env_file,
@@ -99,7 +99,7 @@ def test_bad_keys_and_values_are_skipped_with_one_warning(caplog: pytest.LogCapt
         "GOOD: ok\n1BAD: x\nwith-dash: x\n'has space': x\n42: x\nPATH: /evil\nLD_PRELOAD: /evil.so\n"
         'NESTED: {a: 1}\nLIST: [1, 2]\nNUL: "a\\0b"\nBIN: !!binary aGk=\n'
     )
-    with caplog.at_level(logging.WARNING, logger="tpuboot.tpuenv"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env.tpuenv"):
         env = parse_tpu_env(text)
     assert env.values == {"GOOD": "ok"}
     assert set(env.skipped) == {

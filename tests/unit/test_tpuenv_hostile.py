@@ -14,7 +14,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpuboot.tpuenv import (
+from tpuboot.env.tpuenv import (
     MAX_ENV_STRING,
     MAX_ENV_TOTAL,
     REFUSED_NAMES,
@@ -71,7 +71,7 @@ def test_documents_pyyaml_cannot_build_yield_the_text_written(name: str) -> None
 def test_values_tagged_as_other_types_are_skipped_by_name(
     name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="tpuboot.tpuenv"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env.tpuenv"):
         env = parse_tpu_env(NOT_STRINGS[name] + "GOOD: ok\n")
     assert env.values == {"GOOD": "ok"}
     assert list(env.skipped) == ["A"]
@@ -237,7 +237,7 @@ def test_a_value_over_the_kernel_limit_is_skipped_and_commands_still_run(
 ) -> None:
     biggest = "x" * (MAX_ENV_STRING - len("FITS=") - 1)  # NAME=value and its NUL: exactly the limit
     text = f"BEFORE: a\nHUGE: '{'y' * (128 * 1024)}'\nFITS: '{biggest}'\nAFTER: b\n"
-    with caplog.at_level(logging.WARNING, logger="tpuboot.tpuenv"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env.tpuenv"):
         env = parse_tpu_env(text)
     assert list(env.values) == ["BEFORE", "FITS", "AFTER"]
     assert list(env.skipped) == ["HUGE"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import pyudev
 
-from tpuboot.coldplug import open_udev_monitor
 from tpuboot.daemon import Monitor, UdevDevice
+from tpuboot.devices.udev import open_udev_monitor
 
 PCI_DEVICES = Path("/sys/bus/pci/devices")
 

@@ -8,9 +8,9 @@ import pytest
 
 from tests.unit.fakekernel import FakeKernel
 from tpuboot.config import MatchRule, VfioConfig
-from tpuboot.devices import DeviceTable
+from tpuboot.devices.table import DeviceTable
+from tpuboot.devices.vfio import UNSAFE_INTERRUPTS, Binder
 from tpuboot.errors import DeviceError, IommuOffError, TransientDeviceError
-from tpuboot.vfio import UNSAFE_INTERRUPTS, Binder
 
 V5P = (0x1AE0, 0x0062, (0x1AE0, 0x00AD))
 V6E = (0x1AE0, 0x006F, (0x1AE0, 0x00D1))

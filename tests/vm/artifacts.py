@@ -80,7 +80,7 @@ GUEST_PACKAGES = (
     *BASE_PACKAGES,
     "pciutils",  # lspci for humans reading a failing test's output
     # The vBar supervisor: a real dockerd in the guest (it needs apparmor). tpuboot talks to it
-    # over its socket with the standard library (tpuboot.dockerapi): no docker SDK.
+    # over its socket with the standard library (tpuboot.containers.dockerapi): no docker SDK.
     "docker.io",
     "apparmor",
     "curl",  # the benchmark's baseline: the documented cloud-init script fetches tpu-env with curl

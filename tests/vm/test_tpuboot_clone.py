@@ -24,8 +24,8 @@ import pytest
 
 from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tpuboot.config import Config, EnvConfig, MetadataConfig
-from tpuboot.envsync import PRODUCT_UUID_PATH, EnvSync, cache_path
-from tpuboot.metadata import MetadataClient
+from tpuboot.env.metadata import MetadataClient
+from tpuboot.env.sync import PRODUCT_UUID_PATH, EnvSync, cache_path
 from tpuboot.paths import Root
 
 from .artifacts import Artifacts, in_tree

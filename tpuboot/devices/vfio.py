@@ -18,10 +18,10 @@ from pathlib import Path
 
 from tpuboot import subproc
 from tpuboot.config import VfioConfig
-from tpuboot.devices import DeviceTable, Kind
+from tpuboot.devices.pci import DRIVERS_PROBE, PCI_DRIVERS, PciFunction, group_members
+from tpuboot.devices.table import DeviceTable, Kind
 from tpuboot.errors import DeviceError, IommuOffError, TpubootError, TransientDeviceError
 from tpuboot.paths import Root
-from tpuboot.pci import DRIVERS_PROBE, PCI_DRIVERS, PciFunction, group_members
 
 TYPE_CHECKING = False  # typing's own flag, without importing typing on `tpuboot bind`'s path
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     _T = TypeVar("_T")
 
-log = logging.getLogger("tpuboot.vfio")
+log = logging.getLogger("tpuboot.devices.vfio")
 
 VFIO_PCI = "vfio-pci"
 UNSAFE_INTERRUPTS = "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts"
@@ -235,7 +235,7 @@ class Binder:
         driver = self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}")
         if driver.is_dir():
             return
-        from tpuboot.kmodule import NO_VFIO_PCI_FIX, module_state  # rare: kept out of `tpuboot bind`
+        from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state  # rare: kept out of `tpuboot bind`
 
         state = module_state(self.root, VFIO_PCI)
         if state.origin != "built-in":

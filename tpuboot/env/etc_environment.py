@@ -46,7 +46,7 @@ from tpuboot.atomicfile import read_file, write_file
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
 
-log = logging.getLogger("tpuboot.environment")
+log = logging.getLogger("tpuboot.env.etc_environment")
 
 #: /etc/environment is a few hundred bytes; refuse to load something absurd into memory.
 MAX_ENVIRONMENT_BYTES = 1 << 20

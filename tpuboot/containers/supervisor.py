@@ -19,7 +19,7 @@ from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
 from tpuboot.errors import TpubootError
 
-log = logging.getLogger("tpuboot.supervisor")
+log = logging.getLogger("tpuboot.containers.supervisor")
 
 #: Cap on the wait between tries to reach an absent runtime (dockerd not started yet).
 UNAVAILABLE_RETRY_MAX = 10.0

@@ -12,7 +12,7 @@ import subprocess
 import threading
 from collections.abc import Sequence
 
-from tpuboot.supervisor import RuntimeUnavailable, Started, StartFailed
+from tpuboot.containers.supervisor import RuntimeUnavailable, Started, StartFailed
 
 
 def describe_exit(code: int) -> str:

@@ -55,7 +55,7 @@ from tpuboot.config import MetadataConfig
 from tpuboot.errors import ConfigError, MetadataError, UsageError
 from tpuboot.netio import DeadlineSocket, ascii_int
 
-log = logging.getLogger("tpuboot.metadata")
+log = logging.getLogger("tpuboot.env.metadata")
 
 DEFAULT_HOST = "169.254.169.254"
 HOST_ENV = "GCE_METADATA_HOST"

@@ -12,11 +12,11 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 from tpuboot import metrics
+from tpuboot.devices.pci import PciFunction
+from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, os_failure
 from tpuboot.errors import TpubootError
-from tpuboot.pci import PciFunction
-from tpuboot.vfio import Binder, BindResult, DeviceGoneError, os_failure
 
-log = logging.getLogger("tpuboot.binding")
+log = logging.getLogger("tpuboot.devices.manager")
 
 BACKOFF_FIRST = 1.0
 BACKOFF_CAP = 60.0

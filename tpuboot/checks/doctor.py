@@ -5,9 +5,9 @@ tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_
 /dev/vfio nodes' mode, allow_unsafe_interrupts on x86_64, the IOMMU groups viable, tpu-env present,
 parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry collector
 running (not on GKE), the number of usable chips the machine type or the slice implies, and the
-slice tpu-env describes (:mod:`tpuboot.slices`). The image settings (kernel command line,
+slice tpu-env describes (:mod:`tpuboot.checks.slices`). The image settings (kernel command line,
 transparent huge pages, limits for logins and the container runtimes, the accel udev rule) are
-:mod:`tpuboot.imagecheck`'s checks, run as they are.
+:mod:`tpuboot.checks.image`'s checks, run as they are.
 
 Everything goes through the injectable :class:`~tpuboot.paths.Root`; the metadata server and the
 docker socket through callables a test replaces. A check that cannot be judged here is SKIP with
@@ -26,16 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tpuboot.agents import TELEMETRY, VBAR
 from tpuboot.atomicfile import read_file
-from tpuboot.config import Config, MetadataConfig
-from tpuboot.devices import DeviceTable, generations_of_kind
-from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
-from tpuboot.environment import plan_environment
-from tpuboot.envsync import cache_path, read_cache
-from tpuboot.errors import MetadataError
-from tpuboot.gke import gke_attribute
-from tpuboot.imagecheck import (
+from tpuboot.checks.image import (
     Check,
     CheckResult,
     Checks,
@@ -46,13 +38,21 @@ from tpuboot.imagecheck import (
     skipped,
     warned,
 )
-from tpuboot.kmodule import NO_VFIO_PCI_FIX, module_state
+from tpuboot.checks.slices import Reading, read_slice
+from tpuboot.config import Config, MetadataConfig
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
+from tpuboot.containers.gke import gke_attribute
+from tpuboot.containers.service import TELEMETRY, VBAR
+from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
+from tpuboot.devices.pci import PCI_DRIVERS
+from tpuboot.devices.survey import TpuStatus, survey
+from tpuboot.devices.table import DeviceTable, generations_of_kind
+from tpuboot.devices.vfio import VFIO_PCI, Binder
+from tpuboot.env.etc_environment import plan_environment
+from tpuboot.env.sync import cache_path, read_cache
+from tpuboot.env.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
+from tpuboot.errors import MetadataError
 from tpuboot.paths import Root
-from tpuboot.pci import PCI_DRIVERS
-from tpuboot.slices import Reading, read_slice
-from tpuboot.status import TpuStatus, survey
-from tpuboot.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
-from tpuboot.vfio import VFIO_PCI, Binder
 
 #: A FAIL of these is reported but does not make `tpuboot doctor` fail.
 ADVISORY = frozenset({"tpu-env-fresh"})
@@ -106,7 +106,7 @@ def docker_container_state(root: Root, name: str) -> str:
 def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> MetadataLookup:
     """A lookup on the metadata server: None for an absent key; once the server did not answer,
     MetadataError for every key at once (the doctor waits for it once, not per check)."""
-    from tpuboot.metadata import MetadataAbsent, MetadataClient
+    from tpuboot.env.metadata import MetadataAbsent, MetadataClient
 
     client = MetadataClient.from_config(config)
     down: MetadataError | None = None
@@ -115,7 +115,7 @@ def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> Metadata
         nonlocal down
         if down is not None:
             raise down
-        quiet = logging.getLogger("tpuboot.metadata")
+        quiet = logging.getLogger("tpuboot.env.metadata")
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # a server that does not answer is the check's SKIP, not a warning
         try:
@@ -144,7 +144,7 @@ def _not_asked(path: str) -> str | None:
 
 
 def _supervisor_present() -> bool:
-    return importlib.util.find_spec("tpuboot.supervisor") is not None
+    return importlib.util.find_spec("tpuboot.containers.supervisor") is not None
 
 
 def _ignoring_root(check: Callable[[], CheckResult]) -> Check:

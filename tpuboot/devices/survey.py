@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from tpuboot.kmodule import NO_VFIO_PCI_FIX, ModuleState, module_state
-from tpuboot.pci import PCI_DRIVERS, PciFunction, list_addresses
-from tpuboot.vfio import VFIO_PCI, Binder, os_failure
+from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, ModuleState, module_state
+from tpuboot.devices.pci import PCI_DRIVERS, PciFunction, list_addresses
+from tpuboot.devices.vfio import VFIO_PCI, Binder, os_failure
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ configure-gcs-timeouts.sh). ``sync_once`` runs at boot; ``watch`` keeps tpu-env 
 - /etc/environment gets ``env.environment`` whatever metadata says.
 - The same values go to ``env.systemd_env_path`` (systemd's ``EnvironmentFile=``) and
   ``env.docker_env_path`` (``docker run --env-file``), each in its reader's syntax
-  (:mod:`tpuboot.tpuenv`), written with tpu-env: root's, 0644, atomically. A value docker's
+  (:mod:`tpuboot.env.tpuenv`), written with tpu-env: root's, 0644, atomically. A value docker's
   format cannot carry (a newline) is left out of that file only, named in one warning. A
   failure to write either is logged and added to the status line; tpu-env itself still counts.
 
@@ -64,19 +64,19 @@ from tpuboot import metrics
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config
-from tpuboot.environment import ensure_environment
-from tpuboot.errors import MetadataError, TpubootError
-from tpuboot.metadata import Change, MetadataAbsent, MetadataClient
-from tpuboot.paths import Root
-from tpuboot.tpuenv import (
+from tpuboot.env.etc_environment import ensure_environment
+from tpuboot.env.metadata import Change, MetadataAbsent, MetadataClient
+from tpuboot.env.tpuenv import (
     TpuEnvError,
     parse_tpu_env,
     render_docker_env_file,
     render_env_file,
     render_systemd_env_file,
 )
+from tpuboot.errors import MetadataError, TpubootError
+from tpuboot.paths import Root
 
-log = logging.getLogger("tpuboot.envsync")
+log = logging.getLogger("tpuboot.env.sync")
 
 TPU_ENV_ATTRIBUTE = "instance/attributes/tpu-env"
 CACHE_NAME = "tpu-env.json"

@@ -28,8 +28,8 @@ from typing import Literal
 from tpuboot import subproc
 from tpuboot.atomicfile import read_file
 from tpuboot.config import DEFAULT_ENVIRONMENT
+from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.errors import TpubootError, UsageError
-from tpuboot.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.paths import Root
 
 Status = Literal["PASS", "FAIL", "SKIP", "WARN"]

@@ -13,10 +13,10 @@ import logging
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
-from tpuboot.pci import PciFunction, list_addresses
-from tpuboot.vfio import Binder, BindResult
+from tpuboot.devices.pci import PciFunction, list_addresses
+from tpuboot.devices.vfio import Binder, BindResult
 
-log = logging.getLogger("tpuboot.coldplug")
+log = logging.getLogger("tpuboot.devices.udev")
 
 TYPE_CHECKING = False  # typing's own flag, without the import
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from tpuboot.errors import MetadataError
 
-log = logging.getLogger("tpuboot.gke")
+log = logging.getLogger("tpuboot.containers.gke")
 
 GKE_ATTRIBUTES = ("cluster-name", "kube-env")
 
@@ -43,7 +43,7 @@ def gke_node(
         return mode == "true"
     if client is None:
         return False
-    from tpuboot.metadata import MetadataAbsent
+    from tpuboot.env.metadata import MetadataAbsent
 
     def is_set(path: str) -> bool:
         try:

@@ -1,6 +1,6 @@
 """A small Docker Engine API client over dockerd's unix socket, on the standard library alone.
 
-Only the calls tpuboot's container supervision needs (:mod:`tpuboot.containers` holds the
+Only the calls tpuboot's container supervision needs (:mod:`tpuboot.containers.docker` holds the
 policy): inspect, create, start and remove a container, inspect and pull an image, follow the
 event stream. The docker SDK did the same at a cost of ~14 MiB of resident memory and a second
 of start-up on a slow CPU, for a dozen HTTP requests.

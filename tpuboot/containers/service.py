@@ -1,6 +1,6 @@
 """The daemon's agents component: the vBar control agent and the AI telemetry collector.
 
-Each enabled agent gets a :class:`~tpuboot.supervisor.Supervisor` in its own thread, unless
+Each enabled agent gets a :class:`~tpuboot.containers.supervisor.Supervisor` in its own thread, unless
 this VM is a GKE node (GKE runs both itself), and only once it is known to be a TPU VM: a TPU is
 present or tpu-env is held (the daemon calls :meth:`Agents.tpu_vm_seen`). An image-building VM
 has neither, so installing the package there runs no privileged container and pulls nothing into
@@ -10,7 +10,7 @@ through ``notify(label, text)``, which the daemon hands to its loop.
 
 vBar's image is tpu-env's ``VBARCONTROL_AGENT_DOCKER_URL`` when set and not empty, else
 ``vbar.image``. tpu-env is taken from ``tpu_env()``, the values tpuboot itself parsed (in memory
-after a sync, else from its root-only cache: :meth:`tpuboot.envsync.EnvSync.parsed_values`), never
+after a sync, else from its root-only cache: :meth:`tpuboot.env.sync.EnvSync.parsed_values`), never
 from the tpu-env file: that file's directory may belong to the runtime user, and whoever chooses
 the image of a privileged container owns the VM. A tpu-env change (the daemon calls
 ``reconfigure``) recreates the container with the new image. Each image must also come from a
@@ -29,14 +29,14 @@ from typing import Any
 from tpuboot.atomicfile import FileWriteError, read_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config, TelemetryConfig
-from tpuboot.containers import ContainerSpec, DockerRuntime
-from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI
-from tpuboot.gke import Metadata, gke_node
-from tpuboot.imageref import RegistryAllowlist
+from tpuboot.containers.docker import ContainerSpec, DockerRuntime
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
+from tpuboot.containers.gke import Metadata, gke_node
+from tpuboot.containers.imageref import RegistryAllowlist
+from tpuboot.containers.supervisor import Runtime, Supervisor
 from tpuboot.paths import Root
-from tpuboot.supervisor import Runtime, Supervisor
 
-log = logging.getLogger("tpuboot.agents")
+log = logging.getLogger("tpuboot.containers.service")
 
 VBAR = "vBar"
 TELEMETRY = "telemetry"
@@ -200,7 +200,7 @@ class Agents:
         retries = config.supervisor.pull_retries
         if label == VBAR:
             if config.vbar.runtime == "exec":
-                from tpuboot.children import ExecRuntime
+                from tpuboot.containers.exec import ExecRuntime
 
                 return ExecRuntime(config.vbar.exec_argv)
 

@@ -1,10 +1,10 @@
 """The docker runtime: an agent as a privileged host-network container, through the Docker Engine API.
 
-Talks to dockerd over its local socket with :mod:`tpuboot.dockerapi` (the standard library; no
+Talks to dockerd over its local socket with :mod:`tpuboot.containers.dockerapi` (the standard library; no
 docker SDK, no docker CLI). The container has a fixed name and tpuboot's labels
 (``io.tpuboot.managed=1``, ``io.tpuboot.config=<hash of image and settings>``):
 
-- the image must come from a registry in the agent's allowlist (:mod:`tpuboot.imageref`):
+- the image must come from a registry in the agent's allowlist (:mod:`tpuboot.containers.imageref`):
   otherwise nothing is pulled, created, adopted or started, and ``start`` raises Refused;
 - one already running with the wanted image and settings is adopted (a tpuboot restart does
   not restart the agent); one whose image or settings differ is removed and created again;
@@ -26,11 +26,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpuboot.dockerapi import DOCKER_SOCKET, DockerAPI, EventStream, NotFound, ProtocolError, Unreachable
-from tpuboot.imageref import ImageRefused, RegistryAllowlist
-from tpuboot.supervisor import CannotStart, Refused, RuntimeUnavailable, Started, StartFailed
+from tpuboot.containers.dockerapi import (
+    DOCKER_SOCKET,
+    DockerAPI,
+    EventStream,
+    NotFound,
+    ProtocolError,
+    Unreachable,
+)
+from tpuboot.containers.imageref import ImageRefused, RegistryAllowlist
+from tpuboot.containers.supervisor import CannotStart, Refused, RuntimeUnavailable, Started, StartFailed
 
-log = logging.getLogger("tpuboot.containers")
+log = logging.getLogger("tpuboot.containers.docker")
 
 MANAGED_LABEL = "io.tpuboot.managed"
 CONFIG_LABEL = "io.tpuboot.config"

@@ -34,7 +34,7 @@ import yaml
 
 from tpuboot.errors import TpubootError
 
-log = logging.getLogger("tpuboot.tpuenv")
+log = logging.getLogger("tpuboot.env.tpuenv")
 
 #: Real tpu-env values are about 1 KiB; this bounds parse time and memory.
 MAX_TPU_ENV_BYTES = 1 << 20

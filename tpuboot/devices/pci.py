@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from tpuboot.devices import PciIds
+from tpuboot.devices.table import PciIds
 from tpuboot.errors import UsageError
 from tpuboot.paths import Root
 

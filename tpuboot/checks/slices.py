@@ -5,7 +5,7 @@ is (``ACCELERATOR_TYPE``, ``TOPOLOGY``, ``CHIPS_PER_HOST_BOUNDS``, ``HOST_BOUNDS
 each also under a ``TPU_`` prefix on VMs created through Compute Engine) and the metadata
 server's machine type says how many chips this VM has. :func:`read_slice` derives the chips this
 host should have and checks every pair of those facts against each other and against the TPU
-table (:data:`tpuboot.devices.GENERATIONS`): a disagreement is a :class:`Problem` naming the fix;
+table (:data:`tpuboot.devices.table.GENERATIONS`): a disagreement is a :class:`Problem` naming the fix;
 a generation or value the table does not know is a warning, never an exception.
 """
 
@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tpuboot.devices import GENERATIONS, Generation, generation_named, generation_of_machine
+from tpuboot.devices.table import GENERATIONS, Generation, generation_named, generation_of_machine
 
 #: The fix for values that came wrong from metadata: the TPU API sets them per worker.
 ENV_FIX = "correct the tpu-env instance attribute (the TPU API sets it per worker), then run tpuboot env"

@@ -1,0 +1,1 @@
+"""Checks with fixes: image settings (`tpuboot image-check`) and workload readiness (`tpuboot doctor`)."""
