@@ -131,9 +131,11 @@ EXPECTED_FILES = {
 def test_deb_ships_every_file(contents):
     assert {path: contents.get(path) for path in EXPECTED_FILES} == EXPECTED_FILES
     # Every module of the source package is installed, and nothing outside the expected trees.
-    modules = {p.name for p in (TOP / "tpuboot").glob("*.py")}
-    shipped = {Path(p).name for p in contents if p.startswith("/usr/lib/python3/dist-packages/tpuboot/")}
+    package = "/usr/lib/python3/dist-packages/tpuboot/"
+    modules = {p.relative_to(TOP / "tpuboot").as_posix() for p in (TOP / "tpuboot").rglob("*.py")}
+    shipped = {p.removeprefix(package) for p in contents if p.startswith(package)}
     assert modules <= shipped
+    assert {"devices/vfio.py", "env/sync.py", "containers/service.py", "checks/doctor.py"} <= modules
     allowed = (
         "/etc/",
         "/lib/systemd/",
