@@ -1,7 +1,7 @@
 """Fleet boot benchmark: 64 agents boot at once against one metadata server emulator that fails 20%.
 
 Each agent is a thread running the real MetadataClient + EnvSync.sync_once against its own
-temporary Root. The emulator runs in its own process (tests/mds_emulator.py) and counts
+temporary Root. The emulator runs in its own process (harness/mds_emulator.py) and counts
 requests. Printed per scenario: agents that got tpu-env, total requests, the peak request
 rate over 1 s windows and its ratio to the goal (2 requests/s per host, i.e. 128/s for 64),
 and p50/p99 time-to-env (fetch, parse, durable writes); "burst" is the peak over 100 ms
@@ -35,7 +35,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.mds_emulator import SAMPLE_TPU_ENV, tpu_env_yaml  # noqa: E402
+from harness.mds_emulator import SAMPLE_TPU_ENV, tpu_env_yaml  # noqa: E402
 from tpuboot.config import Config, EnvConfig, MetadataConfig  # noqa: E402
 from tpuboot.env.metadata import MetadataClient  # noqa: E402
 from tpuboot.env.sync import EnvSync  # noqa: E402
@@ -64,7 +64,7 @@ class Outcome:
 
 
 class Emulator:
-    """tests/mds_emulator.py in its own process, so agents and server do not share a GIL."""
+    """harness/mds_emulator.py in its own process, so agents and server do not share a GIL."""
 
     def __init__(self, work: Path, error_rate: float) -> None:
         attributes = work / "attributes.json"  # JSON is YAML
@@ -72,7 +72,7 @@ class Emulator:
         self.process = subprocess.Popen(
             [
                 sys.executable,
-                str(REPO / "tests" / "mds_emulator.py"),
+                str(REPO / "harness" / "mds_emulator.py"),
                 "--attributes",
                 str(attributes),
                 "--error-rate",

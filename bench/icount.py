@@ -16,7 +16,7 @@ shell's differ), not translation cost.
 
 from __future__ import annotations
 
-from tests.vm.machine import VM
+from harness.vm.machine import VM
 
 
 class IcountVM(VM):

@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.vm.artifacts import BOOKWORM, InstallHook, apt_options, chroot_run, in_tree, install_debs
+from harness.vm.artifacts import BOOKWORM, InstallHook, apt_options, chroot_run, in_tree, install_debs
 
 log = logging.getLogger("bench.peers")
 

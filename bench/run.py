@@ -30,7 +30,7 @@ option. Its ``driverctl@.service`` units are stopped between reps (a bench drop-
 a unit still active from the last add would not run again.
 
 "Usable" always means what a TPU user needs: as the unprivileged ``tester``, the VFIO type1 walk
-of ``tests/vm/guest/vfio_read.py`` (container, group, IOMMU, device fd) reads the edu device's
+of ``harness/vm/guest/vfio_read.py`` (container, group, IOMMU, device fd) reads the edu device's
 BAR0 identification register, 0x010000ed. The guest side is ``bench/bind_guest.py``.
 
 Families and timing methods:
@@ -107,13 +107,13 @@ from typing import Any
 
 from bench import peers
 from bench.icount import IcountVM
-from tests.mds_emulator import SAMPLE_TPU_ENV
-from tests.vm.accel import select_accel
-from tests.vm.agent import Result
-from tests.vm.artifacts import Artifacts, InstallHook, build_image, ensure_artifacts, in_tree, remove_tree
-from tests.vm.hostenv import cache_dir
-from tests.vm.machine import VM
-from tests.vm.tpuboot_guest import (
+from harness.mds_emulator import SAMPLE_TPU_ENV
+from harness.vm.accel import select_accel
+from harness.vm.artifacts import Artifacts, InstallHook, build_image, ensure_artifacts, in_tree, remove_tree
+from harness.vm.guestcmd import Result
+from harness.vm.hostenv import cache_dir
+from harness.vm.machine import VM
+from harness.vm.tpuboot_guest import (
     EDU,
     EDU_ID_REGISTER,
     MDS_PORT,

@@ -42,8 +42,8 @@ from typing import Any
 import yaml
 
 from bench.soak_reader import parse as parse_env_text
-from tests.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV
-from tests.vm.artifacts import (
+from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV
+from harness.vm.artifacts import (
     BOOKWORM,
     GUEST_LIBEXEC,
     InstallHook,
@@ -51,9 +51,9 @@ from tests.vm.artifacts import (
     ensure_artifacts,
     remove_tree,
 )
-from tests.vm.hostenv import cache_dir
-from tests.vm.machine import VM, VMError
-from tests.vm.tpuboot_guest import EDU, MDS_PORT, build_deb, guest_config, vbar_install_hook
+from harness.vm.hostenv import cache_dir
+from harness.vm.machine import VM, VMError
+from harness.vm.tpuboot_guest import EDU, MDS_PORT, build_deb, guest_config, vbar_install_hook
 
 log = logging.getLogger("bench.soak")
 

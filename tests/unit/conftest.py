@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
+from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tpuboot.config import Config, EnvConfig, MetadataConfig
 from tpuboot.env.metadata import Backoff, MetadataClient
 from tpuboot.paths import Root

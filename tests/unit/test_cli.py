@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.mds_emulator import MetadataEmulator
+from harness.mds_emulator import MetadataEmulator
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli

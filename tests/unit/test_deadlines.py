@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.mds_emulator import MetadataEmulator
+from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import make_client, make_config
 from tpuboot import cli
 from tpuboot.env.metadata import MetadataClient

@@ -305,7 +305,7 @@ def test_cli_lines_json_and_exit_status(kernel, capsys):
 
 
 def test_metadata_lookup_reads_the_machine_type_and_gives_up_once_on_a_silent_server(caplog):
-    from tests.mds_emulator import MetadataEmulator
+    from harness.mds_emulator import MetadataEmulator
     from tpuboot.checks.doctor import metadata_lookup
     from tpuboot.config import MetadataConfig
 

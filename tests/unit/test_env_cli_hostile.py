@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mds_emulator import ALIAS_BOMB, MetadataEmulator
+from harness.mds_emulator import ALIAS_BOMB, MetadataEmulator
 from tpuboot import cli
 
 CASES = {

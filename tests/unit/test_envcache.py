@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
+from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import INSTANCE_UUID, make_client, make_config
 from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.sync import (

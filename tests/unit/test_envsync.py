@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.mds_emulator import (
+from harness.mds_emulator import (
     ALIAS_BOMB,
     HOSTILE_VALUES,
     INVALID_YAML,

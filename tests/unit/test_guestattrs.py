@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.mds_emulator import MetadataEmulator
+from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import make_client
 from tpuboot.config import GuestAttributesConfig, parse_config
 from tpuboot.errors import ConfigError

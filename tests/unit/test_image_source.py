@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
+from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_supervisor import wait_until

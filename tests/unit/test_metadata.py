@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests import mds_emulator
-from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, etag_of, tpu_env_yaml
+from harness import mds_emulator
+from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, etag_of, tpu_env_yaml
 from tests.unit.conftest import make_client
 from tpuboot.config import MetadataConfig
 from tpuboot.env.metadata import (

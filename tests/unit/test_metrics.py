@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.mds_emulator import MetadataEmulator
+from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_daemon import make

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.mds_emulator import MetadataEmulator
+from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import make_client, make_config
 from tpuboot.env.sync import EnvSync
 from tpuboot.paths import Root

@@ -11,7 +11,7 @@ import signal
 import urllib.request
 from pathlib import Path
 
-from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator
+from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port, tpuboot_run
 from tpuboot.env.tpuenv import render_env_file

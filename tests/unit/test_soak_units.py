@@ -6,7 +6,7 @@ import pytest
 
 from bench.soak import CATALOG, FAULTS, error_kind, longest_life, pooled_slope
 from bench.soak_reader import Tally, parse
-from tests.mds_emulator import HOSTILE_VALUES, Faults
+from harness.mds_emulator import HOSTILE_VALUES, Faults
 from tpuboot.env.tpuenv import MAX_TPU_ENV_BYTES, TpuEnvError, parse_tpu_env, render_env_file
 
 

@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.mds_emulator import ALIAS_BOMB, HOSTILE_VALUES, INVALID_YAML, SAMPLE_TPU_ENV, tpu_env_yaml
+from harness.mds_emulator import ALIAS_BOMB, HOSTILE_VALUES, INVALID_YAML, SAMPLE_TPU_ENV, tpu_env_yaml
 from tpuboot.env.tpuenv import (
     MAX_DEPTH,
     TpuEnvError,

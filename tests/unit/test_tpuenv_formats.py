@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
+from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import make_client, make_config
 from tpuboot.config import ConfigError, parse_config
 from tpuboot.env.metadata import MetadataClient

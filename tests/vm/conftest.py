@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import pytest
 
-from . import accel, hostenv, machine
-from .artifacts import (
+from harness.vm import accel, hostenv, machine
+from harness.vm.artifacts import (
     BOOKWORM,
     Artifacts,
     InstallHook,
@@ -41,7 +41,7 @@ from .artifacts import (
     ensure_artifacts,
     remove_tree,
 )
-from .machine import VM, VMTestTimeout
+from harness.vm.machine import VM, VMTestTimeout
 
 log = logging.getLogger("tpuboot.vm")
 
@@ -246,7 +246,7 @@ def vm_factory(
 @pytest.fixture(scope="session")
 def tpuboot_deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tpuboot's .deb, built once per session from this source tree."""
-    from .tpuboot_guest import build_deb
+    from harness.vm.tpuboot_guest import build_deb
 
     return build_deb(tmp_path_factory.mktemp("deb"))
 
@@ -259,7 +259,7 @@ class TpubootImages(Protocol):
 def tpuboot_images(vm_bench: BenchFactory, tpuboot_deb: Path) -> TpubootImages:
     """``image(platform=BOOKWORM) -> Path``: that platform's guest with tpuboot's .deb (installed
     with apt), the stand-in device config and the metadata emulator."""
-    from .tpuboot_guest import package_install_hook
+    from harness.vm.tpuboot_guest import package_install_hook
 
     def image(platform: Platform = BOOKWORM) -> Path:
         return vm_bench(platform).image(package_install_hook(tpuboot_deb), key="tpuboot")

@@ -81,7 +81,7 @@ def test_requests_per_minute() -> None:
 
 
 def _load_gce_mds(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(REPO / "tests"))  # the guest finds mds_emulator beside it
+    monkeypatch.syspath_prepend(str(REPO / "harness"))  # the guest finds mds_emulator beside it
     spec = importlib.util.spec_from_file_location("bench_gce_mds", REPO / "bench" / "gce_mds.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

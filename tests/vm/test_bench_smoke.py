@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from .artifacts import GUEST_LIBEXEC, TESTER, Artifacts, in_tree, install_debs
+from harness.vm.artifacts import GUEST_LIBEXEC, TESTER, Artifacts, in_tree, install_debs
+from harness.vm.hostenv import run
+from harness.vm.machine import VM, PciDevice
+
 from .conftest import ImageFactory
-from .hostenv import run
-from .machine import VM, PciDevice
 
 pytestmark = pytest.mark.vm
 

@@ -16,11 +16,11 @@ from types import ModuleType
 
 import pytest
 
-from . import artifacts, hostenv, kernelimage
-from .agent import CommandFailed, Result
-from .machine import VM
+from harness.vm import artifacts, hostenv, kernelimage
+from harness.vm.guestcmd import CommandFailed, Result
+from harness.vm.machine import VM
 
-GUEST = Path(__file__).resolve().parent / "guest"
+GUEST = artifacts.GUEST_DIR
 
 
 def _load_guest(name: str) -> ModuleType:

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from bench.soak import boot_kwargs, run_soak, soak_install_hook
+from harness.vm.artifacts import Artifacts
+from harness.vm.machine import VM
 
-from .artifacts import Artifacts
 from .conftest import ImageFactory
-from .machine import VM
 
 MINUTES = float(os.environ.get("TPUBOOT_SOAK_MINUTES", "3"))
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .artifacts import Artifacts, in_tree
+from harness.vm.artifacts import Artifacts, in_tree
+from harness.vm.machine import VM
+from harness.vm.tpuboot_guest import MDS_CONTROL
+
 from .conftest import ImageFactory
-from .machine import VM
 from .test_tpuboot_vbar import PUT_SCRIPT, TPU_ENV, install, managed, status_text, wait_running
-from .tpuboot_guest import MDS_CONTROL
 
 pytestmark = pytest.mark.vm
 

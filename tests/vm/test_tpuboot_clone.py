@@ -22,16 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
+from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
+from harness.vm.artifacts import Artifacts, in_tree
+from harness.vm.machine import VM
+from harness.vm.tpuboot_guest import MDS_PORT, guest_config, install_emulator, package_install_hook
 from tpuboot.config import Config, EnvConfig, MetadataConfig
 from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.sync import PRODUCT_UUID_PATH, EnvSync, cache_path
 from tpuboot.paths import Root
 
-from .artifacts import Artifacts, in_tree
 from .conftest import ImageFactory
-from .machine import VM
-from .tpuboot_guest import MDS_PORT, guest_config, install_emulator, package_install_hook
 
 pytestmark = pytest.mark.vm
 

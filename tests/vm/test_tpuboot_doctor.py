@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from .artifacts import Artifacts
-from .machine import VM
+from harness.vm.artifacts import Artifacts
+from harness.vm.machine import VM
+
 from .test_tpuboot_package import KERNEL_PARAMS
 
 pytestmark = pytest.mark.vm

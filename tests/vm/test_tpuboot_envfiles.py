@@ -1,7 +1,7 @@
 """tpu-env through systemd's EnvironmentFile= and a real `docker run --env-file`, and the telemetry
 collector's configuration inside its container, on one guest with a real dockerd.
 
-tpu-env holds every hostile value (tests/mds_emulator.py HOSTILE_VALUES). systemd itself parses
+tpu-env holds every hostile value (harness/mds_emulator.py HOSTILE_VALUES). systemd itself parses
 /run/tpuboot/tpu-env.env for a unit that copies its own /proc/self/environ; docker's CLI parses
 /run/tpuboot/tpu-env.docker for a busybox container that prints its /proc/self/environ. The
 collector stand-in (tpuboot_guest.COLLECTOR_SCRIPT) prints the config file it finds.
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV
+from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV
+from harness.vm.artifacts import Artifacts
+from harness.vm.machine import VM
+from harness.vm.tpuboot_guest import COLLECTOR_CONFIG, guest_config, stand_in_install_hook
 
-from .artifacts import Artifacts
 from .conftest import ImageFactory
-from .machine import VM
-from .tpuboot_guest import COLLECTOR_CONFIG, guest_config, stand_in_install_hook
 
 pytestmark = pytest.mark.vm
 

@@ -19,12 +19,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.mds_emulator import SAMPLE_TPU_ENV
+from harness.mds_emulator import SAMPLE_TPU_ENV
+from harness.vm.artifacts import GUEST_LIBEXEC, Artifacts, in_tree
+from harness.vm.machine import VM
+from harness.vm.tpuboot_guest import (
+    EDU,
+    MDS_PORT,
+    STAND_INS,
+    VIRTIO_RNG,
+    _enable,
+    _write,
+    package_install_hook,
+)
 
-from .artifacts import GUEST_LIBEXEC, Artifacts, in_tree
 from .conftest import ImageFactory
-from .machine import VM
-from .tpuboot_guest import EDU, MDS_PORT, STAND_INS, VIRTIO_RNG, _enable, _write, package_install_hook
 
 pytestmark = pytest.mark.vm
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.mds_emulator import SAMPLE_TPU_ENV
+from harness.mds_emulator import SAMPLE_TPU_ENV
+from harness.vm.artifacts import PLATFORMS, Platform, chroot_run
+from harness.vm.machine import VM
+from harness.vm.tpuboot_guest import package_install_hook
 
-from .artifacts import PLATFORMS, Platform, chroot_run
 from .conftest import BenchFactory
-from .machine import VM
 from .test_tpuboot_service import READY_STATUS, put_tpu_env, sourced, status_text
-from .tpuboot_guest import package_install_hook
 
 pytestmark = pytest.mark.vm
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.vm.tpuboot_guest import VIRTIO_RNG
+
 from .conftest import VMFactory
-from .tpuboot_guest import VIRTIO_RNG
 
 pytestmark = pytest.mark.vm
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from .artifacts import PLATFORMS, Platform, in_tree
+from harness.vm.artifacts import PLATFORMS, Platform, in_tree
+from harness.vm.machine import VM
+from harness.vm.tpuboot_guest import package_install_hook
+
 from .conftest import BenchFactory
-from .machine import VM
-from .tpuboot_guest import package_install_hook
 
 pytestmark = pytest.mark.vm
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from .artifacts import Artifacts
+from harness.vm.artifacts import Artifacts
+from harness.vm.machine import VM
+
 from .conftest import ImageFactory
-from .machine import VM
 from .test_tpuboot_vbar import IMAGE_1, NAME, install, managed, wait_running
 
 pytestmark = pytest.mark.vm

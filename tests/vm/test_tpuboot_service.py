@@ -19,13 +19,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import yaml
 
-from tests.mds_emulator import SAMPLE_TPU_ENV
-from tpuboot.config import DEFAULT_ENVIRONMENT
-
-from .artifacts import PLATFORMS, TESTER, Platform
-from .conftest import BenchFactory, TpubootImages
-from .machine import VM, PciDevice
-from .tpuboot_guest import (
+from harness.mds_emulator import SAMPLE_TPU_ENV
+from harness.vm.artifacts import PLATFORMS, TESTER, Platform
+from harness.vm.machine import VM, PciDevice
+from harness.vm.tpuboot_guest import (
     EDU,
     EDU_ID_REGISTER,
     MDS_CONTROL,
@@ -33,6 +30,9 @@ from .tpuboot_guest import (
     VIRTIO_BLK,
     VIRTIO_RNG,
 )
+from tpuboot.config import DEFAULT_ENVIRONMENT
+
+from .conftest import BenchFactory, TpubootImages
 
 pytestmark = pytest.mark.vm
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.mds_emulator import SAMPLE_TPU_ENV
+from harness.mds_emulator import SAMPLE_TPU_ENV
+from harness.vm.artifacts import Artifacts
+from harness.vm.machine import VM
+from harness.vm.tpuboot_guest import MDS_CONTROL, guest_config, vbar_install_hook
 
-from .artifacts import Artifacts
 from .conftest import ImageFactory
-from .machine import VM
-from .tpuboot_guest import MDS_CONTROL, guest_config, vbar_install_hook
 
 pytestmark = pytest.mark.vm
 

@@ -13,7 +13,7 @@ run time. Every request is counted with its time, for the fleet benchmark.
 
 Standalone (for VM guests)::
 
-    python3 tests/mds_emulator.py --port 8080 --attributes attrs.yaml [--error-rate 0.2]
+    python3 harness/mds_emulator.py --port 8080 --attributes attrs.yaml [--error-rate 0.2]
 
 ``attrs.yaml`` maps attribute names to values; a mapping value (like ``tpu-env``) is
 served as its YAML text. Control endpoints, not counted and without flavor checks:

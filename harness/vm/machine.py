@@ -4,7 +4,7 @@ A q35 machine with an emulated Intel IOMMU (so every PCI device gets its own
 IOMMU group and vfio-pci really works), the root disk on virtio-blk (a
 non-TPU device tpuboot must leave alone), cold-plugged stand-in devices,
 empty PCIe root ports for hotplug, no NIC. The host reaches the guest three
-ways: the console log file (ttyS0), the command agent (ttyS1) and QMP.
+ways: the console log file (ttyS0), the command server (ttyS1) and QMP.
 
 Every wait is bounded, and no QEMU outlives its VM: ``close()`` runs on
 context exit (also on KeyboardInterrupt), an ``atexit`` hook kills leftovers,
@@ -37,8 +37,8 @@ from typing import Any
 from uuid import uuid4
 
 from .accel import accel_args, select_accel
-from .agent import AgentClient, AgentError, Result
 from .artifacts import Artifacts
+from .guestcmd import GuestCmdClient, GuestCmdError, Result
 from .hostenv import QEMU
 from .qmp import QMPClient, QMPError
 
@@ -203,13 +203,13 @@ class VM:
         self.workdir: Path | None = None
         self.serial = 0
         self.proc: subprocess.Popen[bytes] | None = None
-        self.agent: AgentClient | None = None
+        self.guestcmd: GuestCmdClient | None = None
         self._qmp: QMPClient | None = None
         self.started_at = 0.0
         self.boot_status: BootStatus | None = None
         self.final_journal: str | None = None  # kept by capture_journal (on a failing exit)
         self._console_text: str | None = None
-        self._ready_mark = 0  # agent ready events before this index belong to earlier boots
+        self._ready_mark = 0  # guestcmd ready events before this index belong to earlier boots
         self._lock = threading.Lock()
 
     @classmethod
@@ -250,8 +250,8 @@ class VM:
             "-device", f"virtio-blk-pci,drive={ROOT_DISK_ID},id={ROOT_DISK_ID}-dev",
             "-chardev", f"file,id=console,path={_opt(self.console_path)}",
             "-serial", "chardev:console",
-            "-chardev", f"socket,id=agent,path={_opt(self.workdir / 'agent.sock')},server=on,wait=off",
-            "-serial", "chardev:agent",
+            "-chardev", f"socket,id=guestcmd,path={_opt(self.workdir / 'guestcmd.sock')},server=on,wait=off",
+            "-serial", "chardev:guestcmd",
             "-chardev", f"socket,id=qmp,path={_opt(self.workdir / 'qmp.sock')},server=on,wait=off",
             "-mon", "chardev=qmp,mode=control",
         ]  # fmt: skip
@@ -271,7 +271,7 @@ class VM:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> VM:
-        """Launch QEMU and connect QMP and the agent channel (does not wait for the boot)."""
+        """Launch QEMU and connect QMP and the guestcmd channel (does not wait for the boot)."""
         if self.proc is not None:
             raise VMError(f"{self.name}: already started")
         for path in (self.image, self.kernel, self.initrd):
@@ -310,8 +310,8 @@ class VM:
         try:
             self._qmp = QMPClient(self.workdir / "qmp.sock")
             self._connect(self._qmp.connect)
-            self.agent = AgentClient(self.workdir / "agent.sock")
-            self._connect(self.agent.connect)
+            self.guestcmd = GuestCmdClient(self.workdir / "guestcmd.sock")
+            self._connect(self.guestcmd.connect)
         except BaseException:
             self.kill()
             raise
@@ -320,7 +320,7 @@ class VM:
     def _connect(self, connect: Any) -> None:
         try:
             connect(timeout=15.0)
-        except (QMPError, AgentError) as exc:
+        except (QMPError, GuestCmdError) as exc:
             raise VMError(f"{self.name}: {exc}\n{self._qemu_log()}") from exc
 
     def _qemu_log(self) -> str:
@@ -339,16 +339,16 @@ class VM:
             )
 
     def wait_booted(self, timeout: float = 240.0) -> BootStatus:
-        """Wait for the agent, then for systemd to finish starting (running or degraded).
+        """Wait for guestcmd, then for systemd to finish starting (running or degraded).
 
         Raises VMError with the console tail if QEMU dies or time runs out. A
         degraded boot is returned, not raised: ``failed_units`` says which failed.
         """
-        if self.agent is None:
+        if self.guestcmd is None:
             raise VMError(f"{self.name}: not started")
         deadline = time.monotonic() + timeout
-        self._wait_agent(self._ready_mark, deadline, "booting")
-        agent_at = time.monotonic()
+        self._wait_guestcmd(self._ready_mark, deadline, "booting")
+        guestcmd_at = time.monotonic()
         left = max(deadline - time.monotonic(), 5.0)
         result = self.run(["systemctl", "is-system-running", "--wait"], timeout=left)
         if result.timed_out:
@@ -366,33 +366,33 @@ class VM:
         failed = self.failed_units() if state == "degraded" else ()
         self.boot_status = BootStatus(state, failed, time.monotonic() - self.started_at)
         log.info(
-            "%s: agent after %.1fs, %s after %.1fs%s",
-            self.name, agent_at - self.started_at, state, self.boot_status.seconds,
+            "%s: guestcmd after %.1fs, %s after %.1fs%s",
+            self.name, guestcmd_at - self.started_at, state, self.boot_status.seconds,
             f"; failed units: {', '.join(failed)}" if failed else "",
         )  # fmt: skip
         return self.boot_status
 
-    def _wait_agent(self, mark: int, deadline: float, doing: str) -> dict[str, Any]:
-        """Wait for the agent's ready event after ``mark``; then a ping proves the round trip."""
-        assert self.agent is not None
+    def _wait_guestcmd(self, mark: int, deadline: float, doing: str) -> dict[str, Any]:
+        """Wait for guestcmd's ready event after ``mark``; then a ping proves the round trip."""
+        assert self.guestcmd is not None
         last_ping = time.monotonic()
         while True:
             self._check_alive(doing)
-            ready = self.agent.wait_ready(mark, timeout=min(2.0, max(deadline - time.monotonic(), 0.0)))
+            ready = self.guestcmd.wait_ready(mark, timeout=min(2.0, max(deadline - time.monotonic(), 0.0)))
             if ready is not None:
-                pong = self.agent.ping(timeout=max(deadline - time.monotonic(), 10.0))
+                pong = self.guestcmd.ping(timeout=max(deadline - time.monotonic(), 10.0))
                 if pong is not None:
                     return pong
             elif time.monotonic() - last_ping > 20.0:
                 # Fallback in case the ready line was garbled: rarely, so that pings do
-                # not queue up in the UART before the agent opens it.
+                # not queue up in the UART before guestcmd opens it.
                 last_ping = time.monotonic()
-                pong = self.agent.ping(timeout=1.0)
+                pong = self.guestcmd.ping(timeout=1.0)
                 if pong is not None:
                     return pong
             if time.monotonic() > deadline:
                 raise VMError(
-                    f"{self.name}: guest agent silent while {doing}\n"
+                    f"{self.name}: guestcmd silent while {doing}\n"
                     f"--- console tail ---\n{self.console_tail(60)}"
                 )
 
@@ -403,27 +403,27 @@ class VM:
     def _failed_report(self) -> str:
         try:
             return self.run(["systemctl", "--failed", "--no-pager"], timeout=30).stdout
-        except (AgentError, VMError) as exc:
+        except (GuestCmdError, VMError) as exc:
             return f"(cannot list failed units: {exc})"
 
     def reboot(self, timeout: float = 240.0) -> BootStatus:
         """Reboot the guest (needs ``reboot=True``) and wait for the new boot."""
         if not self.reboot_allowed:
             raise VMError(f"{self.name}: created with reboot=False; QEMU would exit")
-        assert self.agent is not None
-        before = self.agent.ping(timeout=10.0)
+        assert self.guestcmd is not None
+        before = self.guestcmd.ping(timeout=10.0)
         if not before:
-            raise VMError(f"{self.name}: agent not answering before reboot")
+            raise VMError(f"{self.name}: guestcmd not answering before reboot")
         deadline = time.monotonic() + timeout
-        mark = self.agent.ready_count()
+        mark = self.guestcmd.ready_count()
         self.run(["systemctl", "reboot", "--no-block"], timeout=30, check=True)
         while True:
-            pong = self._wait_agent(mark, deadline, "rebooting")
+            pong = self._wait_guestcmd(mark, deadline, "rebooting")
             if pong.get("boot_id") != before.get("boot_id"):
                 break
-            mark = self.agent.ready_count()  # the agent restarted within the old boot
+            mark = self.guestcmd.ready_count()  # guestcmd restarted within the old boot
         self.started_at = time.monotonic() - float(pong.get("uptime", 0.0))
-        self._ready_mark = self.agent.ready_count() - 1
+        self._ready_mark = self.guestcmd.ready_count() - 1
         return self.wait_booted(max(deadline - time.monotonic(), 30.0))
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -433,10 +433,10 @@ class VM:
             return
         assert self.proc is not None
         asked = False
-        if self.agent is not None and not self.agent.closed:
+        if self.guestcmd is not None and not self.guestcmd.closed:
             try:
                 asked = self.run(["systemctl", "poweroff", "--no-block"], timeout=10).ok
-            except (AgentError, VMError):
+            except (GuestCmdError, VMError):
                 asked = False
         if not asked:
             with contextlib.suppress(QMPError):
@@ -468,7 +468,7 @@ class VM:
             if self.proc is not None and self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-            for client in (self.agent, self._qmp):
+            for client in (self.guestcmd, self._qmp):
                 if client is not None:
                     client.close()
             if self.workdir is not None and self._console_text is None:
@@ -510,11 +510,11 @@ class VM:
         ``check=True`` raises CommandFailed (an AssertionError) with all output
         on a non-zero exit or a timeout.
         """
-        if self.agent is None:
+        if self.guestcmd is None:
             raise VMError(f"{self.name}: not started")
         try:
-            result = self.agent.run(command, user=user, timeout=timeout, stdin=stdin, env=env, cwd=cwd)
-        except AgentError as exc:
+            result = self.guestcmd.run(command, user=user, timeout=timeout, stdin=stdin, env=env, cwd=cwd)
+        except GuestCmdError as exc:
             self._check_alive(f"running {command!r}")
             raise VMError(f"{self.name}: {exc} (command {command!r})") from exc
         return result.check() if check else result
@@ -568,15 +568,15 @@ class VM:
     def capture_journal(self, lines: int = 300) -> str:
         """The journal's tail, also kept in :attr:`final_journal` for after the guest is gone.
 
-        Asks only if the agent answers a ping within 3 s, so a hung guest costs little.
+        Asks only if guestcmd answers a ping within 3 s, so a hung guest costs little.
         """
-        if not self.running or self.agent is None or self.agent.closed:
+        if not self.running or self.guestcmd is None or self.guestcmd.closed:
             return self.final_journal or "(guest not running: no journal; see the console)"
         try:
-            if self.agent.ping(timeout=3.0) is None:
-                return self.final_journal or "(guest agent not answering: no journal; see the console)"
+            if self.guestcmd.ping(timeout=3.0) is None:
+                return self.final_journal or "(guestcmd not answering: no journal; see the console)"
             self.final_journal = self.journal(lines=lines, timeout=30)
-        except (AgentError, VMError) as exc:
+        except (GuestCmdError, VMError) as exc:
             self.final_journal = f"(journal unavailable: {exc})"
         return self.final_journal
 

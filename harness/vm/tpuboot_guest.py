@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.mds_emulator import SAMPLE_TPU_ENV
+from harness.mds_emulator import SAMPLE_TPU_ENV
 
 from .artifacts import GUEST_LIBEXEC, in_tree, install_debs
 from .hostenv import BUSYBOX, run
@@ -87,7 +87,7 @@ def _enable(tree: Path, unit: str, unit_dir: str = "/lib/systemd/system") -> Non
 
 def install_emulator(tree: Path, tpu_env: dict[str, str] | None = None) -> None:
     """The metadata emulator as a guest service, serving ``tpu-env`` and a drop-in aiming tpuboot at it."""
-    shutil.copy(REPO / "tests/mds_emulator.py", in_tree(tree, f"{GUEST_LIBEXEC}/mds_emulator.py"))
+    shutil.copy(REPO / "harness/mds_emulator.py", in_tree(tree, f"{GUEST_LIBEXEC}/mds_emulator.py"))
     attributes = {"tpu-env": tpu_env if tpu_env is not None else SAMPLE_TPU_ENV}
     _write(tree, "/etc/tpuboot-test/attributes.yaml", yaml.safe_dump(attributes, sort_keys=False))
     _write(tree, "/etc/systemd/system/tpuboot-test-mds.service", MDS_UNIT)
@@ -120,7 +120,7 @@ def package_install_hook(deb: Path, config: str | None = None) -> Callable[[Path
 VBAR_ROOTFS = f"{GUEST_LIBEXEC}/vbar-rootfs.tar"
 VBAR_IMPORT_SCRIPT = f"{GUEST_LIBEXEC}/import-vbar-images"
 VBAR_DOCKER_DROP_IN = f"""[Service]
-# The vBar stand-in images, made locally (tests/vm/tpuboot_guest.py).
+# The vBar stand-in images, made locally (harness/vm/tpuboot_guest.py).
 ExecStartPost=-/bin/sh {VBAR_IMPORT_SCRIPT}
 """
 # No bridge or iptables set-up: the agents use the host network, and it costs 30 s under TCG.

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Guest command agent of the tpuboot test bench (runs inside the VM, stdlib only).
+"""Guest command server (guestcmd) of the tpuboot test bench (runs inside the VM, stdlib only).
 
 The VM has no network card, so the host drives the guest through the second
 ISA serial port (8250 is built into Debian's kernel: no extra PCI device that
@@ -13,11 +13,11 @@ could disturb the device tests). Protocol, one JSON object per line each way:
              {"kind": "pong", "id": 8, "boot_id": "...", "uptime": 12.3}
              {"kind": "ready", "boot_id": "..."}   (once, at start)
 
-Every message from the agent carries "kind": until the agent has switched the
+Every message from guestcmd carries "kind": until guestcmd has switched the
 line to raw mode, the tty echoes what the host sent, and the host must be
 able to tell such an echo from an answer. Requests run concurrently, each in
 its own session so a timeout kills the whole process group. Lines that are not
-JSON (bytes left in the UART from before the agent opened it) are ignored.
+JSON (bytes left in the UART from before guestcmd opened it) are ignored.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def serve(channel: Channel) -> None:
         try:
             reply = execute(req)
         except Exception as exc:  # the host must always get an answer
-            reply = {"kind": "reply", "id": req.get("id"), "rc": 127, "error": f"agent: {exc!r}"}
+            reply = {"kind": "reply", "id": req.get("id"), "rc": 127, "error": f"guestcmd: {exc!r}"}
         channel.send(reply)
 
     channel.send({"kind": "ready", "boot_id": boot_id})

@@ -1,4 +1,4 @@
-"""Host side of the guest command agent (``guest/agent.py``) on the VM's ttyS1.
+"""Host side of the guest command server (``guest/guestcmd.py``) on the VM's ttyS1.
 
 QEMU exposes the guest's second serial port as a unix socket
 (``-chardev socket,server=on,wait=off``). Requests and replies are JSON lines
@@ -23,12 +23,12 @@ from typing import Any
 
 from .hostenv import connect_unix
 
-# The agent kills a command at its timeout; this much more covers the transfer back.
+# guestcmd kills a command at its timeout; this much more covers the transfer back.
 TRANSPORT_MARGIN = 15.0
 
 
-class AgentError(RuntimeError):
-    """The guest agent did not answer in time, or the channel broke."""
+class GuestCmdError(RuntimeError):
+    """guestcmd did not answer in time, or the channel broke."""
 
 
 class CommandFailed(AssertionError):
@@ -78,8 +78,8 @@ class Result:
         return self
 
 
-class AgentClient:
-    """Connection to the agent through QEMU's chardev socket at ``path``."""
+class GuestCmdClient:
+    """Connection to guestcmd through QEMU's chardev socket at ``path``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -96,9 +96,9 @@ class AgentClient:
     def connect(self, timeout: float = 10.0) -> None:
         sock = connect_unix(self.path, timeout)
         if sock is None:
-            raise AgentError(f"agent socket {self.path} not ready after {timeout:.0f}s")
+            raise GuestCmdError(f"guestcmd socket {self.path} not ready after {timeout:.0f}s")
         self._sock = sock
-        self._reader = threading.Thread(target=self._read_loop, name="agent-reader", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name="guestcmd-reader", daemon=True)
         self._reader.start()
 
     def _read_loop(self) -> None:
@@ -129,7 +129,7 @@ class AgentClient:
             return
         kind = msg.get("kind") if isinstance(msg, dict) else None
         if kind not in ("reply", "pong", "ready"):
-            # Our own request echoed by the guest tty before the agent made it raw.
+            # Our own request echoed by the guest tty before guestcmd made it raw.
             self.noise += line[-4096:] + b"\n"
             del self.noise[:-65536]
             return
@@ -143,22 +143,22 @@ class AgentClient:
     def request(self, payload: Mapping[str, Any], timeout: float) -> dict[str, Any]:
         """Send one request and wait at most ``timeout`` s for its reply."""
         if self._sock is None:
-            raise AgentError("agent not connected")
+            raise GuestCmdError("guestcmd not connected")
         msg_id = next(self._ids)
         data = json.dumps({**payload, "id": msg_id}, separators=(",", ":")).encode() + b"\n"
         try:
             with self._send_lock:
                 self._sock.sendall(data)
         except OSError as exc:
-            raise AgentError(f"agent channel: {exc}") from exc
+            raise GuestCmdError(f"guestcmd channel: {exc}") from exc
         deadline = time.monotonic() + timeout
         with self._cond:
             while msg_id not in self._replies:
                 left = deadline - time.monotonic()
                 if self._closed:
-                    raise AgentError("agent channel closed (QEMU exited?)")
+                    raise GuestCmdError("guestcmd channel closed (QEMU exited?)")
                 if left <= 0:
-                    raise AgentError(f"no answer from the guest agent within {timeout:.0f}s")
+                    raise GuestCmdError(f"no answer from the guestcmd within {timeout:.0f}s")
                 self._cond.wait(left)
             return self._replies.pop(msg_id)
 
@@ -168,9 +168,9 @@ class AgentClient:
             return len(self.ready_events)
 
     def wait_ready(self, since: int = 0, timeout: float = 1.0) -> dict[str, Any] | None:
-        """The first ``ready`` event (sent once per agent start) after mark ``since``, or None.
+        """The first ``ready`` event (sent once per guestcmd start) after mark ``since``, or None.
 
-        Waiting for it instead of pinging keeps the host silent until the agent has
+        Waiting for it instead of pinging keeps the host silent until guestcmd has
         made the line raw, so nothing is echoed back.
         """
         deadline = time.monotonic() + timeout
@@ -183,11 +183,11 @@ class AgentClient:
             return self.ready_events[since]
 
     def ping(self, timeout: float = 1.0) -> dict[str, Any] | None:
-        """The agent's pong (boot_id, uptime), or None if it did not answer in time."""
+        """guestcmd's pong (boot_id, uptime), or None if it did not answer in time."""
         try:
             pong = self.request({"op": "ping"}, timeout)
             return pong if pong.get("kind") == "pong" else None
-        except AgentError:
+        except GuestCmdError:
             if self._closed:
                 raise
             return None
@@ -219,7 +219,7 @@ class AgentClient:
         reply = self.request(payload, timeout + TRANSPORT_MARGIN)
         stderr = base64.b64decode(reply.get("stderr") or "")
         if reply.get("error"):
-            stderr += f"\n[agent] {reply['error']}\n".encode()
+            stderr += f"\n[guestcmd] {reply['error']}\n".encode()
         return Result(
             command=command if isinstance(command, str) else list(payload["argv"]),
             user=user,

@@ -16,7 +16,7 @@ Layout::
     apt/<suite>/                  private apt state for a suite the host's apt does not carry
     initramfs/<platform>-<key>.cpio  busybox + root-disk modules + guest/initramfs-init
     base/<platform>-<key>/        debootstrap --variant=minbase (the slow step, ~1 min)
-    tree/<platform>-<key>/        base + kernel modules + tester user + agent + quiet boot
+    tree/<platform>-<key>/        base + kernel modules + tester user + guestcmd + quiet boot
 
 Disk images are not cached here: each test session makes its own with
 :func:`build_image`, after a caller-supplied install hook has put the software
@@ -50,9 +50,9 @@ log = logging.getLogger("tpuboot.vm")
 
 KERNEL_META = "linux-image-amd64"
 GUEST_DIR = Path(__file__).resolve().parent / "guest"
-# Where the tree carries the bench's guest-side scripts (agent, vfio_read.py).
+# Where the tree carries the bench's guest-side scripts (guestcmd, vfio_read.py).
 GUEST_LIBEXEC = "/usr/local/libexec/tpuboot-test"
-AGENT_UNIT = "tpuboot-test-agent.service"
+GUESTCMD_UNIT = "tpuboot-test-guestcmd.service"
 PROBE_MARKER = "TPUBOOT-PROBE-OK"
 HOSTNAME = "tpuboot-vm"
 TESTER = "tester"
@@ -621,11 +621,11 @@ def _customize(tree: Path, kernel: Kernel) -> None:
             (libexec / src.name).chmod(0o755)
     wants = tree / "etc/systemd/system/sysinit.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
-    (wants / AGENT_UNIT).symlink_to(f"/etc/systemd/system/{AGENT_UNIT}")
+    (wants / GUESTCMD_UNIT).symlink_to(f"/etc/systemd/system/{GUESTCMD_UNIT}")
 
 
 def ensure_tree(kernel: Kernel, platform: Platform = BOOKWORM, cache: Path | None = None) -> Path:
-    """The guest's root tree: base + kernel modules + user ``tester`` + command agent."""
+    """The guest's root tree: base + kernel modules + user ``tester`` + command server."""
     cache = cache or hostenv.cache_dir()
     base = ensure_base(platform, cache)
     parent = cache / "tree"

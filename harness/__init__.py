@@ -1,0 +1,7 @@
+"""What tpuboot's tests and benchmarks run it against, shared by ``tests/`` and ``bench/``.
+
+* :mod:`harness.mds_emulator` -- a GCE metadata server on 127.0.0.1 or in a guest (faults,
+  long-polls, guest attributes); also a script the VM guests run.
+* :mod:`harness.vm` -- the real-kernel harness: Debian guests in QEMU, their kernel, images and
+  command channel, and tpuboot's .deb installed in them.
+"""
