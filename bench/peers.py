@@ -7,8 +7,8 @@
   gets the one udev rule a user would add for unprivileged access (``MODE="0666"``, what tpuboot
   and the documented script do) and ``allow_unsafe_interrupts`` as a module option.
 * ``google-guest-agent`` (Debian's, Go): the agent every GCE VM runs, with its metadata long-poll.
-  Installed disabled; the idle family starts it alone, against a second in-guest emulator on
-  169.254.169.254:80 (``bench/gce_mds.py``).
+  Installed disabled; the idle family starts it alone, against a second in-guest metadata
+  emulator (``harness/mds_emulator.py``, already in the guest) on 169.254.169.254:80.
 
 The .debs are bookworm's (``apt-get download``, with the private apt state the kernel download
 uses when the host runs another release), cached under the VM cache. Their
@@ -33,7 +33,6 @@ from harness.vm.artifacts import BOOKWORM, InstallHook, apt_options, chroot_run,
 
 log = logging.getLogger("bench.peers")
 
-HERE = Path(__file__).resolve().parent
 PEER_PACKAGES = ("driverctl", "google-guest-agent")
 DRIVERCTL_RULES = ("05-driverctl.rules", "89-vfio-uio.rules")
 # Lets the bench reset driverctl@ units between reps (a second add of the same device would not
@@ -44,7 +43,6 @@ GGA_UNITS = (
     "google-startup-scripts.service",
     "google-shutdown-scripts.service",
 )
-GCE_MDS = "/usr/local/libexec/tpuboot-bench/gce_mds.py"
 GCE_MDS_ADDRESS = "169.254.169.254"
 # What the guest agent's config leaves on: see gga_config(). Instance values it reads at start.
 GCE_INSTANCE_FILE = "/usr/local/libexec/tpuboot-bench/gce-instance.yaml"
@@ -130,7 +128,6 @@ def peers_install_hook(debs: Sequence[Path]) -> InstallHook:
         chroot_run(tree, ["systemctl", "disable", *GGA_UNITS])
         cfg = in_tree(tree, "/etc/default/instance_configs.cfg")
         cfg.write_text(gga_config(cfg.read_text()))
-        shutil.copy(HERE / "gce_mds.py", in_tree(tree, GCE_MDS))
         in_tree(tree, GCE_INSTANCE_FILE).write_text(json.dumps(GCE_INSTANCE) + "\n")  # JSON is YAML
 
     return install

@@ -72,7 +72,7 @@ Families and timing methods:
    time.sleep(60)'`` process sleeps; that process's VmRSS is the RSS baseline. Threads are named
    by the system call they block in (Python 3.11 gives its threads no kernel name). This window
    runs first, while the next family's guest boots: wakeups and RSS do not depend on host load.
-   Then tpuboot is stopped and google-guest-agent started alone, against ``bench/gce_mds.py`` on
+   Then tpuboot is stopped and google-guest-agent started alone, against the metadata emulator on
    169.254.169.254:80 (an address on lo); after 30 s of its start-up work, the same window on its
    process. Each emulator counts the requests of the window (``GET /_emulator/stats``).
 
@@ -109,7 +109,15 @@ from bench import peers
 from bench.icount import IcountVM
 from harness.mds_emulator import SAMPLE_TPU_ENV
 from harness.vm.accel import select_accel
-from harness.vm.artifacts import Artifacts, InstallHook, build_image, ensure_artifacts, in_tree, remove_tree
+from harness.vm.artifacts import (
+    GUEST_LIBEXEC,
+    Artifacts,
+    InstallHook,
+    build_image,
+    ensure_artifacts,
+    in_tree,
+    remove_tree,
+)
 from harness.vm.guestcmd import Result
 from harness.vm.hostenv import cache_dir
 from harness.vm.machine import VM
@@ -947,7 +955,8 @@ def idle_peer(vm: VM, window: float) -> dict[str, Any]:
     stop_tpuboot(vm)
     helper(vm, "route-metadata", "--address", peers.GCE_MDS_ADDRESS)
     vm.run(
-        ["systemd-run", f"--unit={GCE_MDS_UNIT}", "python3", peers.GCE_MDS,
+        ["systemd-run", f"--unit={GCE_MDS_UNIT}", "python3", f"{GUEST_LIBEXEC}/mds_emulator.py",
+         "--bind", peers.GCE_MDS_ADDRESS, "--port", "80", "--log-requests",
          "--attributes", "/etc/tpuboot-test/attributes.yaml", "--instance", peers.GCE_INSTANCE_FILE],
         check=True,
     )  # fmt: skip

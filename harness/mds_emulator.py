@@ -4,12 +4,15 @@ Serves ``/computeMetadata/v1/instance/attributes/<k>``, ``/project/attributes/<k
 ``/instance/<path>`` from a dict that can change while it runs (a change wakes waiting
 long-polls), with the real server's semantics: the request must carry ``Metadata-Flavor:
 Google`` (else 403), every answer carries it, ``ETag`` on values, 404 for a missing key,
-``wait_for_change``/``last_etag``/``timeout_sec`` long-polls, directory listings and
-``?recursive=true`` JSON. Guest attributes as the real server keeps them: ``PUT``, ``GET`` and
+``wait_for_change``/``last_etag``/``timeout_sec`` long-polls of values and of directories (woken
+by a change under the directory), directory listings, ``?recursive=true`` as nested JSON, and
+repeated slashes read as one (google-guest-agent polls ``/computeMetadata/v1//?recursive=true``).
+Guest attributes as the real server keeps them: ``PUT``, ``GET`` and
 ``DELETE`` of ``/instance/guest-attributes/<namespace>/<key>`` when ``enable-guest-attributes``
 is true on the instance (else on the project), and 403 "Guest attributes endpoint access is
 disabled." for every guest-attributes request otherwise. Faults (``Faults``) are injectable at
-run time. Every request is counted with its time, for the fleet benchmark.
+run time. Every request is counted with its time, for the fleet benchmark; with
+``log_requests`` (``--log-requests``) each is also written to stderr with its answer's status.
 
 Standalone (for VM guests)::
 
@@ -167,6 +170,7 @@ class MetadataEmulator:
         bind: str = "127.0.0.1",
         port: int = 0,
         seed: int = 0,
+        log_requests: bool = False,
     ) -> None:
         self.values: dict[str, str] = {}
         for key, value in (instance or {}).items():
@@ -178,6 +182,7 @@ class MetadataEmulator:
         self.faults = Faults()
         self.bind = bind
         self.port = port
+        self.log_requests = log_requests
         self._rng = random.Random(seed)
         self._changed = threading.Condition()
         self._version = 0
@@ -339,10 +344,15 @@ class MetadataEmulator:
     def _lookup(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, str | None, str]:
         """(status, body, etag, content type) for a metadata path, waiting if it is a long-poll."""
         faults = self.faults
-        if query.get("wait_for_change", [""])[0] == "true" and not path.endswith("/"):
-            self._wait_for_change(path, query, faults)
+        path = _SLASHES.sub("/", path).lstrip("/")
+        directory = path.endswith("/") or path == ""
+        if query.get("wait_for_change", [""])[0] == "true":
+            if directory:
+                self._wait_for_directory_change(path, query, faults)
+            else:
+                self._wait_for_change(path, query, faults)
         with self._changed:
-            if path.endswith("/") or path == "":
+            if directory:
                 return self._listing(path, query)
             value = self.values.get(path)
             if value is None:
@@ -381,13 +391,33 @@ class MetadataEmulator:
             finally:
                 self._pollers -= 1
 
+    def _wait_for_directory_change(self, path: str, query: dict[str, list[str]], faults: Faults) -> None:
+        """Wait until the directory's answer has another ETag than ``last_etag`` (or than now), as
+        the real server does: a caller that is behind gets the current answer at once."""
+        if faults.same_etag_at_once or faults.flapping_etag:
+            return
+        try:
+            timeout = min(float(query.get("timeout_sec", ["300"])[0]), 3600.0)
+        except ValueError:
+            timeout = 300.0
+        with self._changed:
+            last = query.get("last_etag", [None])[0] or self._listing(path, query)[2]
+            self._pollers += 1
+            self._changed.notify_all()
+            try:
+                self._changed.wait_for(
+                    lambda: self._stopping.is_set() or self._listing(path, query)[2] != last,
+                    timeout=timeout,
+                )
+            finally:
+                self._pollers -= 1
+
     def _listing(self, path: str, query: dict[str, list[str]]) -> tuple[int, str, str | None, str]:
         children = {key[len(path) :] for key in self.values if key.startswith(path)}
         if not children:
             return 404, _NOT_FOUND, None, "text/html; charset=UTF-8"
         if query.get("recursive", [""])[0] == "true":
-            tree = {key: self.values[path + key] for key in sorted(children)}
-            body = json.dumps(tree)
+            body = json.dumps(nested({child: self.values[path + child] for child in children}))
             return 200, body, etag_of(body), "application/json"
         names = sorted({child.split("/")[0] + ("/" if "/" in child else "") for child in children})
         body = "".join(name + "\n" for name in names)
@@ -395,6 +425,19 @@ class MetadataEmulator:
 
 
 _NOT_FOUND = "<!DOCTYPE html>\n<title>Error 404 (Not Found)</title>\n"
+_SLASHES = re.compile("/+")
+
+
+def nested(values: Mapping[str, str]) -> dict[str, Any]:
+    """``{"attributes/k": v, "id": i}`` as the real server's recursive JSON: one object per directory."""
+    tree: dict[str, Any] = {}
+    for key, value in sorted(values.items()):
+        node = tree
+        *parents, leaf = key.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
 
 
 class _Server(ThreadingHTTPServer):
@@ -439,6 +482,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # quiet: tests read the counters, not a log
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        if self.server.emulator.log_requests:  # a guest unit's journal: what a client asked, and the answer
+            sys.stderr.write(f"{self.command} {self.path} -> {code}\n")
+            sys.stderr.flush()
 
     def do_GET(self) -> None:
         split = urlsplit(self.path)
@@ -623,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered 503")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds before each answer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-requests", action="store_true", help="each request and its status on stderr")
     args = parser.parse_args(argv)
     emulator = MetadataEmulator(
         _load_values(args.attributes),
@@ -631,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         bind=args.bind,
         port=args.port,
         seed=args.seed,
+        log_requests=args.log_requests,
     )
     emulator.set_faults(error_rate=args.error_rate, delay=args.delay)
     serve_until_signalled(emulator, "metadata emulator")

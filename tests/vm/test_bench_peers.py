@@ -1,17 +1,11 @@
-"""Unit tests of the peers' pure parts of the bench (bench/peers.py, bench/gce_mds.py, the table).
+"""Unit tests of the peers' pure parts of the bench (bench/peers.py, the table).
 
 No root, no QEMU, no network: they run with ``-m "not vm"``.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
-import threading
-import urllib.request
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -78,50 +72,3 @@ def test_table_has_the_peer_columns() -> None:
 def test_requests_per_minute() -> None:
     assert requests_per_minute({"metadata_requests": 2, "window_s": 60.0}) == "2.0/min"
     assert requests_per_minute({"metadata_requests": None, "window_s": 60.0}) == "n/a"
-
-
-def _load_gce_mds(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(REPO / "harness"))  # the guest finds mds_emulator beside it
-    spec = importlib.util.spec_from_file_location("bench_gce_mds", REPO / "bench" / "gce_mds.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gce_emulator_nests_the_tree_and_long_polls_directories(monkeypatch: pytest.MonkeyPatch) -> None:
-    gce = _load_gce_mds(monkeypatch)
-    assert gce.nested({"instance/id": "1", "instance/attributes/k": "v", "project/x": "y"}, "") == {
-        "instance": {"attributes": {"k": "v"}, "id": "1"},
-        "project": {"x": "y"},
-    }
-    with gce.GceEmulator({"k": "v"}, instance={"id": "7"}, port=0) as emulator:
-        base = f"http://{emulator.host}/computeMetadata/v1/"
-
-        def get(query: str, timeout: float = 5.0) -> tuple[dict[str, object], str]:
-            request = urllib.request.Request(base + query, headers={"Metadata-Flavor": "Google"})
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
-                return json.loads(answer.read()), answer.headers["ETag"]
-
-        tree, etag = get("?recursive=true&alt=json")
-        assert tree == {"instance": {"attributes": {"k": "v"}, "id": "7"}}
-        assert get("/?recursive=true&alt=json") == (tree, etag)  # the guest agent's ".../v1//"
-        # Behind (an old etag): at once. Current etag: waits, and a change under the tree wakes it.
-        assert get("?recursive=true&wait_for_change=true&last_etag=old")[1] == etag
-        box: dict[str, object] = {}
-        poll = threading.Thread(
-            target=lambda: box.update(
-                r=get(f"?recursive=true&wait_for_change=true&last_etag={etag}&timeout_sec=30")
-            )
-        )
-        poll.start()
-        poll.join(0.5)
-        assert poll.is_alive(), "a directory long-poll with the current etag answered at once"
-        emulator.set_attribute("k", "w")
-        poll.join(10)
-        assert not poll.is_alive()
-        new_tree, new_etag = box["r"]  # type: ignore[misc]
-        assert new_tree == {"instance": {"attributes": {"k": "w"}, "id": "7"}} and new_etag != etag
-        timed = get(f"?recursive=true&wait_for_change=true&last_etag={new_etag}&timeout_sec=1")
-        assert timed[1] == new_etag  # the timeout ends the wait with the same tree
-    assert "mds_emulator" in sys.modules

@@ -1,0 +1,88 @@
+"""The metadata emulator answers directories as the real server does, since google-guest-agent
+(the bench's peer) relies on it: ``//`` read as ``/``, ``?recursive=true`` as nested JSON, and
+directory long-polls that wait until something under the directory changes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+from harness import mds_emulator
+from harness.mds_emulator import MetadataEmulator, nested
+
+
+def get(emulator: MetadataEmulator, query: str, timeout: float = 5.0) -> tuple[str, str]:
+    request = urllib.request.Request(emulator.url + query, headers={"Metadata-Flavor": "Google"})
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return answer.read().decode(), answer.headers["ETag"]
+
+
+def test_nested_makes_one_object_per_directory() -> None:
+    assert nested({"instance/id": "1", "instance/attributes/k": "v", "project/x": "y"}) == {
+        "instance": {"attributes": {"k": "v"}, "id": "1"},
+        "project": {"x": "y"},
+    }
+
+
+def test_recursive_directories_are_nested_json_and_double_slashes_are_one() -> None:
+    with MetadataEmulator({"k": "v"}, instance={"id": "7"}) as emulator:
+        body, etag = get(emulator, "?recursive=true&alt=json")
+        assert json.loads(body) == {"instance": {"attributes": {"k": "v"}, "id": "7"}}
+        assert get(emulator, "/?recursive=true&alt=json") == (body, etag)  # the guest agent's ".../v1//"
+        assert json.loads(get(emulator, "instance//attributes/?recursive=true")[0]) == {"k": "v"}
+        assert get(emulator, "instance//attributes//k")[0] == "v"
+        assert get(emulator, "instance/")[0] == "attributes/\nid\n"  # a plain listing stays a listing
+
+
+def test_a_directory_long_poll_waits_for_a_change_under_it() -> None:
+    with MetadataEmulator({"k": "v"}, instance={"id": "7"}) as emulator:
+        _, etag = get(emulator, "?recursive=true")
+        # Behind (an old etag): at once.
+        assert get(emulator, "?recursive=true&wait_for_change=true&last_etag=old")[1] == etag
+        box: dict[str, tuple[str, str]] = {}
+
+        def poll(name: str, query: str) -> threading.Thread:
+            thread = threading.Thread(target=lambda: box.update({name: get(emulator, query, timeout=30)}))
+            thread.start()
+            return thread
+
+        root = poll("root", f"?recursive=true&wait_for_change=true&last_etag={etag}&timeout_sec=30")
+        assert emulator.wait_for_pollers(1), "a directory long-poll with the current etag answered at once"
+        instance = poll("instance", "instance/?recursive=true&wait_for_change=true&timeout_sec=30")
+        assert emulator.wait_for_pollers(2)
+        emulator.set("project/attributes/elsewhere", "x")  # under the root, not under instance/
+        root.join(10)
+        assert not root.is_alive()
+        assert json.loads(box["root"][0])["project"] == {"attributes": {"elsewhere": "x"}}
+        instance.join(0.5)
+        assert instance.is_alive(), "a change outside instance/ woke its long-poll"
+        emulator.set_attribute("k", "w")
+        instance.join(10)
+        assert not instance.is_alive()
+        assert json.loads(box["instance"][0]) == {"attributes": {"k": "w"}, "id": "7"}
+        _, now = get(emulator, "?recursive=true")
+        timed = get(emulator, f"?recursive=true&wait_for_change=true&last_etag={now}&timeout_sec=1")
+        assert timed[1] == now  # the timeout ends the wait with the same tree
+
+
+def test_the_script_logs_each_request_when_asked(tmp_path: Path) -> None:
+    attributes = tmp_path / "attrs.yaml"
+    attributes.write_text("k: v\n")
+    argv = [sys.executable, mds_emulator.__file__, "--port", "0", "--attributes", str(attributes)]
+    with subprocess.Popen(
+        [*argv, "--log-requests"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        host = proc.stdout.readline().split()[-1]
+        url = f"http://{host}/computeMetadata/v1/instance/attributes/k"
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+        ) as answer:
+            assert answer.read() == b"v"
+        assert proc.stderr.readline() == "GET /computeMetadata/v1/instance/attributes/k -> 200\n"
+        proc.terminate()
+        assert proc.wait(10) == 0
