@@ -1,4 +1,4 @@
-"""Real-kernel test bench: Debian 12 and Debian 13 guests in QEMU, each booting its own kernel.
+"""Real-kernel harness: Debian 12 and Debian 13 guests in QEMU, each booting its own kernel.
 
 tpuboot binds PCI devices to vfio-pci through sysfs and runs as a systemd
 service; only a real kernel with a real (emulated) IOMMU shows whether that
@@ -17,9 +17,14 @@ Modules, one responsibility each:
 * :mod:`.qmp`         -- a small QMP client (commands and events).
 * :mod:`.guestcmd`    -- host side of the guest command server on the second serial port.
 * :mod:`.machine`     -- :class:`~.machine.VM`, the QEMU machine a test drives.
+* :mod:`.tpuboot_guest` -- tpuboot's .deb and the metadata emulator in a guest tree (install
+  hooks, stand-in devices, the vBar guest), and steering them in the running guest.
+* :mod:`.demo`        -- ``scripts/demo``.
 * ``guest/``          -- files for the guest: ``guestcmd.py`` + its unit, ``vfio_read.py`` (both
   installed at ``/usr/local/libexec/tpuboot-test/``), ``initramfs-init``.
-* ``conftest.py``     -- fixtures, ``vm`` marker, failure reports, per-test time limit.
+
+tests/vm/conftest.py makes pytest fixtures of it (``vm`` marker, failure reports, per-test time
+limit); bench/ drives it directly.
 
 Main API:
 
@@ -41,10 +46,10 @@ Main API:
   A module runs on both guests by parametrizing its module-scoped VM fixture with
   ``params=PLATFORMS`` (test ids ``[debian12]``, ``[debian13]``; see test_tpuboot_service.py).
 
-Typical use in a test module of this folder (relative imports)::
+Typical use in a test module under tests/vm::
 
-    from .artifacts import in_tree
-    from .machine import VM
+    from harness.vm.artifacts import in_tree
+    from harness.vm.machine import VM
 
     @pytest.fixture(scope="session")
     def tpuboot_image(vm_image_factory):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .artifacts import TESTER, build_image, ensure_artifacts
 from .machine import VM
-from .tpuboot_guest import EDU, VFIO_READ, build_deb, package_install_hook
+from .tpuboot_guest import EDU, KERNEL_PARAMS, VFIO_READ, build_deb, package_install_hook
 
 STEPS = (
     ("tpuboot status", "tpuboot status"),
@@ -23,8 +23,6 @@ STEPS = (
     ("the runtime environment tpuboot wrote", "cat /home/tpu-runtime/tpu-env; echo; cat /etc/environment"),
     ("tpuboot image-check", "tpuboot image-check"),
 )
-# The bench boots its kernel directly, not through GRUB: give it what the package's GRUB drop-in would.
-KERNEL_PARAMS = "idle=poll transparent_hugepage=always intel_iommu=on,sm_on"
 
 
 def show(vm: VM, title: str, command: str) -> None:
@@ -45,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         image = build_image(artifacts, Path(work) / "demo.ext4", package_install_hook(deb))
         devices = ["edu", "edu", "edu", "virtio-rng-pci"]
         with VM.from_artifacts(
-            artifacts, image, devices=devices, cmdline_extra=KERNEL_PARAMS, name="demo"
+            artifacts, image, devices=devices, cmdline_extra=" ".join(KERNEL_PARAMS), name="demo"
         ) as vm:
             booted = vm.wait_booted()
             print(f"guest booted to {booted.state} in {booted.seconds:.1f} s (QEMU, {vm.accel})")

@@ -1,13 +1,16 @@
-"""Put tpuboot into a guest tree the way image builders do: the .deb built from this source.
+"""tpuboot in a guest: put into the tree the way image builders do (the .deb built from this
+source), then read and steered in the running guest.
 
 The guest also gets the metadata server emulator as a service on 127.0.0.1:8080 and a
-drop-in that points tpuboot at it, so the daemon's whole boot job runs with no network.
+drop-in that points tpuboot at it, so the daemon's whole boot job runs with no network; tests
+change what it serves (``put_tpu_env``, ``set_attribute``) from inside the guest.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import shlex
 import shutil
 import tarfile
 from collections.abc import Callable, Mapping, Sequence
@@ -15,10 +18,11 @@ from pathlib import Path
 
 import yaml
 
-from harness.mds_emulator import SAMPLE_TPU_ENV
+from harness.mds_emulator import SAMPLE_TPU_ENV, tpu_env_yaml
 
 from .artifacts import GUEST_LIBEXEC, in_tree, install_debs
 from .hostenv import BUSYBOX, run
+from .machine import VM
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,6 +33,11 @@ EDU_ID_REGISTER = "0x010000ed"  # BAR0 offset 0 of the edu device
 VFIO_READ = f"{GUEST_LIBEXEC}/vfio_read.py"
 MDS_PORT = 8080
 MDS_CONTROL = f"http://127.0.0.1:{MDS_PORT}/_emulator/v1/instance/attributes"
+# The kernel parameters the package's GRUB drop-in asks for. The harness boots its kernel
+# directly, not through GRUB: a guest that must look complete gets them on its command line.
+KERNEL_PARAMS = ("idle=poll", "transparent_hugepage=always", "intel_iommu=on,sm_on")
+# StatusText of a guest with the four stand-ins of ``guest_config()`` and SAMPLE_TPU_ENV served.
+READY_STATUS = "4 TPUs bound to vfio-pci; tpu-env: 14 keys from metadata"
 
 STAND_INS = [
     {"name": "edu stand-in", "vendor": EDU[0], "device": EDU[1]},
@@ -71,28 +80,68 @@ def guest_config(**sections: object) -> str:
     return yaml.safe_dump({"devices": STAND_INS, "vbar": {"enabled": False}, **sections}, sort_keys=False)
 
 
-def _write(tree: Path, path: str, text: str, mode: int = 0o644) -> None:
+def write_in_tree(tree: Path, path: str, text: str, mode: int = 0o644) -> None:
     target = in_tree(tree, path)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text)
     target.chmod(mode)
 
 
-def _enable(tree: Path, unit: str, unit_dir: str = "/lib/systemd/system") -> None:
+def enable_unit(tree: Path, unit: str, unit_dir: str = "/lib/systemd/system") -> None:
     link = in_tree(tree, f"/etc/systemd/system/multi-user.target.wants/{unit}")
     link.parent.mkdir(parents=True, exist_ok=True)
     if not link.is_symlink():
         os.symlink(f"{unit_dir}/{unit}", link)
 
 
+# --- the running guest ---------------------------------------------------------------------------
+
+# PUT (a value) or DELETE (none) an attribute at the emulator's control endpoint (stdlib only).
+CONTROL_SCRIPT = (
+    "import sys, urllib.request; "
+    "data = sys.argv[2].encode() if len(sys.argv) > 2 else None; "
+    "urllib.request.urlopen(urllib.request.Request(sys.argv[1], data, method='PUT' if data else 'DELETE'))"
+)
+
+
+def set_attribute(vm: VM, key: str, value: str | None) -> None:
+    """Change (None: remove) the instance attribute ``key`` the guest's metadata emulator serves."""
+    vm.run(
+        ["python3", "-c", CONTROL_SCRIPT, f"{MDS_CONTROL}/{key}", *([] if value is None else [value])],
+        check=True,
+    )
+
+
+def put_tpu_env(vm: VM, values: Mapping[str, str]) -> None:
+    """Change the tpu-env attribute the guest's metadata emulator serves (in the text the emulator
+    makes of its attributes file: the same values put back leave the ETag, and tpuboot, alone)."""
+    set_attribute(vm, "tpu-env", tpu_env_yaml(values))
+
+
+def status_text(vm: VM) -> str:
+    """tpuboot's StatusText (what ``systemctl status`` shows)."""
+    return vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"], check=True).stdout.strip()
+
+
+def sourced(vm: VM, shell: str, path: str) -> dict[str, str]:
+    """The variables ``set -a; . FILE`` gives ``shell``, NUL-separated so any value survives."""
+    script = f"set -a; . {shlex.quote(path)}; env -0"
+    out = vm.run(["env", "-i", shell, "-c", script], check=True).stdout_bytes
+    pairs = (item.decode().split("=", 1) for item in out.split(b"\0") if item)
+    return {k: v for k, v in pairs if k not in ("PWD", "SHLVL", "_")}
+
+
+# --- the guest tree --------------------------------------------------------------------------------
+
+
 def install_emulator(tree: Path, tpu_env: dict[str, str] | None = None) -> None:
     """The metadata emulator as a guest service, serving ``tpu-env`` and a drop-in aiming tpuboot at it."""
     shutil.copy(REPO / "harness/mds_emulator.py", in_tree(tree, f"{GUEST_LIBEXEC}/mds_emulator.py"))
     attributes = {"tpu-env": tpu_env if tpu_env is not None else SAMPLE_TPU_ENV}
-    _write(tree, "/etc/tpuboot-test/attributes.yaml", yaml.safe_dump(attributes, sort_keys=False))
-    _write(tree, "/etc/systemd/system/tpuboot-test-mds.service", MDS_UNIT)
-    _enable(tree, "tpuboot-test-mds.service", "/etc/systemd/system")
-    _write(tree, "/etc/systemd/system/tpuboot.service.d/test-metadata.conf", MDS_DROP_IN)
+    write_in_tree(tree, "/etc/tpuboot-test/attributes.yaml", yaml.safe_dump(attributes, sort_keys=False))
+    write_in_tree(tree, "/etc/systemd/system/tpuboot-test-mds.service", MDS_UNIT)
+    enable_unit(tree, "tpuboot-test-mds.service", "/etc/systemd/system")
+    write_in_tree(tree, "/etc/systemd/system/tpuboot.service.d/test-metadata.conf", MDS_DROP_IN)
 
 
 def build_deb(dest: Path) -> Path:
@@ -109,7 +158,7 @@ def package_install_hook(deb: Path, config: str | None = None) -> Callable[[Path
 
     def install(tree: Path) -> None:
         install_debs(tree, [deb])
-        _write(tree, "/etc/tpuboot/tpuboot.yaml", config if config is not None else guest_config())
+        write_in_tree(tree, "/etc/tpuboot/tpuboot.yaml", config if config is not None else guest_config())
         install_emulator(tree)
 
     return install
@@ -185,10 +234,46 @@ def stand_in_install_hook(
         base(tree)
         install_emulator(tree, tpu_env)
         in_tree(tree, VBAR_ROOTFS).write_bytes(vbar_rootfs_tar())
-        _write(tree, "/etc/systemd/system/docker.service.d/tpuboot-test-images.conf", VBAR_DOCKER_DROP_IN)
-        _write(tree, VBAR_IMPORT_SCRIPT, script)
-        _write(tree, "/etc/docker/daemon.json", DOCKER_DAEMON_JSON)
+        write_in_tree(
+            tree, "/etc/systemd/system/docker.service.d/tpuboot-test-images.conf", VBAR_DOCKER_DROP_IN
+        )
+        write_in_tree(tree, VBAR_IMPORT_SCRIPT, script)
+        write_in_tree(tree, "/etc/docker/daemon.json", DOCKER_DAEMON_JSON)
         for path, text in (files or {}).items():
-            _write(tree, path, text)
+            write_in_tree(tree, path, text)
 
     return hook
+
+
+# --- a guest whose tpuboot supervises vBar (the stand-in images) under a real dockerd -------------
+
+VBAR_CONTAINER = "tpuboot-vbar-control-agent"
+VBAR_IMAGE_1 = "tpuboot-test/vbar:1"
+VBAR_IMAGE_2 = "tpuboot-test/vbar:2"
+VBAR_TPU_ENV = {**SAMPLE_TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": VBAR_IMAGE_1}
+VBAR_CONFIG = guest_config(
+    # The stand-in images are local names, which dockerd reads as Docker Hub's.
+    vbar={"enabled": True, "image": "tpuboot-test/vbar:config", "registries": ["docker.io/tpuboot-test"]},
+    supervisor={"backoff_initial": 1, "backoff_max": 8, "stable_after": 60, "pull_retries": 6},
+)
+
+
+def vbar_guest_hook(deb: Path) -> Callable[[Path], None]:
+    """The vBar guest: ``VBAR_CONFIG``, the emulator serving ``VBAR_TPU_ENV``, both stand-in images."""
+    return vbar_install_hook(deb, VBAR_CONFIG, VBAR_TPU_ENV, (VBAR_IMAGE_1, VBAR_IMAGE_2))
+
+
+def wait_vbar_running(vm: VM, timeout: float = 90.0) -> None:
+    """Until the vBar container runs and tpuboot's status says so."""
+    vm.wait_until(
+        f"[ \"$(docker inspect -f '{{{{.State.Running}}}}' {VBAR_CONTAINER} 2>/dev/null)\" = true ] && "
+        "systemctl show -P StatusText tpuboot | grep -q 'vBar: running'",
+        timeout=timeout,
+        interval=0.5,
+    )
+
+
+def managed_containers(vm: VM) -> list[str]:
+    """The ids of the containers tpuboot labelled as its own."""
+    out = vm.run(["docker", "ps", "-aq", "--no-trunc", "--filter", "label=io.tpuboot.managed=1"], check=True)
+    return out.stdout.split()

@@ -91,7 +91,7 @@ def test_install_hook_ran(vm: VM) -> None:
     assert status == "install ok installed"
 
 
-def test_agent_is_binary_safe(vm: VM) -> None:
+def test_guestcmd_is_binary_safe(vm: VM) -> None:
     blob = bytes(range(256)) * 64 + b"\n\r\x00no newline at end"
     result = vm.run(["cat"], stdin=blob, check=True)
     assert result.stdout_bytes == blob
@@ -112,8 +112,20 @@ def test_devices_visible_with_own_iommu_groups(vm: VM) -> None:
     assert None not in groups and len(set(groups)) == 3, devs
 
 
-def test_vfio_bind_by_hand_then_unprivileged_bar0_read(vm: VM) -> None:
-    edu, other = (d for d in vm.pci_devices(*EDU))
+@pytest.fixture
+def edus(vm: VM) -> Iterator[tuple[PciDevice, PciDevice]]:
+    """The two edu devices; afterwards none is bound to a driver, as the boot left them (and as
+    test_devices_visible_with_own_iommu_groups expects)."""
+    first, second = vm.pci_devices(*EDU)
+    yield first, second
+    for edu in (first, second):
+        sysfs = f"/sys/bus/pci/devices/{edu.address}"
+        unbind = f"[ ! -e {sysfs}/driver ] || echo {edu.address} > {sysfs}/driver/unbind"
+        vm.run(f"echo > {sysfs}/driver_override; {unbind}", check=True)
+
+
+def test_vfio_bind_by_hand_then_unprivileged_bar0_read(vm: VM, edus: tuple[PciDevice, PciDevice]) -> None:
+    edu, other = edus
     disk_before = [d for d in vm.pci_devices() if d.driver == "virtio-pci"]
     sysfs = f"/sys/bus/pci/devices/{edu.address}"
     vm.run(["modprobe", "vfio-pci"], check=True)

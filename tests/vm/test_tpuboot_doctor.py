@@ -19,8 +19,7 @@ import pytest
 
 from harness.vm.artifacts import Artifacts
 from harness.vm.machine import VM
-
-from .test_tpuboot_package import KERNEL_PARAMS
+from harness.vm.tpuboot_guest import KERNEL_PARAMS
 
 pytestmark = pytest.mark.vm
 

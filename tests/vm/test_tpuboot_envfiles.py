@@ -104,19 +104,24 @@ def collector_logs(vm: VM) -> str:
     return vm.run(["docker", "logs", COLLECTOR], check=True, timeout=60).stdout
 
 
-def test_the_collector_reads_its_config_where_it_was_told(vm: VM) -> None:
+@pytest.fixture
+def collector_up(vm: VM) -> None:
+    """The collector started by tpuboot and up (a test run alone comes here straight from the boot)."""
     vm.wait_until(
         f"docker logs {COLLECTOR} 2>/dev/null | grep -q 'collector stand-in up' && "
         "systemctl show -P StatusText tpuboot | grep -q 'telemetry: running'",
         timeout=150,
         interval=0.5,
     )
+
+
+def test_the_collector_reads_its_config_where_it_was_told(vm: VM, collector_up: None) -> None:
     assert collector_logs(vm) == f"collector config:\n{COLLECTOR_TEXT}collector stand-in up\n"
     binds = vm.run(["docker", "inspect", "-f", "{{json .HostConfig.Binds}}", COLLECTOR], check=True)
     assert binds.stdout.strip() == f'["{COLLECTOR_YAML}:{COLLECTOR_CONFIG}:ro"]'
 
 
-def test_an_edited_config_reaches_a_new_collector_at_tpuboots_restart(vm: VM) -> None:
+def test_an_edited_config_reaches_a_new_collector_at_tpuboots_restart(vm: VM, collector_up: None) -> None:
     old = vm.run(["docker", "inspect", "-f", "{{.Id}}", COLLECTOR], check=True).stdout.strip()
     edited = COLLECTOR_TEXT.replace("30s", "60s")
     vm.write_file(COLLECTOR_YAML + ".new", edited)
@@ -134,7 +139,7 @@ def test_an_edited_config_reaches_a_new_collector_at_tpuboots_restart(vm: VM) ->
     assert collector_logs(vm) == f"collector config:\n{edited}collector stand-in up\n"
 
 
-def test_a_missing_config_is_never_bound_and_the_status_says_so(vm: VM) -> None:
+def test_a_missing_config_is_never_bound_and_the_status_says_so(vm: VM, collector_up: None) -> None:
     vm.run(["rm", COLLECTOR_YAML], check=True)
     vm.run(["docker", "kill", COLLECTOR], check=True, timeout=60)
     vm.wait_until("systemctl show -P StatusText tpuboot | grep -q 'no such file'", timeout=60)

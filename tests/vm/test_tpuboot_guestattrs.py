@@ -6,7 +6,7 @@ devices on the root complex, and one edu behind a PCIe-to-PCI bridge that shares
 with a virtio-rng (not a stand-in here) held by virtio-pci at boot. That edu's bind fails as the
 kernel has it (the group is not viable, a transient failure) until a guest unit releases the
 virtio-rng, a few seconds after tpuboot's first failure: READY must wait for the retry that binds
-it. The tests run in file order.
+it. Each test needs only the boot; the one that turns guest attributes off puts them back.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from harness.vm.machine import VM
 from harness.vm.tpuboot_guest import (
     EDU,
     MDS_PORT,
+    READY_STATUS,
     STAND_INS,
     VIRTIO_RNG,
-    _enable,
-    _write,
+    enable_unit,
     package_install_hook,
+    write_in_tree,
 )
 
 from .conftest import ImageFactory
@@ -39,9 +40,9 @@ pytestmark = pytest.mark.vm
 EDU_ONLY = [s for s in STAND_INS if (s["vendor"], s["device"]) == EDU]
 CONFIG = yaml.safe_dump({"devices": EDU_ONLY, "vbar": {"enabled": False}}, sort_keys=False)
 ATTRIBUTES = {"tpu-env": SAMPLE_TPU_ENV, "enable-guest-attributes": "TRUE"}
-READY_STATUS = "4 TPUs bound to vfio-pci; tpu-env: 14 keys from metadata"
 MDS = f"http://127.0.0.1:{MDS_PORT}"
 RELEASED = "/run/tpuboot-test-released"
+ENABLE = "/_emulator/v1/instance/attributes/enable-guest-attributes"
 
 # Waits for tpuboot's first "not viable" failure, then releases the virtio-rng after 4 s.
 RELEASE_SCRIPT = f"""#!/bin/sh
@@ -90,11 +91,11 @@ def install(deb: Path) -> Callable[[Path], None]:
 
     def hook(tree: Path) -> None:
         base(tree)
-        _write(tree, "/etc/tpuboot-test/attributes.yaml", yaml.safe_dump(ATTRIBUTES, sort_keys=False))
-        _write(tree, f"{GUEST_LIBEXEC}/release-rng", RELEASE_SCRIPT)
-        _write(tree, f"{GUEST_LIBEXEC}/mds-request", HTTP_SCRIPT)
-        _write(tree, "/etc/systemd/system/tpuboot-test-release.service", RELEASE_UNIT)
-        _enable(tree, "tpuboot-test-release.service", "/etc/systemd/system")
+        write_in_tree(tree, "/etc/tpuboot-test/attributes.yaml", yaml.safe_dump(ATTRIBUTES, sort_keys=False))
+        write_in_tree(tree, f"{GUEST_LIBEXEC}/release-rng", RELEASE_SCRIPT)
+        write_in_tree(tree, f"{GUEST_LIBEXEC}/mds-request", HTTP_SCRIPT)
+        write_in_tree(tree, "/etc/systemd/system/tpuboot-test-release.service", RELEASE_UNIT)
+        enable_unit(tree, "tpuboot-test-release.service", "/etc/systemd/system")
         for unit in ("docker.service", "docker.socket", "containerd.service"):  # vBar is off here:
             mask = in_tree(tree, f"/etc/systemd/system/{unit}")  # 100 s less of boot under TCG
             mask.parent.mkdir(parents=True, exist_ok=True)
@@ -181,16 +182,20 @@ def stats(vm: VM) -> dict[str, int]:
 
 def test_a_stop_publishes_stopped_and_nothing_is_published_when_disabled(vm: VM) -> None:
     vm.run(["systemctl", "stop", "tpuboot"], check=True, timeout=60)
-    assert guest_attribute(vm, "state") == (200, "stopped")
-    assert http(vm, "PUT", "/_emulator/v1/instance/attributes/enable-guest-attributes", "FALSE")[0] == 200
-    writes = stats(vm)["guest_attribute_writes"]
-    vm.run(["systemctl", "start", "tpuboot"], check=True, timeout=90)
-    assert show(vm, "StatusText") == READY_STATUS
-    vm.wait_until(
-        "journalctl -b -u tpuboot -q -o cat | grep -q "
-        "\"guest attributes: not published (enable-guest-attributes='FALSE' on the instance)\"",
-        timeout=30,
-    )
-    vm.run(["sleep", "3"])
-    assert stats(vm)["guest_attribute_writes"] == writes
-    assert guest_attribute(vm, "state") == (403, "Guest attributes endpoint access is disabled.")
+    try:
+        assert guest_attribute(vm, "state") == (200, "stopped")
+        assert http(vm, "PUT", ENABLE, "FALSE")[0] == 200
+        writes = stats(vm)["guest_attribute_writes"]
+        vm.run(["systemctl", "start", "tpuboot"], check=True, timeout=90)
+        assert show(vm, "StatusText") == READY_STATUS
+        vm.wait_until(
+            "journalctl -b -u tpuboot -q -o cat | grep -q "
+            "\"guest attributes: not published (enable-guest-attributes='FALSE' on the instance)\"",
+            timeout=30,
+        )
+        vm.run(["sleep", "3"])
+        assert stats(vm)["guest_attribute_writes"] == writes
+        assert guest_attribute(vm, "state") == (403, "Guest attributes endpoint access is disabled.")
+    finally:  # on again, tpuboot running, for whatever runs after
+        http(vm, "PUT", ENABLE, "TRUE")
+        vm.run(["systemctl", "restart", "tpuboot"], check=True, timeout=90)

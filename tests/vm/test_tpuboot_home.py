@@ -8,7 +8,8 @@ tpuboot writes tpu-env there at boot (root, 0644, readable by the user), never w
 else whatever the user plants, and neither its daemon nor its watch ends over it. The layout
 where tmpfiles.d makes the directory (root's) is tests/vm/test_tpuboot_service.py.
 
-The tests run in file order on one guest per platform.
+One guest per platform serves the module; each test needs only the boot (the one that plants a
+directory clears it again), so ``-k`` runs any one alone.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ import pytest
 from harness.mds_emulator import SAMPLE_TPU_ENV
 from harness.vm.artifacts import PLATFORMS, Platform, chroot_run
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import package_install_hook
+from harness.vm.tpuboot_guest import READY_STATUS, package_install_hook, put_tpu_env, sourced, status_text
 
 from .conftest import BenchFactory
-from .test_tpuboot_service import READY_STATUS, put_tpu_env, sourced, status_text
 
 pytestmark = pytest.mark.vm
 

@@ -21,13 +21,12 @@ import pytest
 
 from harness.vm.artifacts import PLATFORMS, Platform, in_tree
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import package_install_hook
+from harness.vm.tpuboot_guest import KERNEL_PARAMS, package_install_hook
 
 from .conftest import BenchFactory
 
 pytestmark = pytest.mark.vm
 
-KERNEL_PARAMS = ("idle=poll", "transparent_hugepage=always", "intel_iommu=on,sm_on")
 MAX_EXPOSURE = 2.8  # `systemd-analyze security`: 0 is best, 10 is a unit with no sandbox at all
 ADMIN_EDIT = "# edited by the admin: keep me\n"
 LIST_FILES = "import os, sys; [print(p) for p in sys.argv[1:] if os.path.isfile(p)]"

@@ -6,18 +6,17 @@ metadata server emulator running in the guest.
 One guest per platform serves the module (Debian 12, then Debian 13 with its own 6.12 kernel,
 systemd 257 and Python 3.13: the same .deb installed with apt on both), with 3 edu devices and
 a virtio-rng (4 stand-ins), the virtio-blk boot disk (never to be touched) and two empty hotplug
-ports. The tests run in file order and each leaves the machine as the next one expects.
+ports. Each test starts from the boot state (4 stand-ins bound, SAMPLE_TPU_ENV) and puts back
+what it changes even when it fails, so ``-k`` runs any one alone and a failure does not spread.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
-import yaml
 
 from harness.mds_emulator import SAMPLE_TPU_ENV
 from harness.vm.artifacts import PLATFORMS, TESTER, Platform
@@ -25,10 +24,13 @@ from harness.vm.machine import VM, PciDevice
 from harness.vm.tpuboot_guest import (
     EDU,
     EDU_ID_REGISTER,
-    MDS_CONTROL,
+    READY_STATUS,
     VFIO_READ,
     VIRTIO_BLK,
     VIRTIO_RNG,
+    put_tpu_env,
+    sourced,
+    status_text,
 )
 from tpuboot.config import DEFAULT_ENVIRONMENT
 
@@ -37,12 +39,6 @@ from .conftest import BenchFactory, TpubootImages
 pytestmark = pytest.mark.vm
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"
-# PUT a new value to the emulator's control endpoint from inside the guest (stdlib only).
-PUT_SCRIPT = (
-    "import sys, urllib.request; "
-    "urllib.request.urlopen(urllib.request.Request(sys.argv[1], sys.argv[2].encode(), method='PUT'))"
-)
-READY_STATUS = "4 TPUs bound to vfio-pci; tpu-env: 14 keys from metadata"
 
 
 @pytest.fixture(scope="module", params=PLATFORMS, ids=lambda p: p.name)
@@ -58,10 +54,6 @@ def vm(request: pytest.FixtureRequest, vm_bench: BenchFactory, tpuboot_images: T
     ) as m:
         m.wait_booted()
         yield m
-
-
-def status_text(vm: VM) -> str:
-    return vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"], check=True).stdout.strip()
 
 
 def stand_ins(vm: VM) -> list[PciDevice]:
@@ -126,9 +118,10 @@ def test_unprivileged_user_reads_the_device_through_vfio(vm: VM) -> None:
         assert vfio_read(vm, edu.address) == EDU_ID_REGISTER
 
 
-def test_hotplugged_device_is_bound_and_usable(vm: VM) -> None:
+def hotplug_edu(vm: VM, id: str, port: int) -> PciDevice:
+    """Hot-add an edu as ``id`` into hotplug port ``port``; wait until tpuboot has bound it."""
     before = {d.address for d in vm.pci_devices(*EDU)}
-    vm.device_add("edu", id="hot0", bus=vm.hotplug_ports[0])
+    vm.device_add("edu", id=id, bus=vm.hotplug_ports[port])
 
     def new_and_bound() -> bool:
         new = [d for d in vm.pci_devices(*EDU) if d.address not in before]
@@ -136,23 +129,38 @@ def test_hotplugged_device_is_bound_and_usable(vm: VM) -> None:
 
     wait_for(new_and_bound, timeout=20)
     (new,) = [d for d in vm.pci_devices(*EDU) if d.address not in before]
-    assert vfio_read(vm, new.address) == EDU_ID_REGISTER
-    vm.wait_until("systemctl show -P StatusText tpuboot | grep -q '^5 TPUs bound'", timeout=10)
+    return new
+
+
+def unplug(vm: VM, id: str) -> None:
+    vm.device_del(id)
+    vm.wait_until("systemctl show -P StatusText tpuboot | grep -q '^4 TPUs bound'", timeout=10)
+
+
+def test_hotplugged_device_is_bound_and_usable(vm: VM) -> None:
+    new = hotplug_edu(vm, "hot0", 0)
+    try:
+        assert vfio_read(vm, new.address) == EDU_ID_REGISTER
+        vm.wait_until("systemctl show -P StatusText tpuboot | grep -q '^5 TPUs bound'", timeout=10)
+    finally:
+        unplug(vm, "hot0")  # back to the 4 stand-ins the tests after this one count
 
 
 def test_removal_while_running_is_logged_and_the_daemon_lives(vm: VM) -> None:
-    vm.device_del("hot0")
-    vm.wait_until("systemctl show -P StatusText tpuboot | grep -q '^4 TPUs bound'", timeout=10)
+    hot = hotplug_edu(vm, "hot1", 1)
+    unplug(vm, "hot1")
     assert vm.run(["systemctl", "is-active", "tpuboot"]).stdout.strip() == "active"
-    assert "removed" in vm.journal("tpuboot")
+    assert f"{hot.address} (edu stand-in) removed" in vm.journal("tpuboot")
 
 
 def test_cli_rebinds_after_a_manual_unbind(vm: VM) -> None:
     (rng,) = vm.pci_devices(*VIRTIO_RNG)
     rc, out, err = tpuboot(vm, "unbind", rng.address)
-    assert rc == 0, err
-    assert out.strip() == f"{rng.address} released from vfio-pci, now driven by virtio-pci"
-    rc, out, err = tpuboot(vm, "bind", rng.address)
+    try:
+        assert rc == 0, err
+        assert out.strip() == f"{rng.address} released from vfio-pci, now driven by virtio-pci"
+    finally:
+        rc, out, err = tpuboot(vm, "bind", rng.address)  # bound again whatever failed above
     assert rc == 0, err
     (rng,) = vm.pci_devices(*VIRTIO_RNG)
     assert rng.driver == "vfio-pci"
@@ -191,19 +199,6 @@ def test_restart_is_idempotent(vm: VM) -> None:
     assert "already bound to vfio-pci" in vm.journal("tpuboot", lines=20)
 
 
-def sourced(vm: VM, shell: str, path: str) -> dict[str, str]:
-    """The variables ``set -a; . FILE`` gives ``shell``, NUL-separated so any value survives."""
-    script = f"set -a; . {shlex.quote(path)}; env -0"
-    out = vm.run(["env", "-i", shell, "-c", script], check=True).stdout_bytes
-    pairs = (item.decode().split("=", 1) for item in out.split(b"\0") if item)
-    return {k: v for k, v in pairs if k not in ("PWD", "SHLVL", "_")}
-
-
-def put_tpu_env(vm: VM, values: dict[str, str]) -> None:
-    """Change the tpu-env attribute the guest's metadata emulator serves."""
-    vm.run(["python3", "-c", PUT_SCRIPT, f"{MDS_CONTROL}/tpu-env", yaml.safe_dump(values)], check=True)
-
-
 def test_tpu_env_written_at_boot_sources_to_the_metadata_values(vm: VM) -> None:
     for shell in ("sh", "bash"):
         assert sourced(vm, shell, TPU_ENV) == SAMPLE_TPU_ENV
@@ -220,18 +215,20 @@ def test_a_tpu_env_change_is_picked_up_without_restart(vm: VM) -> None:
     pid = vm.run(["systemctl", "show", "-P", "MainPID", "tpuboot"], check=True).stdout.strip()
     hostile = {"WORKER_ID": "3", "INJECT": '$(touch /tmp/pwned) `id` "q" \\ end'}
     put_tpu_env(vm, hostile)
-    vm.wait_until(f"grep -q WORKER_ID=.3. {TPU_ENV}", timeout=20)
-    assert sourced(vm, "bash", TPU_ENV) == hostile
-    assert vm.run(["test", "-e", "/tmp/pwned"]).rc == 1
-    assert status_text(vm).endswith("tpu-env: 2 keys from metadata")
-    assert vm.run(["systemctl", "show", "-P", "MainPID", "tpuboot"], check=True).stdout.strip() == pid
-    # Back to the boot-time value, for the tests after this one.
-    put_tpu_env(vm, SAMPLE_TPU_ENV)
-    vm.wait_until(f"grep -q '^ZONE=' {TPU_ENV}", timeout=20)
+    try:
+        vm.wait_until(f"grep -q WORKER_ID=.3. {TPU_ENV}", timeout=20)
+        assert sourced(vm, "bash", TPU_ENV) == hostile
+        assert vm.run(["test", "-e", "/tmp/pwned"]).rc == 1
+        assert status_text(vm).endswith("tpu-env: 2 keys from metadata")
+        assert vm.run(["systemctl", "show", "-P", "MainPID", "tpuboot"], check=True).stdout.strip() == pid
+    finally:
+        # Back to the boot-time value, for the tests after this one.
+        put_tpu_env(vm, SAMPLE_TPU_ENV)
+        vm.wait_until(f"grep -q '^ZONE=' {TPU_ENV}", timeout=20)
 
 
 def test_tpu_env_dir_is_roots_and_only_it_of_home_is_seen_by_the_service(vm: VM) -> None:
-    """The layout tmpfiles.d makes (tests/vm/test_tpuboot_home.py: a user's home): the directory
+    """The layout tmpfiles.d makes (test_tpuboot_home.py: a user's home): the directory
     root's 0755, the file readable by another user, and no other home visible to the unit."""
     assert vm.run(["stat", "-c", "%a %U", "/home/tpu-runtime"], check=True).stdout.strip() == "755 root"
     assert vm.run(["sh", "-c", f". {TPU_ENV}; echo $ZONE"], user=TESTER, check=True).stdout.strip()
