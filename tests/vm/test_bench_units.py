@@ -163,18 +163,18 @@ def test_in_tree_keeps_paths_inside(tmp_path: Path) -> None:
             artifacts.in_tree(tmp_path, bad)
 
 
-# --------------------------------------------------------------------------- guest agent
+# --------------------------------------------------------------------------- guestcmd
 
 
-def test_guest_agent_executes_binary_safe_with_timeout() -> None:
-    agent = _load_guest("agent")
+def test_guestcmd_executes_binary_safe_with_timeout() -> None:
+    guestcmd = _load_guest("guestcmd")
     blob = bytes(range(256)) * 8
-    reply = agent.execute({"id": 1, "argv": ["cat"], "stdin": base64.b64encode(blob).decode()})
+    reply = guestcmd.execute({"id": 1, "argv": ["cat"], "stdin": base64.b64encode(blob).decode()})
     assert reply["kind"] == "reply" and reply["rc"] == 0
     assert base64.b64decode(reply["stdout"]) == blob
-    slow = agent.execute({"id": 2, "sh": "echo started; sleep 20", "timeout": 0.5})
+    slow = guestcmd.execute({"id": 2, "sh": "echo started; sleep 20", "timeout": 0.5})
     assert slow["timed_out"] and base64.b64decode(slow["stdout"]) == b"started\n"
-    missing = agent.execute({"id": 3, "argv": ["/nonexistent/tool"]})
+    missing = guestcmd.execute({"id": 3, "argv": ["/nonexistent/tool"]})
     assert missing["rc"] == 127 and "FileNotFoundError" in missing["error"]
 
 
@@ -226,6 +226,6 @@ def test_qemu_command_line(tmp_path: Path, accel: str) -> None:
     assert "pcie-root-port,id=hp0,chassis=1,slot=1" in devices and vm.hotplug_ports == ["hp0", "hp1"]
     assert devices[-2:] == ["edu", "virtio-rng-pci"]
     assert "-netdev" not in argv and "-nic" not in argv and "-nodefaults" in argv
-    assert "work,,dir/agent.sock" in line and "tpuboot-a_b" in argv
+    assert "work,,dir/guestcmd.sock" in line and "tpuboot-a_b" in argv
     assert "intel_iommu=on" in vm.kernel_cmdline()
     assert "intel_iommu" not in VM(tmp_path, tmp_path, tmp_path, iommu=False).kernel_cmdline()
