@@ -17,11 +17,6 @@ from tpuboot.devices.vfio import Binder
 from tpuboot.errors import ConfigError, TpubootError, UsageError
 from tpuboot.paths import ROOT_ENV, Root
 
-TYPE_CHECKING = False  # as in tpuboot.config: typing stays out of `tpuboot bind`
-if TYPE_CHECKING:
-    from tpuboot.containers.service import Agents
-    from tpuboot.env.sync import EnvSync
-
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
 METADATA_KINDS = ("attributes", "project-attributes", "instance")  # tpuboot.env.metadata.KINDS
@@ -59,55 +54,10 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
         config = ctx.config
     except ConfigError as exc:  # a daemon that exits on a typo leaves the TPUs unbound
         log.error("%s; running with built-in defaults", exc)
-        ctx._config = config = Config()
-    binder = Binder(ctx.root, DeviceTable(config.devices), config.vfio)
-    # The TPUs present are bound while the rest loads (tpuboot.devices.udev says why).
-    from tpuboot.devices.udev import new_executor, open_udev_monitor, start_coldplug
+        config = Config()
+    from tpuboot.wiring import build  # binds the TPUs present while the rest loads
 
-    monitor = open_udev_monitor()  # before enumerating, so no device falls in between
-    executor = new_executor()
-    coldplug = start_coldplug(binder, executor)
-
-    from tpuboot import daemon, metrics
-    from tpuboot.env.metadata import MetadataClient
-    from tpuboot.env.sync import EnvSync
-
-    env = sync = None
-    if config.env.enabled:
-        client = MetadataClient.from_config(config.metadata)
-        sync = EnvSync(ctx.root, config, client)
-        env = daemon.EnvJob(sync, client, config.metadata.boot_deadline, config.metadata.watch)
-    metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without metrics
-    agents = _agents(ctx, config, sync)
-    guest_attrs = None
-    if config.guest_attributes.enabled != "false":
-        from tpuboot.guestattrs import Publisher
-
-        try:
-            client = MetadataClient.from_config(config.metadata)
-        except ConfigError as exc:  # a bad $GCE_METADATA_HOST: the TPUs are bound all the same
-            log.error("guest attributes: %s; not publishing", exc)
-        else:
-            boot_deadline = config.metadata.boot_deadline
-            guest_attrs = Publisher(client, config.guest_attributes, check_deadline=boot_deadline)
-    return daemon.run(binder, monitor, executor, coldplug, env, agents, config.ready, guest_attrs)
-
-
-def _agents(ctx: Context, config: Config, sync: EnvSync | None) -> Agents | None:
-    """The vBar / telemetry component, or None when both are disabled.
-
-    vBar's image comes from the tpu-env values ``sync`` parsed (never from the file it wrote);
-    without a sync (env.enabled false) it is vbar.image.
-    """
-    if not (config.vbar.enabled or config.telemetry.enabled):
-        return None
-    from tpuboot.containers.service import Agents
-    from tpuboot.env.metadata import MetadataClient
-
-    metadata = MetadataClient.from_config(config.metadata) if config.gke == "auto" else None
-    if sync is None:
-        return Agents(config, ctx.root, metadata)
-    return Agents(config, ctx.root, metadata, tpu_env=sync.parsed_values)
+    return build(ctx.root, config).serve()
 
 
 def _print_json(items: Sequence[Mapping[str, object]]) -> None:

@@ -9,6 +9,7 @@ the daemon adopts the binds in flight and handles their results like any other.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -23,13 +24,56 @@ if TYPE_CHECKING:
     import pyudev
 
 
+#: The monitor socket's receive buffer. At boot the kernel and udev announce every device at once;
+#: events the daemon has not read yet wait here, and past its size the kernel drops them (ENOBUFS)
+#: without a trace. The socket filters in the kernel to pci and vfio, a few events per device, so
+#: 16 MiB holds thousands (an event takes a few KiB of buffer): more PCI functions than any VM has.
+#: systemd-udevd takes 128 MiB for every subsystem. Only the pages used are taken.
+RECEIVE_BUFFER = 16 << 20
+
+
+def set_receive_buffer(monitor: pyudev.Monitor, size: int = RECEIVE_BUFFER) -> None:
+    """Ask for ``size`` bytes of receive buffer; a refusal is a warning, never a failure.
+
+    libudev sets SO_RCVBUF (capped by net.core.rmem_max) and then SO_RCVBUFFORCE, which needs
+    CAP_NET_ADMIN: without it the cap stays, and the warning says what it is.
+    """
+    try:
+        monitor.set_receive_buffer_size(size)
+    except OSError as exc:
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        log.warning(
+            "udev: receive buffer not raised to %d MiB (%s%s); %s: a storm of PCI events beyond it is "
+            "lost, while the TPUs present at start are bound all the same",
+            size >> 20,
+            code,
+            ", needs CAP_NET_ADMIN" if exc.errno == errno.EPERM else "",
+            _effective(monitor.fileno()),
+        )
+
+
+def _effective(fd: int) -> str:
+    """The buffer the socket has (for the warning): what the kernel reports, halved to the bytes
+    asked for (it doubles every SO_RCVBUF for its bookkeeping)."""
+    import socket  # only on this path: `tpuboot run` imports it later, after the binds started
+
+    try:
+        with socket.fromfd(fd, socket.AF_NETLINK, socket.SOCK_RAW) as sock:
+            size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    except OSError:
+        return "its size unknown"
+    return f"it holds {size // 2 // 1024} KiB (net.core.rmem_max)"
+
+
 def open_udev_monitor() -> pyudev.Monitor:
-    """A started pyudev monitor on the udev source (events after udev's rules ran) for pci and vfio."""
+    """A started pyudev monitor on the udev source (events after udev's rules ran) for pci and
+    vfio, with a receive buffer for a boot-time storm."""
     import pyudev
 
     monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="udev")
     monitor.filter_by("pci")
     monitor.filter_by("vfio")
+    set_receive_buffer(monitor)
     monitor.start()
     return monitor
 
@@ -68,7 +112,7 @@ def start_coldplug(binder: Binder, executor: Executor) -> Coldplug:
             kind = binder.kind_of(PciFunction(binder.root, address))
         except OSError:
             # Gone again, not a full PCI function, or its ids unreadable: the daemon classifies
-            # it again, and reports and retries a failure as that device's (DeviceAgent.consider).
+            # it again, and reports and retries a failure as that device's (DeviceManager.consider).
             continue
         if kind is not None and kind.vfio:
             binds[address] = executor.submit(binder.bind, address)
