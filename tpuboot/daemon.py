@@ -32,6 +32,7 @@ in libraries that have no asyncio form (requests, the Docker socket's event stre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -135,10 +136,8 @@ class Daemon:
             loop.add_signal_handler(sig, self.stopping.set)
 
         def report() -> None:  # from any thread: the loop reads the Statuses
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nothing left to show
                 loop.call_soon_threadsafe(self._changed)
-            except RuntimeError:  # the loop has ended (a thread still finishing): nothing to show
-                pass
 
         self._env_booted = loop.create_future()
         self.devices.start(self._changed)  # on the loop: coldplug before any udev event binds

@@ -26,43 +26,44 @@ if TYPE_CHECKING:
 
 #: The monitor socket's receive buffer. At boot the kernel and udev announce every device at once;
 #: events the daemon has not read yet wait here, and past its size the kernel drops them (ENOBUFS)
-#: without a trace. The socket filters in the kernel to pci and vfio, a few events per device, so
-#: 16 MiB holds thousands (an event takes a few KiB of buffer): more PCI functions than any VM has.
-#: systemd-udevd takes 128 MiB for every subsystem. Only the pages used are taken.
-RECEIVE_BUFFER = 16 << 20
+#: without a trace. 128 MiB is what systemd-udevd takes, and what libudev itself asks for each
+#: monitor since systemd 2xx when it may: tpuboot asks the same on every libudev it runs with, and
+#: never less than the socket has. Only the pages used are taken.
+RECEIVE_BUFFER = 128 << 20
 
 
 def set_receive_buffer(monitor: pyudev.Monitor, size: int = RECEIVE_BUFFER) -> None:
     """Ask for ``size`` bytes of receive buffer; a refusal is a warning, never a failure.
 
-    libudev sets SO_RCVBUF (capped by net.core.rmem_max) and then SO_RCVBUFFORCE, which needs
+    libudev sets SO_RCVBUF (capped by net.core.rmem_max), then SO_RCVBUFFORCE, which needs
     CAP_NET_ADMIN: without it the cap stays, and the warning says what it is.
     """
+    if (_rcvbuf(monitor.fileno()) or 0) >= 2 * size:  # the kernel reports twice what was set
+        return
     try:
         monitor.set_receive_buffer_size(size)
     except OSError as exc:
         code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        held = _rcvbuf(monitor.fileno())
         log.warning(
             "udev: receive buffer not raised to %d MiB (%s%s); %s: a storm of PCI events beyond it is "
             "lost, while the TPUs present at start are bound all the same",
             size >> 20,
             code,
             ", needs CAP_NET_ADMIN" if exc.errno == errno.EPERM else "",
-            _effective(monitor.fileno()),
+            "its size unknown" if held is None else f"it holds {held // 2048} KiB (net.core.rmem_max)",
         )
 
 
-def _effective(fd: int) -> str:
-    """The buffer the socket has (for the warning): what the kernel reports, halved to the bytes
-    asked for (it doubles every SO_RCVBUF for its bookkeeping)."""
-    import socket  # only on this path: `tpuboot run` imports it later, after the binds started
+def _rcvbuf(fd: int) -> int | None:
+    """SO_RCVBUF of the socket ``fd`` as the kernel reports it (twice the bytes asked for)."""
+    import socket  # here: `tpuboot run` imports it later, after the binds started
 
     try:
         with socket.fromfd(fd, socket.AF_NETLINK, socket.SOCK_RAW) as sock:
-            size = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
     except OSError:
-        return "its size unknown"
-    return f"it holds {size // 2 // 1024} KiB (net.core.rmem_max)"
+        return None
 
 
 def open_udev_monitor() -> pyudev.Monitor:
