@@ -206,14 +206,14 @@ def test_the_daemon_runs_on_defaults_after_a_bad_number(tmp_path, monkeypatch, c
     path.write_text("metrics: {port: 99999}\n")
     seen = []
 
-    def stop_here(*args, **kwargs):
-        seen.append(args)
+    def stop_here(root, config, **seams):
+        seen.append(config)
         raise SystemExit(0)
 
-    monkeypatch.setattr("tpuboot.cli.Binder", stop_here)
+    monkeypatch.setattr("tpuboot.wiring.build", stop_here)
     with pytest.raises(SystemExit):
         cli.main(["--root", str(tmp_path), "run"])
     err = capsys.readouterr().err
     assert "/etc/tpuboot/tpuboot.yaml: metrics.port: 99999 is not a whole number" in err
     assert "running with built-in defaults" in err
-    assert seen[0][2] == VfioConfig()
+    assert seen[0].vfio == VfioConfig()

@@ -463,7 +463,7 @@ def test_the_device_deadline_bounds_the_wait_and_retries_go_on(kernel, monkeypat
         daemon.stopping.set()
         await task
 
-    caplog.set_level("WARNING", logger="tpuboot.daemon")
+    caplog.set_level("WARNING", logger="tpuboot.devices.manager")
     asyncio.run(scenario())
     assert "ready: 3 of 4 TPUs bound after 0.3 s (ready.device_deadline); READY now" in caplog.text
 
