@@ -168,6 +168,7 @@ class Daemon:
                 await stop
         finally:
             boot.cancel()
+            boot.add_done_callback(_quiet)  # a boot cut short by SIGTERM is no error to log
             stop.cancel()
             self.notifier.stopping()
             log.info("stopping")
@@ -192,3 +193,8 @@ class Daemon:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _quiet(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

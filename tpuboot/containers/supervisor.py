@@ -95,6 +95,7 @@ class Supervisor:
         self.policy = policy
         self.on_status = on_status
         self.clock = clock
+        self._status_lock = threading.Lock()
         self._status = Status(STARTING, "starting")  # replaced whole by the loop's thread
         self.starts = 0
         self.delays: list[float] = []  # each restart delay, for tests and `status`
@@ -103,8 +104,9 @@ class Supervisor:
         self._thread: threading.Thread | None = None
 
     def status(self) -> Status:
-        """The state now (from any thread: one immutable value, replaced whole)."""
-        return self._status
+        """The state now, from any thread."""
+        with self._status_lock:
+            return self._status
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"tpuboot-{self.label}", daemon=True)
@@ -125,7 +127,9 @@ class Supervisor:
     # ------------------------------------------------------------------ the loop (own thread)
 
     def _set(self, state: str, detail: str) -> None:
-        self._status = status = Status(state, detail)
+        status = Status(state, detail)
+        with self._status_lock:
+            self._status = status
         metrics.container_up(self.label, state == RUNNING)
         self.on_status(self.label, status)
 
