@@ -32,7 +32,7 @@ def test_the_monitor_opens_and_polls_without_blocking() -> None:
 
 
 def test_monitor_and_device_have_what_the_daemon_reads() -> None:
-    for name in ("fileno", "poll", "filter_by", "start"):
+    for name in ("fileno", "poll", "filter_by", "start", "set_receive_buffer_size"):
         assert callable(getattr(pyudev.Monitor, name, None)), f"pyudev.Monitor.{name}"
     for name in ("action", "subsystem", "sys_name"):
         assert isinstance(getattr(pyudev.Device, name, None), property), f"pyudev.Device.{name}"
