@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import os
 import signal
 import socket
@@ -562,3 +563,47 @@ def test_one_metadata_client_is_shared_and_closed_at_stop(kernel, emulator, root
         client.get("instance/attributes/tpu-env", deadline_s=1.0)  # closed
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", server.server_port), timeout=1).close()
+
+
+class OverflowingMonitor(QueueMonitor):
+    """A monitor whose socket overflowed once: the next read fails with ENOBUFS, as the kernel's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overflowed = False
+
+    def overflow(self) -> None:
+        self.overflowed = True
+        self.tx.send(b"x")
+
+    def poll(self, timeout: float | None = None) -> Event | None:
+        if self.overflowed:
+            self.overflowed = False
+            self.rx.recv(1)
+            raise OSError(errno.ENOBUFS, os.strerror(errno.ENOBUFS))
+        return super().poll(timeout)
+
+
+def test_lost_udev_events_are_recovered_from_sysfs(kernel, caplog):
+    """An add and a remove the kernel dropped (ENOBUFS) are found by reading sysfs again."""
+
+    async def scenario():
+        monitor, notifier = OverflowingMonitor(), RecordingNotifier()
+        config = DEVICES_ONLY.replace(ready=FIRST_ATTEMPT)
+        daemon = build(kernel.root, config, binder=binder(kernel), monitor=monitor, notifier=notifier)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        add_tpu(kernel, "0000:00:0a.0", V5P, driver=None, group="10")
+        kernel.remove_device("0000:00:07.0")
+        monitor.overflow()  # neither event arrives
+        await until(lambda: kernel.driver("0000:00:0a.0") == "vfio-pci")
+        await until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
+        monitor.push("add", "pci", "0000:00:02.0")  # the monitor is read on as before
+        daemon.stopping.set()
+        assert await task == 0
+
+    caplog.set_level("INFO", logger="tpuboot")
+    asyncio.run(scenario())
+    assert "udev: events were lost (receive buffer full)" in caplog.text
+    assert "0000:00:07.0 (TPU v5p) removed" in caplog.text
+    assert kernel.driver("0000:00:02.0") == "virtio-pci"

@@ -55,8 +55,8 @@ def rcvbuf(monitor: pyudev.Monitor) -> int:
 
 def test_the_monitor_gets_a_receive_buffer_for_a_boot_time_storm(caplog: pytest.LogCaptureFixture) -> None:
     """As root with CAP_NET_ADMIN (the CI container, the VM) the whole buffer; without it, what
-    net.core.rmem_max allows and one warning naming the cause, never a failure."""
-    with caplog.at_level("WARNING", logger="tpuboot"):
+    net.core.rmem_max allows and one line naming the cause, never a failure."""
+    with caplog.at_level("INFO", logger="tpuboot"):
         monitor = open_udev_monitor()
     warnings = [r.getMessage() for r in caplog.records if "receive buffer" in r.getMessage()]
     if not warnings:
@@ -86,19 +86,18 @@ class RefusingMonitor:
         raise OSError(errno.EPERM, os.strerror(errno.EPERM))
 
 
-def test_a_refused_receive_buffer_is_one_warning_with_the_size_in_force(
+def test_a_refused_receive_buffer_is_one_info_line_with_the_size_in_force(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monitor = RefusingMonitor()
     monitor.shrink()  # libudev took 128 MiB itself when it could: back to what an unprivileged one has
-    with caplog.at_level("WARNING", logger="tpuboot"):
+    with caplog.at_level("INFO", logger="tpuboot"):
         set_receive_buffer(monitor)  # type: ignore[arg-type]
     assert monitor.asked == [RECEIVE_BUFFER]
     (record,) = caplog.records
     kib = rcvbuf(monitor.inner) // 2 // 1024
-    assert record.levelname == "WARNING"
+    assert record.levelname == "INFO"  # expected under the unit's sandbox: DeviceManager.rescan covers it
     assert record.getMessage() == (
         "udev: receive buffer not raised to 128 MiB (EPERM, needs CAP_NET_ADMIN); it holds "
-        f"{kib} KiB (net.core.rmem_max): a storm of PCI events beyond it is lost, while the TPUs "
-        "present at start are bound all the same"
+        f"{kib} KiB (net.core.rmem_max); should it overflow, the PCI devices are read again"
     )

@@ -4,6 +4,7 @@ keep count. Everything here runs on the daemon's event loop; binds run in its wo
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -16,7 +17,7 @@ from typing import Protocol
 from tpuboot import metrics
 from tpuboot.component import Report, Status
 from tpuboot.config import ReadyConfig
-from tpuboot.devices.pci import PciFunction
+from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.udev import Coldplug
 from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, os_failure
 from tpuboot.errors import TpubootError
@@ -130,8 +131,29 @@ class DeviceManager:
     # ------------------------------------------------------------------ udev
 
     def _on_udev(self) -> None:
-        while (device := self.monitor.poll(timeout=0)) is not None:
-            self.dispatch(device)
+        try:
+            while (device := self.monitor.poll(timeout=0)) is not None:
+                self.dispatch(device)
+        except OSError as exc:
+            if exc.errno != errno.ENOBUFS:
+                raise
+            self.rescan()
+
+    def rescan(self) -> None:
+        """The kernel dropped events the monitor's buffer had no room for (ENOBUFS): what they said
+        is read from sysfs instead, as at start. Binding a bound TPU only verifies it."""
+        try:
+            present = set(list_addresses(self.binder.root))
+        except OSError as exc:
+            log.error("udev: events were lost and the PCI devices cannot be listed (%s)", exc)
+            return
+        log.warning("udev: events were lost (receive buffer full); reading the %d PCI devices again",
+                    len(present))  # fmt: skip
+        for address, state in list(self.devices.items()):
+            if address not in present and state.state != "removed":
+                self.removed(address)
+        for address in sorted(present):
+            self.consider(address)
 
     def dispatch(self, device: UdevDevice) -> None:
         if device.subsystem == "vfio":

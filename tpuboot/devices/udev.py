@@ -33,10 +33,12 @@ RECEIVE_BUFFER = 128 << 20
 
 
 def set_receive_buffer(monitor: pyudev.Monitor, size: int = RECEIVE_BUFFER) -> None:
-    """Ask for ``size`` bytes of receive buffer; a refusal is a warning, never a failure.
+    """Ask for ``size`` bytes of receive buffer; a refusal is one line, never a failure.
 
     libudev sets SO_RCVBUF (capped by net.core.rmem_max), then SO_RCVBUFFORCE, which needs
-    CAP_NET_ADMIN: without it the cap stays, and the warning says what it is.
+    CAP_NET_ADMIN. The unit does not grant it (its sandbox would be weaker for a rare event): the
+    monitor filters on pci and vfio in the kernel, so only those events fill the buffer, and should
+    it overflow, the device manager reads sysfs again (DeviceManager.rescan). So the cap is info.
     """
     if (_rcvbuf(monitor.fileno()) or 0) >= 2 * size:  # the kernel reports twice what was set
         return
@@ -45,9 +47,10 @@ def set_receive_buffer(monitor: pyudev.Monitor, size: int = RECEIVE_BUFFER) -> N
     except OSError as exc:
         code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
         held = _rcvbuf(monitor.fileno())
-        log.warning(
-            "udev: receive buffer not raised to %d MiB (%s%s); %s: a storm of PCI events beyond it is "
-            "lost, while the TPUs present at start are bound all the same",
+        log.log(
+            logging.INFO if exc.errno == errno.EPERM else logging.WARNING,
+            "udev: receive buffer not raised to %d MiB (%s%s); %s; should it overflow, the PCI devices "
+            "are read again",
             size >> 20,
             code,
             ", needs CAP_NET_ADMIN" if exc.errno == errno.EPERM else "",
