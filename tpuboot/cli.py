@@ -74,7 +74,7 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
 
     env = sync = None
     if config.env.enabled:
-        client = MetadataClient.from_config(config.metadata)
+        client = MetadataClient.from_config(config.metadata, on_request=metrics.metadata_request)
         sync = EnvSync(ctx.root, config, client)
         env = daemon.EnvJob(sync, client, config.metadata.boot_deadline, config.metadata.watch)
     metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without metrics
@@ -84,7 +84,7 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
         from tpuboot.guestattrs import Publisher
 
         try:
-            client = MetadataClient.from_config(config.metadata)
+            client = MetadataClient.from_config(config.metadata, on_request=metrics.metadata_request)
         except ConfigError as exc:  # a bad $GCE_METADATA_HOST: the TPUs are bound all the same
             log.error("guest attributes: %s; not publishing", exc)
         else:
@@ -101,10 +101,12 @@ def _agents(ctx: Context, config: Config, sync: EnvSync | None) -> Agents | None
     """
     if not (config.vbar.enabled or config.telemetry.enabled):
         return None
+    from tpuboot import metrics
     from tpuboot.containers.service import Agents
     from tpuboot.env.metadata import MetadataClient
 
-    metadata = MetadataClient.from_config(config.metadata) if config.gke == "auto" else None
+    count = metrics.metadata_request
+    metadata = MetadataClient.from_config(config.metadata, on_request=count) if config.gke == "auto" else None
     if sync is None:
         return Agents(config, ctx.root, metadata)
     return Agents(config, ctx.root, metadata, tpu_env=sync.parsed_values)
@@ -211,11 +213,12 @@ def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_env(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot import metrics  # its requests go to metrics.textfile_dir, like bind's
     from tpuboot.env.metadata import MetadataClient
     from tpuboot.env.sync import EnvSync
 
     config = ctx.config
-    client = MetadataClient.from_config(config.metadata)
+    client = MetadataClient.from_config(config.metadata, on_request=metrics.metadata_request)
     result = EnvSync(ctx.root, config, client).sync_once(args.deadline or config.metadata.boot_deadline)
     print(result.status)
     if args.print and result.source in ("metadata", "cache"):
