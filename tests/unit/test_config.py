@@ -89,17 +89,6 @@ def test_a_file_of_comments_needs_no_yaml_parser():
     assert parse_config("# only a comment\n\n   # another\nvfio: {retries: 2}\n", SOURCE).vfio.retries == 2
 
 
-def test_bind_path_imports_nothing_it_does_not_need():
-    """What `tpuboot bind` imports is its start-up time (about 20x slower on the TCG bench)."""
-    heavy = ["yaml", "typing", "dataclasses", "subprocess", "json", "platform", "asyncio", "requests",
-             "prometheus_client", "pyudev", "systemd", "tpuboot.devices.survey",
-             "tpuboot.metrics"]  # fmt: skip
-    code = f"import sys, tpuboot.cli; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).parents[2])  # fmt: skip
-    assert done.stdout.split() == []
-
-
 # --- numbers that parse but break later: refused at load, naming file and key -----------------
 
 SECTIONS = {
