@@ -43,11 +43,18 @@ print(" ".join(sorted(set(sys.modules) - before)))
 # What `import tpuboot.cli` and the device commands load: sysfs, the device table, the config.
 CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.devices", "tpuboot.devices.pci",
         "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.logs",
-        "tpuboot.paths", "tpuboot.subproc", "json"}  # fmt: skip
+        "tpuboot.paths", "tpuboot.subproc"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "inspect", "typing"}  # fmt: skip
 METADATA = {"tpuboot.env", "tpuboot.env.metadata", "tpuboot.netio", "requests", "urllib3"}
-ENV = {"tpuboot.backoff", "tpuboot.env.etc_environment", "tpuboot.env.sync", "tpuboot.env.tpuenv", "yaml"}
+ENV = {
+    "tpuboot.backoff",
+    "tpuboot.env.etc_environment",
+    "tpuboot.env.sync",
+    "tpuboot.env.tpuenv",
+    "yaml",
+    "json",
+}
 METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client"}
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
@@ -70,7 +77,7 @@ CASES = {
     "bind, metrics.textfile_dir set": (["bind", "0000:00:04.0"], TEXTFILE, TEXTFILE_BIND),
     "unbind": (["unbind", "0000:00:04.0"], None, CORE),
     "status": (["status"], None, CORE | SURVEY),
-    "status --json": (["status", "--json"], None, CORE | SURVEY),
+    "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
     "image-check": (["image-check"], None, CORE | CHECKS),
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
     "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),

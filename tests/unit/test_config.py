@@ -36,7 +36,7 @@ def test_device_rules_accept_hex_ints_and_strings():
     [
         ("vfio: {nodemode: '0600'}", "tpuboot.yaml: vfio: unknown key 'nodemode'"),
         ("colour: blue", "unknown key .colour. .known keys: devices, "),
-        ("devices: [{vendor: 0x1234}]", "devices.0.: vendor and device are both required"),
+        ("devices: [{vendor: 0x1234}]", "devices.0.: vendor and device are required"),
         ("devices: [{vendor: 0x1234, device: 1, subsystem_vendor: 1}]", "give both subsystem_vendor"),
         ("devices: [{vendor: 0x12345, device: 1}]", "not a 16-bit PCI id"),
         ("vfio: {node_mode: 666}", "write it quoted in octal"),
