@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tpuboot.config import Config, EnvConfig, VfioConfig, load_config, parse_config
+from tpuboot.config import Config, EnvConfig, MatchRule, VfioConfig, load_config, parse_config
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
 
@@ -87,6 +87,14 @@ def test_a_file_of_comments_needs_no_yaml_parser():
     )
     assert done.stdout.strip() == "False"
     assert parse_config("# only a comment\n\n   # another\nvfio: {retries: 2}\n", SOURCE).vfio.retries == 2
+
+
+def test_a_device_rule_has_no_vendor_or_device_by_default():
+    """Its annotations say int: a rule is never built without both, from the file or in code."""
+    with pytest.raises(TypeError, match="needs device"):
+        MatchRule(vendor=0x1234)
+    rule = MatchRule(vendor=0x1234, device=0x11E8)
+    assert (rule.vendor, rule.device, rule.subsystem_vendor) == (0x1234, 0x11E8, None)
 
 
 # --- numbers that parse but break later: refused at load, naming file and key -----------------
