@@ -67,7 +67,7 @@ def build(
     containers_on = config.vbar.enabled or config.telemetry.enabled
     if metadata is None and (config.env.enabled or (containers_on and config.gke == "auto") or publish):
         try:
-            metadata = MetadataClient.from_config(config.metadata)
+            metadata = MetadataClient.from_config(config.metadata, on_request=metrics.metadata_request)
         except ConfigError as exc:  # a bad $GCE_METADATA_HOST: tpu-env and the GKE check need it
             if config.env.enabled or (containers_on and config.gke == "auto"):
                 raise
