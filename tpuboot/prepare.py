@@ -68,8 +68,11 @@ class Preparer:
         *,
         systemctl: Systemctl = _systemctl,
         docker: DockerFactory | None = None,
+        live: bool | None = None,
     ) -> None:
+        """``live``: act on the running system (systemd, dockerd); default: when root is /."""
         self.root = root
+        self.live = root.is_host if live is None else live
         self.config = config
         self.systemctl = systemctl
         self.docker = docker or (lambda: DockerAPI(str(root.path(DOCKER_SOCKET))))
@@ -95,7 +98,7 @@ class Preparer:
     # ------------------------------------------------------------------ service
 
     def service(self) -> CheckResult:
-        if not self.root.is_host:
+        if not self.live:
             return skipped(NOT_RUNNING)
         if not self.root.path(SYSTEMD_RUNNING).is_dir():
             return skipped("systemd is not running here (a chroot or a container): nothing to stop")
@@ -128,7 +131,7 @@ class Preparer:
         return self._client
 
     def containers(self) -> CheckResult:
-        if not self.root.is_host:
+        if not self.live:
             return skipped(NOT_RUNNING)
         client = self._dockerd()
         if client is None:
@@ -164,7 +167,7 @@ class Preparer:
     def _pull(self, section: str, image: str, registries: tuple[str, ...]) -> CheckResult:
         if self.config.gke == "true":
             return skipped("gke is true: GKE runs the agents itself")
-        if not self.root.is_host:
+        if not self.live:
             return skipped(f"{NOT_RUNNING}: pull {image} on the build VM (or docker load it)")
         try:
             RegistryAllowlist(registries, f"{section}.registries").check(image, f"{section}.image")
