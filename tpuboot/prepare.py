@@ -25,6 +25,7 @@ Exit status 1 when any step FAILs: the pipeline stops before capturing a broken 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -141,10 +142,8 @@ class Preparer:
         for container in found:
             ident = str(container.get("Id", ""))
             shown = ",".join(n.lstrip("/") for n in container.get("Names") or []) or ident[:12]
-            try:
+            with contextlib.suppress(NotFound):  # gone meanwhile
                 client.remove_container(ident, force=True)
-            except NotFound:
-                pass  # gone meanwhile
             names.append(shown)
         if names:
             return passed(f"removed {', '.join(names)} (label {MANAGED_LABEL}=1; their images stay)")
@@ -172,7 +171,9 @@ class Preparer:
         try:
             RegistryAllowlist(registries, f"{section}.registries").check(image, f"{section}.image")
         except ImageRefused as exc:
-            return failed(str(exc), f"set {section}.image to an allowed image, or extend {section}.registries")
+            return failed(
+                str(exc), f"set {section}.image to an allowed image, or extend {section}.registries"
+            )
         client = self._dockerd()
         if client is None:
             return failed(
@@ -189,7 +190,7 @@ class Preparer:
                 return failed(
                     f"cannot pull {image}: {exc}",
                     "make the registry reachable from the build VM (and its credentials), or "
-                    f"`docker load` the image before prepare-image",
+                    "`docker load` the image before prepare-image",
                 )
             return warned(
                 f"cannot pull {image} ({exc}); the copy dockerd has will be used",

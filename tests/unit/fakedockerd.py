@@ -396,7 +396,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         labels = json.loads(query.get("filters") or "{}").get("label", [])
         with self.server.fake.lock:
             found = [
-                {"Id": c["Id"], "Names": [c["Name"]], "Image": c["Config"]["Image"], "Labels": c["Config"]["Labels"]}
+                {
+                    "Id": c["Id"],
+                    "Names": [c["Name"]],
+                    "Image": c["Config"]["Image"],
+                    "Labels": c["Config"]["Labels"],
+                }
                 for c in self.server.fake.containers.values()
                 if all(
                     (c["Config"]["Labels"] or {}).get(k) == v if eq else k in (c["Config"]["Labels"] or {})

@@ -50,7 +50,9 @@ def sourced(root: Root) -> str:
     """What sh makes of the same files, sourced in grub-mkconfig's order (benign files only)."""
     files = " ".join(f'. "{root.path(f)}";' for f in grub_files(root))
     script = f'{files} printf "%s %s" "$GRUB_CMDLINE_LINUX" "$GRUB_CMDLINE_LINUX_DEFAULT"'
-    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        ["sh", "-c", script], capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"}
+    )
     return " ".join(out.stdout.split())
 
 
@@ -85,7 +87,7 @@ def test_the_shipped_dropin_is_read_by_its_known_text() -> None:
         ),
         # The shipped drop-in sourced twice adds nothing the second time.
         (DEBIAN_GRUB, {"tpuboot.cfg": SHIPPED_DROPIN, "zz-again.cfg": SHIPPED_DROPIN}),
-        ('GRUB_CMDLINE_LINUX="console=ttyS0,115200 root=\'LABEL=x y\'"\n', {}),
+        ("GRUB_CMDLINE_LINUX=\"console=ttyS0,115200 root='LABEL=x y'\"\n", {}),
     ],
 )
 def test_benign_files_read_as_sh_sources_them(tmp_path: Path, grub: str, dropins: dict[str, str]) -> None:
@@ -141,7 +143,8 @@ def test_hostile_or_unusual_files_are_refused_and_nothing_runs(tmp_path: Path, t
 
 def test_an_unknown_value_is_harmless_until_the_command_line_uses_it(tmp_path: Path) -> None:
     root = tree(tmp_path, DEBIAN_GRUB + 'GRUB_CMDLINE_LINUX="$GRUB_DISTRIBUTOR"\n')
-    with pytest.raises(Unreadable, match="GRUB_CMDLINE_LINUX is set from a command's output .*grub line 4"):
+    why = r"GRUB_CMDLINE_LINUX is set from a command's output \(/etc/default/grub line 4\)"
+    with pytest.raises(Unreadable, match=why):
         next_boot(root, "amd64")
 
 

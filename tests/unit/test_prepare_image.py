@@ -128,7 +128,10 @@ def test_a_failed_pull_fails_unless_dockerd_has_the_image(docker: FakeDockerd) -
     docker.pull_error = "registry unreachable"
     result = by_name(preparer(docker, Systemctl()).run())["pull-vbar"]
     assert result.status == "FAIL"
-    assert "cannot pull gcr.io/cloud-tpu-v2-images/vbar_control_agent:0.0.1: registry unreachable" in result.detail
+    assert (
+        "cannot pull gcr.io/cloud-tpu-v2-images/vbar_control_agent:0.0.1: registry unreachable"
+        in result.detail
+    )
     docker.images.add(VBAR)
     result = by_name(preparer(docker, Systemctl()).run())["pull-vbar"]
     assert result.status == "WARN"
@@ -212,5 +215,7 @@ def test_env_paths_from_the_configuration_are_the_ones_removed(tmp_path: Path) -
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("x")
     Preparer(Root(tmp_path), config).run()
-    assert not (tmp_path / "opt/tpu/tpu-env").exists() and not (tmp_path / "srv/tpuboot/tpu-env.json").exists()
+    assert (
+        not (tmp_path / "opt/tpu/tpu-env").exists() and not (tmp_path / "srv/tpuboot/tpu-env.json").exists()
+    )
     assert (tmp_path / "home/tpu-runtime/tpu-env").exists()  # not tpuboot's file under this configuration

@@ -284,7 +284,9 @@ class _Reader:
         values = [self.env.get(name, "") for name in CMDLINE_VARS]
         for value in values:
             if isinstance(value, _Unknown):
-                raise self.fail(f"tpuboot_cmdline_add {param} after a value tpuboot cannot know ({value.why})")
+                raise self.fail(
+                    f"tpuboot_cmdline_add {param} after a value tpuboot cannot know ({value.why})"
+                )
         name = param.split("=", 1)[0]
         if f" {name}=" in f" {values[0]} {values[1]} ":
             return
