@@ -46,7 +46,7 @@ def test_validation_is_real(tmp_path: Path) -> None:
     """The same template with the .deb missing fails: validate reads the provisioners."""
     done = validate(tmp_path, "project_id=my-project", f"deb={tmp_path / 'missing.deb'}")
     assert done.returncode == 1
-    assert "missing.deb: no such file or directory" in done.stdout + done.stderr
+    assert "missing.deb: no such file or directory" in " ".join((done.stdout + done.stderr).split())
 
 
 def test_the_packer_template_installs_the_deb_and_runs_prepare_image() -> None:
