@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from tpuboot import subproc
 from tpuboot.atomicfile import read_file
@@ -68,6 +68,7 @@ def warned(detail: str, fix: str = "") -> CheckResult:
 
 
 Check = Callable[[Root], CheckResult]
+CheckT = TypeVar("CheckT", bound=Callable[..., CheckResult])
 
 
 class Checks:
@@ -76,10 +77,11 @@ class Checks:
     def __init__(self) -> None:
         self._checks: dict[str, Check] = {}
 
-    def add(self, name: str) -> Callable[[Check], Check]:
-        """Decorator: register ``func`` as the check ``name``."""
+    def add(self, name: str) -> Callable[[CheckT], CheckT]:
+        """Decorator: register ``func`` as the check ``name`` (its own signature kept: a check
+        may take more arguments with defaults, as the next-boot variants pass)."""
 
-        def register(func: Check) -> Check:
+        def register(func: CheckT) -> CheckT:
             if name in self._checks:
                 raise ValueError(f"check {name!r} is registered twice")
             self._checks[name] = func
