@@ -118,8 +118,9 @@ runcmd:
   - sh -c 'tpuboot prepare-image --json > {PREPARE_JSON}; echo $? > {PREPARE_RC}'
 """
 META_DATA = "instance-id: tpuboot-build-1\nlocal-hostname: tpuboot-build\n"
-# No NIC in the guest: cloud-init must not look for one to configure.
-NO_NETWORK = "network: {config: disabled}\n"
+# No NIC in the guest: cloud-init must not look for one to configure. minbase generates no
+# en_US.UTF-8, cloud-init's default locale (update-locale refuses it): C.UTF-8 is always there.
+NO_NETWORK = "network: {config: disabled}\nlocale: C.UTF-8\n"
 # What grub-mkconfig does with the defaults: source them in order (run in the guest, by its sh).
 GRUB_SOURCE = (
     '. /etc/default/grub; for f in /etc/default/grub.d/*.cfg; do [ -e "$f" ] && . "$f"; done; '
