@@ -121,9 +121,17 @@ META_DATA = "instance-id: tpuboot-build-1\nlocal-hostname: tpuboot-build\n"
 # No NIC in the guest: cloud-init must not look for one to configure. minbase generates no
 # en_US.UTF-8, cloud-init's default locale (update-locale refuses it): C.UTF-8 is always there.
 NO_NETWORK = "network: {config: disabled}\nlocale: C.UTF-8\n"
+# A GCE Debian image's /etc/default/grub (grub-pc's; the bench tree has only grub2-common).
+DEBIAN_GRUB = """GRUB_DEFAULT=0
+GRUB_TIMEOUT=0
+GRUB_DISTRIBUTOR=`lsb_release -i -s 2> /dev/null || echo Debian`
+GRUB_CMDLINE_LINUX_DEFAULT="quiet"
+GRUB_CMDLINE_LINUX="console=ttyS0,38400n8"
+"""
 # What grub-mkconfig does with the defaults: source them in order (run in the guest, by its sh).
 GRUB_SOURCE = (
-    '. /etc/default/grub; for f in /etc/default/grub.d/*.cfg; do [ -e "$f" ] && . "$f"; done; '
+    "if [ -f /etc/default/grub ]; then . /etc/default/grub; fi; "
+    'for f in /etc/default/grub.d/*.cfg; do if [ -e "$f" ]; then . "$f"; fi; done; '
     "echo $GRUB_CMDLINE_LINUX $GRUB_CMDLINE_LINUX_DEFAULT"
 )
 NEXT_BOOT = (
@@ -144,6 +152,7 @@ def build_vm_image(deb: Path) -> Callable[[Path], None]:
         put(tree, f"{SEED}/user-data", USER_DATA)
         put(tree, f"{SEED}/meta-data", META_DATA)
         put(tree, "/etc/cloud/cloud.cfg.d/99-tpuboot-test.cfg", NO_NETWORK)
+        put(tree, "/etc/default/grub", DEBIAN_GRUB)
         install_emulator(tree, {})
         put(tree, "/etc/tpuboot-test/attributes.yaml", "{}\n")  # no tpu-env: not a TPU VM
         put(tree, VBAR_ROOTFS, vbar_rootfs_tar())
