@@ -5,7 +5,10 @@ fight tpuboot (the ``leftover-*`` checks).
 
 Each check reads files through a Root, so it runs the same on the host, against an image tree
 (``--root``) and on a test's temporary tree. A fact that exists only on a running system
-(``/proc/cmdline``, sysfs) is SKIP where it is absent, not FAIL. Where the root is the host and
+(sysfs) is SKIP where it is absent, not FAIL. The kernel command line is the running kernel's
+(``/proc/cmdline``) on a running system, and on a tree the one its next boot gets from the GRUB
+defaults (:mod:`tpuboot.checks.nextboot`); ``run_checks(next_boot=True)`` (prepare-image) judges
+the next boot on a running system too. Where the root is the host and
 systemd runs, the limits are taken from ``systemctl show`` (what is in force, not only what the
 files say); elsewhere from the unit and drop-in files, resolved as systemd does.
 
