@@ -222,6 +222,11 @@ def build(
         sourced = vm.run(["sh", "-c", GRUB_SOURCE], check=True).stdout.split()
         ours = vm.run(["python3", "-c", NEXT_BOOT], check=True).stdout.split()
         assert ours == sourced  # tpuboot's reading of the defaults is sh's, on the real files
+        # What is not the image's but the platform's changes for the next instance: the seed goes
+        # (a NoCloud cidata disk is detached; GCE gives its own datasource), and the emulated
+        # metadata server of the new instance serves tpu-env, as GCE's does on a TPU VM.
+        vm.run(["rm", "-r", SEED], check=True)
+        vm.write_file("/etc/tpuboot-test/attributes.yaml", yaml.safe_dump({"tpu-env": TPU_ENV}, sort_keys=False))
         # Capture: everything on the disk, the guest paused, the snapshot written into the image.
         vm.run(["sync"], check=True, timeout=120)
         vm.qmp("stop")
@@ -254,18 +259,7 @@ def test_the_build_boot_ran_no_container(build: Build) -> None:
 @pytest.fixture(scope="module")
 def tpu_vm(cloudinit_artifacts: Artifacts, build: Build) -> Iterator[VM]:
     """The captured disk booted as a TPU VM: stand-ins present, the kernel line GRUB would give
-    it, and this instance's metadata server serving tpu-env (the emulator's attributes file is
-    the platform's, not the image's: written into the disk before boot, as GCE would serve it)."""
-    run(
-        ["debugfs", "-w", "-R", "rm /etc/tpuboot-test/attributes.yaml", build.disk],
-        timeout=60,
-    )
-    attributes = build.disk.with_name("attributes.yaml")
-    attributes.write_text(yaml.safe_dump({"tpu-env": TPU_ENV}, sort_keys=False))
-    run(
-        ["debugfs", "-w", "-R", f"write {attributes} /etc/tpuboot-test/attributes.yaml", build.disk],
-        timeout=60,
-    )
+    it, this instance's metadata server serving tpu-env, no NoCloud seed."""
     params = [
         w
         for w in build.next_boot.split()
@@ -305,5 +299,5 @@ def test_the_captured_image_boots_as_a_tpu_vm_and_doctor_passes(tpu_vm: VM) -> N
         "vbar-running",
     ):
         assert verdicts[name]["status"] == "PASS", verdicts[name]
-    # cloud-init did not run the build again on this boot (same instance-id): no second install.
+    # cloud-init found no datasource on this instance: the build's runcmd did not run again.
     assert "apt-get" not in tpu_vm.run(["journalctl", "-b", "-u", "cloud-final", "-o", "cat"]).stdout
