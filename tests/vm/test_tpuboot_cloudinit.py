@@ -226,7 +226,8 @@ def build(
         # (a NoCloud cidata disk is detached; GCE gives its own datasource), and the emulated
         # metadata server of the new instance serves tpu-env, as GCE's does on a TPU VM.
         vm.run(["rm", "-r", SEED], check=True)
-        vm.write_file("/etc/tpuboot-test/attributes.yaml", yaml.safe_dump({"tpu-env": TPU_ENV}, sort_keys=False))
+        attributes = yaml.safe_dump({"tpu-env": TPU_ENV}, sort_keys=False)
+        vm.write_file("/etc/tpuboot-test/attributes.yaml", attributes)
         # Capture: everything on the disk, the guest paused, the snapshot written into the image.
         vm.run(["sync"], check=True, timeout=120)
         vm.qmp("stop")
