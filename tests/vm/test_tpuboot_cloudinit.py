@@ -206,7 +206,7 @@ def build(
     shutil.copyfile(base, disk)
     base.unlink()
     with VM.from_artifacts(cloudinit_artifacts, disk, memory=1536, name="cloudinit-build") as vm:
-        vm.wait_booted(timeout=300)
+        vm.wait_booted(timeout=1200)  # the boot includes the build (cloud-final); TCG, shared CPU
         vm.run(["cloud-init", "status", "--wait"], timeout=600)  # its exit says nothing we need
         status = vm.run(["cloud-init", "status", "--long"], check=True, timeout=120).stdout
         assert "status: done" in status, status
@@ -274,7 +274,7 @@ def tpu_vm(cloudinit_artifacts: Artifacts, build: Build) -> Iterator[VM]:
         memory=1536,
         name="cloudinit-tpu",
     ) as vm:
-        vm.wait_booted(timeout=300)
+        vm.wait_booted(timeout=1200)  # the boot includes the build (cloud-final); TCG, shared CPU
         vm.wait_until(
             "systemctl show -P StatusText tpuboot | grep -q 'vBar: running'", timeout=240, interval=1.0
         )
