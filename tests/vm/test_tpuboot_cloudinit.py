@@ -274,9 +274,9 @@ def tpu_vm(cloudinit_artifacts: Artifacts, build: Build) -> Iterator[VM]:
         memory=1536,
         name="cloudinit-tpu",
     ) as vm:
-        vm.wait_booted(timeout=1200)  # the boot includes the build (cloud-final); TCG, shared CPU
+        vm.wait_booted(timeout=1200)  # TCG on a shared CPU
         vm.wait_until(
-            "systemctl show -P StatusText tpuboot | grep -q 'vBar: running'", timeout=240, interval=1.0
+            "systemctl show -P StatusText tpuboot | grep -q 'vBar: running'", timeout=600, interval=1.0
         )
         yield vm
 
