@@ -208,6 +208,19 @@ def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed_required(verdicts) else EXIT_OK
 
 
+def cmd_prepare_image(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.prepare import prepare
+
+    results = prepare(ctx.root, ctx.config)
+    if args.json:
+        _print_json([r.as_dict() for r in results])
+    else:
+        for r in results:
+            fix = f"  fix: {r.fix}" if r.status in ("FAIL", "WARN") and r.fix else ""
+            print(f"{r.status:<4}  {r.name}: {r.detail}{fix}")
+    return EXIT_FAILED if any(r.status == "FAIL" for r in results) else EXIT_OK
+
+
 class _Unused:
     """Stands in for the parser of a command that ``build_parser(only=...)`` leaves out."""
 
@@ -272,6 +285,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         metavar="NAME[,NAME]",
         help="run only these checks (shell patterns, e.g. 'leftover-*'; repeatable)",
     )
+    p = command(
+        "prepare-image",
+        cmd_prepare_image,
+        "last step of an image build: check the next boot, pull the images, remove instance state",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("doctor", cmd_doctor, "check that this TPU VM is ready for a workload, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("env", cmd_env, "fetch tpu-env once and write it and /etc/environment")

@@ -59,12 +59,16 @@ METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client"}
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.component"}  # fmt: skip
-CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.devices.kmodule", "tpuboot.atomicfile",
-          "dataclasses", "inspect", "typing"}  # fmt: skip
+CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.devices.kmodule",
+          "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
 TEXTFILE_BIND = CORE | {"yaml"} | METRICS | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.checks.doctor",
                                                                          "tpuboot.checks.slices"}  # fmt: skip
+
+PREPARE = (
+    CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot"}
+)
 
 SETS_SOMETHING = "vfio: {node_mode: '0666'}\n"  # any key: the file is then read with PyYAML
 TEXTFILE = "metrics: {textfile_dir: /metrics}\n"
@@ -82,6 +86,7 @@ CASES = {
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
     "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),
     "doctor": (["doctor"], None, DOCTOR),
+    "prepare-image": (["prepare-image"], None, PREPARE),
 }
 #: The daemon loads everything tpuboot has; tests/unit/test_run_start.py runs it whole.
 NOT_HERE = {"run"}
