@@ -1,4 +1,4 @@
-"""The restart policy of a supervised agent: capped exponential backoff, reset after a stable run.
+"""The restart policy of a supervised container: capped exponential backoff, reset after a stable run.
 
 Pure: time is passed in, so the policy is tested without sleeping.
 """

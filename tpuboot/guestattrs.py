@@ -108,25 +108,28 @@ class Publisher:
             self._cond.notify()
 
     def start(self) -> None:
-        if self.enabled is False:
+        if self.enabled is False:  # before the thread: no other reader yet
             return
         self._thread = threading.Thread(target=self._run, name="tpuboot-guest-attributes", daemon=True)
         self._thread.start()
 
     def stop(self, final: Mapping[str, str] | None = None) -> None:
-        """End the thread; then, if publishing, write ``final`` (like state=stopped) once, briefly."""
+        """End the thread; then, if publishing, write ``final`` (like state=stopped) once, briefly.
+
+        The client is its owner's to close (the daemon shares it), after this: that also cuts a
+        check of enable-guest-attributes in flight, which is why stop does not wait for one.
+        """
         with self._cond:
             self._stop.set()
             self._cond.notify()
-        if not self.enabled:
-            self.client.close()  # cuts short a check of enable-guest-attributes in flight
+            enabled = self.enabled  # written by this publisher's thread, under the same lock
         thread = self._thread
-        if thread is not None:
-            thread.join(timeout=FINAL_DEADLINE)
-            if final and self.enabled and not thread.is_alive():
-                for key, value in final.items():
-                    self._write(key, value, FINAL_DEADLINE)
-        self.client.close()
+        if thread is None or not enabled:
+            return
+        thread.join(timeout=FINAL_DEADLINE)
+        if final and not thread.is_alive():
+            for key, value in final.items():
+                self._write(key, value, FINAL_DEADLINE)
 
     # ---------------------------------------------------------------- its own thread
 
@@ -154,7 +157,8 @@ class Publisher:
                 if self._stop.wait(self.config.min_interval):
                     return False
                 continue
-            self.enabled = enabled
+            with self._cond:
+                self.enabled = enabled
             if enabled:
                 log.info("guest attributes: publishing this host's state under %s/ (%s)", NAMESPACE, why)
             else:

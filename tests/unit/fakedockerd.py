@@ -354,6 +354,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if present:
                 return self._send(200, {"Id": "sha256:" + "0" * 64, "RepoTags": [match.group(1)]})
             return self._error(404, f"No such image: {match.group(1)}")
+        if (method, path) == ("GET", "/containers/json"):
+            return self._list(query)
         if match := re.fullmatch(r"/containers/([^/]+)(/json|/start)?", path):
             return self._container(method, match.group(1), match.group(2) or "", query)
         return self._error(404, f"page not found: {method} {path}")
@@ -388,6 +390,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             else:
                 status, answer = 405, {"message": "method not allowed"}
         self._send(status, answer)
+
+    def _list(self, query: dict[str, str]) -> None:
+        """``docker ps -a``: label filters only (``key=value`` or ``key``)."""
+        labels = json.loads(query.get("filters") or "{}").get("label", [])
+        with self.server.fake.lock:
+            found = [
+                {
+                    "Id": c["Id"],
+                    "Names": [c["Name"]],
+                    "Image": c["Config"]["Image"],
+                    "Labels": c["Config"]["Labels"],
+                }
+                for c in self.server.fake.containers.values()
+                if all(
+                    (c["Config"]["Labels"] or {}).get(k) == v if eq else k in (c["Config"]["Labels"] or {})
+                    for k, eq, v in (label.partition("=") for label in labels)
+                )
+            ]
+        self._send(200, found)
 
     def _create(self, query: dict[str, str], body: Any) -> None:
         fake = self.server.fake

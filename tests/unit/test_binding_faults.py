@@ -13,12 +13,11 @@ import logging
 import pytest
 
 from tests.unit.fakekernel import FakeKernel
-from tests.unit.test_daemon import QueueMonitor, RecordingNotifier, until
+from tests.unit.test_daemon import make, until
 from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot import cli
 from tpuboot.daemon import Daemon
 from tpuboot.devices import manager
-from tpuboot.devices.udev import new_executor, start_coldplug
 from tpuboot.errors import DeviceError, TpubootError
 
 DBDF = "0000:00:04.0"
@@ -126,12 +125,9 @@ def four(kernel):
     return kernel
 
 
-def run_daemon(kernel: FakeKernel, check, *, early: bool = False, b=None) -> Daemon:
-    """Run the daemon (with binds submitted before it, as `tpuboot run` does, when ``early``)."""
-    b = b or binder(kernel)
-    executor = new_executor()
-    coldplug = start_coldplug(b, executor) if early else None
-    daemon = Daemon(b, QueueMonitor(), RecordingNotifier(), executor=executor, coldplug=coldplug)
+def run_daemon(kernel: FakeKernel, check, *, b=None) -> Daemon:
+    """Run the daemon as `tpuboot run` does (coldplug's binds submitted before the loop)."""
+    daemon, _, _ = make(kernel, b=b or binder(kernel))
 
     async def scenario():
         task = asyncio.create_task(daemon.run())
@@ -146,8 +142,7 @@ def run_daemon(kernel: FakeKernel, check, *, early: bool = False, b=None) -> Dae
     return daemon
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["loop", "coldplug"])
-def test_a_refused_chmod_at_coldplug_fails_that_device_only(four, early, caplog):
+def test_a_refused_chmod_at_coldplug_fails_that_device_only(four, caplog):
     """Before: PermissionError escaped the task and `asyncio.gather` ended the daemon before READY."""
     four.faults.add("chmod", "/dev/vfio/5", errno.EPERM)
 
@@ -158,7 +153,7 @@ def test_a_refused_chmod_at_coldplug_fails_that_device_only(four, early, caplog)
         assert daemon.devices.devices["0000:00:05.0"].retry is None  # permanent: not retried
 
     with caplog.at_level(logging.INFO, logger="tpuboot"):
-        run_daemon(four, check, early=early)
+        run_daemon(four, check)
     (record,) = [
         r for r in caplog.records if "EPERM" in r.getMessage() and r.name == "tpuboot.devices.manager"
     ]
@@ -166,20 +161,19 @@ def test_a_refused_chmod_at_coldplug_fails_that_device_only(four, early, caplog)
     assert [four.driver(f"0000:00:0{4 + i}.0") for i in (0, 2, 3)] == ["vfio-pci"] * 3
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["loop", "coldplug"])
 @pytest.mark.parametrize(
     ("op", "suffix"),
     [("write", "0000:00:05.0/driver_override"), ("open", "0000:00:05.0/driver_override"),
      ("chmod", "/dev/vfio/5"), ("open", "0000:00:05.0/uevent")],
 )  # fmt: skip
-def test_a_transient_errno_is_retried_until_bound(four, monkeypatch, early, op, suffix):
+def test_a_transient_errno_is_retried_until_bound(four, monkeypatch, op, suffix):
     monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
     four.faults.add(op, suffix, errno.EIO, times=2)
 
     async def check(daemon):
         await until(lambda: daemon.notifier.last_status == "4 TPUs bound to vfio-pci")
 
-    run_daemon(four, check, early=early)
+    run_daemon(four, check)
     assert len(four.faults.hits) == 2
 
 
@@ -191,14 +185,14 @@ def test_unreadable_ids_at_an_event_are_shown_and_retried_and_a_non_tpu_is_then_
         four.faults.add("open", "0000:00:0b.0/uevent", errno.EIO, times=1)
         four.faults.add("open", "0000:00:0c.0/uevent", errno.EACCES)
         add_tpu(four, "0000:00:0c.0", V5P, group="12")
-        daemon.monitor.push("add", "pci", "0000:00:0b.0")
-        daemon.monitor.push("add", "pci", "0000:00:0c.0")
+        daemon.devices.monitor.push("add", "pci", "0000:00:0b.0")
+        daemon.devices.monitor.push("add", "pci", "0000:00:0c.0")
         await until(lambda: "0000:00:0c.0" in daemon.devices.devices)
         await until(lambda: "0000:00:0b.0" not in daemon.devices.devices)  # retried: not a TPU
         status = daemon.notifier.last_status
         assert status.startswith("4 TPUs bound to vfio-pci; 0000:00:0c.0: reading its PCI ids failed (EACCES")
         four.faults.clear()
-        daemon.monitor.push("add", "pci", "0000:00:0c.0")  # a new event after the fix: bound
+        daemon.devices.monitor.push("add", "pci", "0000:00:0c.0")  # a new event after the fix: bound
         await until(lambda: daemon.notifier.last_status == "5 TPUs bound to vfio-pci")
 
     run_daemon(four, check)
@@ -219,12 +213,12 @@ def test_an_unexpected_exception_is_logged_once_and_fails_that_device(four, capl
         assert daemon.notifier.last_status.startswith(
             "3 of 4 TPUs bound to vfio-pci; 0000:00:06.0: unexpected KeyError in bind"
         )
-        daemon.monitor.push("add", "pci", "0000:00:06.0")  # the loop still answers events
+        daemon.devices.monitor.push("add", "pci", "0000:00:06.0")  # the loop still answers events
         await until(lambda: daemon.devices.devices["0000:00:06.0"].attempts == 1 and
                     not daemon.devices.devices["0000:00:06.0"].running and
                     len([r for r in caplog.records if "unexpected" in r.getMessage()]) >= 2)  # fmt: skip
         add_tpu(four, "0000:00:0a.0", V5P, group="10")
-        daemon.monitor.push("add", "pci", "0000:00:0a.0")
+        daemon.devices.monitor.push("add", "pci", "0000:00:0a.0")
         await until(lambda: four.driver("0000:00:0a.0") == "vfio-pci")
 
     with caplog.at_level(logging.INFO, logger="tpuboot"):
@@ -236,9 +230,9 @@ def test_an_unexpected_exception_is_logged_once_and_fails_that_device(four, capl
 def test_a_broken_node_event_does_not_end_the_loop(four):
     async def check(daemon):
         four.faults.add("stat", "/dev/vfio/4", errno.EACCES)
-        daemon.monitor.push("add", "vfio", "4")
+        daemon.devices.monitor.push("add", "vfio", "4")
         add_tpu(four, "0000:00:0a.0", V5P, group="10")
-        daemon.monitor.push("add", "pci", "0000:00:0a.0")
+        daemon.devices.monitor.push("add", "pci", "0000:00:0a.0")
         await until(lambda: four.driver("0000:00:0a.0") == "vfio-pci")
 
     run_daemon(four, check)

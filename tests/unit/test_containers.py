@@ -14,6 +14,7 @@ from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_supervisor import Statuses, wait_until
 from tpuboot.backoff import RestartPolicy
 from tpuboot.checks.doctor import docker_container_state
+from tpuboot.component import Status
 from tpuboot.config import Config, TelemetryConfig
 from tpuboot.containers.docker import (
     CONFIG_LABEL,
@@ -25,7 +26,7 @@ from tpuboot.containers.docker import (
 )
 from tpuboot.containers.dockerapi import DockerAPI, Unreachable
 from tpuboot.containers.imageref import RegistryAllowlist
-from tpuboot.containers.service import Agents, telemetry_spec
+from tpuboot.containers.service import Containers, telemetry_spec
 from tpuboot.containers.supervisor import CannotStart, RuntimeUnavailable, Supervisor
 from tpuboot.paths import Root
 
@@ -295,18 +296,20 @@ def test_supervisor_over_docker_restarts_after_die_and_recovers_from_dockerd_res
     assert dockerd.running("vbar")  # stopping tpuboot leaves it running
 
 
-def test_agents_find_dockerd_under_the_root(dockerd: FakeDockerd) -> None:
+def test_containers_find_dockerd_under_the_root(dockerd: FakeDockerd) -> None:
     """The daemon's default client: the socket at /run/docker.sock under the root."""
     config = Config(gke="false")
     dockerd.images.add(config.vbar.image)
-    agents = Agents(config, Root(dockerd.root), None)
-    agents.tpu_vm_seen("a TPU is present")
-    status: list[tuple[str, str]] = []
-    agents.start(lambda label, text: status.append((label, text)))
+    containers = Containers(config, Root(dockerd.root), None)
+    containers.tpu_vm_seen("a TPU is present")
+    reports = threading.Semaphore(0)
+    containers.start(reports.release)
     try:
-        wait_until(lambda: ("vBar", "vBar: running") in status)
+        wait_until(lambda: containers.statuses()["vBar"] == Status("running", "running"))
+        assert reports.acquire(timeout=1)  # each change reported
+        assert containers.status() == Status("running", "vBar: running")
     finally:
-        agents.stop()
+        containers.stop()
     assert dockerd.containers[config.vbar.container_name]["Config"]["Image"] == config.vbar.image
 
 

@@ -1,9 +1,14 @@
-"""The daemon's loop on a temporary tree: coldplug before READY, hotplug, removal, retries, SIGTERM."""
+"""The daemon's loop on a temporary tree: coldplug before READY, hotplug, removal, retries, SIGTERM.
+
+Each daemon here is built by tpuboot.wiring.build, as `tpuboot run` builds it, with a fake kernel's
+binder, a udev monitor and a notifier the test holds, and a metadata client for the emulator.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import os
 import signal
 import socket
@@ -15,14 +20,28 @@ import pytest
 
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
+from tests.unit.runproc import free_port
 from tests.unit.test_vfio import V5P, add_tpu, binder
-from tpuboot.config import ReadyConfig
-from tpuboot.daemon import Daemon, EnvJob, run_watch
+from tpuboot.component import Status
+from tpuboot.config import (
+    Config,
+    EnvConfig,
+    GuestAttributesConfig,
+    MetadataConfig,
+    MetricsConfig,
+    ReadyConfig,
+    VbarConfig,
+)
+from tpuboot.daemon import Daemon
 from tpuboot.devices import manager
-from tpuboot.devices.udev import new_executor, start_coldplug
 from tpuboot.env import sync as envsync
-from tpuboot.env.sync import EnvSync
+from tpuboot.env.metadata import MetadataClient
+from tpuboot.env.service import EnvService, run_watch
+from tpuboot.env.sync import EnvSync, SyncResult
+from tpuboot.errors import MetadataError
 from tpuboot.notify import Notifier
+from tpuboot.paths import Root
+from tpuboot.wiring import build
 
 
 @dataclass
@@ -86,9 +105,38 @@ def kernel(tmp_path):
 FIRST_ATTEMPT = ReadyConfig(wait_for_devices=False)
 
 
-def make(kernel: FakeKernel, ready: ReadyConfig = FIRST_ATTEMPT, **kwargs):
+#: Only the device side: no tpu-env, no containers, no guest attributes, no metrics endpoint.
+DEVICES_ONLY = Config(
+    env=EnvConfig(enabled=False),
+    vbar=VbarConfig(enabled=False),
+    guest_attributes=GuestAttributesConfig(enabled="false"),
+    metrics=MetricsConfig(enabled=False),
+)
+
+
+def make(
+    kernel: FakeKernel,
+    ready: ReadyConfig = FIRST_ATTEMPT,
+    config: Config = DEVICES_ONLY,
+    *,
+    root: Root | None = None,
+    b=None,
+    metadata: MetadataClient | None = None,
+    docker=None,
+) -> tuple[Daemon, QueueMonitor, RecordingNotifier]:
+    """The daemon as `tpuboot run` builds it (tpuboot.wiring.build), over the fake kernel."""
     monitor, notifier = QueueMonitor(), RecordingNotifier()
-    return Daemon(binder(kernel), monitor, notifier, ready=ready, **kwargs), monitor, notifier
+    daemon = build(
+        root or kernel.root, config.replace(ready=ready), binder=b or binder(kernel), monitor=monitor,
+        notifier=notifier, metadata=metadata, docker=docker,
+    )  # fmt: skip
+    return daemon, monitor, notifier
+
+
+def with_env(emulator, watch: bool = False, boot_deadline: float = 5.0) -> Config:
+    """DEVICES_ONLY with tpu-env from ``emulator``."""
+    metadata = MetadataConfig(host=emulator.host, timeout=2.0, boot_deadline=boot_deadline, watch=watch)
+    return DEVICES_ONLY.replace(env=EnvConfig(), metadata=metadata)
 
 
 def test_coldplug_binds_every_tpu_before_ready_and_leaves_others(kernel):
@@ -188,12 +236,12 @@ def test_vfio_node_event_reapplies_mode(kernel):
 
 
 def test_ready_waits_for_tpu_env_and_a_change_is_picked_up(kernel, emulator, root):
-    client = make_client(emulator)
-    sync = EnvSync(root, make_config(emulator), client)
     env_file = root.path("/home/tpu-runtime/tpu-env")
 
     async def scenario():
-        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), EnvJob(sync, client, 5.0, True))
+        daemon, _, _ = make(
+            kernel, config=with_env(emulator, watch=True), root=root, metadata=make_client(emulator)
+        )
         task = asyncio.create_task(daemon.run())
         await until(lambda: daemon.ready)
         assert env_file.exists()  # READY came after tpu-env was written
@@ -217,8 +265,8 @@ def test_metadata_down_serves_tpu_env_from_cache_and_keeps_running(kernel, emula
     client = make_client(emulator, timeout=0.2)
 
     async def scenario():
-        job = EnvJob(EnvSync(root, config, client), client, 0.5, False)
-        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), job)
+        config = with_env(emulator, boot_deadline=0.5)
+        daemon, _, _ = make(kernel, config=config, root=root, metadata=client)
         task = asyncio.create_task(daemon.run())
         await until(lambda: daemon.ready)
         assert "metadata server unreachable" in daemon.notifier.last_status
@@ -233,10 +281,10 @@ def test_metadata_down_serves_tpu_env_from_cache_and_keeps_running(kernel, emula
 def test_sigterm_during_a_long_metadata_wait_stops_at_once(kernel, emulator, root):
     emulator.set_faults(delay=30.0)
     client = make_client(emulator, timeout=60.0)
-    job = EnvJob(EnvSync(root, make_config(emulator), client), client, 60.0, False)
 
     async def scenario():
-        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), job)
+        config = with_env(emulator, boot_deadline=60.0)
+        daemon, _, _ = make(kernel, config=config, root=root, metadata=client)
         task = asyncio.create_task(daemon.run())
         await until(lambda: emulator.request_count >= 1)
         assert not daemon.ready
@@ -258,14 +306,12 @@ def test_binds_started_before_the_loop_are_adopted_not_redone(kernel, caplog):
         return bind(address, **kwargs)
 
     b.bind = counted  # type: ignore[method-assign]
-    executor = new_executor()
-    early = start_coldplug(b, executor)
-    assert sorted(early.binds) == [f"0000:00:0{4 + i}.0" for i in range(4)]  # not the virtio disk
-    assert "0000:00:02.0" in early.addresses
+    daemon, _, notifier = make(kernel, b=b)
+    tpus = [f"0000:00:0{4 + i}.0" for i in range(4)]  # not the virtio disk
+    assert sorted(daemon.devices.coldplug.binds) == tpus  # submitted by build, before any loop
+    assert "0000:00:02.0" in daemon.devices.coldplug.addresses
 
     async def scenario():
-        monitor, notifier = QueueMonitor(), RecordingNotifier()
-        daemon = Daemon(b, monitor, notifier, executor=executor, coldplug=early)
         task = asyncio.create_task(daemon.run())
         await until(lambda: daemon.ready)
         assert notifier.sent[0] == "READY=1\nSTATUS=4 TPUs bound to vfio-pci"
@@ -275,11 +321,11 @@ def test_binds_started_before_the_loop_are_adopted_not_redone(kernel, caplog):
 
     with caplog.at_level("INFO", logger="tpuboot"):
         asyncio.run(scenario())
-    assert sorted(calls) == sorted(early.binds)  # each ran once: adopted, not submitted again
+    assert sorted(calls) == tpus  # each ran once: adopted, not submitted again
     logged = [
         r.getMessage().split()[0] for r in caplog.records if "bound to vfio-pci, /dev/vfio/" in r.getMessage()
     ]
-    assert sorted(logged) == sorted(early.binds)  # and each result was handled as usual
+    assert sorted(logged) == tpus  # and each result was handled as usual
 
 
 def test_an_unexpected_exception_in_the_boot_sync_still_reaches_ready_on_the_cache(
@@ -300,8 +346,7 @@ def test_an_unexpected_exception_in_the_boot_sync_still_reaches_ready_on_the_cac
     client = make_client(emulator)
 
     async def scenario():
-        job = EnvJob(EnvSync(root, config, client), client, 5.0, False)
-        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), job)
+        daemon, _, _ = make(kernel, config=with_env(emulator), root=root, metadata=client)
         task = asyncio.create_task(daemon.run())
         await until(lambda: daemon.ready)
         assert "unexpected ValueError (see the log), 14 keys from cache of" in daemon.notifier.last_status
@@ -313,14 +358,15 @@ def test_an_unexpected_exception_in_the_boot_sync_still_reaches_ready_on_the_cac
 
 
 def test_even_a_sync_that_raises_reaches_ready_and_starts_the_watch(kernel, emulator, root, monkeypatch):
-    client = make_client(emulator)
-    sync = EnvSync(root, make_config(emulator), client)
+    daemon, _, _ = make(
+        kernel, config=with_env(emulator, watch=True), root=root, metadata=make_client(emulator)
+    )
+    assert daemon.env is not None
     watched = threading.Event()
-    monkeypatch.setattr(sync, "sync_once", lambda deadline: 1 / 0)
-    monkeypatch.setattr(sync, "watch", lambda stop, report: watched.set())
+    monkeypatch.setattr(daemon.env.sync, "sync_once", lambda deadline: 1 / 0)
+    monkeypatch.setattr(daemon.env.sync, "watch", lambda stop, report: watched.set())
 
     async def scenario():
-        daemon = Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), EnvJob(sync, client, 5.0, True))
         task = asyncio.create_task(daemon.run())
         await until(lambda: daemon.ready)
         assert daemon.notifier.sent[0].endswith("; tpu-env: failed (ZeroDivisionError); see the log")
@@ -418,7 +464,7 @@ def test_the_device_deadline_bounds_the_wait_and_retries_go_on(kernel, monkeypat
         daemon.stopping.set()
         await task
 
-    caplog.set_level("WARNING", logger="tpuboot.daemon")
+    caplog.set_level("WARNING", logger="tpuboot.devices.manager")
     asyncio.run(scenario())
     assert "ready: 3 of 4 TPUs bound after 0.3 s (ready.device_deadline); READY now" in caplog.text
 
@@ -448,16 +494,14 @@ def test_a_device_removed_while_ready_waits_for_it_releases_ready(kernel, monkey
 def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(kernel, emulator, root):
     from tpuboot import __version__
     from tpuboot.config import GuestAttributesConfig
-    from tpuboot.guestattrs import Publisher
 
     emulator.set_attribute("enable-guest-attributes", "TRUE")
-    client = make_client(emulator)
-    job = EnvJob(EnvSync(root, make_config(emulator), client), client, 5.0, False)
-    publisher = Publisher(make_client(emulator), GuestAttributesConfig(min_interval=0.3), check_deadline=5)
+    config = with_env(emulator).replace(guest_attributes=GuestAttributesConfig(min_interval=0.3))
     emulator.set_faults(delay=0.5)  # every answer late: READY must not wait for the writes
 
     async def scenario():
-        daemon, _, _ = make(kernel, ReadyConfig(), env=job, guest_attrs=publisher)
+        daemon, _, _ = make(kernel, ReadyConfig(), config, root=root, metadata=make_client(emulator))
+        assert daemon.guest_attrs is not None and daemon.guest_attrs.client is daemon.metadata  # one client
         task = asyncio.create_task(daemon.run())
         await until(lambda: daemon.ready, timeout=5.0)
         assert emulator.guest_attribute_writes <= 1
@@ -479,18 +523,87 @@ def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(k
     assert emulator.guest_attributes("tpuboot")["tpuboot/state"] == "stopped"
 
 
-def test_the_tpu_env_attribute_keeps_what_the_file_holds_through_a_failure(kernel, root):
-    from tpuboot.env.sync import SyncResult
-
-    daemon, _, _ = make(kernel, env=EnvJob(None, None, 1.0, False))  # type: ignore[arg-type]
-    assert daemon.guest_attribute_values()["tpu-env"] == "source=pending"
-    daemon._env_result(SyncResult("failed", 0, None, "tpu-env: failed"))
-    assert daemon.guest_attribute_values()["tpu-env"] == "source=failed"
-    daemon._env_result(SyncResult("metadata", 14, "e1", "tpu-env: 14 keys from metadata"))
-    written = daemon.guest_attribute_values()["tpu-env"]
+def test_the_tpu_env_attribute_keeps_what_the_file_holds_through_a_failure(emulator, root):
+    service = EnvService(EnvSync(root, make_config(emulator), make_client(emulator)), 1.0, False)
+    assert service.attribute() == "source=pending" and service.status().state == "pending"
+    service.result(SyncResult("failed", 0, None, "tpu-env: failed"))
+    assert service.attribute() == "source=failed" and not service.held
+    service.result(SyncResult("metadata", 14, "e1", "tpu-env: 14 keys from metadata"))
+    written = service.attribute()
     assert written.startswith("source=metadata keys=14 updated=20") and written.endswith("Z")
-    daemon._env_result(SyncResult("failed", 0, None, "tpu-env: metadata server unreachable"))
-    assert daemon.guest_attribute_values()["tpu-env"] == written  # the file still holds it
-    daemon._env_result(SyncResult("absent", 0, None, "tpu-env: not set"))
-    assert daemon.guest_attribute_values()["tpu-env"] == "source=absent"
-    assert daemon.guest_attribute_values()["state"] == "starting"
+    service.result(SyncResult("failed", 0, None, "tpu-env: metadata server unreachable"))
+    assert service.attribute() == written and service.held  # the file still holds it
+    assert service.status() == Status("failed", "tpu-env: metadata server unreachable")
+    service.result(SyncResult("absent", 0, None, "tpu-env: not set"))
+    assert service.attribute() == "source=absent" and not service.held
+
+
+def test_one_metadata_client_is_shared_and_closed_at_stop(kernel, emulator, root):
+    """tpu-env, the GKE check and the guest attributes ask through one client; stopping closes it
+    after the last write, and the metrics endpoint build started is shut down."""
+    config = with_env(emulator).replace(
+        vbar=VbarConfig(), gke="auto", guest_attributes=GuestAttributesConfig(enabled="true"),
+        metrics=MetricsConfig(port=free_port()))  # fmt: skip
+    client = make_client(emulator)
+    daemon, _, _ = make(kernel, config=config, root=root, metadata=client)
+    assert daemon.metadata is client and daemon.containers is not None
+    assert daemon.containers.metadata is client and daemon.guest_attrs is not None
+    assert daemon.env is not None and daemon.env.sync.parsed_values == daemon.containers.tpu_env
+    server = daemon.metrics_server
+    assert server is not None
+
+    async def scenario():
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        daemon.stopping.set()
+        assert await task == 0
+
+    asyncio.run(scenario())
+    with pytest.raises(MetadataError):
+        client.get("instance/attributes/tpu-env", deadline_s=1.0)  # closed
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.server_port), timeout=1).close()
+
+
+class OverflowingMonitor(QueueMonitor):
+    """A monitor whose socket overflowed once: the next read fails with ENOBUFS, as the kernel's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overflowed = False
+
+    def overflow(self) -> None:
+        self.overflowed = True
+        self.tx.send(b"x")
+
+    def poll(self, timeout: float | None = None) -> Event | None:
+        if self.overflowed:
+            self.overflowed = False
+            self.rx.recv(1)
+            raise OSError(errno.ENOBUFS, os.strerror(errno.ENOBUFS))
+        return super().poll(timeout)
+
+
+def test_lost_udev_events_are_recovered_from_sysfs(kernel, caplog):
+    """An add and a remove the kernel dropped (ENOBUFS) are found by reading sysfs again."""
+
+    async def scenario():
+        monitor, notifier = OverflowingMonitor(), RecordingNotifier()
+        config = DEVICES_ONLY.replace(ready=FIRST_ATTEMPT)
+        daemon = build(kernel.root, config, binder=binder(kernel), monitor=monitor, notifier=notifier)
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        add_tpu(kernel, "0000:00:0a.0", V5P, driver=None, group="10")
+        kernel.remove_device("0000:00:07.0")
+        monitor.overflow()  # neither event arrives
+        await until(lambda: kernel.driver("0000:00:0a.0") == "vfio-pci")
+        await until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
+        monitor.push("add", "pci", "0000:00:02.0")  # the monitor is read on as before
+        daemon.stopping.set()
+        assert await task == 0
+
+    caplog.set_level("INFO", logger="tpuboot")
+    asyncio.run(scenario())
+    assert "udev: events were lost (receive buffer full)" in caplog.text
+    assert "0000:00:07.0 (TPU v5p) removed" in caplog.text
+    assert kernel.driver("0000:00:02.0") == "virtio-pci"

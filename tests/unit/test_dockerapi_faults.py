@@ -176,7 +176,8 @@ def test_a_garbled_event_stream_makes_the_supervisor_wait_and_come_back_with_bac
         allowlist=RegistryAllowlist(["docker.io"], "vbar.registries"),
     )
     statuses: list[str] = []
-    supervisor = Supervisor("vbar", runtime, RestartPolicy(1.0, 8.0, 600.0), statuses.append)
+    policy = RestartPolicy(1.0, 8.0, 600.0)
+    supervisor = Supervisor("vbar", runtime, policy, lambda label, s: statuses.append(f"{label}: {s.detail}"))
     supervisor.start()
     try:
         time.sleep(3.5)

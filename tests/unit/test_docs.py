@@ -304,3 +304,27 @@ def test_readme_paths_in_backticks_exist():
 )
 def test_readme_check_finds_paths_outside_the_repository(text, bad):
     assert outside_or_missing(text) == bad
+
+
+# --- doc/architecture.md ---------------------------------------------------------------------------
+
+ARCHITECTURE = TOP / "doc/architecture.md"
+
+
+def test_the_architecture_page_names_only_modules_and_classes_that_exist():
+    """Each `tpuboot/...` path, each (package/module) of the diagram and each class it draws is
+    there: the page cannot outlive a rename."""
+    import importlib
+
+    text = ARCHITECTURE.read_text()
+    cited = re.findall(r"`(tpuboot/[\w/.]+)`", text)
+    drawn = [f"tpuboot/{m}.py" for m in re.findall(r"\(((?:devices|env|containers)/\w+)\)", text)]
+    assert len(drawn) >= 4 and [p for p in cited + drawn if not (TOP / p).exists()] == []
+    classes = {
+        "tpuboot.devices.manager": "DeviceManager", "tpuboot.devices.vfio": "Binder",
+        "tpuboot.env.service": "EnvService", "tpuboot.env.sync": "EnvSync",
+        "tpuboot.containers.service": "Containers", "tpuboot.containers.supervisor": "Supervisor",
+        "tpuboot.guestattrs": "Publisher", "tpuboot.env.metadata": "MetadataClient",
+    }  # fmt: skip
+    for module, name in classes.items():
+        assert name in text and hasattr(importlib.import_module(module), name), (module, name)

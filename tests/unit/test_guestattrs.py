@@ -37,6 +37,7 @@ def publishers(emulator: MetadataEmulator) -> Iterator[Callable[..., Publisher]]
     yield make
     for publisher in made:
         publisher.stop()
+        publisher.client.close()  # the owner's (the daemon closes its shared client after stop)
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,9 @@ from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_supervisor import wait_until
-from tpuboot import cli
 from tpuboot.config import Config, EnvConfig
 from tpuboot.containers.dockerapi import DockerAPI
-from tpuboot.containers.service import Agents
+from tpuboot.containers.service import Containers
 from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import render_env_file
@@ -59,14 +58,14 @@ def config_for(emulator: MetadataEmulator) -> Config:
     return make_config(emulator).replace(gke="false")
 
 
-def agents_for(config: Config, root: Root, dockerd: FakeDockerd, sync: EnvSync | None) -> Agents:
+def agents_for(config: Config, root: Root, dockerd: FakeDockerd, sync: EnvSync | None) -> Containers:
     def client() -> DockerAPI:
         return DockerAPI(str(dockerd.socket_path))
 
     if sync is None:
-        agents = Agents(config, root, None, docker_factory=client)
+        agents = Containers(config, root, None, docker_factory=client)
     else:
-        agents = Agents(config, root, None, docker_factory=client, tpu_env=sync.parsed_values)
+        agents = Containers(config, root, None, docker_factory=client, tpu_env=sync.parsed_values)
     agents.tpu_vm_seen("a TPU is present")
     return agents
 
@@ -88,7 +87,7 @@ def user_symlinks(root: Root, image: str, tmp_path: Path) -> None:
     path.symlink_to(elsewhere)
 
 
-def restarted_with(dockerd: FakeDockerd, agents: Agents, streams: int) -> str | None:
+def restarted_with(dockerd: FakeDockerd, agents: Containers, streams: int) -> str | None:
     """Kill the container (the supervisor starts it again) and the image it then runs."""
     dockerd.die(NAME, 1)
     wait_until(lambda: len(dockerd.subscribers) > streams and dockerd.running(NAME))
@@ -104,7 +103,7 @@ def test_a_user_changing_the_tpu_env_file_cannot_change_the_image(
     sync = EnvSync(root, config, sync_client)
     assert sync.sync_once(5).source == "metadata"
     agents = agents_for(config, root, dockerd, sync)
-    agents.start(lambda label, text: None)
+    agents.start(lambda: None)
     try:
         wait_until(lambda: dockerd.image_of(NAME) == GOOD and len(dockerd.subscribers) == 1)
         if how == "rewrite":
@@ -126,7 +125,7 @@ def test_a_new_value_from_metadata_does_change_the_image(
     sync = EnvSync(root, config, sync_client)
     sync.sync_once(5)
     agents = agents_for(config, root, dockerd, sync)
-    agents.start(lambda label, text: None)
+    agents.start(lambda: None)
     try:
         wait_until(lambda: dockerd.image_of(NAME) == GOOD)
         metadata.set_attribute("tpu-env", tpu_env_yaml({**SAMPLE_TPU_ENV, KEY: NEWER}))
@@ -150,7 +149,7 @@ def test_before_any_sync_the_image_comes_from_the_root_only_cache(
         user_symlinks(root, EVIL, tmp_path)
     booting = EnvSync(root, config, sync_client)  # this boot: vBar starts before the sync ends
     agents = agents_for(config, root, dockerd, booting)
-    agents.start(lambda label, text: None)
+    agents.start(lambda: None)
     try:
         wait_until(lambda: dockerd.image_of(NAME) == GOOD and len(dockerd.subscribers) == 1)
     finally:
@@ -164,7 +163,7 @@ def test_without_a_sync_or_a_cache_the_image_is_the_configured_one(
     root.path(TPU_ENV).write_text(render_env_file({**SAMPLE_TPU_ENV, KEY: EVIL}))
     for sync in (None, EnvSync(root, config, sync_client)):  # env disabled; no cache yet
         agents = agents_for(config, root, dockerd, sync)
-        agents.start(lambda label, text: None)
+        agents.start(lambda: None)
         try:
             wait_until(lambda: dockerd.image_of(NAME) == config.vbar.image)
         finally:
@@ -212,20 +211,29 @@ def test_a_corrupt_cache_gives_no_values(
     assert EnvSync(root, config, sync_client).parsed_values() is None
 
 
-def test_the_daemon_wires_the_sync_into_the_agents(
-    root: Root, metadata: MetadataEmulator, sync_client: MetadataClient, monkeypatch: pytest.MonkeyPatch
+def test_the_daemon_wires_the_sync_into_the_containers(
+    root: Root, metadata: MetadataEmulator, sync_client: MetadataClient
 ) -> None:
-    """cmd_run's wiring: the agents read tpu-env from the EnvSync the daemon runs, or not at all."""
-    config = config_for(metadata)
-    sync = EnvSync(root, config, sync_client)
-    sync.sync_once(5)
-    ctx = cli.Context(cli.build_parser().parse_args(["--root", str(root.prefix), "run"]))
-    agents = cli._agents(ctx, config, sync)
-    assert agents is not None and (agents.tpu_env() or {})[KEY] == GOOD
+    """The wiring (tpuboot.wiring.build): the containers read tpu-env from the EnvSync the daemon
+    runs, or not at all."""
+    from tests.unit.test_daemon import QueueMonitor
+    from tpuboot.config import GuestAttributesConfig, MetricsConfig
+    from tpuboot.wiring import build
+
+    config = config_for(metadata).replace(
+        metrics=MetricsConfig(enabled=False), guest_attributes=GuestAttributesConfig(enabled="false")
+    )
+    daemon = build(root, config, monitor=QueueMonitor(), metadata=sync_client)
+    assert daemon.env is not None and daemon.containers is not None
+    daemon.env.sync.sync_once(5)
+    containers = daemon.containers
+    assert (containers.tpu_env() or {})[KEY] == GOOD
     user_rewrites(root, EVIL)
-    assert (agents.tpu_env() or {})[KEY] == GOOD
-    disabled = cli._agents(ctx, config.replace(env=EnvConfig(enabled=False)), None)
-    assert disabled is not None and disabled.tpu_env() is None
+    assert (containers.tpu_env() or {})[KEY] == GOOD
+    disabled = build(root, config.replace(env=EnvConfig(enabled=False)), monitor=QueueMonitor())
+    assert disabled.containers is not None and disabled.containers.tpu_env() is None
+    for built in (daemon, disabled):
+        built.executor.shutdown()
 
 
 @pytest.mark.parametrize("change", ["file mode", "file owner", "directory mode", "directory owner"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from tpuboot.containers.imageref import (
     parse_entry,
     parse_image,
 )
-from tpuboot.containers.service import Agents
+from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import Refused, Supervisor
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
@@ -353,29 +352,20 @@ def test_a_value_that_is_not_a_reference_is_one_status_line(dockerd: FakeDockerd
         supervisor.stop(timeout=5)
 
 
-def test_the_agents_refuse_a_tpu_env_image_outside_vbar_registries(dockerd: FakeDockerd) -> None:
-    """End to end through Agents: the STATUS text the daemon shows, nothing pulled."""
+def test_the_containers_refuse_a_tpu_env_image_outside_vbar_registries(dockerd: FakeDockerd) -> None:
+    """End to end through Containers: the STATUS text the daemon shows, nothing pulled."""
     config = Config(gke="false")
     dockerd.images.add("attacker.example/vbar:1")
     values = {"VBARCONTROL_AGENT_DOCKER_URL": "attacker.example/vbar:1"}
-    agents = Agents(config, Root(dockerd.root), None, tpu_env=lambda: values)
-    agents.tpu_vm_seen("a TPU is present")
-    seen: list[tuple[str, str]] = []
-    done = threading.Event()
-
-    def notify(label: str, text: str) -> None:
-        seen.append((label, text))
-        done.set()
-
-    agents.start(notify)
+    containers = Containers(config, Root(dockerd.root), None, tpu_env=lambda: values)
+    containers.tpu_vm_seen("a TPU is present")
+    containers.start(lambda: None)
     try:
-        assert done.wait(10)
-        wait_until(lambda: bool(seen))
-        agents.set_status(*seen[-1])
-        assert agents.status == (
+        wait_until(lambda: containers.statuses()["vBar"].state == "refused")
+        assert containers.status().detail == (
             "vBar: image attacker.example/vbar:1 refused: registry attacker.example not in "
             "vbar.registries; add it there if you trust it"
         )
         assert dockerd.requests == []
     finally:
-        agents.stop()
+        containers.stop()

@@ -164,6 +164,7 @@ def test_daemon_counts_binds_and_tpus_by_generation_and_state(fresh, kernel):
 
 def test_metadata_requests_by_outcome(fresh, emulator: MetadataEmulator):
     client = make_client(emulator)
+    client.on_request = metrics.metadata_request  # as tpuboot run and tpuboot env count
     try:
         client.get("instance/attributes/tpu-env", deadline_s=5)
         with pytest.raises(MetadataAbsent):
@@ -184,6 +185,7 @@ def test_tpu_env_update_time_and_cache_flag(fresh, emulator: MetadataEmulator, r
     client.close()
     emulator.stop()  # the server goes away: the next sync comes from the cache
     offline = make_client(emulator, timeout=0.2)
+    offline.on_request = metrics.metadata_request
     try:
         result = EnvSync(root, config, offline).sync_once(0.5)
     finally:

@@ -1,4 +1,4 @@
-"""The supervisor loop over the exec runtime (a stand-in binary); the agents in the daemon.
+"""The supervisor loop over the exec runtime (a stand-in binary); the containers in the daemon.
 
 The docker runtime is tested against a fake dockerd in test_containers.py.
 """
@@ -19,10 +19,11 @@ import pytest
 from tests.unit.test_daemon import until
 from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
+from tpuboot.component import Status
 from tpuboot.config import Config, TelemetryConfig, VbarConfig
 from tpuboot.containers.exec import ExecRuntime, describe_exit
 from tpuboot.containers.gke import gke_node
-from tpuboot.containers.service import Agents, vbar_spec
+from tpuboot.containers.service import vbar_spec
 from tpuboot.containers.supervisor import Supervisor
 from tpuboot.env.tpuenv import parse_env_file, render_env_file
 
@@ -40,9 +41,9 @@ class Statuses:
         self.lines: list[str] = []
         self.lock = threading.Lock()
 
-    def __call__(self, text: str) -> None:
+    def __call__(self, label: str, status: Status) -> None:
         with self.lock:
-            self.lines.append(text)
+            self.lines.append(f"{label}: {status.detail}")
 
     @property
     def last(self) -> str:
@@ -141,12 +142,14 @@ def test_the_tpu_env_file_reads_back_every_value() -> None:
 # --------------------------------------------------------------------------- in the daemon
 
 
-def daemon_with(kernel: Any, agents: Agents) -> Any:
-    from tests.unit.test_daemon import QueueMonitor, RecordingNotifier
-    from tests.unit.test_vfio import binder
-    from tpuboot.daemon import Daemon
+def daemon_with(kernel: Any, root: Any, docker: Callable[[], Any] | None = None, **config: Any) -> Any:
+    """The daemon as `tpuboot run` builds it, with the containers of ``config`` (Config fields)."""
+    from tests.unit.test_daemon import DEVICES_ONLY, make
 
-    return Daemon(binder(kernel), QueueMonitor(), RecordingNotifier(), agents=agents)
+    daemon, _, _ = make(
+        kernel, config=DEVICES_ONLY.replace(**{"vbar": VbarConfig(), **config}), root=root, docker=docker
+    )
+    return daemon
 
 
 @pytest.fixture
@@ -160,35 +163,32 @@ def kernel(tmp_path: Path) -> Any:
 
 
 def test_ready_never_waits_for_dockerd_and_the_status_says_so(kernel: Any, root: Any) -> None:
-    agents = Agents(Config(gke="false"), root, None)  # no /run/docker.sock under the root
-
     async def scenario() -> None:
-        daemon = daemon_with(kernel, agents)
+        daemon = daemon_with(kernel, root, gke="false")  # no /run/docker.sock under the root
         task = asyncio.create_task(daemon.run())
         await until(lambda: daemon.ready)
         await until(lambda: "vBar: waiting (dockerd not answering" in daemon.notifier.last_status)
         assert daemon.notifier.last_status.startswith("1 TPU bound to vfio-pci; vBar: waiting")
+        assert daemon.guest_attribute_values()["vbar"].startswith("waiting (dockerd not answering")
         daemon.stopping.set()
         await asyncio.wait_for(task, 10.0)
 
     asyncio.run(scenario())
 
 
-def test_on_a_gke_node_neither_agent_starts(kernel: Any, root: Any) -> None:
+def test_on_a_gke_node_neither_container_starts(kernel: Any, root: Any) -> None:
     def never() -> Any:
         raise AssertionError("docker must not be used on GKE")
 
-    config = Config(gke="true", telemetry=TelemetryConfig(enabled=True))
-    agents = Agents(config, root, None, docker_factory=never)
-
     async def scenario() -> None:
-        daemon = daemon_with(kernel, agents)
+        daemon = daemon_with(kernel, root, never, gke="true", telemetry=TelemetryConfig(enabled=True))
         task = asyncio.create_task(daemon.run())
         await until(lambda: "telemetry: not started" in daemon.notifier.last_status)
         assert daemon.status_line().endswith(
             "vBar: not started, GKE node (GKE runs it); "
             "telemetry: not started, GKE node (GKE runs the telemetry collector)"
         )
+        assert {s.state for s in daemon.containers.statuses().values()} == {"not started"}
         daemon.stopping.set()
         await asyncio.wait_for(task, 10.0)
 
@@ -221,18 +221,18 @@ def test_gke_auto_asks_metadata_and_forced_modes_do_not() -> None:
 
 def test_exec_runtime_from_config_and_stop_ends_the_child(kernel: Any, root: Any, tmp_path: Path) -> None:
     argv = stand_in(tmp_path, "open(sys.argv[1] + '/up', 'w').close()\ntime.sleep(60)\n")
-    config = Config(gke="false", vbar=VbarConfig(runtime="exec", exec_argv=tuple(argv)))
-    agents = Agents(config, root, None)
+    daemon = daemon_with(kernel, root, gke="false", vbar=VbarConfig(runtime="exec", exec_argv=tuple(argv)))
 
-    async def scenario() -> None:
-        daemon = daemon_with(kernel, agents)
+    async def scenario(fresh: metrics.Metrics) -> None:
         task = asyncio.create_task(daemon.run())
         await until(lambda: daemon.status_line().endswith("vBar: running"))
+        assert fresh.registry.get_sample_value("tpuboot_container_up", {"container": "vBar"}) == 1.0
         daemon.stopping.set()
         await asyncio.wait_for(task, 10.0)
 
-    asyncio.run(scenario())
-    runtime = agents.supervisors["vBar"].runtime
+    with metrics.use(metrics.Metrics()) as fresh:
+        asyncio.run(scenario(fresh))
+    runtime = daemon.containers.supervisors["vBar"].runtime
     assert isinstance(runtime, ExecRuntime) and runtime.proc is not None
     assert runtime.proc.returncode == -signal.SIGTERM
 
@@ -252,9 +252,7 @@ def test_on_an_image_building_vm_nothing_privileged_starts_until_a_tpu_appears(
     """No TPU and no tpu-env (a VM building an image): vBar is not started and dockerd is never
     asked, so nothing is pulled into the image; a TPU hot-added later starts it."""
     from tests.unit.fakekernel import FakeKernel
-    from tests.unit.test_daemon import QueueMonitor, RecordingNotifier
-    from tests.unit.test_vfio import V5P, add_tpu, binder
-    from tpuboot.daemon import Daemon
+    from tests.unit.test_vfio import V5P, add_tpu
 
     asked = threading.Event()
 
@@ -264,11 +262,9 @@ def test_on_an_image_building_vm_nothing_privileged_starts_until_a_tpu_appears(
 
     kernel = FakeKernel(tmp_path / "kernel")
     kernel.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")  # a boot disk
-    agents = Agents(Config(gke="false"), root, None, docker_factory=docker)
 
     async def scenario() -> None:
-        monitor = QueueMonitor()
-        daemon = Daemon(binder(kernel), monitor, RecordingNotifier(), agents=agents)
+        daemon = daemon_with(kernel, root, docker, gke="false")
         task = asyncio.create_task(daemon.run())
         await until(lambda: daemon.ready and "vBar: not started" in daemon.status_line())
         assert daemon.status_line() == (
@@ -277,7 +273,7 @@ def test_on_an_image_building_vm_nothing_privileged_starts_until_a_tpu_appears(
         await asyncio.sleep(0.3)
         assert not asked.is_set()
         add_tpu(kernel, "0000:00:04.0", V5P, driver=None, group="4")
-        monitor.push("add", "pci", "0000:00:04.0")
+        daemon.devices.monitor.push("add", "pci", "0000:00:04.0")
         await until(asked.is_set)
         await until(lambda: "vBar: waiting" in daemon.status_line())
         daemon.stopping.set()
@@ -286,22 +282,35 @@ def test_on_an_image_building_vm_nothing_privileged_starts_until_a_tpu_appears(
     asyncio.run(scenario())
 
 
-def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any) -> None:
-    """tpu-env held (from metadata or the cache) counts as a TPU VM before any TPU shows; a failed
-    or absent tpu-env does not."""
+@pytest.mark.parametrize("held", [True, False], ids=["tpu-env held", "tpu-env absent"])
+def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any, emulator: Any, held: bool) -> None:
+    """tpu-env held (from metadata or the cache) counts as a TPU VM before any TPU shows; an absent
+    tpu-env does not."""
+    from tests.unit.conftest import make_client
     from tests.unit.fakekernel import FakeKernel
-    from tests.unit.test_daemon import QueueMonitor, RecordingNotifier
-    from tests.unit.test_vfio import binder
-    from tpuboot.daemon import Daemon, EnvJob
-    from tpuboot.env.sync import SyncResult
+    from tests.unit.test_daemon import make, with_env
 
-    agents = Agents(Config(gke="false"), root, None)
-    daemon = Daemon(
-        binder(FakeKernel(tmp_path / "kernel")), QueueMonitor(), RecordingNotifier(), agents=agents
-    )
-    daemon.env = EnvJob(None, None, 1.0, False)
-    for source, keys in (("failed", 0), ("absent", 0)):
-        daemon._env_result(SyncResult(source, keys, None, f"tpu-env: {source}"))
-        assert not agents.is_tpu_vm
-    daemon._env_result(SyncResult("cache", 14, None, "tpu-env: 14 keys from cache"))
-    assert agents.is_tpu_vm
+    if not held:
+        emulator.set_attribute("tpu-env", None)
+
+    def docker() -> Any:
+        raise ConnectionRefusedError("no dockerd here")
+
+    kernel = FakeKernel(tmp_path / "kernel")  # no TPU
+    config = with_env(emulator).replace(vbar=VbarConfig(), gke="false")
+
+    daemon, _, _ = make(kernel, config=config, root=root, metadata=make_client(emulator), docker=docker)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(daemon.run())
+        await until(lambda: daemon.ready)
+        if held:  # the supervisor starts (the sample's image is then refused: not in vbar.registries)
+            await until(lambda: "vBar" in daemon.containers.supervisors)
+        else:
+            await until(lambda: "vBar: not started, not a TPU VM" in daemon.status_line())
+            await asyncio.sleep(0.2)
+        assert daemon.containers.is_tpu_vm is held
+        daemon.stopping.set()
+        await asyncio.wait_for(task, 10.0)
+
+    asyncio.run(scenario())

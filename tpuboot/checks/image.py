@@ -5,7 +5,10 @@ fight tpuboot (the ``leftover-*`` checks).
 
 Each check reads files through a Root, so it runs the same on the host, against an image tree
 (``--root``) and on a test's temporary tree. A fact that exists only on a running system
-(``/proc/cmdline``, sysfs) is SKIP where it is absent, not FAIL. Where the root is the host and
+(sysfs) is SKIP where it is absent, not FAIL. The kernel command line is the running kernel's
+(``/proc/cmdline``) on a running system, and on a tree the one its next boot gets from the GRUB
+defaults (:mod:`tpuboot.checks.nextboot`); ``run_checks(next_boot=True)`` (prepare-image) judges
+the next boot on a running system too. Where the root is the host and
 systemd runs, the limits are taken from ``systemctl show`` (what is in force, not only what the
 files say); elsewhere from the unit and drop-in files, resolved as systemd does.
 
@@ -23,10 +26,11 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from tpuboot import subproc
 from tpuboot.atomicfile import read_file
+from tpuboot.checks.nextboot import GRUB_DROPIN_DIR, X86, Unreadable, next_boot
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.errors import TpubootError, UsageError
@@ -67,6 +71,7 @@ def warned(detail: str, fix: str = "") -> CheckResult:
 
 
 Check = Callable[[Root], CheckResult]
+CheckT = TypeVar("CheckT", bound=Callable[..., CheckResult])
 
 
 class Checks:
@@ -75,10 +80,11 @@ class Checks:
     def __init__(self) -> None:
         self._checks: dict[str, Check] = {}
 
-    def add(self, name: str) -> Callable[[Check], Check]:
-        """Decorator: register ``func`` as the check ``name``."""
+    def add(self, name: str) -> Callable[[CheckT], CheckT]:
+        """Decorator: register ``func`` as the check ``name`` (its own signature kept: a check
+        may take more arguments with defaults, as the next-boot variants pass)."""
 
-        def register(func: Check) -> Check:
+        def register(func: CheckT) -> CheckT:
             if name in self._checks:
                 raise ValueError(f"check {name!r} is registered twice")
             self._checks[name] = func
@@ -98,6 +104,15 @@ class Checks:
                 raise UsageError(f"no check named {pattern!r}; the names are {', '.join(self._checks)}")
         return [name for name in self._checks if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 
+    def with_overrides(self, overrides: dict[str, Check]) -> Checks:
+        """A copy in the same order, with the checks named in ``overrides`` replaced."""
+        unknown = set(overrides) - set(self._checks)
+        if unknown:
+            raise ValueError(f"no check named {', '.join(sorted(unknown))}")
+        copy = Checks()
+        copy._checks = {name: overrides.get(name, func) for name, func in self._checks.items()}
+        return copy
+
     def run(self, root: Root, names: Sequence[str] | None = None) -> list[CheckResult]:
         """Every check's result (or those in ``names``); a check that cannot read what it needs
         FAILs alone."""
@@ -116,9 +131,14 @@ class Checks:
 IMAGE_CHECKS = Checks()
 
 
-def run_checks(root: Root, only: Sequence[str] = ()) -> list[CheckResult]:
-    """The image checks against ``root`` (``tpuboot image-check``); ``only``: name patterns."""
-    return IMAGE_CHECKS.run(root, IMAGE_CHECKS.select(only) if only else None)
+def run_checks(root: Root, only: Sequence[str] = (), *, next_boot: bool = False) -> list[CheckResult]:
+    """The image checks against ``root`` (``tpuboot image-check``); ``only``: name patterns.
+
+    ``next_boot`` (``tpuboot prepare-image``): judge what the next boot gets even on a running
+    system (the command line update-grub will write, the installed kernels), not what is in
+    force now."""
+    checks = NEXT_BOOT_CHECKS if next_boot else IMAGE_CHECKS
+    return checks.run(root, checks.select(only) if only else None)
 
 
 # --- Reading files under the root ---------------------------------------------------------------
@@ -184,34 +204,83 @@ def kernel_arch(root: Root) -> str:
     return text.strip() if text else os.uname().machine
 
 
+def image_arch(root: Root) -> str:
+    """The image's architecture: dpkg's (``/var/lib/dpkg/arch``, else the kernel's)."""
+    text = _read(root, "/var/lib/dpkg/arch")
+    words = (text or "").split()
+    return words[0] if words else kernel_arch(root)
+
+
+@dataclass(frozen=True)
+class Cmdline:
+    """A kernel command line to judge and what it is (shown in the detail)."""
+
+    params: list[tuple[str, str | None]]
+    what: str
+
+
+def running_or_next(root: Root) -> Cmdline | CheckResult:
+    """The running kernel's command line on a running system; on a tree (no /proc/cmdline), the
+    one its next boot gets (``image-check --root``)."""
+    params = _cmdline(root)
+    if params is not None:
+        return Cmdline(params, "kernel command line")
+    return next_boot_cmdline(root)
+
+
+def next_boot_cmdline(root: Root) -> Cmdline | CheckResult:
+    """What update-grub will generate from the GRUB defaults (``prepare-image``, ``--root``);
+    SKIP without a GRUB configuration, WARN when a file is shell tpuboot does not evaluate."""
+    try:
+        boot = next_boot(root, image_arch(root))
+    except Unreadable as exc:
+        return warned(f"cannot tell the next boot's command line: {exc}", "see the detail")
+    if boot is None:
+        return skipped(f"no {GRUB_DEFAULT} nor {GRUB_DROPIN_DIR}/*.cfg: not booted by GRUB, cannot tell")
+    return Cmdline(boot.params(), "next boot's command line (update-grub)")
+
+
+CmdlineSource = Callable[[Root], "Cmdline | CheckResult"]
+
+
 def _cmdline_fix(param: str, root: Root) -> str:
     if root.path(GRUB_DROPIN).exists():
         return f"{GRUB_DROPIN} adds {param} unless /etc/default/grub sets it: fix that, update-grub, reboot"
     return f"add {param} to the kernel command line: install tpuboot (its GRUB drop-in), update-grub, reboot"
 
 
-def _cmdline_check(root: Root, name: str, want: str, ok: Callable[[list[str | None]], bool]) -> CheckResult:
+def _cmdline_check(
+    root: Root,
+    name: str,
+    want: str,
+    ok: Callable[[list[str | None]], bool],
+    source: CmdlineSource = running_or_next,
+) -> CheckResult:
     """``ok`` gets every value ``name`` has on the command line, in order."""
-    params = _cmdline(root)
-    if params is None:
-        return skipped("no /proc/cmdline: not a running system")
-    values = [value for key, value in params if key == name]
+    line = source(root)
+    if isinstance(line, CheckResult):
+        return line
+    values = [value for key, value in line.params if key == name]
     if ok(values):
-        return passed(f"kernel command line has {want}")
+        return passed(f"{line.what} has {want}")
     found = " ".join(f"{name}={v}" if v is not None else name for v in values) or f"no {name}="
-    return failed(f"kernel command line lacks {want} ({found})", _cmdline_fix(want, root))
+    return failed(f"{line.what} lacks {want} ({found})", _cmdline_fix(want, root))
 
 
 @IMAGE_CHECKS.add("cmdline-idle-poll")
-def check_idle_poll(root: Root) -> CheckResult:
+def check_idle_poll(root: Root, source: CmdlineSource = running_or_next) -> CheckResult:
     """idle=poll: CPUs never enter low-power idle states (latency)."""
-    return _cmdline_check(root, "idle", "idle=poll", lambda values: values[-1:] == ["poll"])
+    return _cmdline_check(root, "idle", "idle=poll", lambda values: values[-1:] == ["poll"], source)
 
 
 @IMAGE_CHECKS.add("cmdline-transparent-hugepage")
-def check_thp_cmdline(root: Root) -> CheckResult:
+def check_thp_cmdline(root: Root, source: CmdlineSource = running_or_next) -> CheckResult:
     return _cmdline_check(
-        root, "transparent_hugepage", "transparent_hugepage=always", lambda values: values[-1:] == ["always"]
+        root,
+        "transparent_hugepage",
+        "transparent_hugepage=always",
+        lambda values: values[-1:] == ["always"],
+        source,
     )
 
 
@@ -228,20 +297,21 @@ def _intel_iommu_ok(values: list[str | None]) -> bool:
 
 
 @IMAGE_CHECKS.add("cmdline-intel-iommu")
-def check_intel_iommu(root: Root) -> CheckResult:
+def check_intel_iommu(root: Root, source: CmdlineSource = running_or_next) -> CheckResult:
     """intel_iommu=on,sm_on: the IOMMU in scalable mode, which vfio-pci needs (x86_64 only)."""
-    machine = kernel_arch(root)
-    if machine != "x86_64":
+    machine = kernel_arch(root) if source is running_or_next else image_arch(root)
+    if machine not in X86:
         return skipped(f"not needed on {machine}")
-    return _cmdline_check(root, "intel_iommu", "intel_iommu=on,sm_on", _intel_iommu_ok)
+    return _cmdline_check(root, "intel_iommu", "intel_iommu=on,sm_on", _intel_iommu_ok, source)
 
 
 @IMAGE_CHECKS.add("vfio-pci-in-kernel")
-def check_vfio_pci_in_kernel(root: Root) -> CheckResult:
+def check_vfio_pci_in_kernel(root: Root, installed: bool = False) -> CheckResult:
     """vfio-pci built in (Ubuntu) or shipped as a module (Debian): the running kernel on a running
-    system, else every kernel under /lib/modules of the image. Not whether it is loaded (that is
-    the doctor's): tpuboot loads a module when it binds, and a built-in one needs nothing."""
-    if root.path("/proc/sys/kernel/osrelease").exists():
+    system, else (or with ``installed``, for the next boot) every kernel under /lib/modules of the
+    image. Not whether it is loaded (that is the doctor's): tpuboot loads a module when it binds,
+    and a built-in one needs nothing."""
+    if not installed and root.path("/proc/sys/kernel/osrelease").exists():
         states = [module_state(root, "vfio-pci")]
     else:
         states = [in_kernel(root, release, "vfio-pci") for release in installed_releases(root)]
@@ -1027,3 +1097,21 @@ def check_leftover_environment_duplicates(root: Root) -> CheckResult:
         f"{ENVIRONMENT} assigns {listed}",
         f"keep one line per variable in {ENVIRONMENT} (`tpuboot env` collapses its keys' identical repeats)",
     )
+
+
+def _thp_next_boot(root: Root) -> CheckResult:
+    return skipped("set at boot by transparent_hugepage= (see cmdline-transparent-hugepage)")
+
+
+#: The same checks judging the next boot (``prepare-image`` on a build VM, whose own boot is not
+#: the image's): the command line from the GRUB defaults, every installed kernel, THP by its
+#: command-line parameter only.
+NEXT_BOOT_CHECKS = IMAGE_CHECKS.with_overrides(
+    {
+        "cmdline-idle-poll": lambda root: check_idle_poll(root, next_boot_cmdline),
+        "cmdline-transparent-hugepage": lambda root: check_thp_cmdline(root, next_boot_cmdline),
+        "cmdline-intel-iommu": lambda root: check_intel_iommu(root, next_boot_cmdline),
+        "vfio-pci-in-kernel": lambda root: check_vfio_pci_in_kernel(root, installed=True),
+        "thp-enabled": _thp_next_boot,
+    }
+)

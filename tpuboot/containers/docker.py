@@ -1,13 +1,13 @@
-"""The docker runtime: an agent as a privileged host-network container, through the Docker Engine API.
+"""The docker runtime: vBar or the collector as a privileged host-network container (Docker Engine API).
 
 Talks to dockerd over its local socket with :mod:`tpuboot.containers.dockerapi` (the standard library; no
 docker SDK, no docker CLI). The container has a fixed name and tpuboot's labels
 (``io.tpuboot.managed=1``, ``io.tpuboot.config=<hash of image and settings>``):
 
-- the image must come from a registry in the agent's allowlist (:mod:`tpuboot.containers.imageref`):
+- the image must come from a registry in its allowlist (:mod:`tpuboot.containers.imageref`):
   otherwise nothing is pulled, created, adopted or started, and ``start`` raises Refused;
 - one already running with the wanted image and settings is adopted (a tpuboot restart does
-  not restart the agent); one whose image or settings differ is removed and created again;
+  not restart the container); one whose image or settings differ is removed and created again;
 - a missing image is pulled, ``pull_retries`` times at most;
 - ``wait`` follows Docker's event stream for the container's ``die``; the stream ending
   means dockerd went away.

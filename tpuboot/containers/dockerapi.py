@@ -336,6 +336,14 @@ class DockerAPI:
     def remove_container(self, ident: str, force: bool = False) -> None:
         self._call("DELETE", f"/containers/{_quote(ident)}", {"force": str(force).lower()})
 
+    def list_containers(self, filters: dict[str, list[str]]) -> list[dict[str, Any]]:
+        """``docker ps -a --filter``: every container matching ``filters``, running or not."""
+        query = {"all": "true", "filters": json.dumps(filters, separators=(",", ":"))}
+        answer = self._call("GET", "/containers/json", query)
+        if not isinstance(answer, list):
+            raise DockerError(f"dockerd listed containers as {answer!r:.200}")
+        return [item for item in answer if isinstance(item, dict)]
+
     def inspect_image(self, name: str) -> dict[str, Any]:
         """The image's data; :class:`NotFound` if dockerd does not have it."""
         return _object(self._call("GET", f"/images/{_quote(name)}/json"), f"inspect of image {name}")

@@ -1,4 +1,4 @@
-"""The exec runtime: the agent as a child process of tpuboot (``vbar.runtime: exec``).
+"""The exec runtime: vBar as a child process of tpuboot (``vbar.runtime: exec``).
 
 Its output goes where tpuboot's goes (the journal). At stop it gets SIGTERM, then SIGKILL
 after ``term_timeout`` seconds.

@@ -47,7 +47,11 @@ class InvalidReference(ValueError):
 
 
 class ImageRef:
-    """A parsed image reference: ``registry`` (host[:port], docker.io for Docker Hub) and ``path``."""
+    """A parsed image reference: ``registry`` (host[:port], docker.io for Docker Hub) and ``path``.
+
+    A plain class: loading a config file that names an image (vbar.image) imports this module on
+    `tpuboot bind`'s path, where dataclasses cost what tpuboot.config.Section says.
+    """
 
     __slots__ = ("digest", "path", "registry", "tag", "text")
 

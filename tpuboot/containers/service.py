@@ -1,20 +1,21 @@
-"""The daemon's agents component: the vBar control agent and the AI telemetry collector.
+"""The daemon's supervised containers: the vBar control agent and the AI telemetry collector.
 
-Each enabled agent gets a :class:`~tpuboot.containers.supervisor.Supervisor` in its own thread, unless
-this VM is a GKE node (GKE runs both itself), and only once it is known to be a TPU VM: a TPU is
-present or tpu-env is held (the daemon calls :meth:`Agents.tpu_vm_seen`). An image-building VM
-has neither, so installing the package there runs no privileged container and pulls nothing into
-the image. Nothing here blocks the daemon's loop or READY:
-the GKE check and dockerd's arrival are waited for in threads, and status lines come back
-through ``notify(label, text)``, which the daemon hands to its loop.
+A component (tpuboot/component.py). Each enabled container gets a
+:class:`~tpuboot.containers.supervisor.Supervisor` in its own thread, unless this VM is a GKE node
+(GKE runs both itself), and only once it is known to be a TPU VM: a TPU is present or tpu-env is
+held (the daemon calls :meth:`Containers.tpu_vm_seen`). An image-building VM has neither, so
+installing the package there runs no privileged container and pulls nothing into the image.
+Nothing here blocks the daemon's loop or READY: the GKE check and dockerd's arrival are waited for
+in threads; each container's Status is kept here under a lock and ``report()`` says it changed.
 
 vBar's image is tpu-env's ``VBARCONTROL_AGENT_DOCKER_URL`` when set and not empty, else
 ``vbar.image``. tpu-env is taken from ``tpu_env()``, the values tpuboot itself parsed (in memory
 after a sync, else from its root-only cache: :meth:`tpuboot.env.sync.EnvSync.parsed_values`), never
 from the tpu-env file: that file's directory may belong to the runtime user, and whoever chooses
-the image of a privileged container owns the VM. A tpu-env change (the daemon calls
-``reconfigure``) recreates the container with the new image. Each image must also come from a
-registry in ``vbar.registries`` / ``telemetry.registries``; another is refused, not run.
+the image of a privileged container owns the VM. A tpu-env change (the runtime-environment side
+calls ``reconfigure`` from its thread: it reads files, never on the loop) recreates the container
+with the new image. Each image must also come from a registry in ``vbar.registries`` /
+``telemetry.registries``; another is refused, not run.
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from tpuboot.atomicfile import FileWriteError, read_file
 from tpuboot.backoff import RestartPolicy
+from tpuboot.component import Report, Status
 from tpuboot.config import Config, TelemetryConfig
 from tpuboot.containers.docker import ContainerSpec, DockerRuntime
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
 from tpuboot.containers.gke import Metadata, gke_node
 from tpuboot.containers.imageref import RegistryAllowlist
-from tpuboot.containers.supervisor import Runtime, Supervisor
+from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, Supervisor
 from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.containers.service")
@@ -88,44 +89,63 @@ def _no_tpu_env() -> Mapping[str, str] | None:
     return None
 
 
-class Agents:
+#: A container's state before its supervisor starts, when it never will (GKE) or not yet (no TPU VM).
+NOT_STARTED = "not started"
+
+
+class Containers:
+    """vBar and the telemetry collector, as enabled; ``status()`` joins theirs (state ``running``
+    when every one runs)."""
+
     def __init__(
         self,
         config: Config,
         root: Root,
         metadata: Metadata | None,
-        docker_factory: Callable[[], Any] | None = None,
+        docker_factory: Callable[[], DockerAPI] | None = None,
         tpu_env: TpuEnvSource = _no_tpu_env,
     ) -> None:
-        """``tpu_env``: the tpu-env values tpuboot parsed (EnvSync.parsed_values); without it,
-        vBar runs ``vbar.image``."""
+        """``metadata``: for the GKE check (``gke: auto``), shared: the daemon closes it.
+        ``tpu_env``: the tpu-env values tpuboot parsed (EnvSync.parsed_values); without it, vBar
+        runs ``vbar.image``."""
         self.config = config
         self.root = root
         self.metadata = metadata
         self.tpu_env = tpu_env
         self.docker_factory = docker_factory or functools.partial(DockerAPI, str(root.path(DOCKER_SOCKET)))
-        self.statuses: dict[str, str] = {}
         self.supervisors: dict[str, Supervisor] = {}
         self.stopping = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _statuses and supervisors
+        self._statuses: dict[str, Status] = {}
+        self._report: Report = _nothing
         self._thread: threading.Thread | None = None
         self._tpu_vm = threading.Event()  # a TPU present or tpu-env held: the supervisors may start
         self._gate = threading.Event()  # set by the first of tpu_vm_seen() and stop()
         for label, enabled in ((VBAR, config.vbar.enabled), (TELEMETRY, config.telemetry.enabled)):
             if enabled:
-                self.statuses[label] = f"{label}: starting"
+                self._statuses[label] = Status(STARTING, "starting")
 
     @property
-    def status(self) -> str:
-        return "; ".join(self.statuses.values())
+    def enabled(self) -> bool:
+        return bool(self._statuses)
 
-    def start(self, notify: Callable[[str, str], None]) -> None:
-        """Decide (GKE?) and start the supervisors in a thread; ``notify(label, text)`` from any thread."""
-        if not self.statuses:
+    def statuses(self) -> dict[str, Status]:
+        """Each enabled container's Status, by label (vBar, telemetry); from any thread."""
+        with self._lock:
+            return dict(self._statuses)
+
+    def status(self) -> Status:
+        statuses = self.statuses()
+        up = all(s.state == RUNNING for s in statuses.values())
+        detail = "; ".join(f"{label}: {s.detail}" for label, s in statuses.items())
+        return Status(RUNNING if up else STARTING, detail)
+
+    def start(self, report: Report) -> None:
+        """Decide (GKE?) and start the supervisors in a thread of its own."""
+        if not self._statuses:
             return
-        self._thread = threading.Thread(
-            target=self._begin, args=(notify,), name="tpuboot-agents", daemon=True
-        )
+        self._report = report
+        self._thread = threading.Thread(target=self._begin, name="tpuboot-containers", daemon=True)
         self._thread.start()
 
     @property
@@ -137,28 +157,23 @@ class Agents:
         if self._tpu_vm.is_set():
             return
         self._tpu_vm.set()
-        if self.statuses:
-            log.info("%s: a TPU VM (%s)", " and ".join(self.statuses), why)
+        if self._statuses:
+            log.info("%s: a TPU VM (%s)", " and ".join(self._statuses), why)
         self._gate.set()
 
-    def set_status(self, label: str, text: str) -> None:
-        """On the daemon's loop: record a status line sent with ``notify``."""
-        self.statuses[label] = text
-
     def reconfigure(self) -> None:
-        """tpu-env may have changed: each supervisor looks at its wanted container again."""
+        """tpu-env may have changed: each supervisor looks at its wanted container again. Not on
+        the daemon's loop: a runtime reads the files its container binds."""
         with self._lock:
             supervisors = list(self.supervisors.values())
         for supervisor in supervisors:
             supervisor.reconfigure()
 
     def stop(self) -> None:
-        """Stop supervising. Containers keep running; an exec child is ended."""
+        """Stop supervising. Containers keep running; an exec child is ended. A GKE check in flight
+        ends when the daemon closes the metadata client."""
         self.stopping.set()
         self._gate.set()
-        close = getattr(self.metadata, "close", None)
-        if close is not None:
-            close()  # cuts short a GKE check in flight
         if self._thread is not None:
             self._thread.join(2.0)
         with self._lock:
@@ -166,32 +181,39 @@ class Agents:
         for supervisor in supervisors:
             supervisor.stop()
 
-    # ------------------------------------------------------------------ in the agents thread
+    # ------------------------------------------------------------------ in its own threads
 
-    def _begin(self, notify: Callable[[str, str], None]) -> None:
+    def _set(self, label: str, status: Status) -> None:
+        """A container's new Status (from this component's thread or its supervisor's)."""
+        with self._lock:
+            self._statuses[label] = status
+        self._report()
+
+    def _begin(self) -> None:
         gke = gke_node(self.config.gke, self.metadata, self.stopping, self.config.metadata.boot_deadline)
         if gke is None:
             return
+        labels = list(self._statuses)
         if gke:
-            for label in self.statuses:
-                what = "vBar" if label == VBAR else "the telemetry collector"
-                text = f"{label}: not started, GKE node (GKE runs {'it' if label == VBAR else what})"
-                log.info("%s", text, extra={"AGENT": label})
-                notify(label, text)
+            for label in labels:
+                what = "it" if label == VBAR else "the telemetry collector"
+                detail = f"not started, GKE node (GKE runs {what})"
+                log.info("%s: %s", label, detail, extra={"AGENT": label})
+                self._set(label, Status(NOT_STARTED, detail))
             return
         if not self._tpu_vm.is_set():
-            for label in self.statuses:
-                text = f"{label}: not started, not a TPU VM (no TPU present, no tpu-env)"
-                log.info("%s; starting once either appears", text, extra={"AGENT": label})
-                notify(label, text)
+            for label in labels:
+                detail = "not started, not a TPU VM (no TPU present, no tpu-env)"
+                log.info("%s: %s; starting once either appears", label, detail, extra={"AGENT": label})
+                self._set(label, Status(NOT_STARTED, detail))
             self._gate.wait()
         with self._lock:
             if self.stopping.is_set():
                 return
-            for label in self.statuses:
+            for label in labels:
                 runtime = self._runtime(label)
                 policy = RestartPolicy.from_config(self.config.supervisor)
-                supervisor = Supervisor(label, runtime, policy, functools.partial(notify, label))
+                supervisor = Supervisor(label, runtime, policy, self._set)
                 self.supervisors[label] = supervisor
                 supervisor.start()
 
@@ -215,3 +237,7 @@ class Agents:
         return DockerRuntime(
             lambda: telemetry_spec(telemetry, self.root), retries, self.docker_factory, allowlist=allowlist
         )
+
+
+def _nothing() -> None:
+    pass

@@ -1,7 +1,8 @@
-"""Keep one agent running: start or adopt it, wait for it to end, restart it after a backoff.
+"""Keep one container running: start or adopt it, wait for it to end, restart it after a backoff.
 
 The loop runs in its own thread over a :class:`Runtime` (a docker container, a child process)
-and reports one status line through ``on_status`` (called from that thread). It never polls:
+and reports its :class:`~tpuboot.component.Status` through ``on_status(label, status)`` (called
+from that thread; ``status()`` reads it from any other). It never polls:
 it blocks in the runtime's ``wait`` (Docker's event stream, ``waitpid``) or on an event that
 ``reconfigure`` and ``stop`` set.
 """
@@ -17,6 +18,7 @@ from typing import Protocol
 
 from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
+from tpuboot.component import Status
 from tpuboot.errors import TpubootError
 
 log = logging.getLogger("tpuboot.containers.supervisor")
@@ -25,6 +27,10 @@ log = logging.getLogger("tpuboot.containers.supervisor")
 UNAVAILABLE_RETRY_MAX = 10.0
 #: A runtime that stayed usable this long before failing again starts its backoff afresh.
 UNAVAILABLE_STABLE_AFTER = 60.0
+
+# A supervised container's states (Status.state); only RUNNING counts as up (tpuboot_container_up).
+STARTING, RUNNING, WAITING, REFUSED, FAILED, RESTARTING = (
+    "starting", "running", "waiting", "refused", "failed", "restarting")  # fmt: skip
 
 
 class RuntimeUnavailable(TpubootError):
@@ -40,8 +46,8 @@ class CannotStart(TpubootError):
 
 
 class Refused(TpubootError):
-    """The wanted agent must not run (its image's registry is not allowed): nothing was pulled or
-    run, and nothing is retried until the wanted agent changes (``reconfigure``) or tpuboot stops."""
+    """The wanted container must not run (its image's registry is not allowed): nothing was pulled
+    or run, and nothing is retried until the wanted one changes (``reconfigure``) or tpuboot stops."""
 
 
 @dataclass(frozen=True)
@@ -51,23 +57,23 @@ class Started:
 
 
 class Runtime(Protocol):
-    #: Structured journal fields naming the agent (e.g. CONTAINER=...).
+    #: Structured journal fields naming what runs (e.g. CONTAINER=...).
     fields: dict[str, str]
 
     def start(self) -> Started:
-        """Make the agent run (or adopt it running). Raises one of the errors above."""
+        """Make it run (or adopt it running). Raises one of the errors above."""
         ...
 
     def wait(self) -> str | None:
-        """Block until the agent ends: how it ended ("exit 1"), or None when interrupted.
+        """Block until it ends: how it ended ("exit 1"), or None when interrupted.
 
         Raises RuntimeUnavailable when the runtime itself went away.
         """
         ...
 
     def interrupt(self) -> bool:
-        """If the wanted agent changed (from the one running or refused), make ``wait`` return None
-        soon and say True."""
+        """If the wanted container changed (from the one running or refused), make ``wait`` return
+        None soon and say True. From another thread than the loop's (it may read files)."""
         ...
 
     def close(self) -> None:
@@ -81,7 +87,7 @@ class Supervisor:
         label: str,
         runtime: Runtime,
         policy: RestartPolicy,
-        on_status: Callable[[str], None],
+        on_status: Callable[[str, Status], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.label = label
@@ -89,12 +95,18 @@ class Supervisor:
         self.policy = policy
         self.on_status = on_status
         self.clock = clock
-        self.status = f"{label}: starting"
+        self._status_lock = threading.Lock()
+        self._status = Status(STARTING, "starting")  # replaced whole by the loop's thread
         self.starts = 0
         self.delays: list[float] = []  # each restart delay, for tests and `status`
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def status(self) -> Status:
+        """The state now, from any thread."""
+        with self._status_lock:
+            return self._status
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"tpuboot-{self.label}", daemon=True)
@@ -114,10 +126,12 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the loop (own thread)
 
-    def _set(self, text: str) -> None:
-        self.status = f"{self.label}: {text}"
-        metrics.container_up(self.label, text == "running")
-        self.on_status(self.status)
+    def _set(self, state: str, detail: str) -> None:
+        status = Status(state, detail)
+        with self._status_lock:
+            self._status = status
+        metrics.container_up(self.label, state == RUNNING)
+        self.on_status(self.label, status)
 
     def _sleep(self, seconds: float | None) -> None:
         self._wake.wait(seconds)
@@ -131,7 +145,7 @@ class Supervisor:
             self._loop()
         except Exception:  # a bug here must show, not kill the daemon silently
             log.exception("%s: supervisor failed", self.label, extra=self.runtime.fields)
-            self._set("supervisor failed (see the journal)")
+            self._set(FAILED, "supervisor failed (see the journal)")
 
     def _loop(self) -> None:
         # One backoff for the runtime failing, whether at start or while waiting: a dockerd that
@@ -150,19 +164,19 @@ class Supervisor:
                 if unavailable.exits == 0 or str(exc) != last_unavailable:
                     self._log(logging.WARNING, "%s; waiting for it", exc)
                 last_unavailable = str(exc)
-                self._set(f"waiting ({exc})")
+                self._set(WAITING, f"waiting ({exc})")
                 self._sleep(unavailable.delay_after(0.0))
                 continue
             except Refused as exc:
-                if str(exc) != last_refused:  # a wake-up for the same refused agent says nothing new
+                if str(exc) != last_refused:  # a wake-up for the same refused container says nothing new
                     self._log(logging.WARNING, "%s; not retried until the wanted image changes", exc)
                 last_refused = str(exc)
-                self._set(str(exc))
-                self._sleep(None)  # until reconfigure() sees another wanted agent, or stop()
+                self._set(REFUSED, str(exc))
+                self._sleep(None)  # until reconfigure() sees another wanted container, or stop()
                 continue
             except CannotStart as exc:
                 self._log(logging.ERROR, "%s", exc)
-                self._set(f"failed: {exc}")
+                self._set(FAILED, f"failed: {exc}")
                 self._sleep(self.policy.maximum)
                 continue
             except StartFailed as exc:
@@ -173,7 +187,7 @@ class Supervisor:
                 break
             self.starts += 1
             self._log(logging.INFO, "%s %s", started.how, started.ident)
-            self._set("running")
+            self._set(RUNNING, "running")
             try:
                 ended = self.runtime.wait()
             except RuntimeUnavailable as exc:
@@ -181,7 +195,7 @@ class Supervisor:
                 if unavailable.exits == 1 or str(exc) != last_unavailable:
                     self._log(logging.WARNING, "%s; waiting for it", exc)
                 last_unavailable = str(exc)
-                self._set(f"waiting ({exc})")
+                self._set(WAITING, f"waiting ({exc})")
                 self._sleep(delay)
                 continue
             unavailable.reset()
@@ -200,5 +214,5 @@ class Supervisor:
         else:
             what = f"{ended}, restarting in {delay:g} s"
             self._log(logging.WARNING, "%s", what)
-        self._set(what)
+        self._set(RESTARTING, what)
         self._sleep(delay)

@@ -1,8 +1,10 @@
-"""The daemon's device side: bind every TPU that appears, retry what may be transient, keep count."""
+"""The daemon's device side: bind every TPU present or added (udev), retry what may be transient,
+keep count. Everything here runs on the daemon's event loop; binds run in its worker pool."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -10,9 +12,13 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import Protocol
 
 from tpuboot import metrics
-from tpuboot.devices.pci import PciFunction
+from tpuboot.component import Report, Status
+from tpuboot.config import ReadyConfig
+from tpuboot.devices.pci import PciFunction, list_addresses
+from tpuboot.devices.udev import Coldplug
 from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, os_failure
 from tpuboot.errors import TpubootError
 
@@ -22,6 +28,21 @@ BACKOFF_FIRST = 1.0
 BACKOFF_CAP = 60.0
 #: A function whose PCI ids could not be read: maybe a TPU; STATUS lists it apart from the TPUs.
 UNCLASSIFIED = "unclassified PCI function"
+
+
+class UdevDevice(Protocol):
+    """What is read of a udev event (a pyudev.Device)."""
+
+    action: str | None
+    subsystem: str | None
+    sys_name: str
+
+
+class Monitor(Protocol):
+    """What is used of a udev monitor (a pyudev.Monitor; tests feed their own)."""
+
+    def fileno(self) -> int: ...
+    def poll(self, timeout: float | None = None) -> UdevDevice | None: ...
 
 
 @dataclass
@@ -35,15 +56,115 @@ class DeviceState:
     traceback_logged: bool = False  # an unexpected exception's traceback is logged once per device
 
 
-class DeviceAgent:
-    """Owns the state of every managed device; all methods run on the event loop thread."""
+class DeviceManager:
+    """Owns the state of every managed device; all methods run on the event loop thread.
 
-    def __init__(self, binder: Binder, executor: Executor, on_change: Callable[[], None]) -> None:
+    A component (tpuboot/component.py): ``start`` adopts the binds coldplug started (tpuboot run
+    submits them before the loop exists) and listens to ``monitor``; ``settle`` is what READY
+    waits for.
+    """
+
+    def __init__(
+        self,
+        binder: Binder,
+        executor: Executor,
+        monitor: Monitor,
+        coldplug: Coldplug,
+        ready: ReadyConfig | None = None,
+    ) -> None:
         self.binder = binder
         self.executor = executor
-        self.on_change = on_change
+        self.monitor = monitor
+        self.coldplug = coldplug  # the devices present and the binds started before the loop
+        self.ready_config = ready or ReadyConfig()
+        self.on_change: Report = _nothing
         self.devices: dict[str, DeviceState] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self._first: list[asyncio.Task[None]] = []  # coldplug's binds: READY waits for their first try
+        self._at_start: list[str] = []  # the devices present at start (ready.wait_for_devices)
+        self._settled: asyncio.Future[None] | None = None
+        self._listening = False
+
+    # ------------------------------------------------------------------ the component
+
+    def start(self, report: Report) -> None:
+        """Bind every matching device already present (adopting binds already running), then listen;
+        the monitor was started before the enumeration, so no device falls between the two."""
+        self.on_change = report
+        early = self.coldplug
+        tasks = (self.consider(a, early.binds.get(a), early.started) for a in early.addresses)
+        self._first = [t for t in tasks if t is not None]  # before any udev event starts a bind
+        self._at_start = list(self.devices)  # the TPUs present (and the functions not yet classified)
+        asyncio.get_running_loop().add_reader(self.monitor.fileno(), self._on_udev)
+        self._listening = True
+
+    async def settle(self) -> None:
+        """Until each coldplugged TPU's first bind ended; with ready.wait_for_devices, until every
+        TPU present at start is bound or failed for good, at the latest after ready.device_deadline."""
+        await asyncio.gather(*self._first)
+        if not self.ready_config.wait_for_devices or self.settled(self._at_start):
+            return
+        self._settled = asyncio.get_running_loop().create_future()
+        deadline = self.ready_config.device_deadline
+        done, _ = await asyncio.wait({self._settled}, timeout=deadline)
+        if not done:
+            bound, present, _ = self.counts()
+            log.warning(
+                "ready: %d of %d TPUs bound after %g s (ready.device_deadline); READY now, retries go on",
+                bound, present, deadline)  # fmt: skip
+
+    def stop(self) -> None:
+        if self._listening:
+            asyncio.get_running_loop().remove_reader(self.monitor.fileno())
+            self._listening = False
+        self.binder.stop.set()
+        for state in self.devices.values():
+            self._cancel_retry(state)
+
+    def status(self) -> Status:
+        """``bound`` (every TPU), ``binding`` (one pending), ``failed`` (one failed, none pending) or
+        ``none`` (no TPU); the detail is :meth:`summary`."""
+        states = {s.state for s in self.devices.values() if s.state != "removed"}
+        state = "binding" if "pending" in states else "failed" if "failed" in states else "bound"
+        return Status(state if states else "none", self.summary())
+
+    # ------------------------------------------------------------------ udev
+
+    def _on_udev(self) -> None:
+        try:
+            while (device := self.monitor.poll(timeout=0)) is not None:
+                self.dispatch(device)
+        except OSError as exc:
+            if exc.errno != errno.ENOBUFS:
+                raise
+            self.rescan()
+
+    def rescan(self) -> None:
+        """The kernel dropped events the monitor's buffer had no room for (ENOBUFS): what they said
+        is read from sysfs instead, as at start. Binding a bound TPU only verifies it."""
+        try:
+            present = set(list_addresses(self.binder.root))
+        except OSError as exc:
+            log.error("udev: events were lost and the PCI devices cannot be listed (%s)", exc)
+            return
+        log.warning("udev: events were lost (receive buffer full); reading the %d PCI devices again",
+                    len(present))  # fmt: skip
+        for address, state in list(self.devices.items()):
+            if address not in present and state.state != "removed":
+                self.removed(address)
+        for address in sorted(present):
+            self.consider(address)
+
+    def dispatch(self, device: UdevDevice) -> None:
+        if device.subsystem == "vfio":
+            if device.action == "add" and device.sys_name.isdigit():
+                self.node_appeared(device.sys_name)
+        elif device.action == "add":
+            self.consider(device.sys_name)
+        elif device.action == "remove":
+            self.removed(device.sys_name)
+
+    # ------------------------------------------------------------------ binding
 
     def consider(
         self, address: str, early: Future[BindResult] | None = None, started: float = 0.0
@@ -200,6 +321,8 @@ class DeviceAgent:
 
     def _changed(self) -> None:
         self._count()
+        if self._settled is not None and not self._settled.done() and self.settled(self._at_start):
+            self._settled.set_result(None)
         self.on_change()
 
     def _count(self) -> None:
@@ -277,6 +400,6 @@ class DeviceAgent:
             line += f"; {first}{more}"
         return line
 
-    def shutdown(self) -> None:
-        for state in self.devices.values():
-            self._cancel_retry(state)
+
+def _nothing() -> None:
+    pass

@@ -9,6 +9,7 @@ the daemon adopts the binds in flight and handles their results like any other.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -23,13 +24,60 @@ if TYPE_CHECKING:
     import pyudev
 
 
+#: The monitor socket's receive buffer. At boot the kernel and udev announce every device at once;
+#: events the daemon has not read yet wait here, and past its size the kernel drops them (ENOBUFS)
+#: without a trace. 128 MiB is what systemd-udevd takes, and what libudev itself asks for each
+#: monitor since systemd 2xx when it may: tpuboot asks the same on every libudev it runs with, and
+#: never less than the socket has. Only the pages used are taken.
+RECEIVE_BUFFER = 128 << 20
+
+
+def set_receive_buffer(monitor: pyudev.Monitor, size: int = RECEIVE_BUFFER) -> None:
+    """Ask for ``size`` bytes of receive buffer; a refusal is one line, never a failure.
+
+    libudev sets SO_RCVBUF (capped by net.core.rmem_max), then SO_RCVBUFFORCE, which needs
+    CAP_NET_ADMIN. The unit does not grant it (its sandbox would be weaker for a rare event): the
+    monitor filters on pci and vfio in the kernel, so only those events fill the buffer, and should
+    it overflow, the device manager reads sysfs again (DeviceManager.rescan). So the cap is info.
+    """
+    if (_rcvbuf(monitor.fileno()) or 0) >= 2 * size:  # the kernel reports twice what was set
+        return
+    try:
+        monitor.set_receive_buffer_size(size)
+    except OSError as exc:
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        held = _rcvbuf(monitor.fileno())
+        log.log(
+            logging.INFO if exc.errno == errno.EPERM else logging.WARNING,
+            "udev: receive buffer not raised to %d MiB (%s%s); %s; should it overflow, the PCI devices "
+            "are read again",
+            size >> 20,
+            code,
+            ", needs CAP_NET_ADMIN" if exc.errno == errno.EPERM else "",
+            "its size unknown" if held is None else f"it holds {held // 2048} KiB (net.core.rmem_max)",
+        )
+
+
+def _rcvbuf(fd: int) -> int | None:
+    """SO_RCVBUF of the socket ``fd`` as the kernel reports it (twice the bytes asked for)."""
+    import socket  # here: `tpuboot run` imports it later, after the binds started
+
+    try:
+        with socket.fromfd(fd, socket.AF_NETLINK, socket.SOCK_RAW) as sock:
+            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    except OSError:
+        return None
+
+
 def open_udev_monitor() -> pyudev.Monitor:
-    """A started pyudev monitor on the udev source (events after udev's rules ran) for pci and vfio."""
+    """A started pyudev monitor on the udev source (events after udev's rules ran) for pci and
+    vfio, with a receive buffer for a boot-time storm."""
     import pyudev
 
     monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="udev")
     monitor.filter_by("pci")
     monitor.filter_by("vfio")
+    set_receive_buffer(monitor)
     monitor.start()
     return monitor
 
@@ -68,7 +116,7 @@ def start_coldplug(binder: Binder, executor: Executor) -> Coldplug:
             kind = binder.kind_of(PciFunction(binder.root, address))
         except OSError:
             # Gone again, not a full PCI function, or its ids unreadable: the daemon classifies
-            # it again, and reports and retries a failure as that device's (DeviceAgent.consider).
+            # it again, and reports and retries a failure as that device's (DeviceManager.consider).
             continue
         if kind is not None and kind.vfio:
             binds[address] = executor.submit(binder.bind, address)

@@ -23,12 +23,6 @@ from tpuboot.devices.table import DeviceTable, Kind
 from tpuboot.errors import DeviceError, IommuOffError, TpubootError, TransientDeviceError
 from tpuboot.paths import Root
 
-TYPE_CHECKING = False  # typing's own flag, without importing typing on `tpuboot bind`'s path
-if TYPE_CHECKING:
-    from typing import TypeVar
-
-    _T = TypeVar("_T")
-
 log = logging.getLogger("tpuboot.devices.vfio")
 
 VFIO_PCI = "vfio-pci"
@@ -108,7 +102,10 @@ def modprobe(module: str) -> None:
 
 
 class BindResult:
-    """What a bind did: the device, its generation, its group and node, and whether it changed."""
+    """What a bind did: the device, its generation, its group and node, and whether it changed.
+
+    A plain class for `tpuboot bind`'s start-up, as tpuboot.devices.table's records.
+    """
 
     __slots__ = ("address", "changed", "group", "kind", "node")
 
@@ -235,7 +232,9 @@ class Binder:
         driver = self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}")
         if driver.is_dir():
             return
-        from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state  # rare: kept out of `tpuboot bind`
+        # Rare (vfio-pci not registered), and kmodule brings dataclasses and typing: 57 M instructions,
+        # half again what importing tpuboot.cli costs (valgrind on the host).
+        from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
 
         state = module_state(self.root, VFIO_PCI)
         if state.origin != "built-in":
@@ -345,13 +344,13 @@ class Binder:
     def _prepare_node(self, group: str, node: str) -> str:
         real = self.root.path(node)
         deadline = time.monotonic() + self.config.node_timeout
-        st = self._wait(lambda: _stat(real), deadline)
-        if st is None:
+        if not self._wait(real.exists, deadline):
             raise TransientDeviceError(
                 f"{node} did not appear within {self.config.node_timeout:g} s; see dmesg"
             )
         # udev may still apply its own rules to a fresh node: wait for its database entry so
         # our chmod comes last (only where udev runs; never a global settle).
+        st = os.stat(real)  # gone again by now: an ENOENT, retried as any other
         if self.root.path("/run/udev/control").exists():
             entry = self.root.path(f"/run/udev/data/c{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
             self._wait(entry.exists, deadline)
@@ -359,8 +358,8 @@ class Binder:
             os.chmod(real, self.config.node_mode)
         return node
 
-    def _wait(self, probe: Callable[[], _T], deadline: float) -> _T:
-        """Poll ``probe`` until truthy, the deadline, or stop; bounded, for a node that is usually there."""
+    def _wait(self, probe: Callable[[], bool], deadline: float) -> bool:
+        """Poll ``probe`` until true, the deadline, or stop; bounded, for a node that is usually there."""
         while True:
             value = probe()
             if value or time.monotonic() >= deadline or self.stop.is_set():
@@ -388,10 +387,3 @@ class Binder:
         except DeviceError as exc:
             log.debug("%s: drivers_probe: %s", address, exc, extra={"DBDF": address})
         return fn.driver()
-
-
-def _stat(path: Path) -> os.stat_result | None:
-    try:
-        return os.stat(path)
-    except FileNotFoundError:
-        return None

@@ -41,7 +41,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,6 @@ import urllib3
 import urllib3.connection
 from requests.adapters import HTTPAdapter
 
-from tpuboot import metrics
 from tpuboot.config import MetadataConfig
 from tpuboot.errors import ConfigError, MetadataError, UsageError
 from tpuboot.netio import DeadlineSocket, ascii_int
@@ -289,6 +288,10 @@ def _failure_kind(exc: BaseException) -> str:
     return f"request failed ({type(exc).__name__})"
 
 
+def _ignore(outcome: str) -> None:
+    """The default ``on_request``: count nothing."""
+
+
 class MetadataClient:
     """Reads the metadata server; thread-safe. Build it with ``from_config``."""
 
@@ -301,12 +304,16 @@ class MetadataClient:
         backoff: Backoff | None = None,
         rng: random.Random | None = None,
         min_poll_interval: float = MIN_POLL_INTERVAL,
+        on_request: Callable[[str], None] | None = None,
     ) -> None:
         self.base_url = base_url if base_url.endswith("/") else base_url + "/"
         self.timeout = timeout
         self.max_body = max_body
         self.backoff = backoff or Backoff()
         self.min_poll_interval = min_poll_interval
+        # Each request's outcome (ok, absent, refused, transient), e.g. tpuboot.metrics.metadata_request;
+        # a seam, so `tpuboot metadata get` does not load prometheus_client to count into nothing.
+        self.on_request = on_request or _ignore
         self._rng = rng or random.Random()
         self._rng_lock = threading.Lock()
         self._failures = _FailureLog()
@@ -315,8 +322,18 @@ class MetadataClient:
         self._closed = threading.Event()
 
     @classmethod
-    def from_config(cls, config: MetadataConfig, environ: Mapping[str, str] | None = None) -> MetadataClient:
-        return cls(metadata_base_url(config.host, environ), timeout=config.timeout, max_body=config.max_body)
+    def from_config(
+        cls,
+        config: MetadataConfig,
+        environ: Mapping[str, str] | None = None,
+        on_request: Callable[[str], None] | None = None,
+    ) -> MetadataClient:
+        return cls(
+            metadata_base_url(config.host, environ),
+            timeout=config.timeout,
+            max_body=config.max_body,
+            on_request=on_request,
+        )
 
     def close(self) -> None:
         """Abort requests and watches in flight and refuse new ones (safe from any thread)."""
@@ -509,23 +526,23 @@ class MetadataClient:
                 self._check_answer(response, deadline)
                 reply = Reply(self._read_body(response, deadline), response.headers.get("ETag"))
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
-            metrics.metadata_request("transient")
+            self.on_request("transient")
             raise _Retryable(_failure_kind(exc)) from None
         except (ValueError, http.client.HTTPException) as exc:
             # What the HTTP stack raises past its own exception types on a malformed answer: a
             # negative chunk size reaches read() as ValueError (urllib3 trusts int(size, 16)).
-            metrics.metadata_request("transient")
+            self.on_request("transient")
             raise _Retryable(f"malformed answer ({type(exc).__name__}: {str(exc)[:80]})") from None
         except _Retryable:
-            metrics.metadata_request("transient")
+            self.on_request("transient")
             raise
         except MetadataAbsent:
-            metrics.metadata_request("absent")
+            self.on_request("absent")
             raise
         except MetadataRefused:
-            metrics.metadata_request("refused")
+            self.on_request("refused")
             raise
-        metrics.metadata_request("ok")
+        self.on_request("ok")
         return reply
 
     def _check_answer(self, response: requests.Response, deadline: float) -> None:

@@ -1,0 +1,135 @@
+"""What each `tpuboot` command may import: its start-up cost, which `tpuboot bind` (the recovery
+path) pays in full every time.
+
+Each case runs the command in a fresh interpreter (``-I``: no PYTHONPATH, no user site) against an
+empty root and compares the modules it loaded beyond the interpreter's own with its list. Listed
+are tpuboot's modules, the third-party libraries, and the standard modules heavy enough to matter
+(below); a new import on a command's path fails here until its list says so. Deferred imports
+belong at command dispatch (cli.py's cmd_* functions), nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_docs import commands
+from tpuboot import cli
+
+REPO = Path(__file__).resolve().parents[2]
+LIBRARIES = {"yaml", "pyudev", "prometheus_client", "requests", "urllib3", "systemd"}
+#: Standard modules that cost start-up worth tracking (each from several M instructions to tens of M:
+#: dataclasses brings inspect, typing alone is 10 M). Tracked only for commands that load no library
+#: beyond yaml: requests and prometheus_client import some of them, differently by version.
+HEAVY_STDLIB = {"typing", "dataclasses", "inspect", "json", "subprocess", "asyncio", "concurrent",
+                "socket", "ssl", "http", "email", "platform"}  # fmt: skip
+
+CHILD = """
+import sys
+sys.path.insert(0, {repo!r})
+before = set(sys.modules)
+import tpuboot.cli
+try:
+    tpuboot.cli.main({argv!r})
+except SystemExit:
+    pass
+print(" ".join(sorted(set(sys.modules) - before)))
+"""
+
+# What `import tpuboot.cli` and the device commands load: sysfs, the device table, the config.
+CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.devices", "tpuboot.devices.pci",
+        "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.logs",
+        "tpuboot.paths", "tpuboot.subproc"}  # fmt: skip
+SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
+          "inspect", "typing"}  # fmt: skip
+METADATA = {"tpuboot.env", "tpuboot.env.metadata", "tpuboot.netio", "requests", "urllib3"}
+ENV = {
+    "tpuboot.backoff",
+    "tpuboot.env.etc_environment",
+    "tpuboot.env.sync",
+    "tpuboot.env.tpuenv",
+    "yaml",
+    "json",
+}
+METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client"}
+CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
+              "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
+              "tpuboot.containers.supervisor", "tpuboot.component"}  # fmt: skip
+CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.devices.kmodule",
+          "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
+
+TEXTFILE_BIND = CORE | {"yaml"} | METRICS | SURVEY
+DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.checks.doctor",
+                                                                         "tpuboot.checks.slices"}  # fmt: skip
+
+PREPARE = (
+    CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot"}
+)
+
+SETS_SOMETHING = "vfio: {node_mode: '0666'}\n"  # any key: the file is then read with PyYAML
+TEXTFILE = "metrics: {textfile_dir: /metrics}\n"
+
+#: name: (arguments after --root ROOT, config file text or None for none, what it may import).
+CASES = {
+    "--version": (["--version"], None, CORE),
+    "bind": (["bind", "0000:00:04.0"], None, CORE),
+    "bind, a config that sets something": (["bind", "0000:00:04.0"], SETS_SOMETHING, CORE | {"yaml"}),
+    "bind, metrics.textfile_dir set": (["bind", "0000:00:04.0"], TEXTFILE, TEXTFILE_BIND),
+    "unbind": (["unbind", "0000:00:04.0"], None, CORE),
+    "status": (["status"], None, CORE | SURVEY),
+    "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
+    "image-check": (["image-check"], None, CORE | CHECKS),
+    "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
+    "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),
+    "doctor": (["doctor"], None, DOCTOR),
+    "prepare-image": (["prepare-image"], None, PREPARE),
+}
+#: The daemon loads everything tpuboot has; tests/unit/test_run_start.py runs it whole.
+NOT_HERE = {"run"}
+
+
+def loaded(argv: list[str]) -> set[str]:
+    """The modules `tpuboot ARGV` loads beyond what the interpreter itself has loaded."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GCE_METADATA_HOST": "127.0.0.1:9"}
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", CHILD.format(repo=str(REPO), argv=argv)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    return set(done.stdout.splitlines()[-1].split())
+
+
+def tracked(modules: set[str], heavy: bool) -> set[str]:
+    out = set()
+    for name in modules:
+        top = name.partition(".")[0]
+        if top == "tpuboot":
+            out.add(name)
+        elif top in LIBRARIES or (heavy and top in HEAVY_STDLIB):
+            out.add(top)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_command_imports_only_what_its_list_says(case, tmp_path):
+    args, config, allowed = CASES[case]
+    argv = ["--root", str(tmp_path), *args]
+    if config is not None:
+        (tmp_path / "tpuboot.yaml").write_text(config)
+        argv[2:2] = ["--config", "/tpuboot.yaml"]
+    heavy = not (allowed & (LIBRARIES - {"yaml"}))
+    assert tracked(loaded(argv), heavy) == tracked(allowed, heavy)
+
+
+def test_every_command_has_a_case():
+    """A new command gets its list here (or a reason in NOT_HERE)."""
+    covered = {" ".join(args[:2]) if args[0] == "metadata" else args[0] for args, _, _ in CASES.values()}
+    every = {path for path, _ in commands(cli.build_parser())}
+    assert every - NOT_HERE <= covered

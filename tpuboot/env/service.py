@@ -1,0 +1,135 @@
+"""The daemon's runtime-environment side: tpu-env written once before READY, then kept current.
+
+A component (tpuboot/component.py) with one thread of its own: the boot-time sync (within
+``metadata.boot_deadline``), then, with ``metadata.watch``, the watch. Each result becomes this
+component's Status (under its lock), goes to ``on_values`` (the containers: vBar's image may have
+changed), and is reported; nothing here runs on the daemon's loop, so a slow server, a file
+read or a container's reconfiguring never holds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from tpuboot.backoff import RestartPolicy
+from tpuboot.component import Report, Status
+from tpuboot.env.sync import EnvSync, SyncResult
+
+log = logging.getLogger("tpuboot.env.service")
+
+#: Before the boot-time sync ended; READY waits while the state is this.
+PENDING = "pending"
+#: The sources after which the tpu-env file holds values (a later failure leaves them there).
+HELD = ("metadata", "cache")
+WATCH_RESTART_MAX = 300.0
+
+
+class EnvService:
+    """tpu-env from metadata (or the cache) as a component; its state is the last result's source."""
+
+    def __init__(
+        self,
+        sync: EnvSync,
+        deadline: float,
+        watch: bool,
+        on_values: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.sync = sync
+        self.deadline = deadline
+        self.watch = watch
+        self.on_values = on_values  # called in this component's thread after each result
+        self.clock = clock
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._status = Status(PENDING, "tpu-env: pending")
+        self._attribute = "source=pending"  # the guest attribute tpuboot/tpu-env
+        self._held = False
+        self._report: Report = _nothing
+        self._thread: threading.Thread | None = None
+
+    def start(self, report: Report) -> None:
+        self._report = report
+        self._thread = threading.Thread(target=self._run, name="tpuboot-env", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the watch at its next wake-up; closing the metadata client (the daemon does, after
+        this) cuts a fetch or long-poll in flight."""
+        self.stopping.set()
+
+    def status(self) -> Status:
+        with self._lock:
+            return self._status
+
+    @property
+    def held(self) -> bool:
+        """Whether the tpu-env file holds values tpuboot wrote (from metadata or the cache)."""
+        with self._lock:
+            return self._held
+
+    def attribute(self) -> str:
+        """tpuboot/tpu-env: where the file's values came from, how many, and when (UTC)."""
+        with self._lock:
+            return self._attribute
+
+    # ------------------------------------------------------------------ its own thread
+
+    def _run(self) -> None:
+        """Nothing here can keep the daemon from READY: sync_once never raises, and if it did the
+        status would say so and the watch would still start."""
+        try:
+            result = self.sync.sync_once(self.deadline)
+        except Exception as exc:
+            log.exception("tpu-env: the boot-time sync failed unexpectedly")
+            self._set(Status("failed", f"tpu-env: failed ({type(exc).__name__}); see the log"))
+        else:
+            self.result(result)
+        if self.watch:
+            run_watch(self.sync, self.stopping, self.result)
+
+    def result(self, result: SyncResult) -> None:
+        """Take one sync's result: the status, the guest attribute, the containers told."""
+        with self._lock:
+            if result.source in HELD:  # when written: a reader computes the age
+                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))
+                self._attribute = f"source={result.source} keys={result.keys} updated={when}"
+                self._held = True
+            elif result.source == "absent" or not self._held:  # a failure keeps what the file holds
+                self._attribute = f"source={result.source}"
+                self._held = False
+            self._status = Status(result.source, result.status)
+        if self.on_values is not None:
+            try:
+                self.on_values()  # VBARCONTROL_AGENT_DOCKER_URL may have changed
+            except Exception:
+                log.exception("vBar: reconfiguring after a tpu-env change failed unexpectedly")
+        self._report()
+
+    def _set(self, status: Status) -> None:
+        with self._lock:
+            self._status = status
+        self._report()
+
+
+def run_watch(sync: EnvSync, stop: threading.Event, report: Callable[[SyncResult], None]) -> None:
+    """The watch: EnvSync.watch never raises, and should a bug make it, the watch is started again
+    (after 1 s, doubling to 5 min) instead of ending for good."""
+    backoff = RestartPolicy(1.0, WATCH_RESTART_MAX, stable_after=math.inf)
+    while not stop.is_set():
+        try:
+            sync.watch(stop, report)
+            return
+        except Exception:
+            delay = backoff.delay_after(0.0)
+            log.exception("tpu-env: the watch ended unexpectedly; starting it again in %g s", delay)
+        if stop.wait(delay):
+            return
+
+
+def _nothing() -> None:
+    pass

@@ -1,0 +1,234 @@
+"""``tpuboot prepare-image``: the last step of an image build (a Packer provisioner, a cloud-init
+``runcmd``), on the build VM after the package is installed, before the disk is captured.
+
+Steps, in order, each one result line (PASS / FAIL / SKIP / WARN, a fix for FAIL and WARN):
+
+1. the image checks, judged on the **next** boot (:data:`tpuboot.checks.image.NEXT_BOOT_CHECKS`:
+   the command line update-grub will write, every installed kernel, limits, udev rules, the
+   documented procedure's leftovers), since the build VM's own boot is not the image's;
+2. ``service``: tpuboot.service is stopped (it would write tpu-env and its cache again, and on a
+   TPU VM used as build VM start vBar) and must still be enabled, so the image's first boot
+   starts it. Decided: stopped, not left running: nothing of this VM's may run on into capture;
+3. ``containers``: the containers tpuboot started (label ``io.tpuboot.managed=1``) removed:
+   a captured container would be another instance's, privileged;
+4. ``pull-vbar`` / ``pull-telemetry``: the images the first boot will run pulled into dockerd,
+   so the first boot starts them without a registry round trip. vBar's is ``vbar.image``: on a
+   TPU VM tpu-env may name another (``VBARCONTROL_AGENT_DOCKER_URL``), pulled then;
+5. ``instance-state``: what belongs to this VM removed: the tpu-env cache (its record names this
+   instance), the tpu-env files tpuboot wrote, ``/run/tpuboot``, tpuboot's node_exporter
+   textfile. Kept, as image settings: /etc/environment and tpuboot's record of its lines there
+   (``/var/lib/tpuboot/environment.lines``, which ``apt purge`` needs), the drop-ins.
+
+With ``--root DIR`` (an image tree, not running) steps 2-4 are SKIP and the rest act on the tree.
+Exit status 1 when any step FAILs: the pipeline stops before capturing a broken image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+from collections.abc import Callable
+
+from tpuboot import subproc
+from tpuboot.checks.image import CheckResult, failed, passed, run_checks, skipped, warned
+from tpuboot.config import Config
+from tpuboot.containers.docker import MANAGED_LABEL, split_image
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
+from tpuboot.containers.imageref import ImageRefused, RegistryAllowlist
+from tpuboot.containers.service import vbar_spec
+from tpuboot.env.sync import cache_path
+from tpuboot.errors import TpubootError
+from tpuboot.metrics import TEXTFILE_NAME
+from tpuboot.paths import Root
+
+log = logging.getLogger("tpuboot.prepare")
+
+UNIT = "tpuboot.service"
+RUNTIME_DIR = "/run/tpuboot"
+SYSTEMD_RUNNING = "/run/systemd/system"  # sd_booted(): systemd is PID 1
+NOT_RUNNING = "an image tree, not the running system"
+
+Systemctl = Callable[..., str]
+DockerFactory = Callable[[], DockerAPI]
+
+
+def _systemctl(*args: str) -> str:
+    return subproc.run(["systemctl", *args], timeout=120.0)
+
+
+class Preparer:
+    """The steps of prepare-image against ``root``; ``systemctl`` and ``docker`` are seams for
+    tests (the real ones run systemctl and talk to dockerd's socket under the root)."""
+
+    def __init__(
+        self,
+        root: Root,
+        config: Config,
+        *,
+        systemctl: Systemctl = _systemctl,
+        docker: DockerFactory | None = None,
+        live: bool | None = None,
+    ) -> None:
+        """``live``: act on the running system (systemd, dockerd); default: when root is /."""
+        self.root = root
+        self.live = root.is_host if live is None else live
+        self.config = config
+        self.systemctl = systemctl
+        self.docker = docker or (lambda: DockerAPI(str(root.path(DOCKER_SOCKET))))
+        self._client: DockerAPI | None = None
+        self._docker_problem: str | None = None
+
+    def run(self) -> list[CheckResult]:
+        results = list(run_checks(self.root, next_boot=True))
+        for name, step in (
+            ("service", self.service),
+            ("containers", self.containers),
+            ("pull-vbar", self.pull_vbar),
+            ("pull-telemetry", self.pull_telemetry),
+            ("instance-state", self.instance_state),
+        ):
+            try:
+                result = step()
+            except (OSError, TpubootError, DockerError) as exc:
+                result = failed(f"{exc}", "fix the cause above and run tpuboot prepare-image again")
+            results.append(CheckResult(name, result.status, result.detail, result.fix))
+        return results
+
+    # ------------------------------------------------------------------ service
+
+    def service(self) -> CheckResult:
+        if not self.live:
+            return skipped(NOT_RUNNING)
+        if not self.root.path(SYSTEMD_RUNNING).is_dir():
+            return skipped("systemd is not running here (a chroot or a container): nothing to stop")
+        state = self.systemctl("show", "-P", "UnitFileState", UNIT).strip()
+        if state not in ("enabled", "enabled-runtime", "static", "alias"):
+            return failed(
+                f"{UNIT} is {state or 'not installed'}: the image's first boot would not start it",
+                f"systemctl enable {UNIT}",
+            )
+        active = self.systemctl("show", "-P", "ActiveState", UNIT).strip()
+        if active in ("inactive", "failed"):
+            return passed(f"{UNIT} {state}, not running")
+        self.systemctl("stop", UNIT)
+        return passed(f"{UNIT} stopped (was {active}); {state}: it starts at the image's first boot")
+
+    # ------------------------------------------------------------------ docker
+
+    def _dockerd(self) -> DockerAPI | None:
+        """The connected client, or None with the reason in ``_docker_problem``."""
+        if self._client is None and self._docker_problem is None:
+            client = self.docker()
+            try:
+                client.ping()
+            except Unreachable as exc:
+                self._docker_problem = f"dockerd does not answer ({exc})"
+            except DockerError as exc:
+                self._docker_problem = f"dockerd: {exc}"
+            else:
+                self._client = client
+        return self._client
+
+    def containers(self) -> CheckResult:
+        if not self.live:
+            return skipped(NOT_RUNNING)
+        client = self._dockerd()
+        if client is None:
+            return skipped(f"no container to remove: {self._docker_problem}")
+        found = client.list_containers({"label": [f"{MANAGED_LABEL}=1"]})
+        names = []
+        for container in found:
+            ident = str(container.get("Id", ""))
+            shown = ",".join(n.lstrip("/") for n in container.get("Names") or []) or ident[:12]
+            with contextlib.suppress(NotFound):  # gone meanwhile
+                client.remove_container(ident, force=True)
+            names.append(shown)
+        if names:
+            return passed(f"removed {', '.join(names)} (label {MANAGED_LABEL}=1; their images stay)")
+        return passed(f"no container labelled {MANAGED_LABEL}=1")
+
+    def pull_vbar(self) -> CheckResult:
+        vbar = self.config.vbar
+        if not vbar.enabled:
+            return skipped("vbar.enabled is false")
+        if vbar.runtime != "docker":
+            return skipped(f"vbar.runtime is {vbar.runtime}: no image")
+        return self._pull("vbar", vbar_spec(self.config, None).image, vbar.registries)
+
+    def pull_telemetry(self) -> CheckResult:
+        telemetry = self.config.telemetry
+        if not telemetry.enabled:
+            return skipped("telemetry.enabled is false")
+        return self._pull("telemetry", telemetry.image, telemetry.registries)
+
+    def _pull(self, section: str, image: str, registries: tuple[str, ...]) -> CheckResult:
+        if self.config.gke == "true":
+            return skipped("gke is true: GKE runs the agents itself")
+        if not self.live:
+            return skipped(f"{NOT_RUNNING}: pull {image} on the build VM (or docker load it)")
+        try:
+            RegistryAllowlist(registries, f"{section}.registries").check(image, f"{section}.image")
+        except ImageRefused as exc:
+            return failed(
+                str(exc), f"set {section}.image to an allowed image, or extend {section}.registries"
+            )
+        client = self._dockerd()
+        if client is None:
+            return failed(
+                f"cannot pull {image}: {self._docker_problem}",
+                f"install docker.io and start dockerd before prepare-image, or set {section}.enabled: false",
+            )
+        repository, tag = split_image(image)
+        try:
+            client.pull_image(repository, tag)
+        except DockerError as exc:
+            try:
+                client.inspect_image(image)
+            except NotFound:
+                return failed(
+                    f"cannot pull {image}: {exc}",
+                    "make the registry reachable from the build VM (and its credentials), or "
+                    "`docker load` the image before prepare-image",
+                )
+            return warned(
+                f"cannot pull {image} ({exc}); the copy dockerd has will be used",
+                "make the registry reachable to refresh it, if the tag moves",
+            )
+        return passed(f"pulled {image}")
+
+    # ------------------------------------------------------------------ instance state
+
+    def instance_state(self) -> CheckResult:
+        env = self.config.env
+        files = [cache_path(self.config), env.tpu_env_path, env.systemd_env_path, env.docker_env_path]
+        if self.config.metrics.textfile_dir:
+            files.append(self.config.metrics.textfile_dir.rstrip("/") + "/" + TEXTFILE_NAME)
+        removed = [path for path in dict.fromkeys(f for f in files if f) if self._remove_file(path)]
+        runtime = self.root.path(RUNTIME_DIR)
+        if runtime.is_dir() and not runtime.is_symlink():
+            for entry in sorted(runtime.iterdir()):
+                if entry.is_file() or entry.is_symlink():
+                    entry.unlink()
+                    removed.append(self.root.strip(entry))
+        if removed:
+            return passed("removed " + ", ".join(removed))
+        return passed("no instance state (no tpu-env, no cache)")
+
+    def _remove_file(self, path: str) -> bool:
+        """Remove ``path`` if it is a file or a link (never a directory, never through a link)."""
+        real = self.root.path(path)
+        try:
+            mode = os.lstat(real).st_mode
+        except FileNotFoundError:
+            return False
+        if stat.S_ISDIR(mode):
+            raise TpubootError(f"{path} is a directory, not the file tpuboot writes: remove it by hand")
+        real.unlink()
+        return True
+
+
+def prepare(root: Root, config: Config) -> list[CheckResult]:
+    """Every step's result (see the module's docstring)."""
+    return Preparer(root, config).run()

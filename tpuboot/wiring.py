@@ -1,0 +1,94 @@
+"""The one place that makes the daemon of `tpuboot run` from a root and a configuration.
+
+Coldplug first (tpuboot/devices/udev.py says why): the udev monitor is opened and the binds of the
+TPUs present are submitted before the rest of the daemon (asyncio, requests, prometheus_client) is
+imported; the device manager adopts them. The tests build the daemon here too, passing the seams
+below; production passes none.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tpuboot.config import Config
+from tpuboot.devices.table import DeviceTable
+from tpuboot.devices.vfio import Binder
+from tpuboot.errors import ConfigError
+from tpuboot.paths import Root
+
+TYPE_CHECKING = False  # as in tpuboot.config: typing stays out of the path to the first bind
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tpuboot.containers.dockerapi import DockerAPI
+    from tpuboot.daemon import Daemon
+    from tpuboot.devices.manager import Monitor
+    from tpuboot.env.metadata import MetadataClient
+    from tpuboot.notify import Notifier
+
+log = logging.getLogger("tpuboot.wiring")
+
+
+def build(
+    root: Root,
+    config: Config,
+    *,
+    binder: Binder | None = None,
+    monitor: Monitor | None = None,
+    notifier: Notifier | None = None,
+    metadata: MetadataClient | None = None,
+    docker: Callable[[], DockerAPI] | None = None,
+) -> Daemon:
+    """The daemon, its binds of the TPUs present already running. Seams (tests): ``binder`` (a
+    fake kernel's), ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client
+    for every part), ``docker`` (a dockerd client factory)."""
+    binder = binder or Binder(root, DeviceTable(config.devices), config.vfio)
+    from tpuboot.devices.udev import new_executor, open_udev_monitor, start_coldplug
+
+    if monitor is None:
+        monitor = open_udev_monitor()  # before enumerating, so no device falls in between
+    executor = new_executor()
+    coldplug = start_coldplug(binder, executor)
+
+    from tpuboot.daemon import Daemon  # the heavy part, first: bench/ stamps this import's span
+
+    # isort: split
+    from tpuboot import metrics
+    from tpuboot.containers.service import Containers
+    from tpuboot.devices.manager import DeviceManager
+    from tpuboot.env.metadata import MetadataClient
+    from tpuboot.env.service import EnvService
+    from tpuboot.env.sync import EnvSync
+    from tpuboot.guestattrs import Publisher
+    from tpuboot.notify import Notifier
+
+    devices = DeviceManager(binder, executor, monitor, coldplug, config.ready)
+    publish = config.guest_attributes.enabled != "false"
+    containers_on = config.vbar.enabled or config.telemetry.enabled
+    if metadata is None and (config.env.enabled or (containers_on and config.gke == "auto") or publish):
+        try:
+            metadata = MetadataClient.from_config(config.metadata, on_request=metrics.metadata_request)
+        except ConfigError as exc:  # a bad $GCE_METADATA_HOST: tpu-env and the GKE check need it
+            if config.env.enabled or (containers_on and config.gke == "auto"):
+                raise
+            log.error("guest attributes: %s; not publishing", exc)  # the TPUs are bound all the same
+            publish = False
+    sync = EnvSync(root, config, metadata) if config.env.enabled and metadata is not None else None
+    containers = None
+    if containers_on:
+        # vBar's image comes from the tpu-env values the sync parsed, never from the file it wrote.
+        gke_client = metadata if config.gke == "auto" else None
+        if sync is None:
+            containers = Containers(config, root, gke_client, docker)
+        else:
+            containers = Containers(config, root, gke_client, docker, tpu_env=sync.parsed_values)
+    env = None
+    if sync is not None:
+        on_values = None if containers is None else containers.reconfigure
+        env = EnvService(sync, config.metadata.boot_deadline, config.metadata.watch, on_values)
+    guest_attrs = None
+    if publish and metadata is not None:
+        deadline = config.metadata.boot_deadline
+        guest_attrs = Publisher(metadata, config.guest_attributes, check_deadline=deadline)
+    server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
+    return Daemon(devices, executor, notifier or Notifier(), env, containers, guest_attrs, metadata, server)
