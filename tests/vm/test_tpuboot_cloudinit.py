@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.mds_emulator import SAMPLE_TPU_ENV
-
-from . import hostenv
-from .artifacts import (
+from harness.mds_emulator import SAMPLE_TPU_ENV
+from harness.vm import hostenv
+from harness.vm.artifacts import (
     CHROOT_ENV,
     Artifacts,
     _building,
@@ -29,9 +28,9 @@ from .artifacts import (
     in_tree,
     remove_tree,
 )
-from .hostenv import run
-from .machine import ROOT_DISK_ID, VM
-from .tpuboot_guest import (
+from harness.vm.hostenv import run
+from harness.vm.machine import ROOT_DISK_ID, VM
+from harness.vm.tpuboot_guest import (
     DOCKER_DAEMON_JSON,
     VBAR_DOCKER_DROP_IN,
     VBAR_IMPORT_SCRIPT,
