@@ -29,6 +29,7 @@ from typing import Any
 from tpuboot.atomicfile import FileWriteError, read_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config, TelemetryConfig
+from tpuboot.containers.credentials import ServiceAccountCredentials
 from tpuboot.containers.docker import ContainerSpec, DockerRuntime
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
 from tpuboot.containers.gke import Metadata, gke_node
@@ -109,6 +110,7 @@ class Agents:
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._credentials: ServiceAccountCredentials | None = None  # one token cache for both agents
         self._tpu_vm = threading.Event()  # a TPU present or tpu-env held: the supervisors may start
         self._gate = threading.Event()  # set by the first of tpu_vm_seen() and stop()
         for label, enabled in ((VBAR, config.vbar.enabled), (TELEMETRY, config.telemetry.enabled)):
@@ -195,6 +197,17 @@ class Agents:
                 self.supervisors[label] = supervisor
                 supervisor.start()
 
+    def _registry_credentials(self) -> ServiceAccountCredentials:
+        """The VM's service-account token for pulls from ``registry_auth.token_registries``."""
+        if self._credentials is None:
+            from tpuboot.env.metadata import MetadataClient
+
+            if self.metadata is None:  # gke: true/false asks nothing else; stop() closes it
+                self.metadata = MetadataClient.from_config(self.config.metadata)
+            client: Any = self.metadata
+            self._credentials = ServiceAccountCredentials(client, self.config.registry_auth.token_registries)
+        return self._credentials
+
     def _runtime(self, label: str) -> Runtime:
         config = self.config
         retries = config.supervisor.pull_retries
@@ -209,9 +222,16 @@ class Agents:
             def wanted() -> ContainerSpec:
                 return vbar_spec(config, self.tpu_env())
 
-            return DockerRuntime(wanted, retries, self.docker_factory, allowlist=allowlist)
+            credentials = self._registry_credentials()
+            return DockerRuntime(
+                wanted, retries, self.docker_factory, allowlist=allowlist, credentials=credentials
+            )
         telemetry = config.telemetry
         allowlist = RegistryAllowlist(telemetry.registries, "telemetry.registries")
         return DockerRuntime(
-            lambda: telemetry_spec(telemetry, self.root), retries, self.docker_factory, allowlist=allowlist
+            lambda: telemetry_spec(telemetry, self.root),
+            retries,
+            self.docker_factory,
+            allowlist=allowlist,
+            credentials=self._registry_credentials(),
         )
