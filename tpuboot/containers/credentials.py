@@ -189,17 +189,21 @@ class ServiceAccountCredentials:
             token = self._current()
         except TokenUnavailable as exc:
             why = str(exc)
-            if why != self._said:
-                self._said = why
+            if self._changed(why):
                 log.warning(
                     "no service-account token for %s (%s); pulling %s without credentials",
                     registry, why, image, extra={"IMAGE": image},
                 )  # fmt: skip
             return PullCredentials(None, f"no service-account token: {why}")
-        if self._said is not None:
-            self._said = None
+        if self._changed(None):
             log.info("service-account token available again for pulls from %s", registry)
         return PullCredentials(RegistryAuth(TOKEN_USERNAME, token, registry))
+
+    def _changed(self, why: str | None) -> bool:
+        """Record why pulls go without a token (None: they have one); True if that changed."""
+        with self._lock:
+            changed, self._said = why != self._said, why
+            return changed
 
     def forget(self, refused: RegistryAuth) -> None:
         """A registry refused ``refused``: the next pull asks the metadata server again."""
