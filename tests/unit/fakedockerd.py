@@ -443,11 +443,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             wanted = fake.registry_credentials.get(host)
         given = ((auth or {}).get("username"), (auth or {}).get("password"))
         if wanted is not None and given != wanted:
-            what = "unauthorized: authentication required" if auth else "no basic auth credentials"
-            return self._error(
-                REFUSED_STATUS,
-                f'Head "https://{host}/v2/{repository[len(host) + 1 :]}/manifests/{tag}": {what}',
+            # What Debian 12's dockerd says (seen in tests/vm/test_tpuboot_registry.py).
+            manifest = f'Head "https://{host}/v2/{repository[len(host) + 1 :]}/manifests/{tag}"'
+            what = (
+                "unauthorized: authentication required" if auth else f"{manifest}: no basic auth credentials"
             )
+            return self._error(REFUSED_STATUS, what)
         if fake.on_pull is not None:
             fake.on_pull()
         self._stream_start()

@@ -389,8 +389,7 @@ def test_a_refused_token_is_asked_for_again_and_the_message_names_the_fix(
         runtime(dockerd, GCR_IMAGE, credentials(emulator)).start()
     message = str(caught.value)
     assert message == (
-        f'cannot pull image {GCR_IMAGE} (2 tries: Head "https://gcr.io/v2/cloud-tpu-v2-images/'
-        'vbar_control_agent/manifests/0.0.1": unauthorized: authentication required); the registry '
+        f"cannot pull image {GCR_IMAGE} (2 tries: unauthorized: authentication required); the registry "
         "refused the VM's service-account token: grant the service account read access "
         "(roles/artifactregistry.reader) and give the VM a scope that allows it (--scopes=cloud-platform); "
         "make it reachable, load it with `docker load`, or set another image"
