@@ -16,7 +16,8 @@ import pytest
 
 from tests.mds_emulator import MetadataEmulator
 from tests.unit.fakedockerd import FakeDockerd, decode_registry_auth, fake_dockerd
-from tpuboot.config import DEFAULT_TOKEN_REGISTRIES, Config, RegistryAuthConfig, parse_config
+from tests.unit.test_supervisor import wait_until
+from tpuboot.config import DEFAULT_TOKEN_REGISTRIES, Config, RegistryAuthConfig, TelemetryConfig, parse_config
 from tpuboot.containers.credentials import (
     EARLY_EXPIRY,
     TOKEN_PATH,
@@ -28,9 +29,11 @@ from tpuboot.containers.credentials import (
 from tpuboot.containers.docker import ContainerSpec, DockerRuntime
 from tpuboot.containers.dockerapi import DockerAPI, RegistryAuth
 from tpuboot.containers.imageref import RegistryAllowlist
+from tpuboot.containers.service import Agents
 from tpuboot.containers.supervisor import CannotStart
 from tpuboot.env.metadata import Backoff, MetadataClient
 from tpuboot.errors import ConfigError
+from tpuboot.paths import Root
 
 TOKEN = "ya29.c.b0AXv0zTP-test_token.~-" + "A" * 180
 #: A value the tests put where the token would be, to see it is never repeated in a message.
@@ -417,3 +420,22 @@ def test_a_token_that_comes_back_is_used_by_the_next_try(
         "password": TOKEN,
         "serveraddress": "gcr.io",
     }
+
+
+def test_the_daemons_agents_pull_both_images_with_one_token(
+    dockerd: FakeDockerd, emulator: MetadataEmulator
+) -> None:
+    """Agents (tpuboot/containers/service.py) hands both runtimes one source: one token fetch."""
+    config = Config(gke="false", telemetry=TelemetryConfig(enabled=True))
+    assert config.vbar.image.startswith("gcr.io/") and config.telemetry.image.startswith("gcr.io/")
+    agents = Agents(config, Root(dockerd.root), client_of(emulator))
+    agents.tpu_vm_seen("a TPU is present")
+    status: list[tuple[str, str]] = []
+    agents.start(lambda label, text: status.append((label, text)))
+    try:
+        wait_until(lambda: {("vBar", "vBar: running"), ("telemetry", "telemetry: running")} <= set(status))
+    finally:
+        agents.stop()
+    wanted = {"username": TOKEN_USERNAME, "password": TOKEN, "serveraddress": "gcr.io"}
+    assert dockerd.pull_auths == [wanted, wanted]
+    assert token_requests(emulator) == 1
