@@ -50,7 +50,6 @@ EARLY_EXPIRY = 225.0
 TOKEN_DEADLINE = 10.0
 #: An access token is a few hundred bytes; a longer "token" is not one.
 MAX_TOKEN = 8192
-CONFIG_KEY = "registry_auth.token_registries"
 
 # What ``*`` stands for: the start of one DNS label, as a host name spells it.
 _LABEL_START = re.compile(r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?")
