@@ -30,8 +30,7 @@ from tpuboot.containers.docker import ContainerSpec, DockerRuntime
 from tpuboot.containers.dockerapi import DockerAPI, RegistryAuth
 from tpuboot.containers.imageref import RegistryAllowlist
 from tpuboot.containers.service import Containers
-from tpuboot.containers.supervisor import RUNNING
-from tpuboot.containers.supervisor import CannotStart
+from tpuboot.containers.supervisor import RUNNING, CannotStart
 from tpuboot.env.metadata import Backoff, MetadataClient
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
