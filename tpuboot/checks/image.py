@@ -29,6 +29,7 @@ from tpuboot import subproc
 from tpuboot.atomicfile import read_file
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
+from tpuboot.devices.vfio import IOMMU_PARAM
 from tpuboot.errors import TpubootError, UsageError
 from tpuboot.paths import Root
 
@@ -233,7 +234,7 @@ def check_intel_iommu(root: Root) -> CheckResult:
     machine = kernel_arch(root)
     if machine != "x86_64":
         return skipped(f"not needed on {machine}")
-    return _cmdline_check(root, "intel_iommu", "intel_iommu=on,sm_on", _intel_iommu_ok)
+    return _cmdline_check(root, "intel_iommu", IOMMU_PARAM, _intel_iommu_ok)
 
 
 @IMAGE_CHECKS.add("vfio-pci-in-kernel")
