@@ -142,3 +142,14 @@ def test_doctor_checks_unsafe_interrupts_exactly_where_bind_sets_them(
     check = Doctor(kernel.root, config).check_unsafe_interrupts()
     assert check.status == ("PASS" if set_by_bind else "SKIP"), check
     assert set_by_bind == (setting == "true" or (setting == "auto" and machine == "x86_64"))
+
+
+# --- metadata kinds -------------------------------------------------------------------------------------
+
+
+def test_the_cli_offers_the_metadata_kinds_the_client_knows() -> None:
+    """cli.py keeps its own copy so that parsing arguments does not import requests."""
+    from tpuboot import cli
+    from tpuboot.env.metadata import KINDS
+
+    assert tuple(KINDS) == cli.METADATA_KINDS

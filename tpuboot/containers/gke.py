@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+from tpuboot.env.metadata import INSTANCE_ATTRIBUTES, MetadataAbsent
 from tpuboot.errors import MetadataError
 
 log = logging.getLogger("tpuboot.containers.gke")
@@ -41,11 +42,9 @@ def ask_gke(mode: str, metadata: Metadata | None, deadline_s: float) -> GkeAnswe
         return GkeAnswer(mode == "true", f"gke is {mode} in the configuration")
     if metadata is None:
         return GkeAnswer(None, "no metadata server to ask")
-    from tpuboot.env.metadata import MetadataAbsent
-
     for name in GKE_ATTRIBUTES:
         try:
-            metadata.get(f"instance/attributes/{name}", deadline_s=deadline_s)
+            metadata.get(INSTANCE_ATTRIBUTES + name, deadline_s=deadline_s)
         except MetadataAbsent:
             continue
         except MetadataError as exc:
