@@ -13,7 +13,7 @@ import pytest
 from tests.unit.conftest import make_config
 from tests.unit.fakedockerd import fake_dockerd
 from tests.unit.fakekernel import FakeKernel, VfioShape
-from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, write
+from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, NoSystemctl, write
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli
 from tpuboot.checks import image as imagecheck
@@ -38,14 +38,6 @@ TPU_ENV = {
 }
 ADDRESSES = [f"0000:00:0{4 + i}.0" for i in range(4)]
 UUID = "0c5f2b8e-61d4-4f0a-b3c7-9e2a1d8f4b60"  # the instance's SMBIOS system UUID
-
-
-@pytest.fixture(autouse=True)
-def no_live_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(unit: str | None, properties: list[str]) -> dict[str, str] | None:
-        raise AssertionError("a test ran systemctl")
-
-    monkeypatch.setattr(imagecheck, "_systemctl_show", refuse)
 
 
 def healthy(top: Path, vfio: VfioShape = "module") -> FakeKernel:
@@ -116,6 +108,7 @@ def doctor(kernel: FakeKernel, config: Config | None = None, **kwargs) -> list[V
     kwargs.setdefault("supervisor_present", lambda: True)
     kwargs.setdefault("container_state", lambda root, name: "running")
     kwargs.setdefault("metadata", Values())  # a metadata server that has none of the keys
+    kwargs.setdefault("systemd", NoSystemctl())
     return Doctor(kernel.root, config or make_config(), **kwargs).run()
 
 
@@ -508,3 +501,16 @@ def test_a_cache_record_of_another_instance_fails_freshness_with_the_reason(kern
     fresh = next(v.result for v in verdicts if v.result.name == "tpu-env-fresh")
     assert f"belongs to another instance (system UUID {UUID}, this one is 0f0e0d0c-" in fresh.detail
     assert fresh.fix
+
+
+def test_doctor_asks_the_image_checks_systemd_it_was_given(kernel):
+    """On the host, systemctl's answer (what is in force) wins over the files: doctor passes its
+    systemd to the image checks."""
+    from tests.unit.test_imagecheck import Answering
+
+    low = {"DefaultLimitMEMLOCK": "65536", "DefaultLimitMEMLOCKSoft": "65536"}
+    systemd = Answering({None: low})
+    verdicts = doctor(kernel, systemd=systemd)
+    assert result_of(verdicts, "systemd-default-limits").status == "FAIL"
+    assert None in systemd.asked
+    assert result_of(doctor(kernel), "systemd-default-limits").status == "PASS"  # the files say so

@@ -36,6 +36,7 @@ from tpuboot.checks.image import (
     Check,
     CheckResult,
     Checks,
+    Systemd,
     failed,
     kernel_arch,
     passed,
@@ -183,6 +184,7 @@ class Doctor:
         supervisor_present: Callable[[], bool] = _supervisor_present,
         now: Callable[[], float] = time.time,
         metadata_deadline: float = METADATA_DEADLINE,
+        systemd: Systemd | None = None,
     ) -> None:
         self.root = root
         self.config = config
@@ -190,6 +192,7 @@ class Doctor:
         self.container_state = container_state
         self.supervisor_present = supervisor_present
         self.now = now
+        self.systemd = systemd  # who answers the image checks' ``systemctl show`` (None: systemctl)
         self.binder = Binder(root, DeviceTable(config.devices), config.vfio)
         self._tpus: list[TpuStatus] | None = None
         self._slice: Reading | None = None
@@ -215,7 +218,7 @@ class Doctor:
     def run(self) -> list[Verdict]:
         """The device checks, then imagecheck's, then the rest; each result named."""
         own = self.checks.run(self.root)
-        image = run_checks(self.root)
+        image = run_checks(self.root, systemd=self.systemd)
         split = self.checks.names.index("tpu-env")
         ordered = own[:split] + image + own[split:]
         return [Verdict(r, r.name not in ADVISORY) for r in ordered]

@@ -99,6 +99,12 @@ class Checks:
                 raise UsageError(f"no check named {pattern!r}; the names are {', '.join(self._checks)}")
         return [name for name in self._checks if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 
+    def replacing(self, checks: dict[str, Check]) -> Checks:
+        """A copy in which each named check is the one given (same names, same order)."""
+        copy = Checks()
+        copy._checks = {name: checks.get(name, func) for name, func in self._checks.items()}
+        return copy
+
     def run(self, root: Root, names: Sequence[str] | None = None) -> list[CheckResult]:
         """Every check's result (or those in ``names``); a check that cannot read what it needs
         FAILs alone."""
@@ -117,9 +123,11 @@ class Checks:
 IMAGE_CHECKS = Checks()
 
 
-def run_checks(root: Root, only: Sequence[str] = ()) -> list[CheckResult]:
-    """The image checks against ``root`` (``tpuboot image-check``); ``only``: name patterns."""
-    return IMAGE_CHECKS.run(root, IMAGE_CHECKS.select(only) if only else None)
+def run_checks(root: Root, only: Sequence[str] = (), *, systemd: Systemd | None = None) -> list[CheckResult]:
+    """The image checks against ``root`` (``tpuboot image-check``); ``only``: name patterns;
+    ``systemd``: who answers ``systemctl show`` (default: systemctl itself, on the host)."""
+    checks = IMAGE_CHECKS if systemd is None else IMAGE_CHECKS.replacing(limit_checks(systemd))
+    return checks.run(root, checks.select(only) if only else None)
 
 
 # --- Reading files under the root ---------------------------------------------------------------
@@ -457,27 +465,33 @@ def _file_limits(root: Root, files: list[str], section: str, prefix: str) -> dic
     return out
 
 
-def _live_systemd(root: Root) -> bool:
-    """True when ``systemctl show`` can tell what is in force: the host, with systemd running."""
-    return root.is_host and root.path("/run/systemd/system").is_dir()
+class Systemd:
+    """What systemd has in force, from ``systemctl show``; the limit checks ask it before the files.
+    A test passes its own (``run_checks(systemd=...)``, ``Doctor(systemd=...)``)."""
+
+    def live(self, root: Root) -> bool:
+        """True when ``systemctl show`` can tell what is in force: the host, with systemd running."""
+        return root.is_host and root.path("/run/systemd/system").is_dir()
+
+    def show(self, unit: str | None, properties: list[str]) -> dict[str, str] | None:
+        """``systemctl show`` of the manager (``unit`` None) or of a unit; None if it cannot answer."""
+        argv = ["systemctl", "show", *(f"--property={p}" for p in properties), *([unit] if unit else [])]
+        try:
+            out = subproc.run(argv, timeout=10)
+        except TpubootError:
+            return None
+        return dict(line.partition("=")[::2] for line in out.splitlines() if "=" in line)
 
 
-def _systemctl_show(unit: str | None, properties: list[str]) -> dict[str, str] | None:
-    """``systemctl show`` of the manager (``unit`` None) or of a unit; None if it cannot answer."""
-    argv = ["systemctl", "show", *(f"--property={p}" for p in properties), *([unit] if unit else [])]
-    try:
-        out = subproc.run(argv, timeout=10)
-    except TpubootError:
-        return None
-    return dict(line.partition("=")[::2] for line in out.splitlines() if "=" in line)
+SYSTEMD = Systemd()
 
 
 def _shown_limits(
-    unit: str | None, prefix: str, extra: tuple[str, ...] = ()
+    systemd: Systemd, unit: str | None, prefix: str, extra: tuple[str, ...] = ()
 ) -> tuple[dict[str, Limit], dict[str, str]] | None:
     """The limits ``systemctl show`` reports (hard ``{prefix}X``, soft ``{prefix}XSoft``)."""
     names = [f"{prefix}{item.upper()}{soft}" for item in ITEMS for soft in ("", "Soft")]
-    shown = _systemctl_show(unit, [*names, *extra])
+    shown = systemd.show(unit, [*names, *extra])
     if shown is None:
         return None
     limits = {}
@@ -490,23 +504,22 @@ def _shown_limits(
     return limits, shown
 
 
-def manager_limits(root: Root) -> dict[str, Limit]:
+def manager_limits(root: Root, systemd: Systemd = SYSTEMD) -> dict[str, Limit]:
     """systemd's default limits for every service that does not set its own."""
-    if _live_systemd(root) and (live := _shown_limits(None, "DefaultLimit")) is not None:
+    if systemd.live(root) and (live := _shown_limits(systemd, None, "DefaultLimit")) is not None:
         return live[0]
     files = [MANAGER_CONF, *_layered(root, MANAGER_DROPIN_DIRS, "*.conf")]
     limits = _file_limits(root, files, "Manager", "DefaultLimit")
     return {item: limit or Limit(None, None, "systemd's built-in default") for item, limit in limits.items()}
 
 
-@IMAGE_CHECKS.add("systemd-default-limits")
-def check_manager_limits(root: Root) -> CheckResult:
+def check_manager_limits(root: Root, systemd: Systemd = SYSTEMD) -> CheckResult:
     """Every service's limits unless its unit sets its own: PAM limits never reach services."""
     fix = (
         f"install tpuboot ({MANAGER_DROPIN}) or set DefaultLimitMEMLOCK=infinity and "
         f"DefaultLimitNOFILE={MIN_NOFILE} in /etc/systemd/system.conf.d/, then reboot"
     )
-    return _judge("systemd defaults", manager_limits(root), fix)
+    return _judge("systemd defaults", manager_limits(root, systemd), fix)
 
 
 def _unit_file(root: Root, unit: str) -> str | None:
@@ -517,9 +530,9 @@ def _unit_file(root: Root, unit: str) -> str | None:
     return path
 
 
-def unit_limits(root: Root, unit: str) -> dict[str, Limit] | None:
+def unit_limits(root: Root, unit: str, systemd: Systemd = SYSTEMD) -> dict[str, Limit] | None:
     """A service's memlock and nofile limits; None if the unit is not installed (or masked)."""
-    if _live_systemd(root) and (live := _shown_limits(unit, "Limit", ("LoadState",))) is not None:
+    if systemd.live(root) and (live := _shown_limits(systemd, unit, "Limit", ("LoadState",))) is not None:
         limits, shown = live
         return limits if shown.get("LoadState") == "loaded" else None
     path = _unit_file(root, unit)
@@ -530,16 +543,16 @@ def unit_limits(root: Root, unit: str) -> dict[str, Limit] | None:
     dropins += _layered(root, tuple(f"{d}/{kind}.d" for d in UNIT_DIRS), "*.conf")  # for every service
     dropins.sort(key=os.path.basename)
     own = _file_limits(root, [path, *dropins], "Service", "Limit")
-    default = manager_limits(root)
+    default = manager_limits(root, systemd)
     return {
         item: limit or dataclasses.replace(default[item], source=f"default: {default[item].source}")
         for item, limit in own.items()
     }
 
 
-def _runtime_check(unit: str) -> Check:
+def _runtime_check(unit: str, systemd: Systemd) -> Check:
     def check(root: Root) -> CheckResult:
-        limits = unit_limits(root, unit)
+        limits = unit_limits(root, unit, systemd)
         if limits is None:
             return skipped(f"{unit} is not installed")
         fix = (
@@ -553,8 +566,17 @@ def _runtime_check(unit: str) -> Check:
     return check
 
 
-IMAGE_CHECKS.add("docker-limits")(_runtime_check("docker.service"))
-IMAGE_CHECKS.add("containerd-limits")(_runtime_check("containerd.service"))
+def limit_checks(systemd: Systemd) -> dict[str, Check]:
+    """The checks that ask ``systemd`` what is in force, by name."""
+    return {
+        "systemd-default-limits": lambda root: check_manager_limits(root, systemd),
+        "docker-limits": _runtime_check("docker.service", systemd),
+        "containerd-limits": _runtime_check("containerd.service", systemd),
+    }
+
+
+for _name, _check in limit_checks(SYSTEMD).items():
+    IMAGE_CHECKS.add(_name)(_check)
 
 
 # --- udev --------------------------------------------------------------------------------------
