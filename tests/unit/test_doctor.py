@@ -105,7 +105,6 @@ class Silent:
 
 
 def doctor(kernel: FakeKernel, config: Config | None = None, **kwargs) -> list[Verdict]:
-    kwargs.setdefault("supervisor_present", lambda: True)
     kwargs.setdefault("container_state", lambda root, name: "running")
     kwargs.setdefault("metadata", Values())  # a metadata server that has none of the keys
     kwargs.setdefault("systemd", NoSystemctl())
@@ -265,7 +264,6 @@ def test_vbar_skips_on_gke_or_when_off_and_fails_when_it_does_not_run(kernel):
         "a GKE node (instance attribute cluster-name is set): GKE runs vBar (its device plugin)",
     )
     assert vbar(config=Config(gke="true"))[0] == "SKIP"
-    assert vbar(supervisor_present=lambda: False) == ("SKIP", "this tpuboot has no vBar supervisor yet")
     assert vbar(config=Config(vbar=VbarConfig(enabled=False))) == (
         "SKIP",
         "vbar.enabled is false in the configuration",

@@ -62,7 +62,6 @@ def doctor_says(client: MetadataClient, tmp_path: Path) -> bool | None:
             config,
             metadata=client,
             container_state=lambda root, name: "running",
-            supervisor_present=lambda: True,
         ).run()
         if v.result.name == "vbar-running"
     ]

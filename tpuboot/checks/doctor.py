@@ -23,7 +23,6 @@ Every check is required (a FAIL makes the exit status non-zero) except those in
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import logging
 import re
 import time
@@ -162,10 +161,6 @@ def _dockerd_fix(root: Root) -> str:
     return "apt install docker.io (then systemctl restart tpuboot)"
 
 
-def _supervisor_present() -> bool:
-    return importlib.util.find_spec("tpuboot.containers.supervisor") is not None
-
-
 def _ignoring_root(check: Callable[[], CheckResult]) -> Check:
     """A doctor check as the check table wants it: doctor's checks hold their root already."""
     return lambda root: check()
@@ -181,7 +176,6 @@ class Doctor:
         *,
         metadata: MetadataReader | None = None,
         container_state: ContainerProbe = docker_container_state,
-        supervisor_present: Callable[[], bool] = _supervisor_present,
         now: Callable[[], float] = time.time,
         metadata_deadline: float = METADATA_DEADLINE,
         systemd: Systemd | None = None,
@@ -190,7 +184,6 @@ class Doctor:
         self.config = config
         self.metadata = AskedOnce(metadata or NoServer(), metadata_deadline)
         self.container_state = container_state
-        self.supervisor_present = supervisor_present
         self.now = now
         self.systemd = systemd  # who answers the image checks' ``systemctl show`` (None: systemctl)
         self.binder = Binder(root, DeviceTable(config.devices), config.vfio)
@@ -525,8 +518,6 @@ class Doctor:
         not_here = self._agent_needed(vbar.enabled, "vbar.enabled", "vBar (its device plugin)")
         if not_here is not None:
             return not_here
-        if not self.supervisor_present():
-            return skipped("this tpuboot has no vBar supervisor yet")
         if vbar.runtime != "docker":
             return skipped(f"vbar.runtime is {vbar.runtime}: no container to ask about")
         return self._container(
