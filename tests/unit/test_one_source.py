@@ -4,13 +4,14 @@ changed without the other."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
 import pytest
 
 from tests.mds_emulator import MetadataEmulator
-from tests.unit.conftest import FAST_BACKOFF
+from tests.unit.conftest import FAST_BACKOFF, INSTANCE_UUID, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot.checks import image
@@ -20,6 +21,7 @@ from tpuboot.containers.gke import gke_node
 from tpuboot.devices.survey import survey
 from tpuboot.devices.vfio import IOMMU_OFF_FIX, IOMMU_PARAM, UNSAFE_INTERRUPTS
 from tpuboot.env.metadata import MetadataClient
+from tpuboot.env.sync import EnvSync, cache_path, read_cache
 from tpuboot.errors import IommuOffError
 from tpuboot.paths import Root
 
@@ -152,3 +154,39 @@ def test_the_cli_offers_the_metadata_kinds_the_client_knows() -> None:
     from tpuboot.env.metadata import KINDS
 
     assert tuple(KINDS) == cli.METADATA_KINDS
+
+
+# --- the tpu-env cache ------------------------------------------------------------------------------------
+
+CACHE_RECORDS = {
+    "this instance's": {"format": 2, "product_uuid": INSTANCE_UUID},
+    "a clone's": {"format": 2, "product_uuid": "0f0e0d0c-0b0a-4908-8706-050403020100"},
+    "an older tpuboot's": {"format": 1},
+    "of no instance": {"format": 2, "product_uuid": None},
+    "of an unknown format": {"format": 3, "product_uuid": INSTANCE_UUID},
+}
+
+
+@pytest.mark.parametrize("record", sorted(CACHE_RECORDS))
+def test_doctor_trusts_the_cache_exactly_when_the_daemon_uses_it(record: str, root: Root) -> None:
+    """The metadata server is down: the sync writes tpu-env from the cache if it is this instance's;
+    doctor then finds the file fresh, and otherwise names the reason the daemon logged."""
+    config = make_config()
+    yaml = "ACCELERATOR_TYPE: v5p-8\nWORKER_ID: '0'\n"
+    fields = {"fetched": "2026-11-29T20:00:00+00:00", "etag": "e1", "tpu_env": yaml, **CACHE_RECORDS[record]}
+    cache = root.path(cache_path(config))
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps(fields))
+    root.path(config.env.tpu_env_path).write_text('ZONE="from an older boot"\n')
+    with MetadataEmulator() as emu:
+        url = emu.url  # nothing listens there any more
+    client = MetadataClient(url, timeout=0.2, backoff=FAST_BACKOFF)
+    used = EnvSync(root, config, client).sync_once(0.3).source == "cache"
+    state = read_cache(root, config)
+    fresh = Doctor(root, config).check_tpu_env_fresh()
+    assert used == (record == "this instance's")
+    if used:
+        assert fresh.status == "PASS" and "matches the last value fetched" in fresh.detail
+    else:
+        assert state.problem is not None
+        assert fresh.status == "FAIL" and fresh.detail.startswith(state.problem)

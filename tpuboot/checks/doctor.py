@@ -3,9 +3,9 @@
 The checks of GKE's OS image certification for TPU hosts (../shared/notes/tpu-facts.md) and
 tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_pci loaded, the
 /dev/vfio nodes' mode, allow_unsafe_interrupts where tpuboot sets it, the IOMMU groups viable,
-tpu-env present, parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry collector
-running (not on GKE), the number of usable chips the machine type or the slice implies, and the
-slice tpu-env describes (:mod:`tpuboot.checks.slices`). The image settings (kernel command line,
+tpu-env present, parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry
+collector running (not on GKE), the number of usable chips the machine type or the slice implies,
+and the slice tpu-env describes (:mod:`tpuboot.checks.slices`). The image settings (kernel command line,
 transparent huge pages, limits for logins and the container runtimes, the accel udev rule) are
 :mod:`tpuboot.checks.image`'s checks, run as they are.
 
