@@ -23,6 +23,7 @@ Every check is required (a FAIL makes the exit status non-zero) except those in
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import re
 import time
@@ -190,7 +191,6 @@ class Doctor:
         self._tpus: list[TpuStatus] | None = None
         self._slice: Reading | None = None
         self._gke_answer: GkeAnswer | None = None
-        self._tpu_env_text: tuple[str | None] | None = None  # the file as read once
         self.checks = Checks()
         for name, check in (
             ("tpus-bound", self.check_tpus_bound),
@@ -331,7 +331,7 @@ class Doctor:
     def slice(self) -> Reading:
         """This host's slice, from the machine type and tpu-env (read once)."""
         if self._slice is None:
-            self._slice = read_slice(self._tpu_env_values(), self._lookup("instance/machine-type"))
+            self._slice = read_slice(self.tpu_env_values, self._lookup("instance/machine-type"))
         return self._slice
 
     def _nothing_known(self) -> str:
@@ -392,27 +392,27 @@ class Doctor:
         data = read_file(self.root, path, limit=MAX_FILE)
         return None if data is None else data.decode("utf-8", "replace")
 
-    def _tpu_env_file(self) -> str | None:
+    @functools.cached_property
+    def tpu_env_text(self) -> str | None:
         """The tpu-env file as the workload reads it (read once); None if absent or env is off."""
-        if self._tpu_env_text is None:
-            enabled = self.config.env.enabled
-            self._tpu_env_text = (self._read(self.config.env.tpu_env_path) if enabled else None,)
-        return self._tpu_env_text[0]
+        return self._read(self.config.env.tpu_env_path) if self.config.env.enabled else None
 
-    def _tpu_env_values(self) -> dict[str, str] | None:
-        text = self._tpu_env_file()
+    @functools.cached_property
+    def tpu_env_values(self) -> dict[str, str] | None:
+        """The file's values, parsed once by tpuenv's parser; None if absent or not KEY="value" lines."""
+        text = self.tpu_env_text
         return None if text is None else parse_env_file(text)
 
     def check_tpu_env(self) -> CheckResult:
         path = self.config.env.tpu_env_path
         if not self.config.env.enabled:
             return skipped("env.enabled is false: tpuboot does not write tpu-env")
-        text = self._tpu_env_file()
+        text = self.tpu_env_text
         if text is None:
             return failed(
                 f"{path} is missing", "tpuboot env (or systemctl restart tpuboot); check the metadata server"
             )
-        values = self._tpu_env_values()
+        values = self.tpu_env_values
         if values is None:
             return failed(f'{path} is not a file of KEY="value" lines', f"tpuboot env rewrites {path}")
         if not values:
@@ -425,7 +425,7 @@ class Doctor:
         path = self.config.env.tpu_env_path
         if not self.config.env.enabled:
             return skipped("env.enabled is false: tpuboot does not write tpu-env")
-        text = self._tpu_env_file()
+        text = self.tpu_env_text
         if text is None:
             return skipped(f"{path} is missing (see the tpu-env check)")
         fix = "tpuboot env (or systemctl restart tpuboot), then check the metadata server"
