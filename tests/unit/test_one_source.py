@@ -93,6 +93,21 @@ def test_a_silent_server_is_no_answer_for_both(tmp_path: Path) -> None:
     assert doctor_says(MetadataClient(url, timeout=0.3, backoff=FAST_BACKOFF), tmp_path) is None
 
 
+def test_without_a_server_to_ask_auto_is_no_answer_for_both(tmp_path: Path) -> None:
+    """The daemon's old shortcut (no client: not GKE) is gone; neither side guesses."""
+    stop = threading.Event()
+    found: list[bool | None] = []
+    thread = threading.Thread(target=lambda: found.append(gke_node("auto", None, stop)))
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive()  # still waiting for an answer
+    stop.set()
+    thread.join(10)
+    assert found == [None]
+    vbar = Doctor(FakeKernel(tmp_path / "root").root, Config()).check_vbar()
+    assert vbar.detail.startswith("cannot tell whether this is a GKE node: ")
+
+
 # --- the IOMMU is off -------------------------------------------------------------------------------
 
 
