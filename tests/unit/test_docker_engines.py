@@ -82,9 +82,7 @@ def test_an_engine_with_no_version_in_common_is_a_start_failure_and_a_doctor_fai
             docker_runtime(fake).start()
         with pytest.raises(DockerError):
             docker_container_state(Root(fake.root), "vbar")
-        verdicts = Doctor(Root(fake.root), Config(gke="false"), supervisor_present=lambda: True).checks.run(
-            Root(fake.root)
-        )
+        verdicts = Doctor(Root(fake.root), Config(gke="false")).checks.run(Root(fake.root))
     assert str(caught.value) == (
         "vbar: dockerd accepts Engine API 1.60 to 1.70 and tpuboot speaks 1.24 to 1.52: upgrade tpuboot"
     )

@@ -317,11 +317,16 @@ class DockerAPI:
     """The Engine API at ``socket_path``, in the version dockerd speaks (asked once)."""
 
     def __init__(
-        self, socket_path: str = DOCKER_SOCKET, timeout: float = TIMEOUT, pull_timeout: float = PULL_TIMEOUT
+        self,
+        socket_path: str = DOCKER_SOCKET,
+        timeout: float = TIMEOUT,
+        pull_timeout: float = PULL_TIMEOUT,
+        max_body: int = MAX_BODY,
     ) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
         self.pull_timeout = pull_timeout
+        self.max_body = max_body  # a JSON answer longer than this is refused
         self.api_version: str | None = None  # the version spoken, once negotiated
         self.daemon_versions: tuple[str | None, str] | None = None  # dockerd's (minimum, newest)
 
@@ -465,7 +470,7 @@ class DockerAPI:
         """One request and its whole JSON answer (None when there is no body: 204, 304)."""
         conn, response = self._open(method, path, query, body, versioned=versioned)
         try:
-            data = _read_body(response, MAX_BODY, f"{method} {path}")
+            data = _read_body(response, self.max_body, f"{method} {path}")
         except ProtocolError:
             raise
         except (OSError, http.client.HTTPException) as exc:
