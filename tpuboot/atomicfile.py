@@ -39,7 +39,7 @@ import secrets
 import stat
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tpuboot.errors import TpubootError
 from tpuboot.paths import Root
@@ -55,6 +55,10 @@ class FileWriteError(TpubootError):
     """A file could not be read or replaced safely."""
 
 
+#: ``sweep(dir_fd, name)``: remove what crashed writes of ``name`` left in the directory.
+Sweep = Callable[[int, str], None]
+
+
 def write_file(
     root: Root,
     path: str,
@@ -63,12 +67,15 @@ def write_file(
     mode: int | None = None,
     owner: tuple[int, int] | None = None,
     dir_mode: int = 0o755,
+    sweep: Sweep | None = None,
 ) -> bool:
     """Atomically make ``path`` (absolute, under ``root``) hold ``data``; True if it was rewritten.
 
     ``mode``/``owner`` None keep the existing file's (0644 and this process's for a new
     file). A file that already has this content, mode and owner is left untouched, so
     repeated runs cause no writes. Missing directories are created with ``dir_mode``.
+    ``sweep`` (default :func:`sweep_stale_temps`) runs once the file is in place; its OSError
+    is ignored, since the write is done.
     """
     try:
         parent, name = _resolve(root, path, create=True, dir_mode=dir_mode)
@@ -85,7 +92,7 @@ def write_file(
         want_owner = owner if owner is not None else ((current.st_uid, current.st_gid) if current else None)
         if current and _same(parent, name, current, data, want_mode, want_owner):
             return False
-        _replace(parent, name, data, want_mode, want_owner)
+        _replace(parent, name, data, want_mode, want_owner, sweep or sweep_stale_temps)
         return True
     except OSError as exc:
         raise FileWriteError(f"cannot write {path}: {_write_fix(exc)}") from None
@@ -295,7 +302,9 @@ def _create_temp(parent: int, name: str) -> tuple[int, str]:
     raise FileExistsError(errno.EEXIST, f"no free temporary name beside {name}")
 
 
-def _replace(parent: int, name: str, data: bytes, mode: int, owner: tuple[int, int] | None) -> None:
+def _replace(
+    parent: int, name: str, data: bytes, mode: int, owner: tuple[int, int] | None, sweep: Sweep
+) -> None:
     fd, temp = _create_temp(parent, name)
     try:
         try:
@@ -316,11 +325,11 @@ def _replace(parent: int, name: str, data: bytes, mode: int, owner: tuple[int, i
             os.unlink(temp, dir_fd=parent)
         raise
     with contextlib.suppress(OSError):  # the file is in place; leftovers wait for the next write
-        _sweep_stale_temps(parent, name)
+        sweep(parent, name)
     os.fsync(parent)
 
 
-def _sweep_stale_temps(parent: int, name: str) -> None:
+def sweep_stale_temps(parent: int, name: str) -> None:
     """Remove temp files of ``name`` that a crash left behind: ours (same owner), regular, and
     older than STALE_TEMP_S. Anything else with a similar name, a symlink included, stays."""
     prefix = f".{name}.tpuboot-"

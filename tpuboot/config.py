@@ -434,6 +434,31 @@ class TelemetryConfig(_PrivilegedImage):
     registries: tuple[str, ...] = _opt(DEFAULT_REGISTRIES, parse_registries)
 
 
+#: Google's registries, as docker's credential helpers for them know them: Container Registry
+#: (gcr.io and its regional hosts) and Artifact Registry's docker hosts (LOCATION-docker.pkg.dev).
+DEFAULT_TOKEN_REGISTRIES = ("gcr.io", "*.gcr.io", "*-docker.pkg.dev")
+
+
+def parse_token_registries(value: Any, where: str) -> tuple[str, ...]:
+    """A list (maybe empty) of registry hosts, each ``host[:port]`` or ``*`` and the rest of a host."""
+    from tpuboot.containers.credentials import parse_host_pattern
+
+    if not isinstance(value, list):
+        raise _fail(where, "expected a list of registry hosts, like [gcr.io, '*-docker.pkg.dev'], or []")
+    for index, item in enumerate(value):
+        try:
+            parse_host_pattern(parse_str(item, f"{where}[{index}]"))
+        except ValueError as exc:
+            raise _fail(f"{where}[{index}]", str(exc)) from None
+    return tuple(value)
+
+
+class RegistryAuthConfig(Section):
+    """Which registries a pull sends the VM's service-account token to (tpuboot/containers/credentials.py)."""
+
+    token_registries: tuple[str, ...] = _opt(DEFAULT_TOKEN_REGISTRIES, parse_token_registries)
+
+
 class MetricsConfig(Section):
     """Prometheus metrics on loopback, and a node_exporter textfile directory for one-shot commands."""
 
@@ -488,6 +513,9 @@ class Config(Section):
     vbar: VbarConfig = _opt(VbarConfig(), lambda v, w: _section(VbarConfig, v, w))
     telemetry: TelemetryConfig = _opt(TelemetryConfig(), lambda v, w: _section(TelemetryConfig, v, w))
     supervisor: SupervisorConfig = _opt(SupervisorConfig(), lambda v, w: _section(SupervisorConfig, v, w))
+    registry_auth: RegistryAuthConfig = _opt(
+        RegistryAuthConfig(), lambda v, w: _section(RegistryAuthConfig, v, w)
+    )
     metrics: MetricsConfig = _opt(MetricsConfig(), lambda v, w: _section(MetricsConfig, v, w))
     guest_attributes: GuestAttributesConfig = _opt(
         GuestAttributesConfig(), lambda v, w: _section(GuestAttributesConfig, v, w)

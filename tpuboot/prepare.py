@@ -34,6 +34,7 @@ from collections.abc import Callable
 from tpuboot import subproc
 from tpuboot.checks.image import CheckResult, failed, passed, run_checks, skipped, warned
 from tpuboot.config import Config
+from tpuboot.containers.credentials import ANONYMOUS, ServiceAccountCredentials
 from tpuboot.containers.docker import MANAGED_LABEL, split_image
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
 from tpuboot.containers.imageref import ImageRefused, RegistryAllowlist
@@ -70,13 +71,16 @@ class Preparer:
         systemctl: Systemctl = _systemctl,
         docker: DockerFactory | None = None,
         live: bool | None = None,
+        credentials: ServiceAccountCredentials | None = None,
     ) -> None:
-        """``live``: act on the running system (systemd, dockerd); default: when root is /."""
+        """``live``: act on the running system (systemd, dockerd); default: when root is /.
+        ``credentials``: the registry token for pulls, as the daemon sends it (none: anonymous)."""
         self.root = root
         self.live = root.is_host if live is None else live
         self.config = config
         self.systemctl = systemctl
         self.docker = docker or (lambda: DockerAPI(str(root.path(DOCKER_SOCKET))))
+        self.credentials = credentials
         self._client: DockerAPI | None = None
         self._docker_problem: str | None = None
 
@@ -181,14 +185,15 @@ class Preparer:
                 f"install docker.io and start dockerd before prepare-image, or set {section}.enabled: false",
             )
         repository, tag = split_image(image)
+        creds = ANONYMOUS if self.credentials is None else self.credentials.for_image(image)
         try:
-            client.pull_image(repository, tag)
+            client.pull_image(repository, tag, creds.auth)
         except DockerError as exc:
             try:
                 client.inspect_image(image)
             except NotFound:
                 return failed(
-                    f"cannot pull {image}: {exc}",
+                    f"cannot pull {image}: {exc}{creds.advice(str(exc))}",
                     "make the registry reachable from the build VM (and its credentials), or "
                     "`docker load` the image before prepare-image",
                 )
@@ -230,5 +235,19 @@ class Preparer:
 
 
 def prepare(root: Root, config: Config) -> list[CheckResult]:
-    """Every step's result (see the module's docstring)."""
-    return Preparer(root, config).run()
+    """Every step's result (see the module's docstring). Pulls send the VM's service-account token
+    to the registries that take it, as the daemon's do."""
+    if not root.is_host:
+        return Preparer(root, config).run()
+    from tpuboot.env.metadata import MetadataClient
+
+    try:
+        client = MetadataClient.from_config(config.metadata)
+    except TpubootError as exc:  # a bad $GCE_METADATA_HOST: anonymous pulls, the rest as ever
+        log.warning("metadata: %s; pulling without the VM's credentials", exc)
+        return Preparer(root, config).run()
+    try:
+        credentials = ServiceAccountCredentials(client, config.registry_auth.token_registries)
+        return Preparer(root, config, credentials=credentials).run()
+    finally:
+        client.close()

@@ -65,23 +65,23 @@ def build(
     devices = DeviceManager(binder, executor, monitor, coldplug, config.ready)
     publish = config.guest_attributes.enabled != "false"
     containers_on = config.vbar.enabled or config.telemetry.enabled
-    if metadata is None and (config.env.enabled or (containers_on and config.gke == "auto") or publish):
+    if metadata is None and (config.env.enabled or containers_on or publish):
         try:
             metadata = MetadataClient.from_config(config.metadata, on_request=metrics.metadata_request)
         except ConfigError as exc:  # a bad $GCE_METADATA_HOST: tpu-env and the GKE check need it
             if config.env.enabled or (containers_on and config.gke == "auto"):
                 raise
-            log.error("guest attributes: %s; not publishing", exc)  # the TPUs are bound all the same
+            # the TPUs are bound all the same; pulls go without the VM's token
+            log.error("metadata: %s; no guest attributes, no registry token", exc)
             publish = False
     sync = EnvSync(root, config, metadata) if config.env.enabled and metadata is not None else None
     containers = None
     if containers_on:
         # vBar's image comes from the tpu-env values the sync parsed, never from the file it wrote.
-        gke_client = metadata if config.gke == "auto" else None
         if sync is None:
-            containers = Containers(config, root, gke_client, docker)
+            containers = Containers(config, root, metadata, docker)
         else:
-            containers = Containers(config, root, gke_client, docker, tpu_env=sync.parsed_values)
+            containers = Containers(config, root, metadata, docker, tpu_env=sync.parsed_values)
     env = None
     if sync is not None:
         on_values = None if containers is None else containers.reconfigure

@@ -1,19 +1,28 @@
 """Fixtures for the metadata and environment tests: an emulator on 127.0.0.1, a client, a temp Root.
 
-An autouse guard refuses any TCP connection that is not to the loopback range, so no test
-can reach a real metadata server or the internet by mistake. Another puts the ``tpuboot`` logger
-back after each test: `cli.main` points it at the stderr of the moment, which pytest closes when
-the test ends, and a thread still stopping would otherwise print "--- Logging error ---".
+No test reaches anything but the loopback range: a TCP connection elsewhere (a real metadata
+server, the internet) fails the test. The guard is the process's audit hook (PEP 578,
+``sys.addaudithook``) on the ``socket.connect`` event, switched on around every unit test by the
+autouse fixture :func:`loopback_only`: nothing in tpuboot or the libraries is patched, and a test
+cannot lift it by accident (``monkeypatch.undo()``, a patch of ``socket`` of its own, a library
+that keeps a reference to the real ``connect``: audit hooks cannot be removed and see every
+connect, through whichever name it is called). The same hook lets a test watch the events of a
+block of code (:func:`audit_events`), where it would otherwise patch ``os`` to spy on calls.
+Another fixture puts the ``tpuboot`` logger back after each test: `cli.main` points it at the
+stderr of the moment, which pytest closes when the test ends, and a thread still stopping would
+otherwise print "--- Logging error ---".
 A DeprecationWarning raised from tpuboot's code is an error: what is deprecated on this Python
 and these libraries is gone on a newer one (3.12, 3.13, urllib3 2.x), which does not run here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import random
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,34 +33,64 @@ from tpuboot.config import Config, EnvConfig, MetadataConfig
 from tpuboot.env.metadata import Backoff, MetadataClient
 from tpuboot.paths import Root
 
-_real_connect = socket.socket.connect
+
+def _is_loopback(address: object) -> bool:
+    host = str(address[0]) if isinstance(address, tuple) and address else str(address)
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
-def _loopback_only(self: socket.socket, address: object) -> None:
-    if self.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
-        host = str(address[0])
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = host == "localhost"
-        if not loopback:
-            raise AssertionError(f"test tried to connect to {address!r}; tests may only reach 127.0.0.1")
-    _real_connect(self, address)
+class _Audit:
+    """The test process's one audit hook: the loopback guard, and the recorders of audit_events."""
+
+    def __init__(self) -> None:
+        self.guard = False
+        self.recorders: list[list[tuple[str, tuple[object, ...]]]] = []
+
+    def __call__(self, event: str, args: tuple[object, ...]) -> None:
+        if self.guard and event == "socket.connect":
+            sock, address = args
+            inet = isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6)
+            if inet and not _is_loopback(address):
+                raise AssertionError(f"test tried to connect to {address!r}; tests may only reach 127.0.0.1")
+        for recorder in list(self.recorders):
+            recorder.append((event, args))
+
+
+AUDIT = _Audit()
+sys.addaudithook(AUDIT)
+
+
+@contextlib.contextmanager
+def audit_events() -> Iterator[list[tuple[str, tuple[object, ...]]]]:
+    """The audit events (``os.listdir``, ``open``, ...) raised in the block, by any thread."""
+    seen: list[tuple[str, tuple[object, ...]]] = []
+    AUDIT.recorders.append(seen)
+    try:
+        yield seen
+    finally:
+        AUDIT.recorders.remove(seen)
+
+
+_OVERRIDES = ("GCE_METADATA_HOST", "GCE_METADATA_ROOT", "http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY")
 
 
 @pytest.fixture(autouse=True)
-def loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No test talks to anything but 127.0.0.1; no inherited override points the client elsewhere."""
-    monkeypatch.setattr(socket.socket, "connect", _loopback_only)
-    for name in (
-        "GCE_METADATA_HOST",
-        "GCE_METADATA_ROOT",
-        "http_proxy",
-        "HTTP_PROXY",
-        "no_proxy",
-        "NO_PROXY",
-    ):
-        monkeypatch.delenv(name, raising=False)
+def loopback_only() -> Iterator[None]:
+    """No test talks to anything but 127.0.0.1; no inherited override points the client elsewhere.
+
+    Its own MonkeyPatch: a test's ``monkeypatch.undo()`` puts back none of these variables.
+    """
+    with pytest.MonkeyPatch.context() as env:
+        for name in _OVERRIDES:
+            env.delenv(name, raising=False)
+        AUDIT.guard = True
+        try:
+            yield
+        finally:
+            AUDIT.guard = False
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -19,10 +19,18 @@ every request as they are: short bodies, odd Content-Lengths, broken chunking), 
 (every answer's status line and a header that never ends, a byte per ``trickle`` seconds),
 ``event_preamble`` (raw bytes, chunk framing included or broken, that open each event stream)
 and ``event_flood`` (that many bytes without a newline open each event stream).
+
+Registries that require credentials: ``registry_credentials[host] = (username, password)``.
+A pull's ``X-Registry-Auth`` header is decoded as dockerd decodes it (base64url with padding,
+then JSON; a header it cannot decode counts as none, as Debian 12's dockerd 20.10 does without
+a word) and kept in ``pull_auths``; a pull from such a host without that pair is refused as
+dockerd relays the registry's 401, before any progress.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import http.server
 import itertools
 import json
@@ -53,6 +61,7 @@ class Request:
     query: dict[str, str]
     body: Any
     version: str | None  # the /v1.xx prefix, None if unversioned
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +77,23 @@ ENGINES = {
     "docker29": ("1.52", "1.44", "29.1.3"),
     "future": ("1.61", "1.44", "33.0.0"),
 }
+
+
+#: dockerd's status for a pull the registry refused (it answers before any progress).
+REFUSED_STATUS = 401
+_BASE64URL = re.compile(r"(?:[A-Za-z0-9_-]{4})*(?:[A-Za-z0-9_-]{2}==|[A-Za-z0-9_-]{3}=)?")
+
+
+def decode_registry_auth(header: str | None) -> dict[str, Any] | None:
+    """An ``X-Registry-Auth`` value as dockerd reads it (Go's ``base64.URLEncoding``: the URL-safe
+    alphabet, padding required, then a JSON object); None when dockerd would find no credentials."""
+    if not header or not _BASE64URL.fullmatch(header):
+        return None
+    try:
+        data = json.loads(base64.urlsafe_b64decode(header))
+    except (binascii.Error, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -97,6 +123,8 @@ class FakeDockerd:
         self.images: set[str] = set()
         self.pull_error: str | None = None
         self.pulls: list[tuple[str, str]] = []
+        self.pull_auths: list[dict[str, Any] | None] = []  # each pull's decoded X-Registry-Auth
+        self.registry_credentials: dict[str, tuple[str, str]] = {}  # host -> the pair it takes
         self.requests: list[Request] = []
         self.subscribers: list[Subscriber] = []  # every event stream opened, in order
         self.on_pull: Callable[[], None] | None = None  # runs inside each pull
@@ -305,7 +333,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if match := re.fullmatch(r"/v(\d+\.\d+)(/.*)", path):
             version, path = match.groups()
         with fake.lock:
-            fake.requests.append(Request(method, url.path, query, body, version))
+            fake.requests.append(Request(method, url.path, query, body, version, dict(self.headers.items())))
         if fake.raw_answer is not None:
             self.close_connection = True
             self.wfile.write(fake.raw_answer)
@@ -345,7 +373,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if (method, path) == ("GET", "/events"):
             return self._events(query)
         if (method, path) == ("POST", "/images/create"):
-            return self._pull(query)
+            return self._pull(query, self.headers.get("X-Registry-Auth"))
         if (method, path) == ("POST", "/containers/create"):
             return self._create(query, body)
         if method == "GET" and (match := re.fullmatch(r"/images/(.+)/json", path)):
@@ -424,12 +452,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 status, answer = 201, {"Id": fake._create(name, body), "Warnings": []}
         self._send(status, answer)
 
-    def _pull(self, query: dict[str, str]) -> None:
+    def _pull(self, query: dict[str, str], header: str | None) -> None:
         fake = self.server.fake
         repository, tag = query.get("fromImage", ""), query.get("tag", "")
+        auth = decode_registry_auth(header)
+        host = repository.split("/")[0]
         with fake.lock:
             fake.pulls.append((repository, tag))
+            fake.pull_auths.append(auth)
             error = fake.pull_error
+            wanted = fake.registry_credentials.get(host)
+        given = ((auth or {}).get("username"), (auth or {}).get("password"))
+        if wanted is not None and given != wanted:
+            # What Debian 12's dockerd says (seen in tests/vm/test_tpuboot_registry.py).
+            manifest = f'Head "https://{host}/v2/{repository[len(host) + 1 :]}/manifests/{tag}"'
+            what = (
+                "unauthorized: authentication required" if auth else f"{manifest}: no basic auth credentials"
+            )
+            return self._error(REFUSED_STATUS, what)
         if fake.on_pull is not None:
             fake.on_pull()
         self._stream_start()

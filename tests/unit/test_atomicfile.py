@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.conftest import audit_events
 from tpuboot import atomicfile
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
 from tpuboot.paths import Root
@@ -265,30 +266,28 @@ def test_a_directory_at_the_name_is_one_line_naming_the_fix(root: Root) -> None:
     assert leftovers(root.path("/home/tpu-runtime")) == []
 
 
-def test_a_failing_sweep_does_not_fail_a_write_that_is_done(
-    root: Root, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failing_sweep_does_not_fail_a_write_that_is_done(root: Root) -> None:
+    swept: list[str] = []
+
     def refuse(parent: int, name: str) -> None:
+        swept.append(name)
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(atomicfile, "_sweep_stale_temps", refuse)
-    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n")
+    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n", sweep=refuse)
+    assert swept == ["tpu-env"]
     assert root.path("/home/tpu-runtime/tpu-env").read_bytes() == b"A=1\n"
 
 
-def test_the_sweep_streams_a_directory_without_listing_it_whole(
-    root: Root, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_sweep_streams_a_directory_without_listing_it_whole(root: Root) -> None:
+    """os.scandir, one name at a time; never os.listdir, a list of all of a user's (maybe millions
+    of) names. Watched through the interpreter's audit events, which both raise."""
     home = root.path("/home/tpu-runtime")
     for i in range(200):
         (home / f"junk{i}").write_bytes(b"")
-
-    def whole_list(*args: object) -> list[str]:
-        raise AssertionError("os.listdir: a list of all of a user's (maybe millions of) names")
-
-    monkeypatch.setattr(atomicfile.os, "listdir", whole_list)
-    assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n")
-    monkeypatch.undo()
+    with audit_events() as events:
+        assert write_file(root, "/home/tpu-runtime/tpu-env", b"A=1\n")
+    listed = [name for name, _ in events if name in ("os.listdir", "os.scandir")]
+    assert listed == ["os.scandir"]
     assert len(os.listdir(home)) == 201
 
 

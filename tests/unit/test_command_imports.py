@@ -58,7 +58,8 @@ ENV = {
 METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client"}
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
-              "tpuboot.containers.supervisor", "tpuboot.component"}  # fmt: skip
+              "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
+              "tpuboot.component"}  # fmt: skip
 CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.devices.kmodule",
           "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 

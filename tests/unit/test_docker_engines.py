@@ -8,12 +8,15 @@ import re
 
 import pytest
 
+from harness.mds_emulator import MetadataEmulator
 from tests.unit.fakedockerd import ENGINES, FakeDockerd, fake_dockerd
 from tests.unit.test_containers import IMAGE, docker_runtime
+from tests.unit.test_registry_credentials import GCR_IMAGE, TOKEN, credentials, runtime, token_answer
 from tests.unit.test_supervisor import Statuses, wait_until
 from tpuboot.backoff import RestartPolicy
 from tpuboot.checks.doctor import Doctor, docker_container_state
 from tpuboot.config import Config
+from tpuboot.containers.credentials import TOKEN_USERNAME
 from tpuboot.containers.docker import ContainerSpec
 from tpuboot.containers.dockerapi import DockerError
 from tpuboot.containers.supervisor import StartFailed, Supervisor
@@ -79,12 +82,23 @@ def test_an_engine_with_no_version_in_common_is_a_start_failure_and_a_doctor_fai
             docker_runtime(fake).start()
         with pytest.raises(DockerError):
             docker_container_state(Root(fake.root), "vbar")
-        verdicts = Doctor(Root(fake.root), Config(gke="false"), supervisor_present=lambda: True).checks.run(
-            Root(fake.root)
-        )
+        verdicts = Doctor(Root(fake.root), Config(gke="false")).checks.run(Root(fake.root))
     assert str(caught.value) == (
         "vbar: dockerd accepts Engine API 1.60 to 1.70 and tpuboot speaks 1.24 to 1.52: upgrade tpuboot"
     )
     (vbar,) = [v for v in verdicts if v.name == "vbar-running"]
     assert vbar.status == "FAIL" and vbar.detail.endswith("upgrade tpuboot") and vbar.fix
     assert versions_used(fake) == []
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_pull_from_a_token_registry_authenticates_on_each_engine(engine: str) -> None:
+    """The header is decoded as each engine decodes it; 20.10 would drop a malformed one silently."""
+    with (
+        fake_dockerd(*ENGINES[engine]) as fake,
+        MetadataEmulator(instance={"service-accounts/default/token": token_answer()}) as mds,
+    ):
+        fake.registry_credentials["gcr.io"] = (TOKEN_USERNAME, TOKEN)
+        assert runtime(fake, GCR_IMAGE, credentials(mds)).start().how == "started"
+        assert fake.pull_auths == [{"username": TOKEN_USERNAME, "password": TOKEN, "serveraddress": "gcr.io"}]
+        assert set(versions_used(fake)) == {SPOKEN[engine]}

@@ -19,6 +19,7 @@ from tpuboot.containers.dockerapi import (
     DockerAPI,
     DockerError,
     NotFound,
+    RegistryAuth,
     Unreachable,
     _UnixConnection,
     negotiate,
@@ -269,6 +270,45 @@ def test_a_pull_reads_the_stream_to_its_end(dockerd: FakeDockerd) -> None:
     assert dockerd.pulls == [("registry:5000/img", "2"), ("img", "sha256:" + "a" * 64)]
     client.inspect_image("registry:5000/img:2")
     client.inspect_image("img@sha256:" + "a" * 64)
+
+
+def test_a_pull_with_credentials_sends_them_in_x_registry_auth_only(dockerd: FakeDockerd) -> None:
+    client = client_of(dockerd)
+    auth = RegistryAuth("oauth2accesstoken", "ya29.token", "registry:5000")
+    dockerd.registry_credentials["registry:5000"] = ("oauth2accesstoken", "ya29.token")
+    client.pull_image("registry:5000/img", "2", auth)
+    client.pull_image("other:5000/img", "2")
+    first, second = dockerd.calls("POST", "/images/create")
+    assert first.headers["X-Registry-Auth"] == auth.header()
+    assert "X-Registry-Auth" not in second.headers
+    assert dockerd.pull_auths == [
+        {"username": "oauth2accesstoken", "password": "ya29.token", "serveraddress": "registry:5000"},
+        None,
+    ]
+    assert all("X-Registry-Auth" not in r.headers for r in dockerd.requests if "/images/create" not in r.path)
+    assert "ya29.token" not in repr(auth)
+
+
+def test_a_pull_resent_after_a_version_refusal_carries_its_credentials_again(dockerd: FakeDockerd) -> None:
+    client = client_of(dockerd)
+    client.ping()
+    dockerd.api_version = "1.40"  # downgraded under the client: its 1.41 is now too new
+    dockerd.registry_credentials["registry:5000"] = ("oauth2accesstoken", "ya29.token")
+    client.pull_image(
+        "registry:5000/img", "2", RegistryAuth("oauth2accesstoken", "ya29.token", "registry:5000")
+    )
+    refused, resent = dockerd.calls("POST", "/images/create")
+    assert (refused.version, resent.version) == ("1.41", "1.40")
+    assert refused.headers["X-Registry-Auth"] == resent.headers["X-Registry-Auth"]
+    assert dockerd.pull_auths[-1] is not None
+
+
+def test_a_pull_the_registry_refuses_is_an_api_error_with_dockerds_message(dockerd: FakeDockerd) -> None:
+    dockerd.registry_credentials["registry:5000"] = ("oauth2accesstoken", "ya29.token")
+    with pytest.raises(APIError) as caught:
+        client_of(dockerd).pull_image("registry:5000/img", "2", RegistryAuth("oauth2accesstoken", "no", "x"))
+    assert caught.value.status == 401
+    assert caught.value.explanation == "unauthorized: authentication required"
 
 
 def test_a_pull_failing_inside_a_200_stream_is_an_error(dockerd: FakeDockerd) -> None:

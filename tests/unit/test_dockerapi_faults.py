@@ -21,7 +21,14 @@ from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_deadlines import MARGIN, TRICKLE, timed
 from tpuboot.backoff import RestartPolicy
 from tpuboot.containers.docker import ContainerSpec, DockerRuntime
-from tpuboot.containers.dockerapi import MAX_LINE, DockerAPI, DockerError, ProtocolError, Unreachable
+from tpuboot.containers.dockerapi import (
+    MAX_BODY,
+    MAX_LINE,
+    DockerAPI,
+    DockerError,
+    ProtocolError,
+    Unreachable,
+)
 from tpuboot.containers.imageref import RegistryAllowlist
 from tpuboot.containers.supervisor import Supervisor
 
@@ -32,8 +39,8 @@ def dockerd() -> Iterator[FakeDockerd]:
         yield fake
 
 
-def negotiated(fake: FakeDockerd, timeout: float = 5.0) -> DockerAPI:
-    client = DockerAPI(str(fake.socket_path), timeout=timeout)
+def negotiated(fake: FakeDockerd, timeout: float = 5.0, max_body: int = MAX_BODY) -> DockerAPI:
+    client = DockerAPI(str(fake.socket_path), timeout=timeout, max_body=max_body)
     client.ping()
     return client
 
@@ -102,9 +109,8 @@ def test_a_malformed_answer_is_a_one_line_protocol_error(
     assert isinstance(caught.value, Unreachable)  # callers reconnect later, as for dockerd gone
 
 
-def test_an_endless_body_is_cut_at_the_cap(dockerd: FakeDockerd, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("tpuboot.containers.dockerapi.MAX_BODY", 100_000)
-    client = negotiated(dockerd)
+def test_an_endless_body_is_cut_at_the_cap(dockerd: FakeDockerd) -> None:
+    client = negotiated(dockerd, max_body=100_000)
     dockerd.raw_answer = answer("Connection: close\r\n", b"[" + b"1," * 200_000)
     with pytest.raises(ProtocolError, match="over 100000 bytes"):
         client.inspect_container("vbar")

@@ -13,13 +13,14 @@ import pytest
 from tests.unit.conftest import make_config
 from tests.unit.fakedockerd import fake_dockerd
 from tests.unit.fakekernel import FakeKernel, VfioShape
-from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, write
+from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, NoSystemctl, write
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli
 from tpuboot.checks import image as imagecheck
 from tpuboot.checks.doctor import Doctor, Verdict, docker_container_state
 from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig
 from tpuboot.containers.dockerapi import Unreachable
+from tpuboot.env.metadata import MetadataAbsent, Reply
 from tpuboot.env.sync import PRODUCT_UUID_PATH
 from tpuboot.env.tpuenv import parse_env_file, render_env_file
 from tpuboot.errors import MetadataError
@@ -37,14 +38,6 @@ TPU_ENV = {
 }
 ADDRESSES = [f"0000:00:0{4 + i}.0" for i in range(4)]
 UUID = "0c5f2b8e-61d4-4f0a-b3c7-9e2a1d8f4b60"  # the instance's SMBIOS system UUID
-
-
-@pytest.fixture(autouse=True)
-def no_live_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(unit: str | None, properties: list[str]) -> dict[str, str] | None:
-        raise AssertionError("a test ran systemctl")
-
-    monkeypatch.setattr(imagecheck, "_systemctl_show", refuse)
 
 
 def healthy(top: Path, vfio: VfioShape = "module") -> FakeKernel:
@@ -92,10 +85,29 @@ def kernel(tmp_path: Path, request: pytest.FixtureRequest) -> FakeKernel:
     return healthy(tmp_path / "root", request.param)
 
 
+class Values:
+    """A metadata server holding ``values`` (path: text); every other key is absent (404)."""
+
+    def __init__(self, values: dict[str, str] | None = None) -> None:
+        self.values = values or {}
+
+    def get(self, path: str, *, deadline_s: float) -> Reply:
+        if path not in self.values:
+            raise MetadataAbsent(f"{path}: no such metadata key")
+        return Reply(self.values[path].encode(), None)
+
+
+class Silent:
+    """A metadata server that does not answer."""
+
+    def get(self, path: str, *, deadline_s: float) -> Reply:
+        raise MetadataError("169.254.169.254: connection refused")
+
+
 def doctor(kernel: FakeKernel, config: Config | None = None, **kwargs) -> list[Verdict]:
-    kwargs.setdefault("supervisor_present", lambda: True)
     kwargs.setdefault("container_state", lambda root, name: "running")
-    kwargs.setdefault("metadata", lambda path: None)  # a metadata server that has none of the keys
+    kwargs.setdefault("metadata", Values())  # a metadata server that has none of the keys
+    kwargs.setdefault("systemd", NoSystemctl())
     return Doctor(kernel.root, config or make_config(), **kwargs).run()
 
 
@@ -225,7 +237,7 @@ def test_a_missing_chip_fails_the_count(kernel):
 
 def test_machine_type_from_metadata_wins_over_tpu_env(kernel):
     machine = "projects/1/machineTypes/ct5lp-hightpu-8t"
-    verdicts = doctor(kernel, metadata=lambda path: machine if path == "instance/machine-type" else None)
+    verdicts = doctor(kernel, metadata=Values({"instance/machine-type": machine}))
     (count,) = [v.result for v in verdicts if v.result.name == "chip-count"]
     assert count.status == "FAIL" and "machine type ct5lp-hightpu-8t implies 8" in count.detail
 
@@ -247,12 +259,11 @@ def test_vbar_skips_on_gke_or_when_off_and_fails_when_it_does_not_run(kernel):
         return v.status, v.detail
 
     gke = {"instance/attributes/cluster-name": "c1"}
-    assert vbar(metadata=gke.get) == (
+    assert vbar(metadata=Values(gke)) == (
         "SKIP",
         "a GKE node (instance attribute cluster-name is set): GKE runs vBar (its device plugin)",
     )
     assert vbar(config=Config(gke="true"))[0] == "SKIP"
-    assert vbar(supervisor_present=lambda: False) == ("SKIP", "this tpuboot has no vBar supervisor yet")
     assert vbar(config=Config(vbar=VbarConfig(enabled=False))) == (
         "SKIP",
         "vbar.enabled is false in the configuration",
@@ -306,21 +317,23 @@ def test_cli_lines_json_and_exit_status(kernel, capsys):
 
 def test_metadata_lookup_reads_the_machine_type_and_gives_up_once_on_a_silent_server(caplog):
     from harness.mds_emulator import MetadataEmulator
-    from tpuboot.checks.doctor import metadata_lookup
+    from tpuboot.checks.doctor import METADATA_DEADLINE, AskedOnce, metadata_lookup
     from tpuboot.config import MetadataConfig
 
     machine = "projects/1/machineTypes/ct5p-hightpu-4t"
     with MetadataEmulator({}, instance={"machine-type": machine}) as emu:
-        lookup = metadata_lookup(MetadataConfig(host=emu.host, timeout=1.0))
-        assert lookup("instance/machine-type") == machine
-        assert lookup("instance/attributes/cluster-name") is None
+        lookup = AskedOnce(metadata_lookup(MetadataConfig(host=emu.host, timeout=1.0)), METADATA_DEADLINE)
+        assert lookup.get("instance/machine-type", deadline_s=60).text == machine
+        with pytest.raises(MetadataAbsent):
+            lookup.get("instance/attributes/cluster-name", deadline_s=60)
+        assert lookup.down is None
         emu.stop()
         started = time.monotonic()
         with pytest.raises(MetadataError):
-            lookup("instance/machine-type")
+            lookup.get("instance/machine-type", deadline_s=60)  # within doctor's deadline, not 60 s
         with pytest.raises(MetadataError):
-            lookup("instance/attributes/kube-env")  # no second wait
-        assert time.monotonic() - started < 3.5
+            lookup.get("instance/attributes/kube-env", deadline_s=60)  # no second wait
+        assert time.monotonic() - started < METADATA_DEADLINE + 1.5
     assert "retrying" not in caplog.text
 
 
@@ -377,7 +390,7 @@ def test_chips_of_another_generation_fail_the_count(kernel):
     """Four v5p chips where tpu-env and the machine type say v6e: this is not the VM they describe."""
     set_tpu_env(kernel.top, {"ACCELERATOR_TYPE": "v6e-4", "WORKER_ID": "0"})
     machine = {"instance/machine-type": "projects/1/machineTypes/ct6e-standard-4t"}
-    verdicts = doctor(kernel, metadata=machine.get)
+    verdicts = doctor(kernel, metadata=Values(machine))
     assert failing(verdicts) == ["chip-count"]
     count = result_of(verdicts, "chip-count")
     assert count.detail == "TPU v5p present; accelerator type v6e-4 is TPU v6e"
@@ -410,11 +423,8 @@ def test_vbar_needed_without_dockerd_fails_with_the_fix(kernel):
 
 
 def test_metadata_that_does_not_answer_cannot_tell_gke_and_skips_the_agents(kernel):
-    def silent(path: str) -> str | None:
-        raise MetadataError("169.254.169.254: connection refused")
-
     config = Config(telemetry=TelemetryConfig(enabled=True))
-    verdicts = doctor(kernel, config, metadata=silent, container_state=docker_container_state)
+    verdicts = doctor(kernel, config, metadata=Silent(), container_state=docker_container_state)
     for name in ("vbar-running", "telemetry-running"):
         skip = result_of(verdicts, name)
         assert skip.status == "SKIP" and skip.detail.startswith("cannot tell whether this is a GKE node: ")
@@ -467,7 +477,7 @@ def test_the_telemetry_collector_when_enabled(kernel, dockerd):
     assert check().detail == f"container {telemetry.container_name} does not exist"
     assert check(config=Config()).detail == "telemetry.enabled is false in the configuration"
     gke = {"instance/attributes/kube-env": "x"}
-    assert check(metadata=gke.get).detail == (
+    assert check(metadata=Values(gke)).detail == (
         "a GKE node (instance attribute kube-env is set): GKE runs the telemetry collector"
     )
 
@@ -489,3 +499,16 @@ def test_a_cache_record_of_another_instance_fails_freshness_with_the_reason(kern
     fresh = next(v.result for v in verdicts if v.result.name == "tpu-env-fresh")
     assert f"belongs to another instance (system UUID {UUID}, this one is 0f0e0d0c-" in fresh.detail
     assert fresh.fix
+
+
+def test_doctor_asks_the_image_checks_systemd_it_was_given(kernel):
+    """On the host, systemctl's answer (what is in force) wins over the files: doctor passes its
+    systemd to the image checks."""
+    from tests.unit.test_imagecheck import Answering
+
+    low = {"DefaultLimitMEMLOCK": "65536", "DefaultLimitMEMLOCKSoft": "65536"}
+    systemd = Answering({None: low})
+    verdicts = doctor(kernel, systemd=systemd)
+    assert result_of(verdicts, "systemd-default-limits").status == "FAIL"
+    assert None in systemd.asked
+    assert result_of(doctor(kernel), "systemd-default-limits").status == "PASS"  # the files say so

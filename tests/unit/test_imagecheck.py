@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tpuboot.checks import image as imagecheck
-from tpuboot.checks.image import CheckResult, Checks, run_checks
+from tpuboot.checks.image import CheckResult, Checks, Systemd, run_checks
 from tpuboot.paths import Root
 
 GOOD_CMDLINE = (
@@ -22,7 +22,6 @@ root  -    memlock  unlimited
 root  -    nofile   100000
 """
 MANAGER_GOOD = "[Manager]\nDefaultLimitMEMLOCK=infinity\nDefaultLimitNOFILE=100000\n"
-REAL_SYSTEMCTL_SHOW = imagecheck._systemctl_show
 DOCKER_UNIT = "[Unit]\nDescription=Docker\n\n[Service]\nExecStart=/usr/bin/dockerd\nLimitNPROC=infinity\n"
 
 
@@ -44,19 +43,32 @@ def mask(tree: Path, path: str) -> None:
     real.symlink_to("/dev/null")
 
 
-def result(tree: Path, name: str) -> CheckResult:
-    (found,) = [r for r in run_checks(Root(tree)) if r.name == name]
-    return found
+class NoSystemctl(Systemd):
+    """Tests read files only (a temporary tree is never live); a test that wants systemctl's
+    answer passes an :class:`Answering`."""
 
-
-@pytest.fixture(autouse=True)
-def no_live_systemd(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests read files only; a test that wants systemctl's answer fakes it."""
-
-    def refuse(unit: str | None, properties: list[str]) -> dict[str, str] | None:
+    def show(self, unit: str | None, properties: list[str]) -> dict[str, str] | None:
         raise AssertionError("a test ran systemctl")
 
-    monkeypatch.setattr(imagecheck, "_systemctl_show", refuse)
+
+class Answering(Systemd):
+    """A running systemd whose ``systemctl show`` answers ``answers[unit]`` (None: cannot answer)."""
+
+    def __init__(self, answers: dict[str | None, dict[str, str]] | None) -> None:
+        self.answers = answers
+        self.asked: list[str | None] = []
+
+    def live(self, root: Root) -> bool:
+        return True
+
+    def show(self, unit: str | None, properties: list[str]) -> dict[str, str] | None:
+        self.asked.append(unit)
+        return None if self.answers is None else self.answers.get(unit, {"LoadState": "not-found"})
+
+
+def result(tree: Path, name: str, systemd: Systemd | None = None) -> CheckResult:
+    (found,) = [r for r in run_checks(Root(tree), systemd=systemd or NoSystemctl()) if r.name == name]
+    return found
 
 
 # --- Kernel command line -------------------------------------------------------------------------
@@ -374,9 +386,7 @@ def test_runtime_masked_or_aliased_unit(tree):
     assert result(tree, "docker-limits").status == "SKIP"
 
 
-def test_live_systemd_is_asked_where_it_runs(tree, monkeypatch):
-    calls: list[str | None] = []
-
+def test_live_systemd_is_asked_where_it_runs(tree):
     answers: dict[str | None, dict[str, str]] = {
         None: {
             "DefaultLimitMEMLOCK": "infinity",
@@ -393,26 +403,21 @@ def test_live_systemd_is_asked_where_it_runs(tree, monkeypatch):
         },
     }
 
-    def show(unit: str | None, properties: list[str]) -> dict[str, str] | None:
-        calls.append(unit)
-        return answers.get(unit, {"LoadState": "not-found"})
-
-    monkeypatch.setattr(imagecheck, "_live_systemd", lambda root: True)
-    monkeypatch.setattr(imagecheck, "_systemctl_show", show)
+    systemd = Answering(answers)
     write(tree, MANAGER_DROPIN, MANAGER_GOOD)  # on disk but not in force: systemctl's answer wins
-    manager = result(tree, "systemd-default-limits")
+    manager = result(tree, "systemd-default-limits", systemd)
     assert manager.status == "FAIL"
     assert "nofile 1024:524288 (systemctl show)" in manager.detail
-    assert result(tree, "docker-limits").status == "PASS"
-    assert result(tree, "containerd-limits").status == "SKIP"
-    assert {None, "docker.service", "containerd.service"} <= set(calls)
+    assert result(tree, "docker-limits", systemd).status == "PASS"
+    assert result(tree, "containerd-limits", systemd).status == "SKIP"
+    assert {None, "docker.service", "containerd.service"} <= set(systemd.asked)
 
 
-def test_files_are_read_when_systemctl_cannot_answer(tree, monkeypatch):
-    monkeypatch.setattr(imagecheck, "_live_systemd", lambda root: True)
-    monkeypatch.setattr(imagecheck, "_systemctl_show", lambda unit, properties: None)
+def test_files_are_read_when_systemctl_cannot_answer(tree):
     write(tree, MANAGER_DROPIN, MANAGER_GOOD)
-    assert result(tree, "systemd-default-limits").status == "PASS"
+    systemd = Answering(None)
+    assert result(tree, "systemd-default-limits", systemd).status == "PASS"
+    assert systemd.asked
 
 
 def test_systemctl_show_output_is_parsed(tmp_path, monkeypatch):
@@ -420,19 +425,19 @@ def test_systemctl_show_output_is_parsed(tmp_path, monkeypatch):
     fake.write_text('#!/bin/sh\necho "$*" > "$0.args"\nprintf "LoadState=loaded\\nLimitNOFILE=100000\\n"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    assert REAL_SYSTEMCTL_SHOW("docker.service", ["LoadState", "LimitNOFILE"]) == {
+    assert Systemd().show("docker.service", ["LoadState", "LimitNOFILE"]) == {
         "LoadState": "loaded",
         "LimitNOFILE": "100000",
     }
     args = (tmp_path / "systemctl.args").read_text().split()
     assert args == ["show", "--property=LoadState", "--property=LimitNOFILE", "docker.service"]
     fake.write_text("#!/bin/sh\necho 'System has not been booted with systemd' >&2\nexit 1\n")
-    assert REAL_SYSTEMCTL_SHOW(None, ["DefaultLimitNOFILE"]) is None
+    assert Systemd().show(None, ["DefaultLimitNOFILE"]) is None
 
 
 def test_host_root_without_systemd_reads_files():
-    assert imagecheck._live_systemd(Root("/")) == os.path.isdir("/run/systemd/system")
-    assert not imagecheck._live_systemd(Root("/tmp"))
+    assert Systemd().live(Root("/")) == os.path.isdir("/run/systemd/system")
+    assert not Systemd().live(Root("/tmp"))
 
 
 # --- udev ----------------------------------------------------------------------------------------

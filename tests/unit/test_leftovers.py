@@ -478,9 +478,7 @@ def test_doctor_names_the_leftovers(tmp_path):
     verdicts = Doctor(
         Root(tmp_path),
         Config(),
-        metadata=lambda path: None,
         container_state=lambda root, name: "running",
-        supervisor_present=lambda: True,
     ).run()
     found = {v.result.name: v for v in verdicts}
     binder = found["leftover-vfio-binder"]

@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -403,12 +404,11 @@ def test_vanished_key_is_reported_once_then_polled_until_back(emulator: Metadata
 
 GOOGLE_AUTH_PROBE = """
 import ipaddress, json, socket, sys
-real_connect = socket.socket.connect
-def loopback_only(sock, address):
-    if sock.family in (socket.AF_INET, socket.AF_INET6) and not ipaddress.ip_address(address[0]).is_loopback:
-        raise OSError(f"probe may only reach 127.0.0.1, not {address}")
-    real_connect(sock, address)
-socket.socket.connect = loopback_only
+def loopback_only(event, args):  # an audit hook: google-auth cannot reach past it (PEP 578)
+    if event == "socket.connect" and args[0].family in (socket.AF_INET, socket.AF_INET6):
+        if not ipaddress.ip_address(args[1][0]).is_loopback:
+            raise OSError(f"probe may only reach 127.0.0.1, not {args[1]}")
+sys.addaudithook(loopback_only)
 import google.auth.transport.requests as transport
 from google.auth.compute_engine import _metadata
 request = transport.Request()
@@ -596,3 +596,22 @@ def test_a_hostile_server_cannot_hold_a_put_past_its_deadline(
     assert time.monotonic() - started < 2.0 + 1.5
     assert not isinstance(info.value, MetadataRefused)
     client.close()
+
+
+# --- the tests' own guard (tests/unit/conftest.py) ----------------------------------------------
+
+ONLY_LOOPBACK = r"tests may only reach 127\.0\.0\.1"
+
+
+def test_no_test_reaches_past_loopback_even_after_undoing_patches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard is an audit hook, not a patch: undoing a test's patches, or calling connect through
+    another name, does not lift it. 192.0.2.1 is TEST-NET-1: never routed, were the guard to fail."""
+    monkeypatch.undo()
+    with socket.socket() as sock, pytest.raises(AssertionError, match=ONLY_LOOPBACK):
+        sock.settimeout(0.2)
+        sock.connect(("192.0.2.1", 9))
+    with socket.socket() as sock, pytest.raises(AssertionError, match=ONLY_LOOPBACK):
+        sock.settimeout(0.2)
+        sock.connect_ex(("192.0.2.1", 9))
+    with pytest.raises(AssertionError, match=ONLY_LOOPBACK):
+        MetadataClient(timeout=0.2).get("instance/hostname", deadline_s=0.2)  # the default address

@@ -2,16 +2,20 @@
 
 The checks of GKE's OS image certification for TPU hosts (../shared/notes/tpu-facts.md) and
 tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_pci loaded, the
-/dev/vfio nodes' mode, allow_unsafe_interrupts on x86_64, the IOMMU groups viable, tpu-env present,
-parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry collector
-running (not on GKE), the number of usable chips the machine type or the slice implies, and the
-slice tpu-env describes (:mod:`tpuboot.checks.slices`). The image settings (kernel command line,
+/dev/vfio nodes' mode, allow_unsafe_interrupts where tpuboot sets it, the IOMMU groups viable,
+tpu-env present, parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry
+collector running (not on GKE), the number of usable chips the machine type or the slice implies,
+and the slice tpu-env describes (:mod:`tpuboot.checks.slices`). The image settings (kernel command line,
 transparent huge pages, limits for logins and the container runtimes, the accel udev rule) are
 :mod:`tpuboot.checks.image`'s checks, run as they are.
 
-Everything goes through the injectable :class:`~tpuboot.paths.Root`; the metadata server and the
-docker socket through callables a test replaces. A check that cannot be judged here is SKIP with
-the reason; WARN is a doubt that fails nothing (a TPU generation tpuboot's table does not know).
+Everything goes through the injectable :class:`~tpuboot.paths.Root`; the metadata server through a
+client (:class:`~tpuboot.env.metadata.MetadataClient` or a test's), the docker socket through a
+callable a test replaces. Each fact comes from the module that owns it: GKE detection from
+:mod:`tpuboot.containers.gke` (the daemon's rule), the tpu-env cache from
+:func:`tpuboot.env.sync.read_cache`, sysfs paths and fixes from :mod:`tpuboot.devices`. A check
+that cannot be judged here is SKIP with the reason; WARN is a doubt that fails nothing (a TPU
+generation tpuboot's table does not know).
 Every check is required (a FAIL makes the exit status non-zero) except those in
 :data:`ADVISORY`.
 """
@@ -19,18 +23,20 @@ Every check is required (a FAIL makes the exit status non-zero) except those in
 from __future__ import annotations
 
 import datetime
-import importlib.util
+import functools
 import logging
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from tpuboot.atomicfile import read_file
 from tpuboot.checks.image import (
     Check,
     CheckResult,
     Checks,
+    Systemd,
     failed,
     kernel_arch,
     passed,
@@ -41,14 +47,15 @@ from tpuboot.checks.image import (
 from tpuboot.checks.slices import Reading, read_slice
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
-from tpuboot.containers.gke import gke_attribute
+from tpuboot.containers.gke import GkeAnswer, ask_gke
 from tpuboot.containers.service import TELEMETRY, VBAR
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
-from tpuboot.devices.pci import PCI_DRIVERS
+from tpuboot.devices.pci import PCI_DEVICES, PCI_DRIVERS
 from tpuboot.devices.survey import TpuStatus, survey
 from tpuboot.devices.table import DeviceTable, generations_of_kind
-from tpuboot.devices.vfio import VFIO_PCI, Binder
+from tpuboot.devices.vfio import IOMMU_OFF_FIX, UNSAFE_INTERRUPTS, VFIO_PCI, Binder, unsafe_interrupts_wanted
 from tpuboot.env.etc_environment import plan_environment
+from tpuboot.env.metadata import MetadataAbsent, MetadataClient, Reply
 from tpuboot.env.sync import cache_path, read_cache
 from tpuboot.env.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.errors import MetadataError
@@ -57,15 +64,21 @@ from tpuboot.paths import Root
 #: A FAIL of these is reported but does not make `tpuboot doctor` fail.
 ADVISORY = frozenset({"tpu-env-fresh"})
 
-UNSAFE_INTERRUPTS = "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts"
 MAX_FILE = 1 << 20
 #: Where Debian's and Ubuntu's docker.io (/usr/sbin) and Docker's docker-ce (/usr/bin) put dockerd.
 DOCKERD = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
 RUNNING, ABSENT = "running", "absent"
 
-#: ``lookup(path)``: a metadata value (``instance/machine-type``), None if absent; raises
-#: :class:`MetadataError` when the server does not answer.
-MetadataLookup = Callable[[str], str | None]
+#: How long doctor waits for the metadata server, per key.
+METADATA_DEADLINE = 2.0
+
+
+class MetadataReader(Protocol):
+    """What doctor asks of the metadata server: :meth:`MetadataClient.get`."""
+
+    def get(self, path: str, *, deadline_s: float) -> Reply: ...
+
+
 #: ``state(root, name)``: "running", "absent", or how the container stands ("exited (code 1)");
 #: raises :class:`Unreachable` when dockerd does not answer, another DockerError when it answers
 #: unusably.
@@ -103,32 +116,43 @@ def docker_container_state(root: Root, name: str) -> str:
     return f"{status} (exit code {code})" if isinstance(code, int) and status == "exited" else str(status)
 
 
-def metadata_lookup(config: MetadataConfig, deadline_s: float = 2.0) -> MetadataLookup:
-    """A lookup on the metadata server: None for an absent key; once the server did not answer,
-    MetadataError for every key at once (the doctor waits for it once, not per check)."""
-    from tpuboot.env.metadata import MetadataAbsent, MetadataClient
+def metadata_lookup(config: MetadataConfig) -> MetadataClient:
+    """The metadata client doctor asks on the host (:class:`Doctor` bounds and shares its waits)."""
+    return MetadataClient.from_config(config)
 
-    client = MetadataClient.from_config(config)
-    down: MetadataError | None = None
 
-    def lookup(path: str) -> str | None:
-        nonlocal down
-        if down is not None:
-            raise down
+class NoServer:
+    """The metadata server where there is none to ask: ``--root`` names another tree."""
+
+    def get(self, path: str, *, deadline_s: float) -> Reply:
+        raise MetadataError("not asked: the root is not this host")
+
+
+class AskedOnce:
+    """The metadata server as doctor asks it: each key within ``deadline_s``, and once the server has
+    not answered, every later key fails at once with that error (doctor waits once, not per check).
+    """
+
+    def __init__(self, client: MetadataReader, deadline_s: float) -> None:
+        self.client = client
+        self.deadline_s = deadline_s
+        self.down: MetadataError | None = None
+
+    def get(self, path: str, *, deadline_s: float) -> Reply:
+        if self.down is not None:
+            raise self.down
         quiet = logging.getLogger("tpuboot.env.metadata")
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # a server that does not answer is the check's SKIP, not a warning
         try:
-            return client.get(path, deadline_s=deadline_s).text
+            return self.client.get(path, deadline_s=min(deadline_s, self.deadline_s))
         except MetadataAbsent:
-            return None
+            raise
         except MetadataError as exc:
-            down = exc
+            self.down = exc
             raise
         finally:
             quiet.setLevel(level)
-
-    return lookup
 
 
 def _dockerd_fix(root: Root) -> str:
@@ -136,15 +160,6 @@ def _dockerd_fix(root: Root) -> str:
     if any(root.path(path).exists() for path in DOCKERD):
         return "systemctl enable --now docker; journalctl -u docker says why it stopped"
     return "apt install docker.io (then systemctl restart tpuboot)"
-
-
-def _not_asked(path: str) -> str | None:
-    """The lookup where there is no metadata server to ask (``--root`` names another tree)."""
-    raise MetadataError("not asked: the root is not this host")
-
-
-def _supervisor_present() -> bool:
-    return importlib.util.find_spec("tpuboot.containers.supervisor") is not None
 
 
 def _ignoring_root(check: Callable[[], CheckResult]) -> Check:
@@ -160,22 +175,22 @@ class Doctor:
         root: Root,
         config: Config,
         *,
-        metadata: MetadataLookup | None = None,
+        metadata: MetadataReader | None = None,
         container_state: ContainerProbe = docker_container_state,
-        supervisor_present: Callable[[], bool] = _supervisor_present,
         now: Callable[[], float] = time.time,
+        metadata_deadline: float = METADATA_DEADLINE,
+        systemd: Systemd | None = None,
     ) -> None:
         self.root = root
         self.config = config
-        self.metadata = metadata or _not_asked
+        self.metadata = AskedOnce(metadata or NoServer(), metadata_deadline)
         self.container_state = container_state
-        self.supervisor_present = supervisor_present
         self.now = now
+        self.systemd = systemd  # who answers the image checks' ``systemctl show`` (None: systemctl)
         self.binder = Binder(root, DeviceTable(config.devices), config.vfio)
         self._tpus: list[TpuStatus] | None = None
         self._slice: Reading | None = None
-        self._gke_answer: tuple[bool | None, str] | None = None
-        self.metadata_down: str | None = None  # why the metadata server gave no answer
+        self._gke_answer: GkeAnswer | None = None
         self.checks = Checks()
         for name, check in (
             ("tpus-bound", self.check_tpus_bound),
@@ -196,7 +211,7 @@ class Doctor:
     def run(self) -> list[Verdict]:
         """The device checks, then imagecheck's, then the rest; each result named."""
         own = self.checks.run(self.root)
-        image = run_checks(self.root)
+        image = run_checks(self.root, systemd=self.systemd)
         split = self.checks.names.index("tpu-env")
         ordered = own[:split] + image + own[split:]
         return [Verdict(r, r.name not in ADVISORY) for r in ordered]
@@ -214,7 +229,7 @@ class Doctor:
         return [t for t in self.tpus if t.managed]
 
     def _no_sysfs(self) -> bool:
-        return not self.root.path("/sys/bus/pci/devices").is_dir()
+        return not self.root.path(PCI_DEVICES).is_dir()
 
     def check_tpus_bound(self) -> CheckResult:
         if self._no_sysfs():
@@ -267,11 +282,9 @@ class Doctor:
         )
 
     def check_unsafe_interrupts(self) -> CheckResult:
-        machine = kernel_arch(self.root)
-        if machine != "x86_64":
-            return skipped(f"not needed on {machine}")
-        if self.config.vfio.allow_unsafe_interrupts == "false":
-            return skipped("vfio.allow_unsafe_interrupts is false in the configuration")
+        machine, setting = kernel_arch(self.root), self.config.vfio.allow_unsafe_interrupts
+        if not unsafe_interrupts_wanted(setting, machine):
+            return skipped(f"vfio.allow_unsafe_interrupts is {setting}: tpuboot does not set it on {machine}")
         path = self.root.path(UNSAFE_INTERRUPTS)
         if not path.exists():
             if not self.root.path("/sys/module").is_dir():
@@ -295,7 +308,7 @@ class Doctor:
         if no_group:
             return failed(
                 f"no IOMMU group for {', '.join(no_group)}: the IOMMU is off",
-                "add intel_iommu=on,sm_on to the kernel command line (tpuboot's GRUB drop-in), reboot",
+                IOMMU_OFF_FIX,
             )
         blocked = [t for t in self.managed if t.viable is False]
         if not blocked:
@@ -307,22 +320,23 @@ class Doctor:
         )
 
     def _lookup(self, path: str) -> str | None:
-        """A metadata value; None if absent or if the server does not answer (then said once)."""
+        """A metadata value; None if absent, if the server does not answer (``metadata.down`` says
+        why) or if it is not text."""
         try:
-            return self.metadata(path)
-        except MetadataError as exc:
-            self.metadata_down = str(exc)
+            return self.metadata.get(path, deadline_s=self.metadata.deadline_s).text
+        except MetadataError:
             return None
 
     @property
     def slice(self) -> Reading:
         """This host's slice, from the machine type and tpu-env (read once)."""
         if self._slice is None:
-            self._slice = read_slice(self._tpu_env_values(), self._lookup("instance/machine-type"))
+            self._slice = read_slice(self.tpu_env_values, self._lookup("instance/machine-type"))
         return self._slice
 
     def _nothing_known(self) -> str:
-        asked = f" (the metadata server: {self.metadata_down})" if self.metadata_down else ""
+        down = self.metadata.down
+        asked = f" (the metadata server: {down})" if down else ""
         return f"no TPU machine type{asked} and no accelerator type in tpu-env"
 
     def check_chip_count(self) -> CheckResult:
@@ -378,22 +392,27 @@ class Doctor:
         data = read_file(self.root, path, limit=MAX_FILE)
         return None if data is None else data.decode("utf-8", "replace")
 
-    def _tpu_env_values(self) -> dict[str, str] | None:
-        if not self.config.env.enabled:
-            return None
-        text = self._read(self.config.env.tpu_env_path)
+    @functools.cached_property
+    def tpu_env_text(self) -> str | None:
+        """The tpu-env file as the workload reads it (read once); None if absent or env is off."""
+        return self._read(self.config.env.tpu_env_path) if self.config.env.enabled else None
+
+    @functools.cached_property
+    def tpu_env_values(self) -> dict[str, str] | None:
+        """The file's values, parsed once by tpuenv's parser; None if absent or not KEY="value" lines."""
+        text = self.tpu_env_text
         return None if text is None else parse_env_file(text)
 
     def check_tpu_env(self) -> CheckResult:
         path = self.config.env.tpu_env_path
         if not self.config.env.enabled:
             return skipped("env.enabled is false: tpuboot does not write tpu-env")
-        text = self._read(path)
+        text = self.tpu_env_text
         if text is None:
             return failed(
                 f"{path} is missing", "tpuboot env (or systemctl restart tpuboot); check the metadata server"
             )
-        values = parse_env_file(text)
+        values = self.tpu_env_values
         if values is None:
             return failed(f'{path} is not a file of KEY="value" lines', f"tpuboot env rewrites {path}")
         if not values:
@@ -406,7 +425,7 @@ class Doctor:
         path = self.config.env.tpu_env_path
         if not self.config.env.enabled:
             return skipped("env.enabled is false: tpuboot does not write tpu-env")
-        text = self._read(path)
+        text = self.tpu_env_text
         if text is None:
             return skipped(f"{path} is missing (see the tpu-env check)")
         fix = "tpuboot env (or systemctl restart tpuboot), then check the metadata server"
@@ -463,24 +482,11 @@ class Doctor:
 
     # --- vBar ---------------------------------------------------------------------------------------
 
-    def _gke(self) -> tuple[bool | None, str]:
-        """(GKE node?, why); None when the metadata server did not say. Asked once."""
+    def _gke(self) -> GkeAnswer:
+        """The daemon's answer to "a GKE node?", asked once, within doctor's deadline."""
         if self._gke_answer is None:
-            self._gke_answer = self._ask_gke()
+            self._gke_answer = ask_gke(self.config.gke, self.metadata, self.metadata.deadline_s)
         return self._gke_answer
-
-    def _ask_gke(self) -> tuple[bool | None, str]:
-        mode = self.config.gke
-        if mode in ("true", "false"):
-            return mode == "true", f"gke is {mode} in the configuration"
-        try:
-            name = gke_attribute(lambda path: self.metadata(path) is not None)
-        except MetadataError as exc:
-            self.metadata_down = str(exc)
-            return None, f"the metadata server did not answer ({exc})"
-        if name is None:
-            return False, "no GKE instance attribute"
-        return True, f"instance attribute {name} is set"
 
     def _container(self, label: str, name: str, fix: str) -> CheckResult:
         """A supervised container: dockerd answers, and the container exists and runs."""
@@ -500,11 +506,11 @@ class Doctor:
         """SKIP when the agent is off or GKE runs it; None when tpuboot must run it here."""
         if not enabled:
             return skipped(f"{key} is false in the configuration")
-        gke, why = self._gke()
-        if gke:
-            return skipped(f"a GKE node ({why}): GKE runs {what}")
-        if gke is None:
-            return skipped(f"cannot tell whether this is a GKE node: {why}; set gke: true or false")
+        gke = self._gke()
+        if gke.node:
+            return skipped(f"a GKE node ({gke.why}): GKE runs {what}")
+        if gke.node is None:
+            return skipped(f"cannot tell whether this is a GKE node: {gke.why}; set gke: true or false")
         return None
 
     def check_vbar(self) -> CheckResult:
@@ -512,8 +518,6 @@ class Doctor:
         not_here = self._agent_needed(vbar.enabled, "vbar.enabled", "vBar (its device plugin)")
         if not_here is not None:
             return not_here
-        if not self.supervisor_present():
-            return skipped("this tpuboot has no vBar supervisor yet")
         if vbar.runtime != "docker":
             return skipped(f"vbar.runtime is {vbar.runtime}: no container to ask about")
         return self._container(

@@ -33,6 +33,7 @@ from tpuboot.atomicfile import read_file
 from tpuboot.checks.nextboot import GRUB_DROPIN_DIR, X86, Unreadable, next_boot
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
+from tpuboot.devices.vfio import IOMMU_PARAM
 from tpuboot.errors import TpubootError, UsageError
 from tpuboot.paths import Root
 
@@ -131,13 +132,17 @@ class Checks:
 IMAGE_CHECKS = Checks()
 
 
-def run_checks(root: Root, only: Sequence[str] = (), *, next_boot: bool = False) -> list[CheckResult]:
+def run_checks(
+    root: Root, only: Sequence[str] = (), *, next_boot: bool = False, systemd: Systemd | None = None
+) -> list[CheckResult]:
     """The image checks against ``root`` (``tpuboot image-check``); ``only``: name patterns.
 
     ``next_boot`` (``tpuboot prepare-image``): judge what the next boot gets even on a running
     system (the command line update-grub will write, the installed kernels), not what is in
-    force now."""
+    force now. ``systemd``: who answers ``systemctl show`` (default: systemctl itself, on the host)."""
     checks = NEXT_BOOT_CHECKS if next_boot else IMAGE_CHECKS
+    if systemd is not None:
+        checks = checks.with_overrides(limit_checks(systemd))
     return checks.run(root, checks.select(only) if only else None)
 
 
@@ -302,7 +307,7 @@ def check_intel_iommu(root: Root, source: CmdlineSource = running_or_next) -> Ch
     machine = kernel_arch(root) if source is running_or_next else image_arch(root)
     if machine not in X86:
         return skipped(f"not needed on {machine}")
-    return _cmdline_check(root, "intel_iommu", "intel_iommu=on,sm_on", _intel_iommu_ok, source)
+    return _cmdline_check(root, "intel_iommu", IOMMU_PARAM, _intel_iommu_ok, source)
 
 
 @IMAGE_CHECKS.add("vfio-pci-in-kernel")
@@ -526,27 +531,33 @@ def _file_limits(root: Root, files: list[str], section: str, prefix: str) -> dic
     return out
 
 
-def _live_systemd(root: Root) -> bool:
-    """True when ``systemctl show`` can tell what is in force: the host, with systemd running."""
-    return root.is_host and root.path("/run/systemd/system").is_dir()
+class Systemd:
+    """What systemd has in force, from ``systemctl show``; the limit checks ask it before the files.
+    A test passes its own (``run_checks(systemd=...)``, ``Doctor(systemd=...)``)."""
+
+    def live(self, root: Root) -> bool:
+        """True when ``systemctl show`` can tell what is in force: the host, with systemd running."""
+        return root.is_host and root.path("/run/systemd/system").is_dir()
+
+    def show(self, unit: str | None, properties: list[str]) -> dict[str, str] | None:
+        """``systemctl show`` of the manager (``unit`` None) or of a unit; None if it cannot answer."""
+        argv = ["systemctl", "show", *(f"--property={p}" for p in properties), *([unit] if unit else [])]
+        try:
+            out = subproc.run(argv, timeout=10)
+        except TpubootError:
+            return None
+        return dict(line.partition("=")[::2] for line in out.splitlines() if "=" in line)
 
 
-def _systemctl_show(unit: str | None, properties: list[str]) -> dict[str, str] | None:
-    """``systemctl show`` of the manager (``unit`` None) or of a unit; None if it cannot answer."""
-    argv = ["systemctl", "show", *(f"--property={p}" for p in properties), *([unit] if unit else [])]
-    try:
-        out = subproc.run(argv, timeout=10)
-    except TpubootError:
-        return None
-    return dict(line.partition("=")[::2] for line in out.splitlines() if "=" in line)
+SYSTEMD = Systemd()
 
 
 def _shown_limits(
-    unit: str | None, prefix: str, extra: tuple[str, ...] = ()
+    systemd: Systemd, unit: str | None, prefix: str, extra: tuple[str, ...] = ()
 ) -> tuple[dict[str, Limit], dict[str, str]] | None:
     """The limits ``systemctl show`` reports (hard ``{prefix}X``, soft ``{prefix}XSoft``)."""
     names = [f"{prefix}{item.upper()}{soft}" for item in ITEMS for soft in ("", "Soft")]
-    shown = _systemctl_show(unit, [*names, *extra])
+    shown = systemd.show(unit, [*names, *extra])
     if shown is None:
         return None
     limits = {}
@@ -559,23 +570,22 @@ def _shown_limits(
     return limits, shown
 
 
-def manager_limits(root: Root) -> dict[str, Limit]:
+def manager_limits(root: Root, systemd: Systemd = SYSTEMD) -> dict[str, Limit]:
     """systemd's default limits for every service that does not set its own."""
-    if _live_systemd(root) and (live := _shown_limits(None, "DefaultLimit")) is not None:
+    if systemd.live(root) and (live := _shown_limits(systemd, None, "DefaultLimit")) is not None:
         return live[0]
     files = [MANAGER_CONF, *_layered(root, MANAGER_DROPIN_DIRS, "*.conf")]
     limits = _file_limits(root, files, "Manager", "DefaultLimit")
     return {item: limit or Limit(None, None, "systemd's built-in default") for item, limit in limits.items()}
 
 
-@IMAGE_CHECKS.add("systemd-default-limits")
-def check_manager_limits(root: Root) -> CheckResult:
+def check_manager_limits(root: Root, systemd: Systemd = SYSTEMD) -> CheckResult:
     """Every service's limits unless its unit sets its own: PAM limits never reach services."""
     fix = (
         f"install tpuboot ({MANAGER_DROPIN}) or set DefaultLimitMEMLOCK=infinity and "
         f"DefaultLimitNOFILE={MIN_NOFILE} in /etc/systemd/system.conf.d/, then reboot"
     )
-    return _judge("systemd defaults", manager_limits(root), fix)
+    return _judge("systemd defaults", manager_limits(root, systemd), fix)
 
 
 def _unit_file(root: Root, unit: str) -> str | None:
@@ -586,9 +596,9 @@ def _unit_file(root: Root, unit: str) -> str | None:
     return path
 
 
-def unit_limits(root: Root, unit: str) -> dict[str, Limit] | None:
+def unit_limits(root: Root, unit: str, systemd: Systemd = SYSTEMD) -> dict[str, Limit] | None:
     """A service's memlock and nofile limits; None if the unit is not installed (or masked)."""
-    if _live_systemd(root) and (live := _shown_limits(unit, "Limit", ("LoadState",))) is not None:
+    if systemd.live(root) and (live := _shown_limits(systemd, unit, "Limit", ("LoadState",))) is not None:
         limits, shown = live
         return limits if shown.get("LoadState") == "loaded" else None
     path = _unit_file(root, unit)
@@ -599,16 +609,16 @@ def unit_limits(root: Root, unit: str) -> dict[str, Limit] | None:
     dropins += _layered(root, tuple(f"{d}/{kind}.d" for d in UNIT_DIRS), "*.conf")  # for every service
     dropins.sort(key=os.path.basename)
     own = _file_limits(root, [path, *dropins], "Service", "Limit")
-    default = manager_limits(root)
+    default = manager_limits(root, systemd)
     return {
         item: limit or dataclasses.replace(default[item], source=f"default: {default[item].source}")
         for item, limit in own.items()
     }
 
 
-def _runtime_check(unit: str) -> Check:
+def _runtime_check(unit: str, systemd: Systemd) -> Check:
     def check(root: Root) -> CheckResult:
-        limits = unit_limits(root, unit)
+        limits = unit_limits(root, unit, systemd)
         if limits is None:
             return skipped(f"{unit} is not installed")
         fix = (
@@ -622,8 +632,17 @@ def _runtime_check(unit: str) -> Check:
     return check
 
 
-IMAGE_CHECKS.add("docker-limits")(_runtime_check("docker.service"))
-IMAGE_CHECKS.add("containerd-limits")(_runtime_check("containerd.service"))
+def limit_checks(systemd: Systemd) -> dict[str, Check]:
+    """The checks that ask ``systemd`` what is in force, by name."""
+    return {
+        "systemd-default-limits": lambda root: check_manager_limits(root, systemd),
+        "docker-limits": _runtime_check("docker.service", systemd),
+        "containerd-limits": _runtime_check("containerd.service", systemd),
+    }
+
+
+for _name, _check in limit_checks(SYSTEMD).items():
+    IMAGE_CHECKS.add(_name)(_check)
 
 
 # --- udev --------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ docker SDK, no docker CLI). The container has a fixed name and tpuboot's labels
   otherwise nothing is pulled, created, adopted or started, and ``start`` raises Refused;
 - one already running with the wanted image and settings is adopted (a tpuboot restart does
   not restart the container); one whose image or settings differ is removed and created again;
-- a missing image is pulled, ``pull_retries`` times at most;
+- a missing image is pulled, ``pull_retries`` times at most, with the credentials
+  ``credentials`` gives for its registry (:mod:`tpuboot.containers.credentials`: the VM's
+  service-account token for Google's registries; none without it);
 - ``wait`` follows Docker's event stream for the container's ``die``; the stream ending
   means dockerd went away.
 
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpuboot.containers.credentials import ANONYMOUS, PullCredentials, ServiceAccountCredentials
 from tpuboot.containers.dockerapi import (
     DOCKER_SOCKET,
     DockerAPI,
@@ -132,9 +135,11 @@ class DockerRuntime:
         pause: Callable[[float], object] | None = None,
         *,
         allowlist: RegistryAllowlist,
+        credentials: ServiceAccountCredentials | None = None,
     ) -> None:
         self.spec = spec
         self.allowlist = allowlist
+        self.credentials = credentials
         self.pull_retries = pull_retries
         self.client_factory = client_factory
         self.client: DockerAPI | None = None
@@ -303,22 +308,27 @@ class DockerRuntime:
         repository, tag = split_image(image)
         tries = self.pull_retries + 1
         reason = ""
+        sent: PullCredentials = ANONYMOUS
         for attempt in range(tries):
             if self._closed.is_set():
                 raise RuntimeUnavailable("stopping")
+            sent = self.credentials.for_image(image) if self.credentials is not None else ANONYMOUS
             try:
-                client.pull_image(repository, tag)
-                log.info("pulled %s", image, extra={"IMAGE": image})
+                client.pull_image(repository, tag, sent.auth)
+                how = " with the VM's service-account token" if sent.auth is not None else ""
+                log.info("pulled %s%s", image, how, extra={"IMAGE": image})
                 return
             except Exception as exc:
                 if _unreachable(exc):
                     raise
                 reason = _reason(exc)
+                if sent.auth is not None and self.credentials is not None and sent.advice(reason):
+                    self.credentials.forget(sent.auth)  # refused: ask for a token afresh
             if attempt + 1 < tries:
                 self._pause(min(PULL_PAUSE_MAX, 2.0**attempt))
                 if self._has_image(client, image):  # loaded meanwhile (docker load / import at boot)
                     return
         raise CannotStart(
-            f"cannot pull image {image} ({tries} tries: {reason}); "
+            f"cannot pull image {image} ({tries} tries: {reason}){sent.advice(reason)}; "
             "make it reachable, load it with `docker load`, or set another image"
         )

@@ -30,6 +30,7 @@ of start-up on a slow CPU, for a dozen HTTP requests.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
 import json
@@ -38,6 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -69,6 +71,26 @@ MAX_BODY = 16 << 20
 MAX_LINE = 1 << 20
 #: Cap on the body of an error answer kept for its message.
 MAX_ERROR_BODY = 64 << 10
+
+
+#: The header of a pull's credentials (the Engine API's ``AuthConfig``, base64url JSON).
+AUTH_HEADER = "X-Registry-Auth"
+
+
+@dataclass(frozen=True)
+class RegistryAuth:
+    """Credentials for one pull, as ``docker login`` would give them; the password is never shown."""
+
+    username: str
+    password: str = field(repr=False)
+    serveraddress: str
+
+    def header(self) -> str:
+        """The ``X-Registry-Auth`` value: base64url of the JSON, padded, as Docker's client sends
+        it. Debian 12's dockerd (20.10) reads a header it cannot decode as no credentials at all,
+        without a word, so the encoding is the one its decoder takes (``base64.URLEncoding``)."""
+        data = {"username": self.username, "password": self.password, "serveraddress": self.serveraddress}
+        return base64.urlsafe_b64encode(json.dumps(data).encode()).decode("ascii")
 
 
 class DockerError(Exception):
@@ -295,11 +317,16 @@ class DockerAPI:
     """The Engine API at ``socket_path``, in the version dockerd speaks (asked once)."""
 
     def __init__(
-        self, socket_path: str = DOCKER_SOCKET, timeout: float = TIMEOUT, pull_timeout: float = PULL_TIMEOUT
+        self,
+        socket_path: str = DOCKER_SOCKET,
+        timeout: float = TIMEOUT,
+        pull_timeout: float = PULL_TIMEOUT,
+        max_body: int = MAX_BODY,
     ) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
         self.pull_timeout = pull_timeout
+        self.max_body = max_body  # a JSON answer longer than this is refused
         self.api_version: str | None = None  # the version spoken, once negotiated
         self.daemon_versions: tuple[str | None, str] | None = None  # dockerd's (minimum, newest)
 
@@ -348,13 +375,16 @@ class DockerAPI:
         """The image's data; :class:`NotFound` if dockerd does not have it."""
         return _object(self._call("GET", f"/images/{_quote(name)}/json"), f"inspect of image {name}")
 
-    def pull_image(self, repository: str, tag: str) -> None:
+    def pull_image(self, repository: str, tag: str, auth: RegistryAuth | None = None) -> None:
         """Pull ``repository`` at ``tag`` (a tag or a ``sha256:`` digest), to the end of the stream.
 
+        ``auth``: the registry's credentials, sent in the request's ``X-Registry-Auth`` header
+        (dockerd gives them to that registry when it asks); None pulls anonymously.
         dockerd answers 200 before it knows; a failure is an ``error`` object in the stream.
         """
         query = {"fromImage": repository, "tag": tag}
-        conn, response = self._open("POST", "/images/create", query, total=self.pull_timeout)
+        headers = {AUTH_HEADER: auth.header()} if auth is not None else None
+        conn, response = self._open("POST", "/images/create", query, total=self.pull_timeout, headers=headers)
         try:
             for message in _json_objects(response, "pull progress"):
                 if isinstance(message, dict) and (message.get("error") or message.get("errorDetail")):
@@ -395,6 +425,7 @@ class DockerAPI:
         *,
         versioned: bool = True,
         total: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[_UnixConnection, http.client.HTTPResponse]:
         """Send one request on a new connection; the answer if it is a success, else raise.
 
@@ -403,12 +434,13 @@ class DockerAPI:
         """
         for attempt in (1, 2):
             url = self._path(path, versioned) + (f"?{urlencode(query)}" if query else "")
-            headers = {"Content-Type": "application/json"} if body is not None else {}
+            sent = {"Content-Type": "application/json"} if body is not None else {}
+            sent.update(headers or {})
             data = json.dumps(body).encode() if body is not None else None
             deadline = time.monotonic() + (self.timeout if total is None else total)
             conn = _UnixConnection(self.socket_path, self.timeout, deadline)
             try:
-                conn.request(method, url, body=data, headers=headers)
+                conn.request(method, url, body=data, headers=sent)
                 response = conn.getresponse()
                 if response.status < 400:
                     return conn, response
@@ -438,7 +470,7 @@ class DockerAPI:
         """One request and its whole JSON answer (None when there is no body: 204, 304)."""
         conn, response = self._open(method, path, query, body, versioned=versioned)
         try:
-            data = _read_body(response, MAX_BODY, f"{method} {path}")
+            data = _read_body(response, self.max_body, f"{method} {path}")
         except ProtocolError:
             raise
         except (OSError, http.client.HTTPException) as exc:

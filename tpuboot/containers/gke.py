@@ -1,16 +1,21 @@
 """Is this VM a GKE node? GKE runs vBar and the telemetry collector itself; tpuboot must not.
 
 ``gke: auto`` asks the metadata server for the instance attributes GKE sets on its nodes
-(``cluster-name``, ``kube-env``): either present means GKE. ``true``/``false`` decide without asking.
+(``cluster-name``, ``kube-env``): either present, whatever its value, means GKE; both absent (404)
+means not. ``true``/``false`` decide without asking. Anything else the server does (no answer, a
+refusal) leaves the question open: not knowing is not an answer. :func:`ask_gke` is the one rule;
+the daemon asks until it is answered (:func:`gke_node`), `tpuboot doctor` once and says when it
+cannot tell.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+from tpuboot.env.metadata import INSTANCE_ATTRIBUTES, MetadataAbsent
 from tpuboot.errors import MetadataError
 
 log = logging.getLogger("tpuboot.containers.gke")
@@ -22,13 +27,30 @@ class Metadata(Protocol):
     def get(self, path: str, *, deadline_s: float) -> object: ...
 
 
-def gke_attribute(is_set: Callable[[str], bool]) -> str | None:
-    """The first GKE instance attribute ``is_set(path)`` finds, None on a VM that is no GKE node.
+@dataclass(frozen=True)
+class GkeAnswer:
+    """Whether this VM is a GKE node (``node`` None: the metadata server did not say), and why."""
 
-    ``is_set`` raises :class:`MetadataError` when the server does not answer: not knowing is not
-    an answer (the daemon asks again; `tpuboot doctor` says it cannot tell).
-    """
-    return next((name for name in GKE_ATTRIBUTES if is_set(f"instance/attributes/{name}")), None)
+    node: bool | None
+    why: str
+
+
+def ask_gke(mode: str, metadata: Metadata | None, deadline_s: float) -> GkeAnswer:
+    """The answer of the configuration (``true``/``false``) or, for ``auto``, of one look at the
+    metadata server, each key within ``deadline_s``; ``metadata`` None: no server to ask."""
+    if mode in ("true", "false"):
+        return GkeAnswer(mode == "true", f"gke is {mode} in the configuration")
+    if metadata is None:
+        return GkeAnswer(None, "no metadata server to ask")
+    for name in GKE_ATTRIBUTES:
+        try:
+            metadata.get(INSTANCE_ATTRIBUTES + name, deadline_s=deadline_s)
+        except MetadataAbsent:
+            continue
+        except MetadataError as exc:
+            return GkeAnswer(None, f"the metadata server did not answer ({exc})")
+        return GkeAnswer(True, f"instance attribute {name} is set")
+    return GkeAnswer(False, "no GKE instance attribute")
 
 
 def gke_node(
@@ -39,29 +61,15 @@ def gke_node(
     With ``auto`` the question is asked until answered: starting vBar on a GKE node because
     the metadata server was slow would run two agents.
     """
-    if mode in ("true", "false"):
-        return mode == "true"
-    if client is None:
-        return False
-    from tpuboot.env.metadata import MetadataAbsent
-
-    def is_set(path: str) -> bool:
-        try:
-            client.get(path, deadline_s=deadline_s)
-        except MetadataAbsent:
-            return False
-        return True
-
     reported = False
-    while not stop.is_set():
-        try:
-            name = gke_attribute(is_set)
-            if name is not None:
-                log.info("GKE node: instance attribute %s is set", name)
-            return name is not None
-        except MetadataError as exc:
-            if not reported:
-                log.warning("GKE check: %s; asking again", exc)
-                reported = True
-            stop.wait(5.0)
+    while mode in ("true", "false") or not stop.is_set():
+        answer = ask_gke(mode, client, deadline_s)
+        if answer.node is not None:
+            if mode == "auto" and answer.node:
+                log.info("GKE node: %s", answer.why)
+            return answer.node
+        if not reported:
+            log.warning("GKE check: %s; asking again", answer.why)
+            reported = True
+        stop.wait(5.0)
     return None

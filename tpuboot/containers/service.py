@@ -30,9 +30,10 @@ from tpuboot.atomicfile import FileWriteError, read_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Report, Status
 from tpuboot.config import Config, TelemetryConfig
+from tpuboot.containers.credentials import ServiceAccountCredentials, TokenSource
 from tpuboot.containers.docker import ContainerSpec, DockerRuntime
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
-from tpuboot.containers.gke import Metadata, gke_node
+from tpuboot.containers.gke import gke_node
 from tpuboot.containers.imageref import RegistryAllowlist
 from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, Supervisor
 from tpuboot.paths import Root
@@ -101,11 +102,12 @@ class Containers:
         self,
         config: Config,
         root: Root,
-        metadata: Metadata | None,
+        metadata: TokenSource | None,
         docker_factory: Callable[[], DockerAPI] | None = None,
         tpu_env: TpuEnvSource = _no_tpu_env,
     ) -> None:
-        """``metadata``: for the GKE check (``gke: auto``), shared: the daemon closes it.
+        """``metadata``: for the GKE check (``gke: auto``) and the registry token; shared: the daemon
+        closes it.
         ``tpu_env``: the tpu-env values tpuboot parsed (EnvSync.parsed_values); without it, vBar
         runs ``vbar.image``."""
         self.config = config
@@ -119,6 +121,7 @@ class Containers:
         self._statuses: dict[str, Status] = {}
         self._report: Report = _nothing
         self._thread: threading.Thread | None = None
+        self._credentials: ServiceAccountCredentials | None = None  # one token cache for both agents
         self._tpu_vm = threading.Event()  # a TPU present or tpu-env held: the supervisors may start
         self._gate = threading.Event()  # set by the first of tpu_vm_seen() and stop()
         for label, enabled in ((VBAR, config.vbar.enabled), (TELEMETRY, config.telemetry.enabled)):
@@ -217,6 +220,14 @@ class Containers:
                 self.supervisors[label] = supervisor
                 supervisor.start()
 
+    def _registry_credentials(self) -> ServiceAccountCredentials | None:
+        """The VM's service-account token for pulls from ``registry_auth.token_registries``: one
+        token cache for both containers, through the daemon's metadata client; none without one."""
+        if self._credentials is None and self.metadata is not None:
+            registries = self.config.registry_auth.token_registries
+            self._credentials = ServiceAccountCredentials(self.metadata, registries)
+        return self._credentials
+
     def _runtime(self, label: str) -> Runtime:
         config = self.config
         retries = config.supervisor.pull_retries
@@ -231,11 +242,18 @@ class Containers:
             def wanted() -> ContainerSpec:
                 return vbar_spec(config, self.tpu_env())
 
-            return DockerRuntime(wanted, retries, self.docker_factory, allowlist=allowlist)
+            credentials = self._registry_credentials()
+            return DockerRuntime(
+                wanted, retries, self.docker_factory, allowlist=allowlist, credentials=credentials
+            )
         telemetry = config.telemetry
         allowlist = RegistryAllowlist(telemetry.registries, "telemetry.registries")
         return DockerRuntime(
-            lambda: telemetry_spec(telemetry, self.root), retries, self.docker_factory, allowlist=allowlist
+            lambda: telemetry_spec(telemetry, self.root),
+            retries,
+            self.docker_factory,
+            allowlist=allowlist,
+            credentials=self._registry_credentials(),
         )
 
 

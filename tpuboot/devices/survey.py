@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, ModuleState, module_state
 from tpuboot.devices.pci import PCI_DRIVERS, PciFunction, list_addresses
-from tpuboot.devices.vfio import VFIO_PCI, Binder, os_failure
+from tpuboot.devices.vfio import IOMMU_OFF_FIX, VFIO_PCI, Binder, os_failure
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def describe(binder: Binder, fn: PciFunction, vfio: ModuleState | None = None) -
             problem = f"group {group} not viable: {', '.join(blockers)}"
     if kind.vfio:
         if group is None:
-            problem = "no IOMMU group: add intel_iommu=on to the kernel command line"
+            problem = f"no IOMMU group, the IOMMU is off; {IOMMU_OFF_FIX}"
         elif driver != VFIO_PCI and vfio is not None and vfio.origin == "absent":
             problem = problem or f"{vfio.kernel} has no vfio-pci: {NO_VFIO_PCI_FIX}"
         elif driver != VFIO_PCI:

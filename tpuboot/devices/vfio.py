@@ -27,6 +27,13 @@ log = logging.getLogger("tpuboot.devices.vfio")
 
 VFIO_PCI = "vfio-pci"
 UNSAFE_INTERRUPTS = "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts"
+#: The kernel parameter that turns the IOMMU on, in the scalable mode vfio-pci needs (x86_64).
+IOMMU_PARAM = "intel_iommu=on,sm_on"
+#: What to do when a TPU has no IOMMU group (the IOMMU is off): every message that says so ends so.
+IOMMU_OFF_FIX = (
+    f"add {IOMMU_PARAM} to the kernel command line (tpuboot's GRUB drop-in does on x86_64), "
+    "update-grub and reboot"
+)
 # Drivers the kernel accepts beside vfio-pci in a viable group (pcieport manages its own DMA).
 VIABLE_DRIVERS = {VFIO_PCI, "pci-stub", "pcieport"}
 POLL_INTERVAL = 0.01
@@ -86,6 +93,12 @@ def os_failure(address: str, step: str, exc: OSError) -> DeviceError:
     if code in TRANSIENT_ERRNOS:
         return TransientDeviceError(text + "see dmesg")
     return DeviceError(text + ERRNO_FIXES.get(code, "see dmesg"))
+
+
+def unsafe_interrupts_wanted(setting: str, machine: str) -> bool:
+    """Whether tpuboot sets vfio_iommu_type1's allow_unsafe_interrupts: ``vfio.allow_unsafe_interrupts``
+    (true, false, or auto: on x86_64 only) on a kernel of architecture ``machine``."""
+    return setting == "true" or (setting == "auto" and machine == "x86_64")
 
 
 def write_attr(path: Path, value: str) -> None:
@@ -212,10 +225,7 @@ class Binder:
         kind = self._check_bindable(fn, force)
         group = fn.iommu_group()
         if group is None:  # checked before unbinding, so the device keeps its driver
-            raise IommuOffError(
-                f"{address}: no IOMMU group, the IOMMU is off; add intel_iommu=on (Intel) or "
-                "amd_iommu=on (AMD) to the kernel command line and reboot"
-            )
+            raise IommuOffError(f"{address}: no IOMMU group, the IOMMU is off; {IOMMU_OFF_FIX}")
         self._ensure_driver()
         changed = self._attach(fn)
         self._check_viable(fn, group)
@@ -305,8 +315,7 @@ class Binder:
             )
 
     def _allow_unsafe_interrupts(self, address: str) -> None:
-        wanted = self.config.allow_unsafe_interrupts
-        if wanted == "false" or (wanted == "auto" and self.machine != "x86_64"):
+        if not unsafe_interrupts_wanted(self.config.allow_unsafe_interrupts, self.machine):
             return
         path = self.root.path(UNSAFE_INTERRUPTS)
         if not path.exists():  # built in (Ubuntu), the parameter is there from boot

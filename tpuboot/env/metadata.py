@@ -63,10 +63,14 @@ FLAVOR_HEADER = "Metadata-Flavor"
 FLAVOR = "Google"
 REQUEST_HEADERS = {FLAVOR_HEADER: FLAVOR, "Accept-Encoding": "identity"}
 
+#: Where the instance's and the project's custom metadata (attributes) are.
+INSTANCE_ATTRIBUTES = "instance/attributes/"
+PROJECT_ATTRIBUTES = "project/attributes/"
+
 #: Where ``tpuboot metadata get --type KIND KEY`` looks.
 KINDS = {
-    "attributes": "instance/attributes/",
-    "project-attributes": "project/attributes/",
+    "attributes": INSTANCE_ATTRIBUTES,
+    "project-attributes": PROJECT_ATTRIBUTES,
     "instance": "instance/",
 }
 
