@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from harness.vm.tpuboot_guest import VIRTIO_RNG
+from tpuboot.devices.vfio import IOMMU_OFF_FIX
 
 from .conftest import VMFactory
 
 pytestmark = pytest.mark.vm
 
-FIX = "no IOMMU group, the IOMMU is off; add intel_iommu=on (Intel) or amd_iommu=on (AMD)"
+FIX = f"no IOMMU group, the IOMMU is off; {IOMMU_OFF_FIX}"
 
 
 def test_no_iommu_gives_the_fix_and_keeps_drivers(vm_factory: VMFactory, tpuboot_image: Path) -> None:
@@ -30,4 +31,4 @@ def test_no_iommu_gives_the_fix_and_keeps_drivers(vm_factory: VMFactory, tpuboot
     assert rng.driver == "virtio-pci"  # checked before unbinding: still on its own driver
     result = vm.run(["tpuboot", "bind", rng.address])
     assert result.rc == 1
-    assert result.stderr.strip() == f"tpuboot: {rng.address}: {FIX} to the kernel command line and reboot"
+    assert result.stderr.strip() == f"tpuboot: {rng.address}: {FIX}"
