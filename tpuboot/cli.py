@@ -21,6 +21,8 @@ TYPE_CHECKING = False  # as in tpuboot.config (it says what typing costs): typin
 if TYPE_CHECKING:
     from typing import NoReturn
 
+    from tpuboot.checks.image import CheckResult
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
 METADATA_KINDS = ("attributes", "project-attributes", "instance")  # tpuboot.env.metadata.KINDS
@@ -181,14 +183,7 @@ def cmd_env(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_image_check(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.checks.image import run_checks
 
-    results = run_checks(ctx.root, [p for text in args.only for p in text.split(",") if p])
-    if args.json:
-        _print_json([r.as_dict() for r in results])
-    else:
-        for r in results:
-            fix = f"  fix: {r.fix}" if r.status in ("FAIL", "WARN") and r.fix else ""
-            print(f"{r.status:<4}  {r.name}: {r.detail}{fix}")
-    return EXIT_FAILED if any(r.status == "FAIL" for r in results) else EXIT_OK
+    return _report(run_checks(ctx.root, [p for text in args.only for p in text.split(",") if p]), args.json)
 
 
 def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
@@ -211,8 +206,12 @@ def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_prepare_image(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.prepare import prepare
 
-    results = prepare(ctx.root, ctx.config)
-    if args.json:
+    return _report(prepare(ctx.root, ctx.config), args.json)
+
+
+def _report(results: Sequence[CheckResult], as_json: bool) -> int:
+    """image-check's and prepare-image's output: one line per result, the fix after a FAIL or WARN."""
+    if as_json:
         _print_json([r.as_dict() for r in results])
     else:
         for r in results:

@@ -173,15 +173,8 @@ class _Reader:
                         escaped = self._take()
                         parts.append("" if escaped == "\n" else escaped)
                     elif inner == "$":
-                        if self._peek() == "(":
-                            unknown = unknown or _Unknown(f"{self.path} line {self.line}")
-                            self._skip_command_text("$")
-                            continue
-                        value = self._expand()
-                        if isinstance(value, _Unknown):
-                            unknown = unknown or value
-                        else:
-                            parts.append(value)
+                        found = self._dollar(parts)
+                        unknown = unknown or found
                     elif inner == "`":
                         unknown = unknown or _Unknown(f"{self.path} line {self.line}")
                         end = self.text.find("`", self.pos)
@@ -194,20 +187,26 @@ class _Reader:
                 escaped = self._take()
                 parts.append("" if escaped == "\n" else escaped)
             elif char == "$":
-                if self._peek() == "(":
-                    unknown = unknown or _Unknown(f"{self.path} line {self.line}")
-                    self._skip_command_text("$")
-                    continue
-                value = self._expand()
-                if isinstance(value, _Unknown):
-                    unknown = unknown or value
-                else:
-                    parts.append(value)
+                found = self._dollar(parts)
+                unknown = unknown or found
             else:
                 parts.append(char)
         if self.pos == start:
             return None
         return unknown if unknown is not None else "".join(parts)
+
+    def _dollar(self, parts: list[str]) -> _Unknown | None:
+        """After a ``$``, quoted or not: a parameter's value joins ``parts``; a command
+        substitution, or a parameter whose value is unknown, makes the word unknown."""
+        if self._peek() == "(":
+            unknown = _Unknown(f"{self.path} line {self.line}")
+            self._skip_command_text("$")
+            return unknown
+        value = self._expand()
+        if isinstance(value, _Unknown):
+            return value
+        parts.append(value)
+        return None
 
     def _skip_command_text(self, opener: str) -> None:
         """Past a command substitution (`...` or $(...)) whose output tpuboot will not know; any
