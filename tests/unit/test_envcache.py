@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -34,12 +35,14 @@ NO_CACHE = f"tpu-env: metadata server unreachable and no cached copy; left {TPU_
 
 @pytest.fixture
 def offline() -> Iterator[MetadataClient]:
-    """A client of a metadata server that is gone (connection refused)."""
-    with MetadataEmulator() as gone:
-        pass
-    client = make_client(gone, timeout=0.2)
-    yield client
-    client.close()
+    """A client of a metadata server that is gone (connection refused). The port stays bound, not
+    listening, for the test's length: a port merely freed could be taken by a server of a test
+    running at the same time (pytest-xdist workers, the library-matrix rows)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        client = make_client(MetadataEmulator(port=held.getsockname()[1]), timeout=0.2)  # never started
+        yield client
+        client.close()
 
 
 @pytest.fixture

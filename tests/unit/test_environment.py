@@ -181,7 +181,7 @@ LINE = st.one_of(
 )
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(lines=st.lists(LINE, max_size=8), final_newline=st.booleans())
 def test_property_merge_is_idempotent_and_keeps_foreign_lines(lines: list[str], final_newline: bool) -> None:
     text = "\n".join(lines) + ("\n" if final_newline and lines else "")

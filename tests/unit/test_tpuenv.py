@@ -201,6 +201,7 @@ def test_property_yaml_attribute_to_shell_is_lossless(values: dict[str, str], tm
     _round_trip(env.values, tmp_path)
 
 
+@settings(deadline=None)
 @given(
     st.dictionaries(
         st.from_regex(r"[A-Z_][A-Z0-9_]{0,12}", fullmatch=True),
