@@ -23,13 +23,20 @@ from harness.mds_emulator import SAMPLE_TPU_ENV
 from harness.vm.artifacts import Artifacts, chroot_run, in_tree, install_debs
 from harness.vm.hostenv import cache_dir
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import MDS_PORT, VBAR_ROOTFS, guest_config, stand_in_install_hook
+from harness.vm.tpuboot_guest import (
+    MDS_PORT,
+    VBAR_CONTAINER,
+    VBAR_ROOTFS,
+    guest_config,
+    stand_in_install_hook,
+    wait_vbar_running,
+)
 
 from .conftest import ImageFactory
 
 pytestmark = pytest.mark.vm
 
-NAME = "tpuboot-vbar-control-agent"
+NAME = VBAR_CONTAINER
 REGISTRY = "localhost:5000"
 IMAGE = f"{REGISTRY}/tpuboot-test/vbar:1"
 # Within bcrypt's 72 bytes, which is all htpasswd compares; the two differ from the start.
@@ -118,15 +125,6 @@ def anonymous_status(vm: VM) -> str:
     ).stdout.strip()
 
 
-def wait_running(vm: VM, timeout: float = 120.0) -> None:
-    vm.wait_until(
-        f"[ \"$(docker inspect -f '{{{{.State.Running}}}}' {NAME} 2>/dev/null)\" = true ] && "
-        "systemctl show -P StatusText tpuboot | grep -q 'vBar: running'",
-        timeout=timeout,
-        interval=0.5,
-    )
-
-
 def without_vbar(vm: VM) -> None:
     """tpuboot stopped, vBar's container and image gone from dockerd: the next start must pull."""
     vm.run(["systemctl", "stop", "tpuboot"], check=True, timeout=120)
@@ -153,7 +151,7 @@ def test_the_registry_takes_only_the_service_account_token(vm: VM) -> None:
 def test_vbar_is_pulled_with_the_token_from_the_metadata_server(vm: VM) -> None:
     vm.write_file("/etc/tpuboot/tpuboot.yaml", CONFIG_ON)
     vm.run(["systemctl", "restart", "tpuboot"], check=True, timeout=120)
-    wait_running(vm)
+    wait_vbar_running(vm, timeout=120.0)
     image = vm.run(["docker", "inspect", "-f", "{{.Config.Image}}", NAME], check=True).stdout.strip()
     assert image == IMAGE
     journal = vm.journal("tpuboot")
@@ -204,7 +202,7 @@ def test_without_a_token_the_pull_goes_anonymously_and_one_line_says_why(vm: VM)
 def test_once_the_token_is_back_vbar_starts_without_a_restart(vm: VM) -> None:
     pid = vm.run(["systemctl", "show", "-P", "MainPID", "tpuboot"], check=True).stdout.strip()
     serve_token(vm, TOKEN)
-    wait_running(vm, timeout=120)
+    wait_vbar_running(vm, timeout=120.0)
     assert vm.run(["systemctl", "show", "-P", "MainPID", "tpuboot"], check=True).stdout.strip() == pid
     assert "service-account token available again for pulls from localhost:5000" in vm.journal(
         "tpuboot", lines=40
