@@ -418,3 +418,14 @@ def test_the_cache_lives_under_the_root(tree, tmp_path_factory):
     assert lookup(Root(other), TEXT) is MISS  # another root has its own cache
     assert load_config(Root(other)) == EXPECTED
     assert (other / CACHE_PATH.lstrip("/")).is_file()
+
+
+def test_prepare_image_leaves_the_images_config_cached(tree, capsys):
+    """prepare-image loads the image's config like any command: the first boot finds the record
+    warm (and instance-state, which removes what is this VM's, keeps it: it is the image's)."""
+    from tpuboot import cli
+
+    cli.main(["--root", str(tree), "prepare-image"])
+    assert "instance-state" in capsys.readouterr().out
+    assert record(tree)["text"] == TEXT
+    assert child(tree) == (repr(EXPECTED), False)
