@@ -1,9 +1,9 @@
 """The one place that makes the daemon of `tpuboot run` from a root and a configuration.
 
 Coldplug first (tpuboot/devices/udev.py says why): the udev monitor is opened and the binds of the
-TPUs present are submitted before the rest of the daemon (asyncio, requests, prometheus_client) is
-imported; the device manager adopts them. The tests build the daemon here too, passing the seams
-below; production passes none.
+TPUs present are submitted before the rest of the daemon (its event loop, requests,
+prometheus_client) is imported; the device manager adopts them on the loop. The tests build the
+daemon here too, passing the seams below; production passes none.
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ def build(
     from tpuboot.env.metadata import MetadataClient
     from tpuboot.env.service import EnvService
     from tpuboot.env.sync import EnvSync
+    from tpuboot.eventloop import EventLoop
     from tpuboot.guestattrs import Publisher
     from tpuboot.notify import Notifier
 
-    devices = DeviceManager(binder, executor, monitor, coldplug, config.ready)
+    loop = EventLoop()  # the daemon's, run by Daemon.serve on the main thread
+    devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready)
     publish = config.guest_attributes.enabled != "false"
     containers_on = config.vbar.enabled or config.telemetry.enabled
     if metadata is None and (config.env.enabled or containers_on or publish):
@@ -91,4 +93,5 @@ def build(
         deadline = config.metadata.boot_deadline
         guest_attrs = Publisher(metadata, config.guest_attributes, check_deadline=deadline)
     server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
-    return Daemon(devices, executor, notifier or Notifier(), env, containers, guest_attrs, metadata, server)
+    notifier = notifier or Notifier()
+    return Daemon(loop, devices, executor, notifier, env, containers, guest_attrs, metadata, server)
