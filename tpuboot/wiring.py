@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tpuboot.daemon import Daemon
     from tpuboot.devices.manager import Monitor
     from tpuboot.env.metadata import MetadataClient
+    from tpuboot.eventloop import EventLoop
     from tpuboot.notify import Notifier
 
 log = logging.getLogger("tpuboot.wiring")
@@ -38,10 +39,11 @@ def build(
     notifier: Notifier | None = None,
     metadata: MetadataClient | None = None,
     docker: Callable[[], DockerAPI] | None = None,
+    loop: EventLoop | None = None,
 ) -> Daemon:
     """The daemon, its binds of the TPUs present already running. Seams (tests): ``binder`` (a
     fake kernel's), ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client
-    for every part), ``docker`` (a dockerd client factory)."""
+    for every part), ``docker`` (a dockerd client factory), ``loop`` (one that counts its wake-ups)."""
     binder = binder or Binder(root, DeviceTable(config.devices), config.vfio)
     from tpuboot.devices.udev import new_executor, open_udev_monitor, start_coldplug
 
@@ -63,7 +65,7 @@ def build(
     from tpuboot.guestattrs import Publisher
     from tpuboot.notify import Notifier
 
-    loop = EventLoop()  # the daemon's, run by Daemon.serve on the main thread
+    loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
     devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready)
     publish = config.guest_attributes.enabled != "false"
     containers_on = config.vbar.enabled or config.telemetry.enabled

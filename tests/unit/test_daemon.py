@@ -25,6 +25,7 @@ import pytest
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port
+from tests.unit.test_eventloop import CountingSelector
 from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot.component import Status
 from tpuboot.config import (
@@ -43,6 +44,7 @@ from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.service import EnvService, run_watch
 from tpuboot.env.sync import EnvSync, SyncResult
 from tpuboot.errors import MetadataError
+from tpuboot.eventloop import EventLoop
 from tpuboot.notify import Notifier
 from tpuboot.paths import Root
 from tpuboot.wiring import build
@@ -222,12 +224,13 @@ def make(
     b=None,
     metadata: MetadataClient | None = None,
     docker=None,
+    loop: EventLoop | None = None,
 ) -> tuple[Daemon, QueueMonitor, RecordingNotifier]:
     """The daemon as `tpuboot run` builds it (tpuboot.wiring.build), over the fake kernel."""
     monitor, notifier = QueueMonitor(), RecordingNotifier()
     daemon = build(
         root or kernel.root, config.replace(ready=ready), binder=b or binder(kernel), monitor=monitor,
-        notifier=notifier, metadata=metadata, docker=docker,
+        notifier=notifier, metadata=metadata, docker=docker, loop=loop,
     )  # fmt: skip
     return daemon, monitor, notifier
 
@@ -303,6 +306,26 @@ def test_a_signal_stops_cleanly(kernel, sig):
     assert serve_here(daemon, drive, within=10.0) == 0
     assert notifier.sent[-1].startswith("STOPPING=1")
     assert signal.getsignal(sig) is before  # given back when the daemon ended
+
+
+def test_idle_the_daemon_wakes_only_for_the_watchdog(kernel, monkeypatch):
+    """WATCHDOG=1 every half of WATCHDOG_USEC, and nothing else wakes an idle daemon: no polling."""
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # WATCHDOG=1 every 0.1 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    selector = CountingSelector()
+    daemon, _, notifier = make(kernel, loop=EventLoop(selector))
+
+    def watchdogs() -> int:
+        return notifier.sent.count("WATCHDOG=1")
+
+    with serving(daemon) as running:
+        until(lambda: daemon.ready and watchdogs() >= 2)  # the boot's wake-ups are behind
+        wakeups, sent, started = selector.wakeups, watchdogs(), time.monotonic()
+        until(lambda: watchdogs() >= sent + 10)
+        elapsed, woken, ticks = time.monotonic() - started, selector.wakeups - wakeups, watchdogs() - sent
+        running.stop()
+    assert ticks >= 10 and woken <= ticks + 1  # one wake-up per WATCHDOG=1 (and the one in progress)
+    assert elapsed >= 0.099 * (ticks - 1)  # never more often than asked
 
 
 def test_vfio_node_event_reapplies_mode(kernel):
