@@ -54,6 +54,9 @@ class Timer:
 
 
 class EventLoop:
+    """Readers, timers, calls from other threads and signals, run on the thread of :meth:`run_until`;
+    ``selector`` is a seam for the tests (one that counts its wake-ups)."""
+
     def __init__(self, selector: selectors.BaseSelector | None = None) -> None:
         self._selector = selector or selectors.DefaultSelector()
         self._timers: list[tuple[float, int, Timer]] = []
@@ -120,8 +123,8 @@ class EventLoop:
         if self._closed:
             return
         if self._signals:
-            for sig, previous in self._previous.items():
-                signal.signal(sig, previous)  # type: ignore[arg-type]  # what signal.signal returned
+            for sig, previous in self._previous.items():  # None: a handler not set from Python
+                signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # type: ignore[arg-type]
             signal.set_wakeup_fd(-1 if self._previous_wakeup_fd is None else self._previous_wakeup_fd)
             self._signals.clear()
             self._previous.clear()

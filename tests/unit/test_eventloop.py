@@ -21,14 +21,14 @@ from tpuboot.eventloop import EventLoop
 REPO = Path(__file__).resolve().parents[2]
 
 
-class CountingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class CountingSelector(selectors.DefaultSelector):
     """The default selector, counting how often the loop came out of it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.wakeups = 0
 
-    def select(self, timeout: float | None = None):  # type: ignore[no-untyped-def]
+    def select(self, timeout: float | None = None):
         events = super().select(timeout)
         self.wakeups += 1
         return events

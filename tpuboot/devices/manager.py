@@ -286,11 +286,13 @@ class DeviceManager:
         else:
             outcome = result
         metrics.bind_attempt(metrics.bind_result(outcome), time.monotonic() - started)
-        self._outcome(address, state, outcome, unexpected)
-        if self._first and future in self._first:
-            self._first.discard(future)
-            if not self._first:
-                self._first_tries_ended()
+        try:
+            self._outcome(address, state, outcome, unexpected)
+        finally:  # whatever happened, this first try has ended: READY must not wait for it
+            if future in self._first:
+                self._first.discard(future)
+                if not self._first:
+                    self._first_tries_ended()
 
     def _outcome(
         self,
