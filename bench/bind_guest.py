@@ -245,11 +245,10 @@ def cmd_cli(args: argparse.Namespace) -> int:
 IMPORT_STEPS = (
     ("yaml", "yaml"),
     ("rest of tpuboot.cli", "tpuboot.cli"),
-    ("asyncio", "asyncio"),
     ("systemd.daemon", "systemd.daemon"),
     ("pyudev", "pyudev"),
     ("requests", "requests"),
-    ("rest of tpuboot.daemon/envsync/metadata", "tpuboot.daemon, tpuboot.env.sync, tpuboot.env.metadata"),
+    ("rest of tpuboot.daemon/env/metadata", "tpuboot.daemon, tpuboot.env.sync, tpuboot.env.metadata"),
 )
 _IMPORT_SCRIPT = """
 import json, sys, time

@@ -879,7 +879,7 @@ def thread_role(thread: dict[str, Any]) -> tuple[str, str]:
     waits_on = thread.get("waits_on", "")
     where = f"{call} on {waits_on}" if waits_on else call
     if thread["main"]:
-        return "main", f"main thread, asyncio loop: {where}"
+        return "main", f"main thread, the event loop: {where}"
     if "listening on" in waits_on:
         return "server", f"server thread: {where}"
     if waits_on.endswith(f":{MDS_PORT}"):
