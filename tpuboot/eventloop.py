@@ -181,19 +181,23 @@ class EventLoop:
             self._call(fn, *args)
 
     def _drain(self) -> None:
-        """The wake-up pipe: a thread's wake-up (its call is in the queue) or a signal's number."""
-        self._woken = False  # before the read: a wake-up written after it is read next round
-        while True:
-            try:
-                data = os.read(self._wake_r, 4096)
-            except BlockingIOError:
-                return
-            if not data:
-                return
-            for byte in data:
-                handler = self._signals.get(byte)
-                if handler is not None:
-                    self._ready.append((handler, ()))
+        """The wake-up pipe: a thread's wake-up (its call is in the queue) or a signal's number.
+
+        ``_woken`` is cleared only once the pipe is empty: cleared before the reads, a thread could
+        write its wake-up during them and see it read at once, leaving ``_woken`` set over an empty
+        pipe, and every later call, and :meth:`stop`, would then wake nothing. While it is set,
+        a thread writes nothing: its call is already queued, and this round runs the queue after
+        this drain."""
+        try:
+            while data := os.read(self._wake_r, 4096):
+                for byte in data:
+                    handler = self._signals.get(byte)
+                    if handler is not None:
+                        self._ready.append((handler, ()))
+        except BlockingIOError:
+            pass
+        finally:
+            self._woken = False
 
     @staticmethod
     def _call(fn: Callable[..., object], *args: object) -> None:

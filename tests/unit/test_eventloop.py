@@ -219,3 +219,30 @@ def test_nothing_in_tpuboot_imports_asyncio():
                           timeout=120, check=True)  # fmt: skip
     count, asyncio_loaded = done.stdout.split()
     assert int(count) > 40 and asyncio_loaded == "False"
+
+
+def test_every_call_from_a_thread_is_run_however_it_meets_the_drain(loop):
+    """A wake-up written while the loop drains the pipe (and read in that same drain) must not leave
+    the loop believing one is still pending: later calls would then write none, and the loop would
+    sleep on them for good (seen: a daemon that did not stop when asked)."""
+    total = 0
+    ran = 0
+
+    def count() -> None:
+        nonlocal ran
+        ran += 1
+
+    def burst(n: int) -> None:
+        for _ in range(n):
+            loop.call_soon_threadsafe(count)
+            time.sleep(0)  # let the loop in between: some calls land during its drain
+
+    for _ in range(300):
+        worker = threading.Thread(target=burst, args=(20,))
+        total += 20
+        guard = loop.call_later(10.0, loop.stop)  # a timer: it ends the round even if no wake-up comes
+        worker.start()
+        loop.run_until(lambda total=total: ran == total)  # no reader, no other timer: wake-ups end each round
+        guard.cancel()
+        worker.join()
+        assert not loop.stopping, f"calls were left unrun: {ran} of {total}"
