@@ -42,9 +42,13 @@ def free_port() -> int:
     low = _ephemeral_range()[0]
     first = max(1024, low - 12000)
     locks = Path(tempfile.gettempdir()) / "tpuboot-test-ports"
-    locks.mkdir(exist_ok=True)
+    try:
+        locks.mkdir()
+        locks.chmod(0o1777)  # shared like /tmp: the tests of root and of a user lock the same ports
+    except FileExistsError:
+        pass
     for port in random.sample(range(first, low), k=min(500, low - first)):
-        fd = os.open(locks / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(locks / str(port), os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write access
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
