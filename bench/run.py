@@ -58,8 +58,10 @@ Families and timing methods:
 3. cli -- ``tpuboot bind DBDF`` against ``bind_to_vfio_pci.sh DBDF`` on one edu device, the
    daemon stopped, the device unbound before each run, each command first in turn; guest
    monotonic clock around the command. tpuboot runs twice over: with the bench's config (a device
-   rule for edu, so PyYAML is imported) and with the shipped, all-comments one (``--force``, as
-   edu is then no TPU), which is what an image without extra device rules runs. Then the
+   rule for edu; PyYAML read it once, in the warm-up run or the daemon at boot, and every timed
+   run takes it from /var/cache/tpuboot/config.json, as on a real host) and with the shipped,
+   all-comments one (``--force``, as edu is then no TPU), which is what an image without extra
+   device rules runs. Then the
    interpreter's start-up and each import step of ``tpuboot run`` are timed (and their RSS
    taken) in a fresh python3, best of 2, and 3 ``tpuboot bind`` runs stamp their own imports
    and functions: where the time goes. Then bind -> usable (``bind_guest.py usable``): ``tpuboot
@@ -764,6 +766,15 @@ def run_cli(vm: VM, runs: int, report: Report) -> None:
     report.note(
         "cli", "`tpuboot bind` stamped inside (median of 3): " + profile_segments(stamped, BIND_SEGMENTS)
     )
+    report.note(
+        "cli",
+        "the bench config's parse was "
+        + (
+            "taken from /var/cache/tpuboot/config.json in the timed runs (PyYAML not imported)"
+            if data.get("config_cached")
+            else "NOT cached: every timed run imported PyYAML"
+        ),
+    )
     usable = helper(vm, "usable", address, "--runs", str(runs), timeout=900)
     if usable["errors"]:
         raise BenchError(f"bind-until-usable runs failed: {usable['errors']}")
@@ -868,7 +879,7 @@ def thread_role(thread: dict[str, Any]) -> tuple[str, str]:
     waits_on = thread.get("waits_on", "")
     where = f"{call} on {waits_on}" if waits_on else call
     if thread["main"]:
-        return "main", f"main thread, asyncio loop: {where}"
+        return "main", f"main thread, the event loop: {where}"
     if "listening on" in waits_on:
         return "server", f"server thread: {where}"
     if waits_on.endswith(f":{MDS_PORT}"):

@@ -532,10 +532,16 @@ def parse_config(text: str, source: str) -> Config:
     """Parse YAML text; ``source`` names the file in error messages."""
     if _sets_nothing(text):
         return Config()  # `tpuboot bind` starts without importing yaml (0.2 s under emulation)
+    config: Config = _section(Config, _yaml_data(text, source), source)
+    return config
+
+
+def _yaml_data(text: str, source: str) -> Any:
+    """What PyYAML reads in ``text``; a ConfigError naming ``source`` if it cannot."""
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
@@ -544,12 +550,14 @@ def parse_config(text: str, source: str) -> Config:
         # PyYAML builds some scalars with int() or datetime(): 2001-02-30, an int of 5000 digits.
         reason = (str(exc).splitlines() or [type(exc).__name__])[0][:80]
         raise ConfigError(f"{source}: a value cannot be read ({reason}); quote it or fix it") from None
-    config: Config = _section(Config, data, source)
-    return config
 
 
 def load_config(root: Root, path: str | None = None) -> Config:
-    """Read the configuration file; a missing default file means all defaults."""
+    """Read the configuration file; a missing default file means all defaults.
+
+    PyYAML's result for the file's exact text is kept under the Root (tpuboot/configcache.py), so
+    an unchanged file loads without importing yaml; validation runs on it all the same.
+    """
     wanted = path or CONFIG_PATH
     real = root.path(wanted)
     try:
@@ -560,4 +568,13 @@ def load_config(root: Root, path: str | None = None) -> Config:
         raise ConfigError(f"{wanted}: no such file; check the --config path") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{wanted}: cannot read ({exc}); fix its permissions or encoding") from None
-    return parse_config(text, wanted)
+    if _sets_nothing(text):
+        return Config()
+    from tpuboot import configcache
+
+    data = configcache.lookup(root, text)
+    if data is configcache.MISS:
+        data = _yaml_data(text, wanted)  # bad YAML raises here: nothing is kept
+        configcache.store(root, text, data)  # before validation: a hit fails it the same way
+    config: Config = _section(Config, data, wanted)
+    return config

@@ -5,12 +5,15 @@ report, or a signal. tpuboot/wiring.py builds it; doc/architecture.md draws it.
 
 The concurrency rule (one rule, kept everywhere):
 
-- **The asyncio loop** (the main thread) owns the daemon's state: READY, the device manager
-  (every device's state, its retries and the udev monitor), and the calls to the notifier, the
-  guest-attribute publisher and the metrics of the devices. Nothing on it blocks: no network, no
-  file reading beyond sysfs attributes of one device, no waiting for a thread.
-- **The worker pool** (``executor``) runs what the loop hands it and awaits: binds and
-  /dev/vfio node fixes. Its results come back as futures the loop awaits.
+- **The event loop** (tpuboot/eventloop.py, on the main thread) owns the daemon's state: READY,
+  the device manager (every device's state, its retries and the udev monitor), and the calls to
+  the notifier, the guest-attribute publisher and the metrics of the devices. Nothing on it
+  blocks: no network, no file reading beyond sysfs attributes of one device, no waiting for a
+  thread.
+- **The worker pool** (``executor``) runs what the loop hands it: binds and /dev/vfio node fixes.
+  Each future comes back to the loop by
+  ``future.add_done_callback(lambda f: loop.call_soon_threadsafe(handler, f))``; the worker
+  thread touches nothing else.
 - **A component's own threads** do its blocking work: the runtime-environment side (tpu-env
   sync, then the watch; it also tells the containers to look at their image again), the
   containers (the GKE check, one supervisor per container), the guest-attribute publisher, the
@@ -24,19 +27,19 @@ The concurrency rule (one rule, kept everywhere):
 - A flag shared between threads is a ``threading.Event`` or sits under a lock; the shared
   metadata client is thread-safe and closed once, by the daemon, after the last write.
 
-asyncio and threads both stay: the device side is many short, overlapping waits (binds, retry
+A loop and threads both stay: the device side is many short, overlapping waits (binds, retry
 timers, udev events) that a loop keeps in one thread without locks, while the other parts block
-in libraries that have no asyncio form (requests, the Docker socket's event stream, waitpid).
+in libraries that have no event-loop form (requests, the Docker socket's event stream, waitpid).
+The loop is our own (four things on ``selectors``), not asyncio: asyncio's 29 modules would be
+resident memory and start-up time for what the daemon does not use (issue 15).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tpuboot import __version__
 from tpuboot.component import Status
@@ -44,6 +47,7 @@ from tpuboot.containers.service import VBAR
 from tpuboot.devices.manager import DeviceManager
 from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.service import PENDING, EnvService
+from tpuboot.eventloop import EventLoop, Timer
 from tpuboot.notify import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
@@ -58,6 +62,7 @@ log = logging.getLogger("tpuboot.daemon")
 class Daemon:
     def __init__(
         self,
+        loop: EventLoop,
         devices: DeviceManager,
         executor: ThreadPoolExecutor,
         notifier: Notifier,
@@ -67,6 +72,7 @@ class Daemon:
         metadata: MetadataClient | None = None,
         metrics_server: WSGIServer | None = None,
     ) -> None:
+        self.loop = loop  # the device manager's too; serve() runs it once, then closes it
         self.devices = devices
         self.executor = executor
         self.notifier = notifier
@@ -76,12 +82,25 @@ class Daemon:
         self.metadata = metadata  # shared by env, containers and guest_attrs; closed at the end
         self.metrics_server = metrics_server
         self.ready = False
-        self.stopping = asyncio.Event()
-        self._env_booted: asyncio.Future[None] | None = None
+        self._watchdog_timer: Timer | None = None
 
-    def serve(self) -> int:
-        """Run until SIGTERM; returns the process exit status."""
-        return asyncio.run(self.run())
+    def serve(self, *, signals: bool = True) -> int:
+        """Run on this thread until SIGTERM, SIGINT or :meth:`request_stop`; returns the exit status.
+
+        ``signals`` (the default, and only from the main thread): SIGTERM and SIGINT stop it. The
+        tests that serve it in a thread of their own pass False and stop it by request.
+        """
+        try:
+            if signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    self.loop.add_signal_handler(sig, self.loop.stop)
+            return self.run()
+        finally:
+            self.loop.close()
+
+    def request_stop(self) -> None:
+        """From any thread: stop as SIGTERM does."""
+        self.loop.stop()
 
     # ------------------------------------------------------------------ derived from Status
 
@@ -115,65 +134,58 @@ class Daemon:
                 self.containers.tpu_vm_seen("a TPU is present")
             elif self.env is not None and self.env.held:
                 self.containers.tpu_vm_seen("tpu-env is held")
-        booted, env = self._env_booted, self.env
-        if booted is not None and not booted.done() and (env is None or env.status().state != PENDING):
-            booted.set_result(None)
         if self.guest_attrs is not None:
             self.guest_attrs.update(self.guest_attribute_values())
         if self.ready:
             self.notifier.status(self.status_line())
 
+    def _booted(self) -> bool:
+        """What READY waits for: the devices settled (DeviceManager.booted) and the boot-time
+        tpu-env sync ended. Checked by the loop after every round, so no change is missed."""
+        return self.devices.booted() and (self.env is None or self.env.status().state != PENDING)
+
     # ------------------------------------------------------------------ the loop
 
-    async def _watchdog(self, interval: float) -> None:
-        while True:
-            self.notifier.watchdog()
-            await asyncio.sleep(interval)
+    def _watchdog(self, interval: float) -> None:
+        """WATCHDOG=1 now and every ``interval``: the loop's only periodic wake-up."""
+        self.notifier.watchdog()
+        self._watchdog_timer = self.loop.call_later(interval, self._watchdog, interval)
 
-    async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+    def run(self) -> int:
+        """Start every component, READY once booted, then serve until stopped (on the loop's thread)."""
+        loop = self.loop
 
         def report() -> None:  # from any thread: the loop reads the Statuses
-            with contextlib.suppress(RuntimeError):  # the loop has ended: nothing left to show
-                loop.call_soon_threadsafe(self._changed)
+            loop.call_soon_threadsafe(self._changed)
 
-        self._env_booted = loop.create_future()
         self.devices.start(self._changed)  # on the loop: coldplug before any udev event binds
         if self.guest_attrs is not None:
             self.guest_attrs.update(self.guest_attribute_values())
             self.guest_attrs.start()  # its own thread: READY never waits for it
         interval = watchdog_interval()
-        watchdog = loop.create_task(self._watchdog(interval)) if interval else None
+        if interval:
+            self._watchdog(interval)
         if self.env is not None:
             self.env.start(report)
         if self.containers is not None:  # in their own threads: READY never waits for dockerd
             self.containers.start(report)
         self._changed()  # the TPUs coldplug found open the containers' gate at once
-        boot = asyncio.ensure_future(asyncio.gather(self.devices.settle(), self._env_booted))
-        stop = asyncio.ensure_future(self.stopping.wait())
         try:
-            # SIGTERM during a long boot (metadata server down) must not wait for its deadline.
-            either: set[asyncio.Future[Any]] = {boot, stop}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if boot.done():
-                boot.result()
+            # SIGTERM during a long boot (metadata server down) ends this wait: no deadline to sit out.
+            loop.run_until(self._booted)
+            if not loop.stopping:
                 self.ready = True
                 line = self.status_line()
                 log.info("ready: %s", line)
                 self.notifier.ready(line)
                 if self.guest_attrs is not None:
                     self.guest_attrs.update(self.guest_attribute_values())  # state=ready
-                await stop
+                loop.run_until()
         finally:
-            boot.cancel()
-            boot.add_done_callback(_quiet)  # a boot cut short by SIGTERM is no error to log
-            stop.cancel()
             self.notifier.stopping()
             log.info("stopping")
-            if watchdog:
-                watchdog.cancel()
+            if self._watchdog_timer is not None:
+                self._watchdog_timer.cancel()
             self._stop()
         return 0
 
@@ -193,8 +205,3 @@ class Daemon:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _quiet(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()

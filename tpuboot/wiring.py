@@ -1,9 +1,9 @@
 """The one place that makes the daemon of `tpuboot run` from a root and a configuration.
 
 Coldplug first (tpuboot/devices/udev.py says why): the udev monitor is opened and the binds of the
-TPUs present are submitted before the rest of the daemon (asyncio, requests, prometheus_client) is
-imported; the device manager adopts them. The tests build the daemon here too, passing the seams
-below; production passes none.
+TPUs present are submitted before the rest of the daemon (its event loop, requests,
+prometheus_client) is imported; the device manager adopts them on the loop. The tests build the
+daemon here too, passing the seams below; production passes none.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tpuboot.daemon import Daemon
     from tpuboot.devices.manager import Monitor
     from tpuboot.env.metadata import MetadataClient
+    from tpuboot.eventloop import EventLoop
     from tpuboot.notify import Notifier
 
 log = logging.getLogger("tpuboot.wiring")
@@ -38,10 +39,11 @@ def build(
     notifier: Notifier | None = None,
     metadata: MetadataClient | None = None,
     docker: Callable[[], DockerAPI] | None = None,
+    loop: EventLoop | None = None,
 ) -> Daemon:
     """The daemon, its binds of the TPUs present already running. Seams (tests): ``binder`` (a
     fake kernel's), ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client
-    for every part), ``docker`` (a dockerd client factory)."""
+    for every part), ``docker`` (a dockerd client factory), ``loop`` (one that counts its wake-ups)."""
     binder = binder or Binder(root, DeviceTable(config.devices), config.vfio)
     from tpuboot.devices.udev import new_executor, open_udev_monitor, start_coldplug
 
@@ -59,10 +61,12 @@ def build(
     from tpuboot.env.metadata import MetadataClient
     from tpuboot.env.service import EnvService
     from tpuboot.env.sync import EnvSync
+    from tpuboot.eventloop import EventLoop
     from tpuboot.guestattrs import Publisher
     from tpuboot.notify import Notifier
 
-    devices = DeviceManager(binder, executor, monitor, coldplug, config.ready)
+    loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
+    devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready)
     publish = config.guest_attributes.enabled != "false"
     containers_on = config.vbar.enabled or config.telemetry.enabled
     if metadata is None and (config.env.enabled or containers_on or publish):
@@ -91,4 +95,5 @@ def build(
         deadline = config.metadata.boot_deadline
         guest_attrs = Publisher(metadata, config.guest_attributes, check_deadline=deadline)
     server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
-    return Daemon(devices, executor, notifier or Notifier(), env, containers, guest_attrs, metadata, server)
+    notifier = notifier or Notifier()
+    return Daemon(loop, devices, executor, notifier, env, containers, guest_attrs, metadata, server)

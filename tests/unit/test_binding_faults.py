@@ -6,14 +6,13 @@ go through the daemon's coldplug and event paths and the CLI, which must each su
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 
 import pytest
 
 from tests.unit.fakekernel import FakeKernel
-from tests.unit.test_daemon import make, until
+from tests.unit.test_daemon import make, on_loop, serving, until
 from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot import cli
 from tpuboot.daemon import Daemon
@@ -126,27 +125,23 @@ def four(kernel):
 
 
 def run_daemon(kernel: FakeKernel, check, *, b=None) -> Daemon:
-    """Run the daemon as `tpuboot run` does (coldplug's binds submitted before the loop)."""
+    """Run the daemon as `tpuboot run` does (coldplug's binds submitted before the loop); ``check``
+    runs in the test's thread once it is READY, and the daemon must still be serving after it."""
     daemon, _, _ = make(kernel, b=b or binder(kernel))
-
-    async def scenario():
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready or task.done())
-        assert not task.done(), task.exception()
-        await check(daemon)
-        assert not task.done(), task.exception()
-        daemon.stopping.set()
-        assert await asyncio.wait_for(task, 2.0) == 0
-
-    asyncio.run(scenario())
+    with serving(daemon) as running:
+        until(lambda: daemon.ready or running.ended)
+        assert not running.ended, running.error
+        check(daemon)
+        assert not running.ended, running.error
+        assert running.stop() == 0
     return daemon
 
 
 def test_a_refused_chmod_at_coldplug_fails_that_device_only(four, caplog):
-    """Before: PermissionError escaped the task and `asyncio.gather` ended the daemon before READY."""
+    """Before: PermissionError escaped the bind's task and ended the daemon before READY."""
     four.faults.add("chmod", "/dev/vfio/5", errno.EPERM)
 
-    async def check(daemon):
+    def check(daemon):
         status = daemon.notifier.last_status
         assert status.startswith("3 of 4 TPUs bound to vfio-pci; 0000:00:05.0: setting /dev/vfio/5 to mode")
         assert "EPERM" in status and "an LSM (AppArmor, SELinux) denied it" in status
@@ -170,8 +165,8 @@ def test_a_transient_errno_is_retried_until_bound(four, monkeypatch, op, suffix)
     monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
     four.faults.add(op, suffix, errno.EIO, times=2)
 
-    async def check(daemon):
-        await until(lambda: daemon.notifier.last_status == "4 TPUs bound to vfio-pci")
+    def check(daemon):
+        until(lambda: daemon.notifier.last_status == "4 TPUs bound to vfio-pci")
 
     run_daemon(four, check)
     assert len(four.faults.hits) == 2
@@ -180,20 +175,20 @@ def test_a_transient_errno_is_retried_until_bound(four, monkeypatch, op, suffix)
 def test_unreadable_ids_at_an_event_are_shown_and_retried_and_a_non_tpu_is_then_dropped(four, monkeypatch):
     monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
 
-    async def check(daemon):
+    def check(daemon):
         four.add_device("0000:00:0b.0", 0x1AF4, 0x1000, driver="virtio-pci", group="11")
         four.faults.add("open", "0000:00:0b.0/uevent", errno.EIO, times=1)
         four.faults.add("open", "0000:00:0c.0/uevent", errno.EACCES)
         add_tpu(four, "0000:00:0c.0", V5P, group="12")
         daemon.devices.monitor.push("add", "pci", "0000:00:0b.0")
         daemon.devices.monitor.push("add", "pci", "0000:00:0c.0")
-        await until(lambda: "0000:00:0c.0" in daemon.devices.devices)
-        await until(lambda: "0000:00:0b.0" not in daemon.devices.devices)  # retried: not a TPU
+        until(lambda: "0000:00:0c.0" in daemon.devices.devices)
+        until(lambda: "0000:00:0b.0" not in daemon.devices.devices)  # retried: not a TPU
         status = daemon.notifier.last_status
         assert status.startswith("4 TPUs bound to vfio-pci; 0000:00:0c.0: reading its PCI ids failed (EACCES")
         four.faults.clear()
         daemon.devices.monitor.push("add", "pci", "0000:00:0c.0")  # a new event after the fix: bound
-        await until(lambda: daemon.notifier.last_status == "5 TPUs bound to vfio-pci")
+        until(lambda: daemon.notifier.last_status == "5 TPUs bound to vfio-pci")
 
     run_daemon(four, check)
 
@@ -209,17 +204,17 @@ def test_an_unexpected_exception_is_logged_once_and_fails_that_device(four, capl
 
     b.bind = buggy  # type: ignore[method-assign]
 
-    async def check(daemon):
+    def check(daemon):
         assert daemon.notifier.last_status.startswith(
             "3 of 4 TPUs bound to vfio-pci; 0000:00:06.0: unexpected KeyError in bind"
         )
         daemon.devices.monitor.push("add", "pci", "0000:00:06.0")  # the loop still answers events
-        await until(lambda: daemon.devices.devices["0000:00:06.0"].attempts == 1 and
+        until(lambda: daemon.devices.devices["0000:00:06.0"].attempts == 1 and
                     not daemon.devices.devices["0000:00:06.0"].running and
                     len([r for r in caplog.records if "unexpected" in r.getMessage()]) >= 2)  # fmt: skip
         add_tpu(four, "0000:00:0a.0", V5P, group="10")
         daemon.devices.monitor.push("add", "pci", "0000:00:0a.0")
-        await until(lambda: four.driver("0000:00:0a.0") == "vfio-pci")
+        until(lambda: four.driver("0000:00:0a.0") == "vfio-pci")
 
     with caplog.at_level(logging.INFO, logger="tpuboot"):
         run_daemon(four, check, b=b)
@@ -228,12 +223,12 @@ def test_an_unexpected_exception_is_logged_once_and_fails_that_device(four, capl
 
 
 def test_a_broken_node_event_does_not_end_the_loop(four):
-    async def check(daemon):
+    def check(daemon):
         four.faults.add("stat", "/dev/vfio/4", errno.EACCES)
         daemon.devices.monitor.push("add", "vfio", "4")
         add_tpu(four, "0000:00:0a.0", V5P, group="10")
         daemon.devices.monitor.push("add", "pci", "0000:00:0a.0")
-        await until(lambda: four.driver("0000:00:0a.0") == "vfio-pci")
+        until(lambda: four.driver("0000:00:0a.0") == "vfio-pci")
 
     run_daemon(four, check)
 
@@ -243,7 +238,7 @@ def test_backoff_of_a_long_series_does_not_overflow(four, monkeypatch):
     monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
     four.faults.add("open", "0000:00:05.0/uevent", errno.EIO)
 
-    async def check(daemon):
+    def on_the_loop(daemon):  # the device state is the loop's
         state = daemon.devices.devices["0000:00:05.0"]
         state.attempts = 5000
         daemon.devices._failed("0000:00:05.0", state, DeviceError("x"), {})  # permanent: no delay
@@ -253,6 +248,9 @@ def test_backoff_of_a_long_series_does_not_overflow(four, monkeypatch):
         daemon.devices._failed("0000:00:05.0", state, err, {})
         assert state.retry is not None
         state.retry.cancel()
+
+    def check(daemon):
+        on_loop(daemon, lambda: on_the_loop(daemon))
 
     run_daemon(four, check)
 

@@ -63,7 +63,11 @@ CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.contai
 CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.devices.kmodule",
           "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
-TEXTFILE_BIND = CORE | {"yaml"} | METRICS | SURVEY
+#: A config that sets something, read the first time: PyYAML, and the cache's record written
+#: (tpuboot/configcache.py); the same file unchanged later: the record alone (CACHED below).
+PARSED = {"yaml", "json", "tpuboot.configcache", "tpuboot.atomicfile"}
+CACHED = {"json", "tpuboot.configcache"}
+TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.checks.doctor",
                                                                          "tpuboot.checks.slices"}  # fmt: skip
 
@@ -78,7 +82,7 @@ TEXTFILE = "metrics: {textfile_dir: /metrics}\n"
 CASES = {
     "--version": (["--version"], None, CORE),
     "bind": (["bind", "0000:00:04.0"], None, CORE),
-    "bind, a config that sets something": (["bind", "0000:00:04.0"], SETS_SOMETHING, CORE | {"yaml"}),
+    "bind, a config that sets something": (["bind", "0000:00:04.0"], SETS_SOMETHING, CORE | PARSED),
     "bind, metrics.textfile_dir set": (["bind", "0000:00:04.0"], TEXTFILE, TEXTFILE_BIND),
     "unbind": (["unbind", "0000:00:04.0"], None, CORE),
     "status": (["status"], None, CORE | SURVEY),
@@ -127,6 +131,16 @@ def test_a_command_imports_only_what_its_list_says(case, tmp_path):
         argv[2:2] = ["--config", "/tpuboot.yaml"]
     heavy = not (allowed & (LIBRARIES - {"yaml"}))
     assert tracked(loaded(argv), heavy) == tracked(allowed, heavy)
+
+
+def test_bind_with_an_unchanged_config_loads_no_yaml(tmp_path):
+    """The recovery path's start-up with a config that sets something: PyYAML once, then the cache."""
+    (tmp_path / "tpuboot.yaml").write_text(SETS_SOMETHING)
+    argv = ["--root", str(tmp_path), "--config", "/tpuboot.yaml", "bind", "0000:00:04.0"]
+    assert tracked(loaded(argv), True) == tracked(CORE | PARSED, True)
+    assert tracked(loaded(argv), True) == tracked(CORE | CACHED, True)
+    (tmp_path / "tpuboot.yaml").write_text(SETS_SOMETHING.replace("0666", "0660"))
+    assert "yaml" in loaded(argv)  # changed: parsed again
 
 
 def test_every_command_has_a_case():

@@ -1,19 +1,23 @@
 """The daemon's loop on a temporary tree: coldplug before READY, hotplug, removal, retries, SIGTERM.
 
 Each daemon here is built by tpuboot.wiring.build, as `tpuboot run` builds it, with a fake kernel's
-binder, a udev monitor and a notifier the test holds, and a metadata client for the emulator.
+binder, a udev monitor and a notifier the test holds, and a metadata client for the emulator. It
+serves in a thread of its own (:func:`serving`), or on the main thread where SIGTERM is the point
+(:func:`serve_here`); the test waits for conditions (:func:`until`), never for a fixed time, so
+the tests hold on a loaded machine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
+import contextlib
 import errno
 import os
 import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -21,6 +25,7 @@ import pytest
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port
+from tests.unit.test_eventloop import CountingSelector
 from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot.component import Status
 from tpuboot.config import (
@@ -39,6 +44,7 @@ from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.service import EnvService, run_watch
 from tpuboot.env.sync import EnvSync, SyncResult
 from tpuboot.errors import MetadataError
+from tpuboot.eventloop import EventLoop
 from tpuboot.notify import Notifier
 from tpuboot.paths import Root
 from tpuboot.wiring import build
@@ -84,11 +90,106 @@ class RecordingNotifier(Notifier):
         self.sent.append(text)
 
 
-async def until(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
+def until(predicate: Callable[[], object], timeout: float = 20.0) -> None:
+    """Wait, in the test's thread, until ``predicate()`` holds (the daemon's threads make it so)."""
+    deadline = time.monotonic() + timeout
     while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+class Serving:
+    """A daemon serving in a thread of its own; only the main thread may take signals, so it
+    serves without (``serve(signals=False)``) and :meth:`stop` asks it as SIGTERM would."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.code: int | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, name="daemon-loop", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.code = self.daemon.serve(signals=False)
+        except BaseException as exc:
+            self.error = exc
+
+    @property
+    def ended(self) -> bool:
+        return not self.thread.is_alive()
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """Ask it to stop; its exit status once it has (a failure if it does not in ``timeout``)."""
+        self.daemon.request_stop()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the daemon did not stop"
+        if self.error is not None:
+            raise self.error
+        return self.code
+
+
+@contextlib.contextmanager
+def serving(daemon: Daemon) -> Iterator[Serving]:
+    """``daemon`` serving in a thread for the block; stopped at its end whatever happened."""
+    running = Serving(daemon)
+    try:
+        yield running
+    finally:
+        if not running.ended:
+            daemon.request_stop()
+            running.thread.join(20)
+
+
+def on_loop(daemon: Daemon, fn: Callable[[], object]) -> object:
+    """``fn()`` run on the daemon's loop, which owns the device state; its result (or exception)."""
+    done = threading.Event()
+    out: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+        finally:
+            done.set()
+
+    daemon.loop.call_soon_threadsafe(call)
+    assert done.wait(20), "the loop did not run it"
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out.get("value")
+
+
+def serve_here(daemon: Daemon, drive: Callable[[Daemon], None], within: float = 20.0) -> int:
+    """``daemon.serve()`` on this, the main, thread as `tpuboot run` runs it (SIGTERM and SIGINT
+    handled), while ``drive(daemon)`` runs in a thread. The daemon must return within ``within``
+    seconds of the driver's end; if it does not, or the driver fails, it is stopped by request and
+    the test fails."""
+    failures: list[BaseException] = []
+    returned = threading.Event()
+
+    def driver() -> None:
+        try:
+            drive(daemon)
+        except BaseException as exc:
+            failures.append(exc)
+            daemon.request_stop()
+            return
+        if not returned.wait(within):
+            failures.append(AssertionError(f"the daemon was still serving {within} s after the driver ended"))
+            daemon.request_stop()
+
+    thread = threading.Thread(target=driver, name="driver", daemon=True)
+    thread.start()
+    try:
+        code = daemon.serve()
+    finally:
+        returned.set()
+        thread.join(20)
+    if failures:
+        raise failures[0]
+    return code
 
 
 @pytest.fixture
@@ -123,12 +224,13 @@ def make(
     b=None,
     metadata: MetadataClient | None = None,
     docker=None,
+    loop: EventLoop | None = None,
 ) -> tuple[Daemon, QueueMonitor, RecordingNotifier]:
     """The daemon as `tpuboot run` builds it (tpuboot.wiring.build), over the fake kernel."""
     monitor, notifier = QueueMonitor(), RecordingNotifier()
     daemon = build(
         root or kernel.root, config.replace(ready=ready), binder=b or binder(kernel), monitor=monitor,
-        notifier=notifier, metadata=metadata, docker=docker,
+        notifier=notifier, metadata=metadata, docker=docker, loop=loop,
     )  # fmt: skip
     return daemon, monitor, notifier
 
@@ -140,121 +242,118 @@ def with_env(emulator, watch: bool = False, boot_deadline: float = 5.0) -> Confi
 
 
 def test_coldplug_binds_every_tpu_before_ready_and_leaves_others(kernel):
-    async def scenario():
-        daemon, _, notifier = make(kernel)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    daemon, _, notifier = make(kernel)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         assert [kernel.driver(f"0000:00:0{4 + i}.0") for i in range(4)] == ["vfio-pci"] * 4
         assert notifier.sent[0] == "READY=1\nSTATUS=4 TPUs bound to vfio-pci"
-        daemon.stopping.set()
-        assert await task == 0
+        assert running.stop() == 0
         assert notifier.sent[-1].startswith("STOPPING=1")
-
-    asyncio.run(scenario())
     assert kernel.driver("0000:00:02.0") == "virtio-pci"
 
 
 def test_hotplug_add_is_bound_and_remove_is_logged(kernel, caplog):
-    async def scenario():
-        daemon, monitor, notifier = make(kernel)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    caplog.set_level("INFO", logger="tpuboot")
+    daemon, monitor, notifier = make(kernel)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         add_tpu(kernel, "0000:00:0a.0", V5P, group="10")
         monitor.push("add", "pci", "0000:00:0a.0")
-        await until(lambda: kernel.driver("0000:00:0a.0") == "vfio-pci")
-        await until(lambda: notifier.last_status == "5 TPUs bound to vfio-pci")
+        until(lambda: kernel.driver("0000:00:0a.0") == "vfio-pci")
+        until(lambda: notifier.last_status == "5 TPUs bound to vfio-pci")
         kernel.remove_device("0000:00:0a.0")
         monitor.push("remove", "pci", "0000:00:0a.0")
-        await until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
-        daemon.stopping.set()
-        await task
-
-    caplog.set_level("INFO", logger="tpuboot")
-    asyncio.run(scenario())
+        until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
+        running.stop()
     assert "0000:00:0a.0 (TPU v5p) removed" in caplog.text
 
 
 def test_one_failing_device_does_not_stop_the_others_and_is_retried(kernel, monkeypatch):
-    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(
+        manager, "BACKOFF_FIRST", 0.2
+    )  # five retries over 6 s: the test clears the cause well within
     kernel.refuse_probe.add("0000:00:05.0")
-
-    async def scenario():
-        daemon, _, notifier = make(kernel)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    daemon, _, notifier = make(kernel)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         expected = "3 of 4 TPUs bound to vfio-pci; 0000:00:05.0: vfio-pci did not"
         assert notifier.last_status.startswith(expected)
         kernel.refuse_probe.clear()  # the transient cause goes away
-        await until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+        until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
+        running.stop()
 
 
 def test_permanent_failure_is_not_retried(kernel, tmp_path):
     noiommu = FakeKernel(tmp_path / "noiommu")
     add_tpu(noiommu, "0000:00:04.0", V5P, driver=None, group=None)
-
-    async def scenario():
-        daemon, _, notifier = make(noiommu)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    daemon, _, notifier = make(noiommu)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         assert "0 of 1 TPU bound to vfio-pci; 0000:00:04.0: no IOMMU group" in notifier.last_status
         assert daemon.devices.devices["0000:00:04.0"].retry is None
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+        running.stop()
 
 
-def test_sigterm_stops_cleanly(kernel):
-    async def scenario():
-        daemon, _, notifier = make(kernel)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert await asyncio.wait_for(task, 1.0) == 0
-        assert notifier.sent[-1].startswith("STOPPING=1")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_cleanly(kernel, sig):
+    daemon, _, notifier = make(kernel)
 
-    asyncio.run(scenario())
+    def drive(daemon: Daemon) -> None:
+        until(lambda: daemon.ready)
+        os.kill(os.getpid(), sig)
+
+    before = signal.getsignal(sig)
+    assert serve_here(daemon, drive, within=10.0) == 0
+    assert notifier.sent[-1].startswith("STOPPING=1")
+    assert signal.getsignal(sig) is before  # given back when the daemon ended
+
+
+def test_idle_the_daemon_wakes_only_for_the_watchdog(kernel, monkeypatch):
+    """WATCHDOG=1 every half of WATCHDOG_USEC, and nothing else wakes an idle daemon: no polling."""
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # WATCHDOG=1 every 0.1 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    selector = CountingSelector()
+    daemon, _, notifier = make(kernel, loop=EventLoop(selector))
+
+    def watchdogs() -> int:
+        return notifier.sent.count("WATCHDOG=1")
+
+    with serving(daemon) as running:
+        until(lambda: daemon.ready and watchdogs() >= 2)  # the boot's wake-ups are behind
+        wakeups, sent, started = selector.wakeups, watchdogs(), time.monotonic()
+        until(lambda: watchdogs() >= sent + 10)
+        elapsed, woken, ticks = time.monotonic() - started, selector.wakeups - wakeups, watchdogs() - sent
+        running.stop()
+    assert ticks >= 10 and woken <= ticks + 1  # one wake-up per WATCHDOG=1 (and the one in progress)
+    assert elapsed >= 0.099 * (ticks - 1)  # never more often than asked
 
 
 def test_vfio_node_event_reapplies_mode(kernel):
-    async def scenario():
-        daemon, monitor, _ = make(kernel)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    daemon, monitor, _ = make(kernel)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         node = kernel.p("/dev/vfio/4")
         os.chmod(node, 0o600)  # as a udev rule running late would
         monitor.push("add", "vfio", "4")
-        await until(lambda: os.stat(node).st_mode & 0o777 == 0o666)
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+        until(lambda: os.stat(node).st_mode & 0o777 == 0o666)
+        running.stop()
 
 
 def test_ready_waits_for_tpu_env_and_a_change_is_picked_up(kernel, emulator, root):
     env_file = root.path("/home/tpu-runtime/tpu-env")
-
-    async def scenario():
-        daemon, _, _ = make(
-            kernel, config=with_env(emulator, watch=True), root=root, metadata=make_client(emulator)
-        )
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    daemon, _, _ = make(
+        kernel, config=with_env(emulator, watch=True), root=root, metadata=make_client(emulator)
+    )
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         assert env_file.exists()  # READY came after tpu-env was written
         ready = daemon.notifier.sent[0]
         assert ready.startswith("READY=1\nSTATUS=4 TPUs bound to vfio-pci; tpu-env: ")
         assert "keys from metadata" in ready
         emulator.set_attribute("tpu-env", "WORKER_ID: '7'\n")
-        await until(lambda: daemon.notifier.last_status.endswith("tpu-env: 1 key from metadata"))
+        until(lambda: daemon.notifier.last_status.endswith("tpu-env: 1 key from metadata"))
         assert env_file.read_text() == 'WORKER_ID="7"\n'
-        daemon.stopping.set()
-        await asyncio.wait_for(task, 2.0)
-
-    asyncio.run(scenario())
+        running.stop()
 
 
 def test_metadata_down_serves_tpu_env_from_cache_and_keeps_running(kernel, emulator, root):
@@ -263,36 +362,27 @@ def test_metadata_down_serves_tpu_env_from_cache_and_keeps_running(kernel, emula
     root.path("/home/tpu-runtime/tpu-env").unlink()
     emulator.stop()
     client = make_client(emulator, timeout=0.2)
-
-    async def scenario():
-        config = with_env(emulator, boot_deadline=0.5)
-        daemon, _, _ = make(kernel, config=config, root=root, metadata=client)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    daemon, _, _ = make(kernel, config=with_env(emulator, boot_deadline=0.5), root=root, metadata=client)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         assert "metadata server unreachable" in daemon.notifier.last_status
         assert "from cache of" in daemon.notifier.last_status
         assert root.path("/home/tpu-runtime/tpu-env").exists()
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+        running.stop()
 
 
 def test_sigterm_during_a_long_metadata_wait_stops_at_once(kernel, emulator, root):
     emulator.set_faults(delay=30.0)
     client = make_client(emulator, timeout=60.0)
+    daemon, _, _ = make(kernel, config=with_env(emulator, boot_deadline=60.0), root=root, metadata=client)
 
-    async def scenario():
-        config = with_env(emulator, boot_deadline=60.0)
-        daemon, _, _ = make(kernel, config=config, root=root, metadata=client)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: emulator.request_count >= 1)
+    def drive(daemon: Daemon) -> None:
+        until(lambda: emulator.request_count >= 1)
         assert not daemon.ready
         os.kill(os.getpid(), signal.SIGTERM)
-        assert await asyncio.wait_for(task, 2.0) == 0
-        assert daemon.notifier.sent == ["STOPPING=1\nSTATUS=stopping"]
 
-    asyncio.run(scenario())
+    assert serve_here(daemon, drive, within=10.0) == 0  # not the 30 s of the answer, nor the 60 s
+    assert daemon.notifier.sent == ["STOPPING=1\nSTATUS=stopping"]
 
 
 def test_binds_started_before_the_loop_are_adopted_not_redone(kernel, caplog):
@@ -310,17 +400,12 @@ def test_binds_started_before_the_loop_are_adopted_not_redone(kernel, caplog):
     tpus = [f"0000:00:0{4 + i}.0" for i in range(4)]  # not the virtio disk
     assert sorted(daemon.devices.coldplug.binds) == tpus  # submitted by build, before any loop
     assert "0000:00:02.0" in daemon.devices.coldplug.addresses
-
-    async def scenario():
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    with caplog.at_level("INFO", logger="tpuboot"), serving(daemon) as running:
+        until(lambda: daemon.ready)
         assert notifier.sent[0] == "READY=1\nSTATUS=4 TPUs bound to vfio-pci"
-        await asyncio.sleep(0.1)
-        daemon.stopping.set()
-        assert await task == 0
-
-    with caplog.at_level("INFO", logger="tpuboot"):
-        asyncio.run(scenario())
+        assert running.stop() == 0
+    assert [daemon.devices.devices[a].attempts for a in tpus] == [1] * 4  # no second bind started
+    daemon.executor.shutdown(wait=True)  # whatever the pool still had, it has run
     assert sorted(calls) == tpus  # each ran once: adopted, not submitted again
     logged = [
         r.getMessage().split()[0] for r in caplog.records if "bound to vfio-pci, /dev/vfio/" in r.getMessage()
@@ -344,17 +429,12 @@ def test_an_unexpected_exception_in_the_boot_sync_still_reaches_ready_on_the_cac
 
     monkeypatch.setattr(envsync, "parse_tpu_env", buggy)
     client = make_client(emulator)
-
-    async def scenario():
-        daemon, _, _ = make(kernel, config=with_env(emulator), root=root, metadata=client)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    daemon, _, _ = make(kernel, config=with_env(emulator), root=root, metadata=client)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         assert "unexpected ValueError (see the log), 14 keys from cache of" in daemon.notifier.last_status
         assert root.path("/home/tpu-runtime/tpu-env").exists()
-        daemon.stopping.set()
-        assert await task == 0
-
-    asyncio.run(scenario())
+        assert running.stop() == 0
 
 
 def test_even_a_sync_that_raises_reaches_ready_and_starts_the_watch(kernel, emulator, root, monkeypatch):
@@ -365,16 +445,11 @@ def test_even_a_sync_that_raises_reaches_ready_and_starts_the_watch(kernel, emul
     watched = threading.Event()
     monkeypatch.setattr(daemon.env.sync, "sync_once", lambda deadline: 1 / 0)
     monkeypatch.setattr(daemon.env.sync, "watch", lambda stop, report: watched.set())
-
-    async def scenario():
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         assert daemon.notifier.sent[0].endswith("; tpu-env: failed (ZeroDivisionError); see the log")
-        await until(watched.is_set)
-        daemon.stopping.set()
-        assert await task == 0
-
-    asyncio.run(scenario())
+        until(watched.is_set)
+        assert running.stop() == 0
 
 
 def test_the_watch_thread_starts_a_watch_again_that_raised(monkeypatch, caplog):
@@ -400,92 +475,70 @@ def test_the_watch_thread_starts_a_watch_again_that_raised(monkeypatch, caplog):
 
 
 def test_ready_waits_until_a_transient_failure_is_retried_into_a_bind(kernel, monkeypatch):
-    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.05)
+    monkeypatch.setattr(
+        manager, "BACKOFF_FIRST", 0.2
+    )  # five retries over 6 s: the test clears the cause well within
     kernel.refuse_probe.add("0000:00:05.0")
-
-    async def scenario():
-        daemon, _, notifier = make(kernel, ReadyConfig())
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: getattr(daemon.devices.devices.get("0000:00:05.0"), "attempts", 0) >= 2)
+    daemon, _, notifier = make(kernel, ReadyConfig())
+    with serving(daemon) as running:
+        until(lambda: getattr(daemon.devices.devices.get("0000:00:05.0"), "attempts", 0) >= 2)
         assert not daemon.ready and notifier.sent == []  # the first attempt failed: no READY yet
         kernel.refuse_probe.clear()  # the transient cause goes away; the next retry binds it
-        await until(lambda: daemon.ready)
+        until(lambda: daemon.ready)
         assert notifier.sent[0] == "READY=1\nSTATUS=4 TPUs bound to vfio-pci"
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+        running.stop()
 
 
 def test_ready_comes_once_the_retries_are_spent(kernel, monkeypatch):
     monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
+    monkeypatch.setattr(manager, "BACKOFF_CAP", 0.01)
     kernel.refuse_probe.add("0000:00:05.0")
-
-    async def scenario():
-        daemon, _, notifier = make(kernel, ReadyConfig())
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    daemon, _, notifier = make(kernel, ReadyConfig())
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         state = daemon.devices.devices["0000:00:05.0"]
         assert (state.state, state.attempts, state.retry) == ("failed", 6, None)  # 1 + vfio.retries
         assert notifier.sent[0].startswith("READY=1\nSTATUS=3 of 4 TPUs bound to vfio-pci; 0000:00:05.0: ")
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+        running.stop()
 
 
 def test_a_permanent_failure_does_not_hold_ready(tmp_path):
     noiommu = FakeKernel(tmp_path / "noiommu")
     add_tpu(noiommu, "0000:00:04.0", V5P, driver=None, group=None)
-
-    async def scenario():
-        daemon, _, notifier = make(noiommu, ReadyConfig())
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready, timeout=2.0)
+    daemon, _, notifier = make(noiommu, ReadyConfig())
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)  # long before the deadline
         assert "0 of 1 TPU bound to vfio-pci; 0000:00:04.0: no IOMMU group" in notifier.sent[0]
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+        running.stop()
 
 
 def test_the_device_deadline_bounds_the_wait_and_retries_go_on(kernel, monkeypatch, caplog):
     monkeypatch.setattr(manager, "BACKOFF_FIRST", 30.0)  # the first retry would come long after
     kernel.refuse_probe.add("0000:00:05.0")
-
-    async def scenario():
-        daemon, _, notifier = make(kernel, ReadyConfig(device_deadline=0.3))
-        task = asyncio.create_task(daemon.run())
-        started = asyncio.get_running_loop().time()
-        await until(lambda: daemon.ready)
-        assert 0.3 <= asyncio.get_running_loop().time() - started < 3.0
+    caplog.set_level("WARNING", logger="tpuboot.devices.manager")
+    daemon, _, notifier = make(kernel, ReadyConfig(device_deadline=0.3))
+    started = time.monotonic()
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
+        assert 0.3 <= time.monotonic() - started < 25.0  # the deadline, not the retry 30 s away
         assert notifier.sent[0].startswith("READY=1\nSTATUS=3 of 4 TPUs bound to vfio-pci")
         assert daemon.devices.devices["0000:00:05.0"].retry is not None  # still to be retried
-        daemon.stopping.set()
-        await task
-
-    caplog.set_level("WARNING", logger="tpuboot.devices.manager")
-    asyncio.run(scenario())
+        running.stop()
     assert "ready: 3 of 4 TPUs bound after 0.3 s (ready.device_deadline); READY now" in caplog.text
 
 
 def test_a_device_removed_while_ready_waits_for_it_releases_ready(kernel, monkeypatch):
     monkeypatch.setattr(manager, "BACKOFF_FIRST", 30.0)
     kernel.refuse_probe.add("0000:00:05.0")
-
-    async def scenario():
-        daemon, monitor, notifier = make(kernel, ReadyConfig())
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: getattr(daemon.devices.devices.get("0000:00:05.0"), "retry", None) is not None)
+    daemon, monitor, notifier = make(kernel, ReadyConfig())
+    with serving(daemon) as running:
+        until(lambda: getattr(daemon.devices.devices.get("0000:00:05.0"), "retry", None) is not None)
         assert not daemon.ready
         kernel.remove_device("0000:00:05.0")
         monitor.push("remove", "pci", "0000:00:05.0")
-        await until(lambda: daemon.ready)
+        until(lambda: daemon.ready)
         assert notifier.sent[0] == "READY=1\nSTATUS=3 TPUs bound to vfio-pci"
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+        running.stop()
 
 
 # --- guest attributes: the daemon's state, fed to the publisher -----------------------------------
@@ -498,28 +551,23 @@ def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(k
     emulator.set_attribute("enable-guest-attributes", "TRUE")
     config = with_env(emulator).replace(guest_attributes=GuestAttributesConfig(min_interval=0.3))
     emulator.set_faults(delay=0.5)  # every answer late: READY must not wait for the writes
+    daemon, _, _ = make(kernel, ReadyConfig(), config, root=root, metadata=make_client(emulator))
+    assert daemon.guest_attrs is not None and daemon.guest_attrs.client is daemon.metadata  # one client
 
-    async def scenario():
-        daemon, _, _ = make(kernel, ReadyConfig(), config, root=root, metadata=make_client(emulator))
-        assert daemon.guest_attrs is not None and daemon.guest_attrs.client is daemon.metadata  # one client
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready, timeout=5.0)
+    def written() -> dict[str, str]:
+        return emulator.guest_attributes("tpuboot")
+
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         assert emulator.guest_attribute_writes <= 1
         emulator.set_faults()
-
-        def written() -> dict[str, str]:
-            return emulator.guest_attributes("tpuboot")
-
-        await until(lambda: len(written()) == 5 and written()["tpuboot/state"] == "ready", timeout=15)
+        until(lambda: len(written()) == 5 and written()["tpuboot/state"] == "ready", timeout=30)
         values = written()
         assert values["tpuboot/tpus"] == "bound=4 expected=4 failed=0"
         assert values["tpuboot/tpu-env"].startswith("source=metadata keys=14 updated=20")
         assert values["tpuboot/vbar"] == "disabled"
         assert values["tpuboot/version"] == __version__
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+        running.stop()
     assert emulator.guest_attributes("tpuboot")["tpuboot/state"] == "stopped"
 
 
@@ -551,14 +599,9 @@ def test_one_metadata_client_is_shared_and_closed_at_stop(kernel, emulator, root
     assert daemon.env is not None and daemon.env.sync.parsed_values == daemon.containers.tpu_env
     server = daemon.metrics_server
     assert server is not None
-
-    async def scenario():
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
-        daemon.stopping.set()
-        assert await task == 0
-
-    asyncio.run(scenario())
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
+        assert running.stop() == 0
     with pytest.raises(MetadataError):
         client.get("instance/attributes/tpu-env", deadline_s=1.0)  # closed
     with pytest.raises(OSError):
@@ -586,24 +629,20 @@ class OverflowingMonitor(QueueMonitor):
 
 def test_lost_udev_events_are_recovered_from_sysfs(kernel, caplog):
     """An add and a remove the kernel dropped (ENOBUFS) are found by reading sysfs again."""
-
-    async def scenario():
-        monitor, notifier = OverflowingMonitor(), RecordingNotifier()
-        config = DEVICES_ONLY.replace(ready=FIRST_ATTEMPT)
-        daemon = build(kernel.root, config, binder=binder(kernel), monitor=monitor, notifier=notifier)
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    caplog.set_level("INFO", logger="tpuboot")
+    monitor, notifier = OverflowingMonitor(), RecordingNotifier()
+    config = DEVICES_ONLY.replace(ready=FIRST_ATTEMPT)
+    daemon = build(kernel.root, config, binder=binder(kernel), monitor=monitor, notifier=notifier)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         add_tpu(kernel, "0000:00:0a.0", V5P, driver=None, group="10")
         kernel.remove_device("0000:00:07.0")
         monitor.overflow()  # neither event arrives
-        await until(lambda: kernel.driver("0000:00:0a.0") == "vfio-pci")
-        await until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
+        until(lambda: kernel.driver("0000:00:0a.0") == "vfio-pci")
+        until(lambda: notifier.last_status == "4 TPUs bound to vfio-pci")
         monitor.push("add", "pci", "0000:00:02.0")  # the monitor is read on as before
-        daemon.stopping.set()
-        assert await task == 0
-
-    caplog.set_level("INFO", logger="tpuboot")
-    asyncio.run(scenario())
+        until(lambda: not monitor.events)  # and its event read (a PCI function not a TPU: left)
+        assert running.stop() == 0
     assert "udev: events were lost (receive buffer full)" in caplog.text
     assert "0000:00:07.0 (TPU v5p) removed" in caplog.text
     assert kernel.driver("0000:00:02.0") == "virtio-pci"

@@ -4,7 +4,6 @@ daemon's endpoint."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import shutil
@@ -22,10 +21,11 @@ from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port
-from tests.unit.test_daemon import make
+from tests.unit.test_daemon import make, serving, until
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import __version__, cli, metrics
 from tpuboot.config import MetricsConfig
+from tpuboot.devices import manager
 from tpuboot.env.metadata import MetadataAbsent
 from tpuboot.env.sync import EnvSync
 from tpuboot.paths import Root
@@ -133,21 +133,16 @@ def kernel(tmp_path: Path) -> FakeKernel:
 
 def run_daemon(kernel: FakeKernel, during=None) -> None:
     """Run the daemon until READY, then ``during()`` (off the loop), then SIGTERM-equivalent."""
-
-    async def scenario() -> None:
-        daemon, _, _ = make(kernel)
-        task = asyncio.create_task(daemon.run())
-        while not daemon.ready:
-            await asyncio.sleep(0.01)
+    daemon, _, _ = make(kernel)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         if during is not None:
-            await asyncio.get_running_loop().run_in_executor(None, during)
-        daemon.stopping.set()
-        await task
-
-    asyncio.run(scenario())
+            during()
+        assert running.stop() == 0
 
 
-def test_daemon_counts_binds_and_tpus_by_generation_and_state(fresh, kernel):
+def test_daemon_counts_binds_and_tpus_by_generation_and_state(fresh, kernel, monkeypatch):
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 3600.0)  # its retry: long after the test
     kernel.refuse_probe.add("0000:00:05.0")  # vfio-pci does not take it: a transient failure
     run_daemon(kernel)
     assert value(fresh, "tpuboot_tpus", generation="TPU v5p", state="bound") == 1

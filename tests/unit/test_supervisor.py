@@ -5,7 +5,6 @@ The docker runtime is tested against a fake dockerd in test_containers.py.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import sys
 import threading
@@ -16,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_daemon import until
+from tests.unit.test_daemon import serving, until
 from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Status
@@ -165,36 +164,28 @@ def kernel(tmp_path: Path) -> Any:
 
 
 def test_ready_never_waits_for_dockerd_and_the_status_says_so(kernel: Any, root: Any) -> None:
-    async def scenario() -> None:
-        daemon = daemon_with(kernel, root, gke="false")  # no /run/docker.sock under the root
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
-        await until(lambda: "vBar: waiting (dockerd not answering" in daemon.notifier.last_status)
+    daemon = daemon_with(kernel, root, gke="false")  # no /run/docker.sock under the root
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
+        until(lambda: "vBar: waiting (dockerd not answering" in daemon.notifier.last_status)
         assert daemon.notifier.last_status.startswith("1 TPU bound to vfio-pci; vBar: waiting")
         assert daemon.guest_attribute_values()["vbar"].startswith("waiting (dockerd not answering")
-        daemon.stopping.set()
-        await asyncio.wait_for(task, 10.0)
-
-    asyncio.run(scenario())
+        running.stop()
 
 
 def test_on_a_gke_node_neither_container_starts(kernel: Any, root: Any) -> None:
     def never() -> Any:
         raise AssertionError("docker must not be used on GKE")
 
-    async def scenario() -> None:
-        daemon = daemon_with(kernel, root, never, gke="true", telemetry=TelemetryConfig(enabled=True))
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: "telemetry: not started" in daemon.notifier.last_status)
+    daemon = daemon_with(kernel, root, never, gke="true", telemetry=TelemetryConfig(enabled=True))
+    with serving(daemon) as running:
+        until(lambda: "telemetry: not started" in daemon.notifier.last_status)
         assert daemon.status_line().endswith(
             "vBar: not started, GKE node (GKE runs it); "
             "telemetry: not started, GKE node (GKE runs the telemetry collector)"
         )
         assert {s.state for s in daemon.containers.statuses().values()} == {"not started"}
-        daemon.stopping.set()
-        await asyncio.wait_for(task, 10.0)
-
-    asyncio.run(scenario())
+        running.stop()
 
 
 class FakeMetadata:
@@ -225,15 +216,10 @@ def test_exec_runtime_from_config_and_stop_ends_the_child(kernel: Any, root: Any
     argv = stand_in(tmp_path, "open(sys.argv[1] + '/up', 'w').close()\ntime.sleep(60)\n")
     daemon = daemon_with(kernel, root, gke="false", vbar=VbarConfig(runtime="exec", exec_argv=tuple(argv)))
 
-    async def scenario(fresh: metrics.Metrics) -> None:
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.status_line().endswith("vBar: running"))
+    with metrics.use(metrics.Metrics()) as fresh, serving(daemon) as running:
+        until(lambda: daemon.status_line().endswith("vBar: running"))
         assert fresh.registry.get_sample_value("tpuboot_container_up", {"container": "vBar"}) == 1.0
-        daemon.stopping.set()
-        await asyncio.wait_for(task, 10.0)
-
-    with metrics.use(metrics.Metrics()) as fresh:
-        asyncio.run(scenario(fresh))
+        running.stop()
     runtime = daemon.containers.supervisors["vBar"].runtime
     assert isinstance(runtime, ExecRuntime) and runtime.proc is not None
     assert runtime.proc.returncode == -signal.SIGTERM
@@ -265,23 +251,19 @@ def test_on_an_image_building_vm_nothing_privileged_starts_until_a_tpu_appears(
     kernel = FakeKernel(tmp_path / "kernel")
     kernel.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")  # a boot disk
 
-    async def scenario() -> None:
-        daemon = daemon_with(kernel, root, docker, gke="false")
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready and "vBar: not started" in daemon.status_line())
+    daemon = daemon_with(kernel, root, docker, gke="false")
+    with serving(daemon) as running:
+        until(lambda: daemon.ready and "vBar: not started" in daemon.status_line())
         assert daemon.status_line() == (
             "no TPUs found; vBar: not started, not a TPU VM (no TPU present, no tpu-env)"
         )
-        await asyncio.sleep(0.3)
+        time.sleep(0.3)  # a moment in which nothing may ask dockerd (no event can show it never does)
         assert not asked.is_set()
         add_tpu(kernel, "0000:00:04.0", V5P, driver=None, group="4")
         daemon.devices.monitor.push("add", "pci", "0000:00:04.0")
-        await until(asked.is_set)
-        await until(lambda: "vBar: waiting" in daemon.status_line())
-        daemon.stopping.set()
-        await asyncio.wait_for(task, 10.0)
-
-    asyncio.run(scenario())
+        until(asked.is_set)
+        until(lambda: "vBar: waiting" in daemon.status_line())
+        running.stop()
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["tpu-env held", "tpu-env absent"])
@@ -303,16 +285,12 @@ def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any, emulator: An
 
     daemon, _, _ = make(kernel, config=config, root=root, metadata=make_client(emulator), docker=docker)
 
-    async def scenario() -> None:
-        task = asyncio.create_task(daemon.run())
-        await until(lambda: daemon.ready)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
         if held:  # the supervisor starts (the sample's image is then refused: not in vbar.registries)
-            await until(lambda: "vBar" in daemon.containers.supervisors)
+            until(lambda: "vBar" in daemon.containers.supervisors)
         else:
-            await until(lambda: "vBar: not started, not a TPU VM" in daemon.status_line())
-            await asyncio.sleep(0.2)
+            until(lambda: "vBar: not started, not a TPU VM" in daemon.status_line())
+            time.sleep(0.2)  # a moment in which the gate may not open
         assert daemon.containers.is_tpu_vm is held
-        daemon.stopping.set()
-        await asyncio.wait_for(task, 10.0)
-
-    asyncio.run(scenario())
+        running.stop()

@@ -1,11 +1,10 @@
 """The daemon's device side: bind every TPU present or added (udev), retry what may be transient,
-keep count. Everything here runs on the daemon's event loop; binds run in its worker pool."""
+keep count. Everything here runs on the daemon's event loop (tpuboot/eventloop.py); binds run in
+its worker pool, and each bind's future comes back to the loop through ``call_soon_threadsafe``."""
 
 from __future__ import annotations
 
-import asyncio
 import errno
-import functools
 import logging
 import os
 import time
@@ -21,6 +20,7 @@ from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.udev import Coldplug
 from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, os_failure
 from tpuboot.errors import TpubootError
+from tpuboot.eventloop import EventLoop, Timer
 
 log = logging.getLogger("tpuboot.devices.manager")
 
@@ -52,7 +52,7 @@ class DeviceState:
     error: str | None = None
     attempts: int = 0
     running: bool = False
-    retry: asyncio.TimerHandle | None = None
+    retry: Timer | None = None
     traceback_logged: bool = False  # an unexpected exception's traceback is logged once per device
 
 
@@ -60,18 +60,20 @@ class DeviceManager:
     """Owns the state of every managed device; all methods run on the event loop thread.
 
     A component (tpuboot/component.py): ``start`` adopts the binds coldplug started (tpuboot run
-    submits them before the loop exists) and listens to ``monitor``; ``settle`` is what READY
+    submits them before the loop runs) and listens to ``monitor``; ``booted`` is what READY
     waits for.
     """
 
     def __init__(
         self,
+        loop: EventLoop,
         binder: Binder,
         executor: Executor,
         monitor: Monitor,
         coldplug: Coldplug,
         ready: ReadyConfig | None = None,
     ) -> None:
+        self.loop = loop
         self.binder = binder
         self.executor = executor
         self.monitor = monitor
@@ -79,10 +81,10 @@ class DeviceManager:
         self.ready_config = ready or ReadyConfig()
         self.on_change: Report = _nothing
         self.devices: dict[str, DeviceState] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
-        self._first: list[asyncio.Task[None]] = []  # coldplug's binds: READY waits for their first try
+        self._first: set[Future[BindResult]] = set()  # coldplug's binds: READY waits for their first try
         self._at_start: list[str] = []  # the devices present at start (ready.wait_for_devices)
-        self._settled: asyncio.Future[None] | None = None
+        self._deadline: Timer | None = None  # ready.device_deadline, once the first tries ended
+        self._deadline_passed = False
         self._listening = False
 
     # ------------------------------------------------------------------ the component
@@ -92,32 +94,44 @@ class DeviceManager:
         the monitor was started before the enumeration, so no device falls between the two."""
         self.on_change = report
         early = self.coldplug
-        tasks = (self.consider(a, early.binds.get(a), early.started) for a in early.addresses)
-        self._first = [t for t in tasks if t is not None]  # before any udev event starts a bind
+        binds = (self.consider(a, early.binds.get(a), early.started) for a in early.addresses)
+        self._first = {b for b in binds if b is not None}  # before any udev event starts a bind
         self._at_start = list(self.devices)  # the TPUs present (and the functions not yet classified)
-        asyncio.get_running_loop().add_reader(self.monitor.fileno(), self._on_udev)
+        self.loop.add_reader(self.monitor.fileno(), self._on_udev)
         self._listening = True
+        if not self._first:
+            self._first_tries_ended()
 
-    async def settle(self) -> None:
-        """Until each coldplugged TPU's first bind ended; with ready.wait_for_devices, until every
-        TPU present at start is bound or failed for good, at the latest after ready.device_deadline."""
-        await asyncio.gather(*self._first)
-        if not self.ready_config.wait_for_devices or self.settled(self._at_start):
+    def booted(self) -> bool:
+        """Whether READY may come as far as the devices go: each coldplugged TPU's first bind ended;
+        with ready.wait_for_devices, every TPU present at start is also bound or failed for good, or
+        ready.device_deadline has passed since the first binds ended."""
+        if self._first:
+            return False
+        return not self.ready_config.wait_for_devices or self._deadline_passed or self.settled(self._at_start)
+
+    def _first_tries_ended(self) -> None:
+        if self.ready_config.wait_for_devices and not self.settled(self._at_start):
+            self._deadline = self.loop.call_later(self.ready_config.device_deadline, self._device_deadline)
+
+    def _device_deadline(self) -> None:
+        self._deadline = None
+        if self.settled(self._at_start):
             return
-        self._settled = asyncio.get_running_loop().create_future()
-        deadline = self.ready_config.device_deadline
-        done, _ = await asyncio.wait({self._settled}, timeout=deadline)
-        if not done:
-            bound, present, _ = self.counts()
-            log.warning(
-                "ready: %d of %d TPUs bound after %g s (ready.device_deadline); READY now, retries go on",
-                bound, present, deadline)  # fmt: skip
+        self._deadline_passed = True
+        bound, present, _ = self.counts()
+        log.warning(
+            "ready: %d of %d TPUs bound after %g s (ready.device_deadline); READY now, retries go on",
+            bound, present, self.ready_config.device_deadline)  # fmt: skip
 
     def stop(self) -> None:
         if self._listening:
-            asyncio.get_running_loop().remove_reader(self.monitor.fileno())
+            self.loop.remove_reader(self.monitor.fileno())
             self._listening = False
         self.binder.stop.set()
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         for state in self.devices.values():
             self._cancel_retry(state)
 
@@ -168,8 +182,8 @@ class DeviceManager:
 
     def consider(
         self, address: str, early: Future[BindResult] | None = None, started: float = 0.0
-    ) -> asyncio.Task[None] | None:
-        """Start binding ``address`` if it is a managed TPU; returns the task, if any.
+    ) -> Future[BindResult] | None:
+        """Start binding ``address`` if it is a managed TPU; returns the bind's future, if any.
 
         ``early`` is a bind coldplug already submitted (at monotonic ``started``): adopted, not redone.
         Never raises: a device that cannot even be classified is that device's failure, and an
@@ -183,7 +197,7 @@ class DeviceManager:
 
     def _consider(
         self, address: str, early: Future[BindResult] | None, started: float, *, retry: bool
-    ) -> asyncio.Task[None] | None:
+    ) -> Future[BindResult] | None:
         fn = PciFunction(self.binder.root, address)
         state = self.devices.get(address)
         if state is not None and state.state == "removed":
@@ -234,28 +248,30 @@ class DeviceManager:
 
     def _start(
         self, address: str, state: DeviceState, early: Future[BindResult] | None = None, started: float = 0.0
-    ) -> asyncio.Task[None]:
-        state.running = True
-        task = asyncio.get_running_loop().create_task(self._bind(address, state, early, started))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
-
-    async def _bind(
-        self, address: str, state: DeviceState, early: Future[BindResult] | None, started: float
-    ) -> None:
+    ) -> Future[BindResult] | None:
+        """Bind ``address`` in the worker pool (or adopt ``early``, already there); its result comes
+        back to :meth:`_bound` on the loop."""
         state.attempts += 1
         state.state = "pending"
+        state.running = True
         self._count()
-        loop = asyncio.get_running_loop()
         if early is None:
             started = time.monotonic()
+            try:
+                early = self.executor.submit(self.binder.bind, address)
+            except RuntimeError:  # the pool is shut down: the daemon is stopping
+                state.running = False
+                return None
+        back = self.loop.call_soon_threadsafe
+        early.add_done_callback(lambda f: back(self._bound, address, state, f, started))
+        return early
+
+    def _bound(self, address: str, state: DeviceState, future: Future[BindResult], started: float) -> None:
+        """On the loop: a bind ended (in the pool, or coldplug's adopted)."""
+        state.running = False
         unexpected: BaseException | None = None
         try:
-            if early is not None:
-                result: BindResult = await asyncio.wrap_future(early)
-            else:
-                result = await loop.run_in_executor(self.executor, self.binder.bind, address)
+            result = future.result()
         except TpubootError as exc:
             outcome: BindResult | TpubootError = exc
         except FileNotFoundError:  # unplugged while we worked on it
@@ -269,9 +285,22 @@ class DeviceManager:
             )
         else:
             outcome = result
-        finally:
-            state.running = False
         metrics.bind_attempt(metrics.bind_result(outcome), time.monotonic() - started)
+        try:
+            self._outcome(address, state, outcome, unexpected)
+        finally:  # whatever happened, this first try has ended: READY must not wait for it
+            if future in self._first:
+                self._first.discard(future)
+                if not self._first:
+                    self._first_tries_ended()
+
+    def _outcome(
+        self,
+        address: str,
+        state: DeviceState,
+        outcome: BindResult | TpubootError,
+        unexpected: BaseException | None,
+    ) -> None:
         if self.devices.get(address) is not state or state.state == "removed":
             return  # removed meanwhile; the removal was logged
         fields = {"DBDF": address, "TPU_KIND": state.kind}
@@ -301,7 +330,7 @@ class DeviceManager:
             # The exponent is capped before the power: 2.0 ** 1100 would overflow a float.
             delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2.0 ** min(state.attempts - 1, 32))
             log.warning("%s (retry %d/%d in %.0f s)", exc, state.attempts, retries, delay, extra=fields)
-            state.retry = asyncio.get_running_loop().call_later(delay, again or self._retry, address, state)
+            state.retry = self.loop.call_later(delay, again or self._retry, address, state)
         else:
             log.error("%s", exc, extra=fields)
 
@@ -321,8 +350,9 @@ class DeviceManager:
 
     def _changed(self) -> None:
         self._count()
-        if self._settled is not None and not self._settled.done() and self.settled(self._at_start):
-            self._settled.set_result(None)
+        if self._deadline is not None and self.settled(self._at_start):
+            self._deadline.cancel()  # settled in time: no wake-up at the deadline
+            self._deadline = None
         self.on_change()
 
     def _count(self) -> None:
@@ -341,15 +371,14 @@ class DeviceManager:
         if mode == self.binder.config.node_mode:
             return  # the bind that made it already set the mode: no second trip through the pool
         try:
-            future = asyncio.get_running_loop().run_in_executor(
-                self.executor, self.binder.prepare_node, group
-            )
+            future = self.executor.submit(self.binder.prepare_node, group)
         except RuntimeError:  # the pool is shut down: the daemon is stopping
             return
-        future.add_done_callback(functools.partial(self._node_done, group))
+        back = self.loop.call_soon_threadsafe
+        future.add_done_callback(lambda f: back(self._node_done, group, f))
 
     @staticmethod
-    def _node_done(group: str, future: asyncio.Future[str]) -> None:
+    def _node_done(group: str, future: Future[str]) -> None:
         exc = None if future.cancelled() else future.exception()
         if exc is not None:
             log.warning("/dev/vfio/%s: %s", group, exc, extra={"IOMMU_GROUP": group})
