@@ -181,19 +181,27 @@ class EventLoop:
             self._call(fn, *args)
 
     def _drain(self) -> None:
-        """The wake-up pipe: a thread's wake-up (its call is in the queue) or a signal's number."""
-        self._woken = False  # before the read: a wake-up written after it is read next round
-        while True:
-            try:
-                data = os.read(self._wake_r, 4096)
-            except BlockingIOError:
-                return
-            if not data:
-                return
-            for byte in data:
-                handler = self._signals.get(byte)
-                if handler is not None:
-                    self._ready.append((handler, ()))
+        """The wake-up pipe: a thread's wake-up (its call is in the queue) or a signal's number.
+
+        The flag is cleared once the pipe is empty, not before the read: cleared before, a
+        wake-up written in between was read here while the flag stayed set, so every later
+        ``_wake`` returned without writing and the loop slept through ``stop()`` (seen in
+        test_daemon under pytest-xdist). A thread that sees the flag still set has queued its
+        call already: this round runs it (the queue is read after the pipe)."""
+        try:
+            while True:
+                try:
+                    data = os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    return
+                if not data:
+                    return
+                for byte in data:
+                    handler = self._signals.get(byte)
+                    if handler is not None:
+                        self._ready.append((handler, ()))
+        finally:
+            self._woken = False
 
     @staticmethod
     def _call(fn: Callable[..., object], *args: object) -> None:
