@@ -3,10 +3,13 @@ address, the config in a fake root. For the tests that take the daemon's whole s
 
 from __future__ import annotations
 
+import fcntl
 import os
+import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,10 +19,50 @@ REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 60.0  # imports and the first metadata fetch on a loaded 2-core machine
 
 
+_HELD: list[int] = []  # descriptors of the port locks this process holds, until it exits
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port for a server the test cannot ask to bind port 0 (``tpuboot run``'s
+    metrics, which refuses 0; a Prometheus server), reserved for this process's life.
+
+    A port freed after ``bind(0)`` can be taken again by any socket of a test running at the same
+    time (pytest-xdist workers, the library-matrix rows): ``bind(0)`` and ``connect()`` both draw
+    from the ephemeral range. So the port comes from below that range, where the kernel never
+    assigns one, and a lock file taken with ``flock`` keeps any other test process off it.
+    """
+    low = _ephemeral_range()[0]
+    first = max(1024, low - 12000)
+    locks = Path(tempfile.gettempdir()) / "tpuboot-test-ports"
+    try:
+        locks.mkdir()
+        locks.chmod(0o1777)  # shared like /tmp: the tests of root and of a user lock the same ports
+    except FileExistsError:
+        pass
+    for port in random.sample(range(first, low), k=min(500, low - first)):
+        fd = os.open(locks / str(port), os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write access
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:  # some other program's fixed port
+                os.close(fd)
+                continue
+        _HELD.append(fd)
+        return port
+    raise RuntimeError(f"no free loopback port in {first}..{low - 1}")
 
 
 class RunningDaemon:

@@ -184,20 +184,24 @@ def test_a_garbled_event_stream_makes_the_supervisor_wait_and_come_back_with_bac
     statuses: list[str] = []
     policy = RestartPolicy(1.0, 8.0, 600.0)
     supervisor = Supervisor("vbar", runtime, policy, lambda label, s: statuses.append(f"{label}: {s.detail}"))
+    started = time.monotonic()
     supervisor.start()
     try:
-        time.sleep(3.5)
-        opened = len(dockerd.subscribers)
-        # Backoff: streams at about 0, 1, 3 s (1 s, then 2 s); without it, hundreds.
-        assert 1 <= opened <= 4, opened
-        assert any("not JSON" in status and "waiting" in status for status in statuses), statuses
+        deadline = started + 30  # generous: only a hung supervisor takes this long, load does not
+        while sum("not JSON" in status and "waiting" in status for status in statuses) < 2:
+            assert time.monotonic() < deadline, statuses
+            time.sleep(0.01)
+        # Backoff, timed from before start(), so load can only lengthen it: the second stream came
+        # 1 s after the first, and the supervisor now waits 2 s; without it, hundreds of streams.
+        assert time.monotonic() - started >= 1.0
+        assert len(dockerd.subscribers) == 2, len(dockerd.subscribers)
         assert supervisor.delays == []  # not counted as the container's exits
         assert len(dockerd.calls("POST", "/containers/create")) == 1  # adopted after, never recreated
         dockerd.event_preamble = None  # dockerd well again: the supervisor follows the container
-        deadline = time.monotonic() + 15
-        while not statuses or statuses[-1] != "vbar: running" or len(dockerd.subscribers) == opened:
+        while not statuses or statuses[-1] != "vbar: running" or len(dockerd.subscribers) == 2:
             assert time.monotonic() < deadline, statuses
             time.sleep(0.05)
+        assert time.monotonic() - started >= 3.0  # the third stream: 1 s, then 2 s
         dockerd.die("vbar", 7)
         while not any("exit 7" in status for status in statuses):
             assert time.monotonic() < deadline, statuses

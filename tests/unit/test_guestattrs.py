@@ -133,7 +133,9 @@ def test_update_returns_at_once_while_the_server_hangs(emulator, publishers) -> 
     started = time.monotonic()
     for i in range(100):
         publisher.update({"state": f"s{i}"})
-    assert time.monotonic() - started < 0.1
+    # Blocked behind the write, the updates would take the rest of its 3 s; at once is far below
+    # 1 s even on a loaded machine (0.1 s was: another process's turn on the CPU can take that).
+    assert time.monotonic() - started < 1.0
 
 
 def test_failed_writes_are_retried_a_bounded_number_of_times_and_logged_once(

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import make_client, make_config
 from tests.unit.fakekernel import FakeKernel
+from tests.unit.runproc import free_port
 from tests.unit.test_daemon import make, serving, until
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import __version__, cli, metrics
@@ -57,12 +58,6 @@ def value(m: metrics.Metrics, name: str, **labels: str) -> float | None:
 def scrape(port: int) -> bytes:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return response.read()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- names and values ------------------------------------------------------------------------
