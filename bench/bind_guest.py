@@ -453,6 +453,34 @@ def thread_snapshot(pid: int) -> dict[str, dict[str, Any]]:
     return threads
 
 
+def anon_breakdown(pid: int) -> dict[str, int]:
+    """Where a process's anonymous memory is (KiB by kind of mapping, /proc/PID/smaps): the heap,
+    glibc's per-thread malloc arenas (64 MiB reservations), thread stacks (8 MiB), other anonymous
+    mappings (pymalloc's arenas, large objects) and libraries' written data pages."""
+    kinds: dict[str, int] = {}
+    kind = ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                size = end - start
+                name = fields[5] if len(fields) > 5 else ""
+                if name.startswith("/"):
+                    kind = "libraries' data"
+                elif name:
+                    kind = name  # [heap], [stack], [vvar]...
+                elif size >= 32 << 20:
+                    kind = "malloc arenas of threads"
+                elif size in (8 << 20, (8 << 20) + 4096):
+                    kind = "thread stacks"
+                else:
+                    kind = "other anonymous (pymalloc arenas, large objects)"
+            elif fields[0] == "Anonymous:":
+                kinds[kind] = kinds.get(kind, 0) + int(fields[1])
+    return {k: v for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]) if v}
+
+
 def cmd_idle(args: argparse.Namespace) -> int:
     sleeper = subprocess.Popen(["python3", "-c", f"import time; time.sleep({args.window})"])
     deadline = now() + 30
@@ -478,6 +506,7 @@ def cmd_idle(args: argparse.Namespace) -> int:
         "rss_kib": _kib(status, "VmRSS"),
         "rss_anon_kib": _kib(status, "RssAnon"),
         "rss_file_kib": _kib(status, "RssFile"),
+        "anon_kib_by_mapping": anon_breakdown(args.pid),
         "sleeper_rss_kib": sleeper_rss,
         "threads": threads,
         "gone": sorted(set(before) - set(after)),

@@ -1058,6 +1058,13 @@ def idle_report(
         f"{data['rss_anon_kib'] / 1024:.1f} MiB anon + {data['rss_file_kib'] / 1024:.1f} MiB file; "
         f"status: {unit['StatusText']}",
     )
+    where = data.get("anon_kib_by_mapping", {})
+    if where:
+        report.note(
+            "idle",
+            "the daemon's anonymous memory by mapping: "
+            + "; ".join(f"{kind} {kib / 1024:.1f} MiB" for kind, kib in where.items()),
+        )
     report.raw["idle"] = {"unit": unit, **data}
 
 
