@@ -455,7 +455,7 @@ def thread_snapshot(pid: int) -> dict[str, dict[str, Any]]:
 
 def anon_breakdown(pid: int) -> dict[str, int]:
     """Where a process's anonymous memory is (KiB by kind of mapping, /proc/PID/smaps): the heap,
-    glibc's per-thread malloc arenas (64 MiB reservations), thread stacks (8 MiB), other anonymous
+    glibc's per-thread malloc arenas (64 MiB-aligned), thread stacks (8 MiB), other anonymous
     mappings (pymalloc's arenas, large objects) and libraries' written data pages."""
     kinds: dict[str, int] = {}
     kind = ""
@@ -470,7 +470,7 @@ def anon_breakdown(pid: int) -> dict[str, int]:
                     kind = "libraries' data"
                 elif name:
                     kind = name  # [heap], [stack], [vvar]...
-                elif size >= 32 << 20:
+                elif start % (64 << 20) == 0:  # glibc aligns a thread's arena to its 64 MiB
                     kind = "malloc arenas of threads"
                 elif size in (8 << 20, (8 << 20) + 4096):
                     kind = "thread stacks"
