@@ -23,7 +23,8 @@ import logging
 import random
 import socket
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,14 @@ from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tpuboot.config import Config, EnvConfig, MetadataConfig
 from tpuboot.env.metadata import Backoff, MetadataClient
 from tpuboot.paths import Root
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    """Wait, in the test's thread, until ``predicate()`` holds (another thread makes it so)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
 
 
 def _is_loopback(address: object) -> bool:

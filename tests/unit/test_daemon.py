@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
 import os
 import signal
 import socket
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.unit.conftest import make_client, make_config
+from tests.unit.conftest import make_client, make_config, wait_until
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port
 from tests.unit.test_eventloop import CountingSelector
@@ -90,12 +91,8 @@ class RecordingNotifier(Notifier):
         self.sent.append(text)
 
 
-def until(predicate: Callable[[], object], timeout: float = 20.0) -> None:
-    """Wait, in the test's thread, until ``predicate()`` holds (the daemon's threads make it so)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
+#: wait_until with the daemon tests' bound: their conditions need the daemon's threads, on a loaded machine.
+until = functools.partial(wait_until, timeout=20.0)
 
 
 class Serving:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.unit.conftest import wait_until
 from tests.unit.test_daemon import serving, until
 from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
@@ -25,14 +26,6 @@ from tpuboot.containers.gke import gke_node
 from tpuboot.containers.service import vbar_spec
 from tpuboot.containers.supervisor import Supervisor
 from tpuboot.env.tpuenv import parse_env_file, render_env_file
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 class Statuses:
