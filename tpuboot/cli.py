@@ -145,7 +145,65 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
             group = f"group {t.iommu_group}" if t.iommu_group else "no IOMMU group"
             line = f"{t.address}  {t.kind:<12} {t.driver or 'no driver':<12} {group:<10} {node}"
             print(line + (f"  ! {t.problem}" if t.problem else ""))
+        _print_chip_holders(ctx, tpus)
     return EXIT_FAILED if any(t.problem and t.managed for t in tpus) else EXIT_OK
+
+
+def _print_chip_holders(ctx: Context, tpus: Sequence[object]) -> None:
+    """Each chip and who holds it, after the functions (`tpuboot who` has the detail)."""
+    from tpuboot.devices.chips import chips_present
+    from tpuboot.holders.report import gather, summary
+
+    chips = chips_present(ctx.root, DeviceTable(ctx.config.devices), tpus)  # type: ignore[arg-type]
+    for c in gather(ctx.root, chips).chips:
+        print(f"chip {c.chip.index}  {c.chip.address}  {c.chip.kind:<12} {summary(c)}")
+
+
+def _held_exit(report: object) -> int:
+    return EXIT_OK if getattr(report, "free", False) else EXIT_FAILED
+
+
+def cmd_who(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.holders.report import chips_of, gather, render
+
+    report = gather(ctx.root, chips_of(ctx.root, ctx.config))
+    if ctx.config.metrics.textfile_dir is not None:  # prometheus_client costs a second of start-up
+        from tpuboot import metrics
+
+        metrics.holders(report)
+    if args.json:
+        _print_json([report.as_dict()])
+    else:
+        print("\n".join(render(report)))
+    return _held_exit(report)
+
+
+def cmd_release(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.holders.release import VbarProcesses, release, vbar_processes
+    from tpuboot.holders.report import chips_of, gather
+
+    if args.kill and not args.dry_run and not ctx.root.is_host:
+        raise UsageError("--kill ends processes of this host only; it cannot act on a --root tree")
+    report = gather(ctx.root, chips_of(ctx.root, ctx.config))
+    vbar = vbar_processes(ctx.root, ctx.config) if args.kill else VbarProcesses()
+    for line in release(ctx.root, report, vbar, dry_run=args.dry_run, kill=args.kill):
+        print(line)
+    if args.dry_run:
+        return _held_exit(report)
+    return _held_exit(gather(ctx.root, chips_of(ctx.root, ctx.config)))
+
+
+def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.holders.report import chips_of, gather, render
+    from tpuboot.holders.wait import wait_free
+
+    report = wait_free(lambda: gather(ctx.root, chips_of(ctx.root, ctx.config)), args.timeout)
+    if report.free:
+        print("every chip and lock is free")
+        return EXIT_OK
+    print(f"still held after {args.timeout:g} s:", file=sys.stderr)
+    print("\n".join(render(report)), file=sys.stderr)
+    return EXIT_FAILED
 
 
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
@@ -275,6 +333,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--force", action="store_true", help="also act on a device that is not a TPU")
     p = command("status", cmd_status, "show every TPU: generation, driver, IOMMU group, node, viability")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command(
+        "who", cmd_who, "show who holds each TPU chip and libtpu's lock files (exit 1: something is held)"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command("release", cmd_release, "remove libtpu lock files nobody holds; report (and end) holders")
+    p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
+    p.add_argument("--kill", action="store_true", help="also end the holders: SIGTERM, then SIGKILL")
+    p = command("wait-free", cmd_wait_free, "wait until every TPU chip and libtpu lock is free")
+    p.add_argument(
+        "--timeout", type=_seconds, default=60.0, metavar="S", help="give up after S seconds (default 60)"
+    )
     p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
@@ -357,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _write_metrics_textfile(ctx)
 
 
-TEXTFILE_COMMANDS = ("bind", "unbind", "env")
+TEXTFILE_COMMANDS = ("bind", "unbind", "env", "who")
 
 
 def _write_metrics_textfile(ctx: Context) -> None:

@@ -14,6 +14,10 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
   confirmation of tpu-env) and ``tpuboot_tpu_env_from_cache`` (1: that came from the cache)
 - ``tpuboot_container_up{container}`` and ``tpuboot_container_restarts_total{container}`` for
   the supervised containers (vBar, the telemetry collector)
+- ``tpuboot_chip_holders{chip,state}``: processes holding each chip's nodes open, by process state
+  (running, sleeping, stopped, zombie, uninterruptible), from the last `tpuboot who`
+- ``tpuboot_libtpu_lock_held{path}``: 1 while a process holds that libtpu lock file, 0 while it
+  exists and nobody does
 
 Every update goes through a function of this module that never raises: metrics must never
 break the daemon. :func:`use` swaps in a fresh :class:`Metrics` (tests, the one-shot CLI).
@@ -29,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -46,6 +50,9 @@ from tpuboot import __version__
 from tpuboot.atomicfile import write_file
 from tpuboot.config import MetricsConfig
 from tpuboot.paths import Root
+
+if TYPE_CHECKING:
+    from tpuboot.holders.report import Report
 
 log = logging.getLogger("tpuboot.metrics")
 T = TypeVar("T")
@@ -105,6 +112,20 @@ class Metrics:
             ["container"],
             registry=reg,
         )
+        self.chip_holders = Gauge(
+            "tpuboot_chip_holders",
+            "Processes holding a TPU chip's device nodes open, by chip and process state.",
+            ["chip", "state"],
+            registry=reg,
+        )
+        self.libtpu_lock_held = Gauge(
+            "tpuboot_libtpu_lock_held",
+            "1 while a process holds the libtpu lock file, 0 while it exists unheld.",
+            ["path"],
+            registry=reg,
+        )
+        self._holder_labels: set[tuple[str, str]] = set()
+        self._lock_labels: set[str] = set()
         for result in BIND_RESULTS:  # zeros from the start: rate() needs the series before the event
             self.bind_attempts.labels(result)
         for outcome in METADATA_OUTCOMES:
@@ -119,6 +140,25 @@ class Metrics:
         for labels in self._tpu_labels | set(counts):
             self.tpus.labels(*labels).set(counts.get(labels, 0))
         self._tpu_labels |= set(counts)
+
+    def set_holders(self, report: Report) -> None:
+        """Holders per chip and state, and each lock file; label sets no longer seen drop to 0
+        (a lock file removed since: its series goes)."""
+        counts: dict[tuple[str, str], int] = {}
+        for c in report.chips:
+            counts.setdefault((str(c.chip.index), "running"), 0)
+            for h in c.holders:
+                key = (str(c.chip.index), h.process.state)
+                counts[key] = counts.get(key, 0) + 1
+        for labels in self._holder_labels | set(counts):
+            self.chip_holders.labels(*labels).set(counts.get(labels, 0))
+        self._holder_labels |= set(counts)
+        locks = {lock.path: lock.held for lock in report.locks}
+        for path in self._lock_labels - set(locks):
+            self.libtpu_lock_held.remove(path)
+        for path, held in locks.items():
+            self.libtpu_lock_held.labels(path).set(1 if held else 0)
+        self._lock_labels = set(locks)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -187,6 +227,12 @@ def timed_bind(bind: Callable[..., T], address: str, **kwargs: Any) -> T:
 def tpus(devices: Iterable[tuple[str, str]]) -> None:
     """(generation, state) of every TPU now."""
     _current.set_tpus(list(devices))
+
+
+@_safe
+def holders(report: Report) -> None:
+    """What `tpuboot who` found: holders per chip and state, and the libtpu lock files."""
+    _current.set_holders(report)
 
 
 @_safe

@@ -60,6 +60,11 @@ CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.contai
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
               "tpuboot.component"}  # fmt: skip
+#: Who holds the chips (`who`, `status`, doctor): the chip grouping and the /proc readers.
+HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
+           "tpuboot.holders.report", "tpuboot.holders.scan"}  # fmt: skip
+RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
+           "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
 CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.devices.kmodule",
           "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
@@ -68,8 +73,8 @@ CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "
 PARSED = {"yaml", "json", "tpuboot.configcache", "tpuboot.atomicfile"}
 CACHED = {"json", "tpuboot.configcache"}
 TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
-DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.checks.doctor",
-                                                                         "tpuboot.checks.slices"}  # fmt: skip
+DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | HOLDERS | {
+    "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.holders"}  # fmt: skip
 
 PREPARE = (
     CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot"}
@@ -87,6 +92,15 @@ CASES = {
     "unbind": (["unbind", "0000:00:04.0"], None, CORE),
     "status": (["status"], None, CORE | SURVEY),
     "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
+    "who": (["who"], None, CORE | SURVEY | HOLDERS),
+    "who --json": (["who", "--json"], None, CORE | SURVEY | HOLDERS | {"json"}),
+    "who, metrics.textfile_dir set": (["who"], TEXTFILE, CORE | PARSED | SURVEY | HOLDERS | METRICS),
+    "release": (["release", "--dry-run"], None, CORE | SURVEY | HOLDERS | RELEASE),
+    "wait-free": (
+        ["wait-free", "--timeout", "0.1"],
+        None,
+        CORE | SURVEY | HOLDERS | {"tpuboot.holders.wait"},
+    ),
     "image-check": (["image-check"], None, CORE | CHECKS),
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
     "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),

@@ -117,8 +117,8 @@ def test_force_binds_a_non_tpu(kernel):
 
 
 def test_report_only_generation_is_refused(kernel):
-    kernel.add_device("0000:00:05.0", 0x1AE0, 0x0063, driver="accel", group="5")
-    with pytest.raises(DeviceError, match="TPU v5e, which tpuboot does not bind"):
+    kernel.add_device("0000:00:05.0", 0x1AE0, 0x005E, driver="accel", group="5")
+    with pytest.raises(DeviceError, match="TPU v4, which tpuboot does not bind"):
         binder(kernel).bind("0000:00:05.0")
 
 
