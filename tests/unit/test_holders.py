@@ -135,15 +135,21 @@ def test_a_process_that_vanishes_mid_scan_is_skipped(tree, monkeypatch):
     add_chips(kernel, ["12"])
     proc.add(100, {4: "/dev/vfio/12"})
     proc.add(101, {4: "/dev/vfio/12"})
-    real = os.listdir
+    opened: dict[int, str] = {}
+    real_open, real_readlink = os.open, os.readlink
 
-    def listdir(path):
-        names = real(path)
-        if str(path).endswith("/101/fd"):
-            proc.remove(101)  # it exits after its fds were listed
-        return names
+    def open_(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        opened[fd] = str(path)
+        return fd
 
-    monkeypatch.setattr(scan_module.os, "listdir", listdir)
+    def readlink(path, *, dir_fd=None):
+        if dir_fd is not None and opened.get(dir_fd, "").endswith("/101/fd"):
+            raise FileNotFoundError(2, "No such file or directory")  # it exited after its fds were listed
+        return real_readlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(scan_module.os, "open", open_)
+    monkeypatch.setattr(scan_module.os, "readlink", readlink)
     assert holder_pids(gather(kernel.root, chips(kernel))) == [[100]]
 
 
@@ -162,14 +168,14 @@ def test_unreadable_fds_are_counted_and_said(tree, monkeypatch):
     add_chips(kernel, ["12"])
     proc.add(100, {4: "/dev/vfio/12"})
     proc.add(200, {4: "/dev/vfio/12"})
-    real = os.listdir
+    real = os.open
 
-    def listdir(path):
+    def open_(path, flags, *args, **kwargs):
         if str(path).endswith("/200/fd"):
             raise PermissionError(13, "Permission denied")
-        return real(path)
+        return real(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(scan_module.os, "listdir", listdir)
+    monkeypatch.setattr(scan_module.os, "open", open_)
     report = gather(kernel.root, chips(kernel))
     assert holder_pids(report) == [[100]] and report.unreadable == [200]
     assert "1 processes' open files could not be read (run as root to see all)" in render(report)

@@ -51,7 +51,7 @@ def vm(vm_artifacts: Artifacts, vm_image_factory: ImageFactory, tpuboot_deb: Pat
 
 def who(vm: VM) -> tuple[int, dict[str, Any]]:
     result = vm.run(["tpuboot", "who", "--json"], timeout=60)
-    return result.returncode, json.loads(result.stdout)[0]
+    return result.rc, json.loads(result.stdout)[0]
 
 
 @pytest.fixture(scope="module")
@@ -105,25 +105,25 @@ def test_a_stopped_holder_of_another_user_seen_and_ended(vm: VM, node: str) -> N
     assert verdicts["memlock"]["status"] == "FAIL" and f"holder PID {pid}" in verdicts["memlock"]["detail"]
 
     kept = vm.run(["tpuboot", "release"], timeout=60)
-    assert kept.returncode == 1 and f"kept {LOCK}: held by PID {pid}" in kept.stdout
+    assert kept.rc == 1 and f"kept {LOCK}: held by PID {pid}" in kept.stdout
     assert "(--kill ends it)" in kept.stdout
     ended = vm.run(["tpuboot", "release", "--kill"], timeout=60)
     assert f"PID {pid} ended on SIGTERM" in ended.stdout, ended.stdout
-    assert ended.returncode == 0  # the lock file is left, held by nobody: free
+    assert ended.rc == 0  # the lock file is left, held by nobody: free
     removed = vm.run(["tpuboot", "release"], timeout=60)
-    assert removed.returncode == 0 and f"removed {LOCK} (owner {TESTER}, not held)" in removed.stdout
-    assert vm.run(["test", "-e", LOCK]).returncode == 1
+    assert removed.rc == 0 and f"removed {LOCK} (owner {TESTER}, not held)" in removed.stdout
+    assert vm.run(["test", "-e", LOCK]).rc == 1
 
 
 def test_wait_free_waits_for_a_holder_that_lets_go_and_gives_up_on_one_that_does_not(
     vm: VM, node: str
 ) -> None:
     hold(vm, node, 4, unit=f"{UNIT}-short")
-    assert vm.run(["tpuboot", "wait-free", "--timeout", "120"], timeout=180).returncode == 0
+    assert vm.run(["tpuboot", "wait-free", "--timeout", "120"], timeout=180).rc == 0
     assert who(vm)[0] == 0
     pid = hold(vm, node, 600, unit=f"{UNIT}-long")
     late = vm.run(["tpuboot", "wait-free", "--timeout", "2"], timeout=60)
-    assert late.returncode == 1 and f"PID {pid}" in late.stderr
+    assert late.rc == 1 and f"PID {pid}" in late.stderr
     vm.run(["systemctl", "stop", f"{UNIT}-long"], check=True, timeout=60)
     vm.run(["tpuboot", "release"], check=True, timeout=60)
 

@@ -48,9 +48,9 @@ def device_numbers(root: Root, nodes: Iterable[str]) -> dict[int, str]:
     return numbers
 
 
-def _by_number(link: str, numbers: dict[int, str]) -> str | None:
+def _by_number(fd: str, dir_fd: int, numbers: dict[int, str]) -> str | None:
     try:
-        st = os.stat(link)
+        st = os.stat(fd, dir_fd=dir_fd)
     except OSError:
         return None
     return numbers.get(st.st_rdev) if stat.S_ISCHR(st.st_mode) else None
@@ -71,19 +71,27 @@ def scan(root: Root, nodes: Iterable[str]) -> Opened:
         if not name.isdigit():
             continue
         found.processes += 1
-        fd_dir = f"{proc}/{name}/fd"
         try:
-            fds = os.listdir(fd_dir)
+            held = _held(f"{proc}/{name}/fd", wanted, numbers)
         except PermissionError:
             found.unreadable.append(int(name))
             continue
         except OSError:  # gone, or not a process directory
             continue
-        held: set[str] = set()
-        for fd in fds:
-            link = f"{fd_dir}/{fd}"
+        if held:
+            found.nodes[int(name)] = held
+    return found
+
+
+def _held(fd_dir: str, wanted: set[str], numbers: dict[int, str]) -> set[str]:
+    """The wanted nodes among one process's fds. Its fd directory is opened once and each link
+    read relative to it: no path walk through /proc per fd."""
+    dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    held: set[str] = set()
+    try:
+        for fd in os.listdir(dir_fd):
             try:
-                target = os.readlink(link)
+                target = os.readlink(fd, dir_fd=dir_fd)
             except OSError:
                 continue
             if target.endswith(DELETED):
@@ -93,9 +101,9 @@ def scan(root: Root, nodes: Iterable[str]) -> Opened:
             if target in wanted:
                 held.add(target)
             elif numbers:
-                node = _by_number(link, numbers)
+                node = _by_number(fd, dir_fd, numbers)
                 if node is not None:
                     held.add(node)
-        if held:
-            found.nodes[int(name)] = held
-    return found
+    finally:
+        os.close(dir_fd)
+    return held
