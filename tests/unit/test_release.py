@@ -74,6 +74,21 @@ def test_a_lock_taken_since_the_scan_is_not_removed(tree):
     assert remove_unheld(kernel.root, lock, dry_run=False).startswith("removed")
 
 
+def test_a_holder_of_the_vfio_container_alone_is_never_ended(tree):
+    """/dev/vfio/vfio is every VFIO user's, a VM's passthrough device too: not a TPU holder."""
+    kernel, proc = tree
+    add_chips(kernel, ["12"])
+    proc.add(100, {3: "/dev/vfio/vfio", 4: "/dev/vfio/40"}, cmdline=["qemu-system-x86_64"])
+    proc.add(101, {3: "/dev/vfio/vfio", 4: "/dev/vfio/12"})
+    lines = release(kernel.root, gather(kernel.root, chips(kernel)), VbarProcesses(), dry_run=True, kill=True)
+    assert lines == [
+        "left alone: PID 100 (root, sleeping, started 2025-12-01T00:00:10Z, unit train.service): "
+        "qemu-system-x86_64 (it holds /dev/vfio/vfio only, which users of other VFIO devices open too)",
+        "would end: PID 101 (root, sleeping, started 2025-12-01T00:00:10Z, unit train.service): "
+        "python3 train.py",
+    ]
+
+
 def test_kill_is_refused_under_a_root_tree(tree, capsys):
     kernel, _ = tree
     assert cli.main(["--root", str(kernel.top), "release", "--kill"]) == 2

@@ -5,8 +5,9 @@ just before the unlink then fails to lock it and says the TPU is busy, instead o
 orphaned file while the next libtpu creates a new one (two holders of one TPU). A held file is
 never removed. Holders are ended only with ``--kill``: SIGTERM (with SIGCONT, so a stopped one
 can act on it), then SIGKILL after a bounded wait; each through a pidfd opened before the start
-time is checked again, so a PID reused since the scan is never signalled. tpuboot, PID 1 and
-vBar's processes (its container, or its program under the exec runtime) are never ended.
+time is checked again, so a PID reused since the scan is never signalled. tpuboot, PID 1,
+vBar's processes (its container, or its program under the exec runtime) and a process holding
+only /dev/vfio/vfio (which a user of any other VFIO device holds too) are never ended.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from tpuboot.config import Config
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound
+from tpuboot.devices.chips import VFIO_CONTAINER
 from tpuboot.holders.locks import LockFile
 from tpuboot.holders.procfs import Process, running, start_ticks
 from tpuboot.holders.report import Report, describe
@@ -185,8 +187,11 @@ def end(root: Root, p: Process, grace: float = TERM_GRACE) -> str:
 def release(root: Root, report: Report, vbar: VbarProcesses, *, dry_run: bool, kill: bool) -> list[str]:
     """Remove unheld lock files; report holders; end them with ``kill``. One line per action."""
     lines = [remove_unheld(root, lock, dry_run) for lock in report.locks]
+    ours = report.chip_pids() | {lock.holder.pid for lock in report.locks if lock.holder}
     for p in report.processes():
         why = protected(p, vbar)
+        if why is None and p.pid not in ours:  # any VFIO user opens it, a VM's device too
+            why = f"it holds {VFIO_CONTAINER} only, which users of other VFIO devices open too"
         if why is not None:
             lines.append(f"left alone: {describe(p)} ({why})")
         elif not kill:
