@@ -18,7 +18,8 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
   ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
   (current over maximum), ``tpuboot_pcie_link_width{link}`` and
   ``tpuboot_pcie_link_speed_gigatransfers_per_second{link}`` (link current or max), and
-  ``tpuboot_pcie_errors_total{severity}`` (AER counters since boot: correctable, nonfatal, fatal)
+  ``tpuboot_pcie_errors_total{kind}`` (AER counters since boot by severity: correctable, nonfatal,
+  fatal; not named ``severity``, which alert rules set)
 
 Every update goes through a function of this module that never raises: metrics must never
 break the daemon. :func:`use` swaps in a fresh :class:`Metrics` (tests, the one-shot CLI).
@@ -265,7 +266,7 @@ class PcieCollector:
             labels=[*labels, "link"],
         )
         errors = CounterMetricFamily(
-            "tpuboot_pcie_errors", "AER errors since boot, by severity.", labels=[*labels, "severity"]
+            "tpuboot_pcie_errors", "AER errors since boot, by kind (severity).", labels=[*labels, "kind"]
         )
         for address in self._tpu_addresses():
             health = read_health(self.root, address)

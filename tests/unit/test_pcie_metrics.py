@@ -50,8 +50,7 @@ def test_each_tpu_function_is_exported_with_its_chip_and_nothing_else(exposed) -
         assert value("tpuboot_pcie_link_speed_gigatransfers_per_second", {**labels, "link": "current"}) == 16
     assert value("tpuboot_pcie_link_bandwidth_ratio", {"address": TPUS[1], "chip": "0000:00:05"}) == 0.5
     assert (
-        value("tpuboot_pcie_errors_total", {"address": TPUS[1], "chip": "0000:00:05", "severity": "fatal"})
-        == 1
+        value("tpuboot_pcie_errors_total", {"address": TPUS[1], "chip": "0000:00:05", "kind": "fatal"}) == 1
     )
     assert b"0000:00:02.0" not in m.exposition()
 
@@ -82,3 +81,15 @@ def test_promtool_finds_nothing_to_report(exposed) -> None:
         check=False,
     )
     assert checked.returncode == 0 and checked.stdout == b"" and checked.stderr == b"", checked
+
+
+def test_the_alert_rules_halve_where_doctor_fails() -> None:
+    """One threshold: TpubootPcieLinkHalved (critical) fires where doctor's pcie-health FAILs."""
+    import yaml
+
+    from tpuboot.devices.health import FAIL_FRACTION
+
+    rules = yaml.safe_load((Path(__file__).resolve().parents[2] / "prometheus/tpuboot.rules.yml").read_text())
+    exprs = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert exprs["TpubootPcieLinkHalved"] == f"tpuboot_pcie_link_bandwidth_ratio <= {FAIL_FRACTION}"
+    assert exprs["TpubootPcieLinkDegraded"].endswith(f"> {FAIL_FRACTION}")
