@@ -14,6 +14,7 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
   confirmation of tpu-env) and ``tpuboot_tpu_env_from_cache`` (1: that came from the cache)
 - ``tpuboot_container_up{container}`` and ``tpuboot_container_restarts_total{container}`` for
   the supervised containers (vBar, the telemetry collector)
+- ``tpuboot_boot_phase_seconds{phase}``: when each phase of this boot ended (tpuboot/bootbudget.py)
 - PCIe health of every TPU function, read from sysfs at scrape time (:class:`PcieCollector`):
   ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
   (current over maximum), ``tpuboot_pcie_link_width{link}`` and
@@ -60,6 +61,8 @@ from tpuboot.paths import Root
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
+
+    from tpuboot.bootbudget import Phase
 
 log = logging.getLogger("tpuboot.metrics")
 T = TypeVar("T")
@@ -124,6 +127,12 @@ class Metrics:
         for outcome in METADATA_OUTCOMES:
             self.metadata_requests.labels(outcome)
         self._tpu_labels: set[tuple[str, str]] = set()
+        self.boot_phase = Gauge(
+            "tpuboot_boot_phase_seconds",
+            "When each phase of this boot ended, in seconds since tpuboot started (bind: the last TPU's).",
+            ["phase"],
+            registry=reg,
+        )
         self.pcie: Collector | None = None  # watch_pcie's collector, once the daemon has one
 
     def set_tpus(self, devices: Iterable[tuple[str, str]]) -> None:
@@ -227,6 +236,16 @@ def container_up(container: str, up: bool) -> None:
 def container_restarted(container: str) -> None:
     """tpuboot restarted the supervised ``container``."""
     _current.container_restarts.labels(container).inc()
+
+
+@_safe
+def boot_phases(phases: Iterable[Phase]) -> None:
+    """The boot budget's phases; the binds as one phase, when the last of them ended."""
+    ends: dict[str, float] = {}
+    for phase in phases:
+        ends[phase.name] = max(ends.get(phase.name, 0.0), phase.seconds)
+    for name, seconds in ends.items():
+        _current.boot_phase.labels(name).set(seconds)
 
 
 class PcieCollector:

@@ -45,10 +45,12 @@ CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.devices", "tpuboot.
         "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.logs",
         "tpuboot.paths", "tpuboot.subproc"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
+          "tpuboot.devices.health",
           "inspect", "typing"}  # fmt: skip
 METADATA = {"tpuboot.env", "tpuboot.env.metadata", "tpuboot.netio", "requests", "urllib3"}
 ENV = {
     "tpuboot.backoff",
+    "tpuboot.bootbudget",
     "tpuboot.env.etc_environment",
     "tpuboot.env.sync",
     "tpuboot.env.tpuenv",

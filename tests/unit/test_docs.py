@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tpuboot import cli
+from tpuboot import cli, metrics
 from tpuboot.config import Config, MatchRule, Section, parse_config
+from tpuboot.devices.table import DeviceTable
 from tpuboot.metrics import Metrics
+from tpuboot.paths import Root
 
 TOP = Path(__file__).resolve().parents[2]
 CONF = TOP / "conf/tpuboot.yaml"
@@ -206,12 +208,16 @@ def test_man_page_lists_every_configuration_key():
     assert missing == []
 
 
-def test_man_page_and_readme_list_every_metric():
+def test_man_page_and_readme_list_every_metric(tmp_path):
+    with metrics.use(Metrics()) as fresh:
+        metrics.watch_pcie(Root(tmp_path), DeviceTable())  # the daemon's collector, names and all
+        exposition = fresh.exposition()
     families = [
         line.split()[2]
-        for line in Metrics().exposition().decode().splitlines()
+        for line in exposition.decode().splitlines()
         if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")
     ]
+    assert "tpuboot_pcie_present" in families
     assert "tpuboot_tpus" in families
     man = plain(man_sections()["METRICS"])
     readme = README.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]

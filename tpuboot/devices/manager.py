@@ -13,7 +13,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from tpuboot import metrics
+from tpuboot import bootbudget, metrics
 from tpuboot.component import Report, Status
 from tpuboot.config import ReadyConfig
 from tpuboot.devices.pci import PciFunction, list_addresses
@@ -310,6 +310,7 @@ class DeviceManager:
         if isinstance(outcome, BindResult):
             state.state, state.error = "bound", None
             how = "bound to vfio-pci" if outcome.changed else "already bound to vfio-pci"
+            bootbudget.mark(bootbudget.BIND, address)
             extra = {**fields, "IOMMU_GROUP": outcome.group, "VFIO_NODE": outcome.node}
             log.info("%s (%s) %s, %s ready", address, state.kind, how, outcome.node, extra=extra)
         else:
