@@ -167,6 +167,9 @@ class FakeKernel:
             f"PCI_SLOT_NAME={address}\n"
         )
         (d / "driver_override").write_text("(null)\n")
+        # Config space starts with the vendor and device ids (little-endian), as the kernel shows it.
+        ids = vendor.to_bytes(2, "little") + device.to_bytes(2, "little")
+        (d / "config").write_bytes(ids + bytes(60))
         if group is not None:
             g = self.p(f"/sys/kernel/iommu_groups/{group}/devices")
             g.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ from tpuboot.checks.image import (
     skipped,
     warned,
 )
+from tpuboot.checks.pcie import check_pcie_health
 from tpuboot.checks.slices import Reading, read_slice
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.containers.dockerapi import (
@@ -203,6 +204,7 @@ class Doctor:
             ("vfio-node-mode", self.check_node_mode),
             ("unsafe-interrupts", self.check_unsafe_interrupts),
             ("iommu-groups-viable", self.check_groups_viable),
+            ("pcie-health", lambda: check_pcie_health(self.root, self.tpus)),
             ("chip-count", self.check_chip_count),
             ("slice", self.check_slice),
             ("tpu-env", self.check_tpu_env),
