@@ -94,6 +94,7 @@ def build(
     if publish and metadata is not None:
         deadline = config.metadata.boot_deadline
         guest_attrs = Publisher(metadata, config.guest_attributes, check_deadline=deadline)
+    metrics.watch_pcie(root, binder.table)  # read at each scrape, never between them
     server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
     notifier = notifier or Notifier()
     return Daemon(loop, devices, executor, notifier, env, containers, guest_attrs, metadata, server)
