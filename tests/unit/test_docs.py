@@ -235,13 +235,26 @@ def test_man_page_lists_every_configuration_key():
     assert missing == []
 
 
-def test_man_page_and_the_monitoring_page_list_every_metric():
+def scrape_time_families(tmp_path: Path) -> list[str]:
+    """The PCIe collector's families (read from sysfs at each scrape), as a scrape names them."""
+    from prometheus_client.core import CounterMetricFamily
+
+    from tpuboot.devices.table import DeviceTable
+    from tpuboot.metrics import PcieCollector
+    from tpuboot.paths import Root
+
+    collector = PcieCollector(Root(tmp_path), DeviceTable(()))
+    return [f.name + ("_total" if isinstance(f, CounterMetricFamily) else "") for f in collector.collect()]
+
+
+def test_man_page_and_the_monitoring_page_list_every_metric(tmp_path: Path):
     families = [
         line.split()[2]
         for line in Metrics().exposition().decode().splitlines()
         if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")
     ]
-    assert "tpuboot_tpus" in families
+    families += scrape_time_families(tmp_path)
+    assert {"tpuboot_tpus", "tpuboot_pcie_errors_total"} <= set(families)
     man = plain(man_sections()["METRICS"])
     monitoring = section(DOC / "monitoring.md", "Metrics")
     assert {
@@ -251,6 +264,13 @@ def test_man_page_and_the_monitoring_page_list_every_metric():
         "man": [],
         "doc/monitoring.md": [],
     }
+
+
+def test_the_monitoring_page_lists_every_alert_and_record_of_the_shipped_rules():
+    rules = yaml.safe_load((TOP / "prometheus/tpuboot.rules.yml").read_text())
+    names = [r.get("alert") or r.get("record") for group in rules["groups"] for r in group["rules"]]
+    text = (DOC / "monitoring.md").read_text()
+    assert "TpubootDown" in names and [n for n in names if f"`{n}`" not in text] == []
 
 
 def test_man_page_says_the_package_runs_a_privileged_container():
