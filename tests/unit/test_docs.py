@@ -581,7 +581,7 @@ def test_the_readme_status_line_is_what_a_default_install_shows(kernel_with_tpus
             kernel_with_tpus, config=config, root=root, docker=lambda: DockerAPI(str(dockerd.socket_path))
         )
         with serving(daemon) as running:
-            until(lambda: "vBar: running" in daemon.status_line())
+            until(lambda: daemon.ready and "vBar: running" in daemon.status_line())  # READY: tpu-env synced
             line = daemon.status_line()
             running.stop()
     assert re.fullmatch(pattern, line), (shown.group(1), line)
