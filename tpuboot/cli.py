@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), 128 + 2 as a shell reports a command it killed
 METADATA_KINDS = ("attributes", "project-attributes", "instance")  # tpuboot.env.metadata.KINDS
 log = logging.getLogger("tpuboot.cli")
 
@@ -280,7 +281,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = (argparse.ArgumentParser if only is None else _NarrowParser)(
         prog="tpuboot",
         description="Boot-time agent for Cloud TPU VMs.",
-        epilog="Exit status: 0 ok, 1 failed, 2 usage error, 3 metadata key not set.",
+        epilog="Exit status: 0 ok, 1 failed, 2 usage error, 3 metadata key not set, 130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"tpuboot {__version__}")
     parser.add_argument(
@@ -386,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tpuboot: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         if args.command in TEXTFILE_COMMANDS:
             _write_metrics_textfile(ctx)
