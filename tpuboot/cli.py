@@ -154,7 +154,8 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
             problems += [f.detail for f in judge(health[t.address])]
             line = f"{t.address}  {t.kind:<12} {t.driver or 'no driver':<12} {group:<10} {node}{pcie}"
             print(line + "".join(f"  ! {p}" for p in problems))
-    return EXIT_FAILED if any(t.problem and t.managed for t in tpus) else EXIT_OK
+    failing = any(f.level == "FAIL" for t in tpus if t.managed for f in judge(health[t.address]))
+    return EXIT_FAILED if failing or any(t.problem and t.managed for t in tpus) else EXIT_OK
 
 
 def _print_boot(ctx: Context, as_json: bool) -> int:

@@ -168,3 +168,11 @@ def test_dry_run_plans_every_rung_and_touches_nothing(tmp_path):
     assert kernel.writes == [] and not kernel.p(BREAKER_PATH).exists()
     _, chip, ladder, _ = setup(tmp_path / "other", reset_method=None)
     assert "offers no reset method" in ladder.plan(chip)[0]
+
+
+def test_a_chip_the_kernel_removed_is_found_again_by_a_rescan_alone(tmp_path):
+    kernel, chip, ladder, _ = setup(tmp_path)
+    FakeKernel.write(kernel, kernel.p("/sys/bus/pci/devices/0000:05:00.0/remove"), "1")
+    steps = ladder.climb(chip)
+    assert [(s.rung, s.back) for s in steps] == [("remove-rescan", True)]
+    assert kernel.driver("0000:05:00.0") == "vfio-pci"

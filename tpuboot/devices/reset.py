@@ -41,6 +41,7 @@ RESCAN = "/sys/bus/pci/rescan"
 BREAKER_PATH = "/var/lib/tpuboot/resets.json"
 HOUR = 3600.0
 RUNGS = ("function-reset", "rebind", "remove-rescan")
+BIND_TRIES = 3
 
 
 class ResetRefused(TpubootError):
@@ -153,9 +154,10 @@ class Ladder:
         self.breaker.check(chip.address)
         self.breaker.record(chip.address)
         steps = []
-        for rung, action in zip(
-            RUNGS, (self._function_reset, self._rebind, self._remove_rescan), strict=True
-        ):
+        ladder = list(zip(RUNGS, (self._function_reset, self._rebind, self._remove_rescan), strict=True))
+        if not any(PciFunction(self.root, fn.address).exists() for fn in chip.functions):
+            ladder = ladder[-1:]  # the kernel removed it already: only a rescan can find it again
+        for rung, action in ladder:
             try:
                 done = action(chip)
             except (TpubootError, OSError) as exc:
@@ -182,16 +184,28 @@ class Ladder:
         for fn in chip.functions:
             if not is_present(self.root, fn.address):
                 return f"{fn.address} does not answer config reads"
-            try:
-                self.binder.bind(fn.address)
-            except DeviceError as exc:
-                return str(exc)
+            failure = self._bind(fn.address)
+            if failure is not None:
+                return failure
             status = describe(self.binder, PciFunction(self.root, fn.address))
             if status is None or status.driver != VFIO_PCI:
                 return f"{fn.address} is not bound to vfio-pci"
             if status.problem:
                 return status.problem
         return None
+
+    def _bind(self, address: str) -> str | None:
+        """Bind again after a rung; a transient failure is tried again (after a rescan the
+        daemon binds the new function too, and the two may meet), a permanent one says why."""
+        for attempt in range(BIND_TRIES):
+            try:
+                self.binder.bind(address)
+                return None
+            except DeviceError as exc:
+                if not exc.transient or attempt == BIND_TRIES - 1:
+                    return str(exc)
+                self.sleep(0.5)
+        return None  # not reached: the last try returned
 
     def _function_reset(self, chip: Chip) -> str | None:
         addresses = [fn.address for fn in chip.functions]
