@@ -45,22 +45,28 @@ CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.devices", "tpuboot.
         "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.logs",
         "tpuboot.paths", "tpuboot.subproc"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
+          "tpuboot.devices.health",
           "inspect", "typing"}  # fmt: skip
 METADATA = {"tpuboot.env", "tpuboot.env.metadata", "tpuboot.netio", "requests", "urllib3"}
 ENV = {
     "tpuboot.backoff",
+    "tpuboot.bootbudget",
     "tpuboot.env.etc_environment",
     "tpuboot.env.sync",
     "tpuboot.env.tpuenv",
     "yaml",
     "json",
 }
-METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client"}
+# The daemon's PCIe collector lives with the metrics: its sysfs readers come along.
+METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client", "tpuboot.devices.health",
+           "tpuboot.devices.chips"}  # fmt: skip
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
               "tpuboot.component"}  # fmt: skip
 #: Who holds the chips (`who`, `status`, doctor): the chip grouping and the /proc readers.
+#: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
+CHIPS = SURVEY - {"tpuboot.devices.health"}
 HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
            "tpuboot.holders.report", "tpuboot.holders.scan"}  # fmt: skip
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
@@ -74,7 +80,8 @@ PARSED = {"yaml", "json", "tpuboot.configcache", "tpuboot.atomicfile"}
 CACHED = {"json", "tpuboot.configcache"}
 TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | HOLDERS | {
-    "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.holders"}  # fmt: skip
+    "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
+    "tpuboot.checks.holders"}  # fmt: skip
 
 PREPARE = (
     CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot"}
@@ -92,14 +99,14 @@ CASES = {
     "unbind": (["unbind", "0000:00:04.0"], None, CORE),
     "status": (["status"], None, CORE | SURVEY),
     "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
-    "who": (["who"], None, CORE | SURVEY | HOLDERS),
-    "who --json": (["who", "--json"], None, CORE | SURVEY | HOLDERS | {"json"}),
+    "who": (["who"], None, CORE | CHIPS | HOLDERS),
+    "who --json": (["who", "--json"], None, CORE | CHIPS | HOLDERS | {"json"}),
     "who, metrics.textfile_dir set": (["who"], TEXTFILE, CORE | PARSED | SURVEY | HOLDERS | METRICS),
-    "release": (["release", "--dry-run"], None, CORE | SURVEY | HOLDERS | RELEASE),
+    "release": (["release", "--dry-run"], None, CORE | CHIPS | HOLDERS | RELEASE),
     "wait-free": (
         ["wait-free", "--timeout", "0.1"],
         None,
-        CORE | SURVEY | HOLDERS | {"tpuboot.holders.wait"},
+        CORE | CHIPS | HOLDERS | {"tpuboot.holders.wait"},
     ),
     "image-check": (["image-check"], None, CORE | CHECKS),
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),

@@ -267,14 +267,14 @@ def test_holder_metrics_per_chip_and_state_and_lock(tree):
     with metrics.use(metrics.Metrics()) as m:
         metrics.holders(gather(kernel.root, chips(kernel)))
         value = m.registry.get_sample_value
-        assert value("tpuboot_chip_holders", {"chip": "0", "state": "stopped"}) == 1
-        assert value("tpuboot_chip_holders", {"chip": "0", "state": "sleeping"}) == 1
-        assert value("tpuboot_chip_holders", {"chip": "1", "state": "running"}) == 0
+        assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "stopped"}) == 1
+        assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "sleeping"}) == 1
+        assert value("tpuboot_chip_holders", {"chip": "0000:00:05", "state": "running"}) == 0
         assert value("tpuboot_libtpu_lock_held", {"path": "/tmp/libtpu_lockfile"}) == 1
         proc.remove(100)
         lock.unlink()
         metrics.holders(gather(kernel.root, chips(kernel)))
-        assert value("tpuboot_chip_holders", {"chip": "0", "state": "stopped"}) == 0
+        assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "stopped"}) == 0
         assert value("tpuboot_libtpu_lock_held", {"path": "/tmp/libtpu_lockfile"}) is None
 
 
