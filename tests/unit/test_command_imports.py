@@ -60,8 +60,8 @@ CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.contai
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
               "tpuboot.component"}  # fmt: skip
-CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.devices.kmodule",
-          "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
+CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.checks.cmdline",
+          "tpuboot.devices.kmodule", "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
 #: A config that sets something, read the first time: PyYAML, and the cache's record written
 #: (tpuboot/configcache.py); the same file unchanged later: the record alone (CACHED below).

@@ -176,7 +176,11 @@ def _layered(root: Root, dirs: tuple[str, ...], pattern: str) -> list[str]:
         for entry in real.iterdir():
             if entry.name not in chosen and fnmatch.fnmatchcase(entry.name, pattern):
                 chosen[entry.name] = entry
-    return [root.strip(path) for _, path in sorted(chosen.items()) if not _masked(path) and not path.is_dir()]
+    return [
+        root.strip(path)
+        for _, path in sorted(chosen.items())
+        if not _masked(path) and not root.path(root.strip(path)).is_dir()  # a link resolved under the root
+    ]
 
 
 def _texts(root: Root, paths: list[str]) -> Iterator[tuple[str, str]]:
@@ -585,8 +589,10 @@ def check_manager_limits(root: Root, systemd: Systemd = SYSTEMD) -> CheckResult:
 
 def _unit_file(root: Root, unit: str) -> str | None:
     """The unit's file (maybe an alias symlink, read under the root), None if absent or masked."""
-    path = next((f"{d}/{unit}" for d in UNIT_DIRS if os.path.lexists(root.path(f"{d}/{unit}"))), None)
-    if path is None or _masked(root.path(path)) or _read(root, path) is None:
+    path = next(
+        (f"{d}/{unit}" for d in UNIT_DIRS if os.path.lexists(root.path(f"{d}/{unit}", follow=False))), None
+    )
+    if path is None or _masked(root.path(path, follow=False)) or _read(root, path) is None:
         return None
     return path
 
@@ -749,18 +755,18 @@ def _files_in(root: Root, directory: str) -> list[str]:
     real = root.path(directory)
     if not real.is_dir():
         return []
-    return sorted(f"{directory}/{e.name}" for e in real.iterdir() if e.is_file() and not e.is_symlink())
+    return sorted(f"{directory}/{e.name}" for e in real.iterdir() if not e.is_symlink() and e.is_file())
 
 
 def _cloud_instance(root: Root) -> str | None:
     """The current cloud-init instance directory (the link's target, read under the root)."""
-    link = root.path(CLOUD_INSTANCE_LINK)
+    link = root.path(CLOUD_INSTANCE_LINK, follow=False)
     if not link.is_symlink():
         return CLOUD_INSTANCE_LINK if link.is_dir() else None
     target = os.readlink(link)
     if not target.startswith("/"):
         target = os.path.normpath(f"{os.path.dirname(CLOUD_INSTANCE_LINK)}/{target}")
-    return target if root.path(target).is_dir() and not root.path(target).is_symlink() else None
+    return target if root.path(target).is_dir() and not root.path(target, follow=False).is_symlink() else None
 
 
 def _runners(root: Root) -> Iterator[tuple[str, str]]:
@@ -784,10 +790,10 @@ def _runners(root: Root) -> Iterator[tuple[str, str]]:
 
 def _scripts(root: Root) -> Iterator[tuple[str, str]]:
     """(path, text) of the files in SCRIPT_DIRS, each real file once (/lib may be /usr/lib)."""
-    seen: set[Path] = set()
+    seen: set[str] = set()
     for directory in SCRIPT_DIRS:
         for path in _files_in(root, directory):
-            real = root.path(path).resolve()
+            real = root.resolve(path)
             if real in seen or _own(path):
                 continue
             seen.add(real)

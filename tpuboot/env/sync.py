@@ -277,7 +277,7 @@ class EnvSync:
         is still used for tpu-env, but never for what tpuboot runs as root."""
         for path in (self._env.cache_dir, self.cache_path):
             try:
-                st = os.lstat(self._root.path(path))
+                st = os.lstat(self._root.path(path, follow=False))
             except FileNotFoundError:
                 continue
             except OSError:
