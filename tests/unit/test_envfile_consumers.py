@@ -1,8 +1,9 @@
 """Each rendering of the tpu-env values read by its real consumer: systemd's own env-file parser
 (libsystemd-shared's load_env_file, through ctypes), the docker CLI's ``--env-file`` reader (the
 real CLI against a fake dockerd that records the container it is asked to create), dash sourcing
-tpu-env, and systemd's parser again on /etc/environment (Debian's systemd links it into
-environment.d, so user managers read it with the same code).
+tpu-env, and /etc/environment by pam_env (libpam, a PAM service of the test's own) and by
+systemd's parser again (Debian's systemd links it into environment.d, so user managers read it
+with the same code).
 
 Each consumer must take its file whole, and get every value byte for byte except those tpuboot
 left out of that file, each named in one warning.
@@ -77,8 +78,9 @@ class Systemd:
         self._free.argtypes = [ctypes.c_void_p]
         self._free.restype = ctypes.c_void_p
 
-    def load(self, path: Path) -> dict[str, str]:
-        """What a unit gets from the file; fails the test when systemd refuses the file or an entry."""
+    def load(self, path: Path, keys: set[str] | None = None) -> dict[str, str]:
+        """What a unit gets from the file; fails the test when systemd refuses the file, or one of
+        ``keys`` (None: every entry) that its executor would drop."""
         strv = ctypes.POINTER(ctypes.c_char_p)()
         code = self._load(None, os.fsencode(path), ctypes.byref(strv))
         assert code >= 0, f"systemd refused the whole of {path}: {os.strerror(-code)}"
@@ -88,8 +90,10 @@ class Systemd:
                 entries.append(strv[len(entries)])  # type: ignore[arg-type]
         finally:
             self._free(strv)
-        assert all(self._valid(entry) for entry in entries), "the executor would drop an assignment"
-        return dict(entry.decode("utf-8").split("=", 1) for entry in entries)  # type: ignore[misc]
+        found = dict(entry.decode("utf-8").split("=", 1) for entry in entries)
+        checked = [e for e in entries if keys is None or e.decode("utf-8").split("=", 1)[0] in keys]
+        assert all(self._valid(entry) for entry in checked), "the executor would drop an assignment"
+        return found
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +151,60 @@ def docker() -> Iterator[Docker]:
         engine = Docker(cli, Path(workdir))
         yield engine
         engine.fake.stop()
+
+
+class PamEnv:
+    """pam_env as a login reads /etc/environment (``readenv=1``), through libpam: a PAM service
+    of its own in a directory of its own (``pam_start_confdir``, Linux-PAM 1.4 and later), so
+    nothing of the host's PAM configuration or /etc/security/pam_env.conf takes part."""
+
+    class _Conv(ctypes.Structure):
+        _fields_ = [("conv", ctypes.c_void_p), ("appdata_ptr", ctypes.c_void_p)]
+
+    def __init__(self, workdir: Path) -> None:
+        try:
+            self._pam = ctypes.CDLL("libpam.so.0")
+        except OSError:
+            pytest.fail("libpam not found: it comes with Debian's libpam0g, which systemd depends on")
+        self._pam.pam_start_confdir.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.POINTER(PamEnv._Conv),
+            ctypes.c_char_p,
+            ctypes.POINTER(ctypes.c_void_p),
+        ]
+        self._pam.pam_getenvlist.restype = ctypes.POINTER(ctypes.c_char_p)
+        self._pam.pam_open_session.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self._pam.pam_getenvlist.argtypes = [ctypes.c_void_p]
+        self._pam.pam_end.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.confdir = workdir / "pam.d"
+        self.confdir.mkdir()
+
+    def load(self, path: Path) -> dict[str, str]:
+        service = "tpuboot-test"
+        (self.confdir / service).write_text(
+            f"session required pam_env.so readenv=1 envfile={path} conffile=/dev/null user_readenv=0\n"
+        )
+        handle = ctypes.c_void_p()
+        conv = PamEnv._Conv(None, None)
+        code = self._pam.pam_start_confdir(
+            service.encode(), b"root", ctypes.byref(conv), os.fsencode(self.confdir), ctypes.byref(handle)
+        )
+        assert code == 0, f"pam_start_confdir: {code}"
+        try:
+            assert self._pam.pam_open_session(handle, 0) == 0, f"pam_env refused {path}"
+            entries = self._pam.pam_getenvlist(handle)
+            out: list[bytes] = []
+            while entries and entries[len(out)] is not None:
+                out.append(entries[len(out)])  # type: ignore[arg-type]
+        finally:
+            self._pam.pam_end(handle, 0)
+        return dict(entry.decode("utf-8").split("=", 1) for entry in out)  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def pam_env(tmp_path_factory: pytest.TempPathFactory) -> PamEnv:
+    return PamEnv(tmp_path_factory.mktemp("pam"))
 
 
 def dash_sources(path: Path, keys: list[str]) -> dict[str, str]:
@@ -297,13 +355,54 @@ def test_sync_writes_every_file_its_consumer_takes_whole_and_names_each_left_out
     )
 
 
-def test_etc_environment_leaves_out_a_value_systemd_refuses_and_keeps_the_rest(
-    root: Root, systemd: Systemd, caplog: pytest.LogCaptureFixture
+def test_etc_environment_leaves_out_what_pam_env_or_systemd_would_misread_and_keeps_the_rest(
+    root: Root, systemd: Systemd, pam_env: PamEnv, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    wanted: Mapping[str, str] = {"GOOD": "1", "BAD": "x\uffffy", "QUOTE": 'a"b', "ALSO": "two words"}
+    wanted: Mapping[str, str] = {
+        "GOOD": "1",
+        "BAD": "x\uffffy",
+        "QUOTE": 'a"b',
+        "HASH": "it's #1",
+        "ALSO": "two words",
+    }
     with caplog.at_level(logging.WARNING, logger="tpuboot.env.etc_environment"):
         written = ensure_environment(root, "/etc/environment", wanted)
     assert set(written) == {"GOOD", "ALSO"}
-    assert systemd.load(root.path("/etc/environment")) == {"GOOD": "1", "ALSO": "two words"}
+    for consumer in (systemd, pam_env):
+        assert consumer.load(root.path("/etc/environment")) == {"GOOD": "1", "ALSO": "two words"}
     (warning,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
-    assert warning.startswith("/etc/environment: left out BAD, QUOTE: ") and "U+FFFF" in warning
+    assert warning.startswith("/etc/environment: left out BAD, QUOTE, HASH: ") and "U+FFFF" in warning
+    # What they would have made of the lines as tpuboot wrote them before: pam_env cuts at the #,
+    # systemd refuses the whole file.
+    assert pam_env.load(write(tmp_path, "hash", 'HASH="it\'s #1"\n')) == {"HASH": "it's "}
+    with pytest.raises(AssertionError, match="refused the whole"):
+        systemd.load(write(tmp_path, "nonchar", 'GOOD=1\nBAD="x\uffffy"\n'))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    wanted=st.dictionaries(NAMES, VALUES, max_size=5),
+    admin=st.sampled_from(["", "A=admin\n# c\nexport B=1\n"]),
+)
+def test_generated_etc_environment_reaches_pam_env_and_systemd_whole(
+    pam_env: PamEnv,
+    systemd: Systemd,
+    tmp_path_factory: pytest.TempPathFactory,
+    wanted: dict[str, str],
+    admin: str,
+) -> None:
+    root = Root(tmp_path_factory.mktemp("etc"))
+    root.path("/etc").mkdir()
+    root.path("/etc/environment").write_text(admin)
+    written = ensure_environment(root, "/etc/environment", wanted)
+    expected = {
+        **dict(
+            line.removeprefix("export ").split("=", 1)
+            for line in admin.splitlines()
+            if "=" in line and not line.startswith("#")
+        )
+    }
+    expected.update({k: wanted[k] for k in written})
+    assert pam_env.load(root.path("/etc/environment")) == expected
+    mine = systemd.load(root.path("/etc/environment"), set(written))  # admin lines are the admin's
+    assert {k: mine.get(k) for k in written} == {k: wanted[k] for k in written}

@@ -31,10 +31,10 @@ dropped from env.environment keeps tpuboot's line until purge.
 Syntax is pam_env's (``KEY=value`` or ``KEY="value"``, optional ``export``, ``#`` comments,
 a trailing backslash continues a line; the last assignment of a key is the one read). Values are
 quoted only when needed; values pam_env and a shell would read differently (quotes, backslash,
-``$``, backtick, newline) are refused, and so are the Unicode noncharacters systemd's
-environment.d generator refuses (Debian's systemd links /etc/environment into environment.d: one
-would cost every user manager the whole file). A refused key is left out of the file alone,
-named in one warning; the others are written.
+``$``, backtick, newline, and ``#``, where pam_env ends every value) are refused, and so are the
+Unicode noncharacters systemd's environment.d generator refuses (Debian's systemd links
+/etc/environment into environment.d: one would cost every user manager the whole file). A
+refused key is left out of the file alone, named in one warning; the others are written.
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ RECORD_MODE = 0o600
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _ASSIGNMENT = re.compile(r"[ \t]*(?:export[ \t]+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)\Z", re.DOTALL)
 _BARE = re.compile(r"[A-Za-z0-9_./:,@%+=-]+\Z")
-_UNREPRESENTABLE = frozenset('"\\$`\n\r\0')
+# pam_env ends a line's value at its first "#", quoted or not (Linux-PAM 1.5's _parse_env_file, as
+# tests/unit/test_envfile_consumers.py finds): a value holding one cannot be carried either.
+_UNREPRESENTABLE = frozenset('"\\$`#\n\r\0')
 
 # (path, key, admin's value, tpuboot's value) already logged: said once per process, not per sync.
 _reported: set[tuple[str, str, str, str]] = set()

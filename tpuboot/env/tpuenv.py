@@ -20,6 +20,10 @@ Skipped, all named in one warning: keys that are not shell variable names, names
 tagged values, values a shell variable cannot hold (NUL, unpaired surrogates), values
 over the kernel's limit for one environment string (:data:`MAX_ENV_STRING`), and values
 past the whole file's bound (:data:`MAX_ENV_TOTAL`).
+
+The systemd and docker renderings each leave out what their reader cannot take whole
+(:func:`systemd_problem`, :func:`docker_problem`): that value is missing from that file alone,
+and the caller names it in one warning; tpu-env itself keeps it.
 """
 
 from __future__ import annotations
@@ -348,7 +352,10 @@ def systemd_problem(key: str, value: str) -> str | None:
     utf8_is_valid and, on the first that fails, refuses the **whole file** ("invalid UTF-8"): an
     ``EnvironmentFile=`` unit then fails to start, and a user manager's environment.d generator
     (Debian links /etc/environment there) loses every variable. Everything else a tpu-env value may
-    hold is read back byte for byte (:func:`render_systemd_env_file`).
+    hold is read back byte for byte (:func:`render_systemd_env_file`). The other forms that check
+    refuses cannot reach it: invalid or overlong UTF-8 never comes out of a str's encoding, and
+    NUL and lone surrogates are refused for every file by :func:`parse_tpu_env`. The reader has no
+    line or key length limit (a file up to 64 MiB); keys are shell names, which it takes as such.
     """
     bad = SYSTEMD_REFUSED.search(key) or SYSTEMD_REFUSED.search(value)
     if bad is None:
