@@ -33,7 +33,8 @@ def host(tmp_path: Path) -> Path:
     top = tmp_path / "host"
     for path, text in {
         "etc/shadow": SECRET + "\n",
-        "etc/tpuboot/tpuboot.yaml": "# the host's own\n",
+        "etc/tpuboot/tpuboot.yaml": "vfio: {retries: 9}  # the host's own\n",
+        "var/lib/tpuboot/tpu-env.json": "{}\n",
         "etc/default/grub.d/90-host.cfg": 'GRUB_CMDLINE_LINUX="idle=poll"\n',
         "run/tpuboot/tpu-env.env": "HOST=1\n",
         "home/tpu-runtime/tpu-env": 'HOST="1"\n',
@@ -195,9 +196,10 @@ def test_an_image_config_linked_to_a_host_file_never_reads_it(image: Path, host:
     except ConfigError as exc:
         assert SECRET not in str(exc) and "SECRET" not in str(exc)
     else:
-        assert config == Config()  # no such file in the image: the defaults
-    for cache in image.rglob("config.json"):
-        assert "SECRET" not in cache.read_text()
+        assert config == Config()  # no such file in the image: the defaults, never the host's
+    assert not [
+        p for p in image.rglob("*") if not p.is_symlink() and p.is_file() and "SECRET" in p.read_text()
+    ]
     assert snapshot(host) == before
 
 
@@ -243,6 +245,8 @@ def test_a_cache_directory_linked_to_the_host_is_not_written_there(image: Path, 
         {"/home": "HOST/home", "/var": "HOST/var"},
         {"/home/tpu-runtime/tpu-env": "HOST/home/tpu-runtime/tpu-env"},
         {"/var/cache/tpuboot": "HOST/var/cache/tpuboot"},
+        {"/var/lib/tpuboot": "HOST/var/lib/tpuboot"},
+        {"/var": "HOST/var", "/run/tpuboot": "../../../../HOST/run/tpuboot"},
     ],
 )
 def test_prepare_image_removes_nothing_outside_the_image(
@@ -338,4 +342,32 @@ def test_doctor_on_a_hostile_image_reads_nothing_of_the_host(image: Path, host: 
     verdicts = Doctor(kernel.root, Config()).run()
     shown = "\n".join(f"{v.result.detail} {v.result.fix}" for v in verdicts)
     assert "SECRET" not in shown
+    assert not [
+        p
+        for p in image.rglob("*")
+        if not p.is_symlink() and p.is_file() and "SECRET" in p.read_text(errors="replace")
+    ]
+    assert snapshot(host) == before
+
+
+@pytest.mark.parametrize("how", ["file", "directory", "relative"])
+def test_image_check_judges_the_image_not_the_host_its_links_name(image: Path, host: Path, how: str) -> None:
+    """The host has the documented binder rule and script; the image only links to them."""
+    from tests.unit.test_leftovers import BIND_SCRIPT, VFIO_RULES
+
+    (host / "etc/udev/rules.d").mkdir(parents=True)
+    (host / "etc/udev/rules.d/99-tpu-vfiopci.rules").write_text(VFIO_RULES)
+    (host / "lib/udev").mkdir(parents=True)
+    (host / "lib/udev/bind_to_vfio_pci.sh").write_text(BIND_SCRIPT)
+    clean = {r.name: r.status for r in run_checks(Root(image), ["leftover-*"])}
+    if how == "file":
+        link(image, "/etc/udev/rules.d/99-tpu-vfiopci.rules", host / "etc/udev/rules.d/99-tpu-vfiopci.rules")
+        link(image, "/lib/udev/bind_to_vfio_pci.sh", host / "lib/udev/bind_to_vfio_pci.sh")
+    elif how == "directory":
+        link(image, "/etc/udev", host / "etc/udev")
+        link(image, "/lib", host / "lib")
+    else:
+        link(image, "/etc/udev", "../" * 8 + str(host / "etc/udev").lstrip("/"))
+    before = snapshot(host)
+    assert {r.name: r.status for r in run_checks(Root(image), ["leftover-*"])} == clean
     assert snapshot(host) == before
