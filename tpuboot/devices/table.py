@@ -42,10 +42,27 @@ class PciIds:
         return text
 
 
-class Kind:
-    """One entry of the table. ``vfio`` says whether tpuboot binds it to vfio-pci."""
+# How a runtime reaches a chip: libtpu opens /dev/vfio/<group> (with /dev/vfio/vfio) for v5e and
+# later, the accel driver's /dev/accelN for v2 to v4 (tpu-info's chip_path, GKE's TPU device plugin).
+VFIO_ACCESS, ACCEL_ACCESS = "vfio", "accel"
 
-    __slots__ = ("device", "generations", "name", "subsystem_device", "subsystem_vendor", "vendor", "vfio")
+
+class Kind:
+    """One entry of the table. ``vfio`` says whether tpuboot binds it to vfio-pci; ``access`` how a
+    runtime opens the chip; ``chip_functions`` how many PCI functions one chip is (2 for v2, v3 and
+    TPU7x, as tpu-info counts them; they share a base address)."""
+
+    __slots__ = (
+        "access",
+        "chip_functions",
+        "device",
+        "generations",
+        "name",
+        "subsystem_device",
+        "subsystem_vendor",
+        "vendor",
+        "vfio",
+    )
 
     def __init__(
         self,
@@ -56,6 +73,8 @@ class Kind:
         subsystem_device: int | None = None,
         vfio: bool = False,
         generations: tuple[str, ...] = (),
+        access: str = VFIO_ACCESS,
+        chip_functions: int = 1,
     ) -> None:
         self.name = name
         self.vendor = vendor
@@ -64,6 +83,8 @@ class Kind:
         self.subsystem_device = subsystem_device
         self.vfio = vfio
         self.generations = generations  # keys of GENERATIONS this device can be (none: unknown)
+        self.access = access
+        self.chip_functions = chip_functions
 
     def __repr__(self) -> str:
         return f"Kind({self.name!r})"
@@ -80,18 +101,18 @@ class Kind:
 VFIO_KINDS = (
     Kind("TPU v5p", GOOGLE, 0x0062, GOOGLE, 0x00AD, vfio=True, generations=("v5p",)),
     Kind("TPU v6e", GOOGLE, 0x006F, GOOGLE, 0x00D1, vfio=True, generations=("v6e",)),
-    Kind("TPU7x", GOOGLE, 0x0076, GOOGLE, 0x00F2, vfio=True, generations=("tpu7x",)),
+    Kind("TPU7x", GOOGLE, 0x0076, GOOGLE, 0x00F2, vfio=True, generations=("tpu7x",), chip_functions=2),
 )
 
 # Known for reporting only: older generations use the accel driver; newer ones are undocumented.
 REPORT_KINDS = (
-    Kind("TPU v2/v3", GOOGLE, 0x0027, generations=("v2", "v3")),
+    Kind("TPU v2/v3", GOOGLE, 0x0027, generations=("v2", "v3"), access=ACCEL_ACCESS, chip_functions=2),
     Kind("TPU (unnamed 0x0056)", GOOGLE, 0x0056),
-    Kind("TPU v4", GOOGLE, 0x005E, generations=("v4",)),
+    Kind("TPU v4", GOOGLE, 0x005E, generations=("v4",), access=ACCEL_ACCESS),
     Kind("TPU v5e", GOOGLE, 0x0063, generations=("v5e",)),
     Kind("TPU v5p (unexpected subsystem)", GOOGLE, 0x0062, generations=("v5p",)),
     Kind("TPU v6e (unexpected subsystem)", GOOGLE, 0x006F, generations=("v6e",)),
-    Kind("TPU7x (unexpected subsystem)", GOOGLE, 0x0076, generations=("tpu7x",)),
+    Kind("TPU7x (unexpected subsystem)", GOOGLE, 0x0076, generations=("tpu7x",), chip_functions=2),
     Kind("TPU8t", GOOGLE, 0x007C),
     Kind("TPU8i", GOOGLE, 0x0083),
 )
@@ -111,6 +132,10 @@ class DeviceTable:
     def classify(self, ids: PciIds) -> Kind | None:
         """The first matching kind, or None for a device that is not a TPU."""
         return next((kind for kind in self.kinds if kind.matches(ids)), None)
+
+    def named(self, name: str) -> Kind | None:
+        """The kind called ``name`` (what a survey or the device manager records of a function)."""
+        return next((kind for kind in self.kinds if kind.name == name), None)
 
 
 class Generation:

@@ -61,7 +61,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from tpuboot import metrics
+from tpuboot import bootbudget, metrics
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config
@@ -392,6 +392,7 @@ class EnvSync:
         return self._from_metadata(change.value, change.etag)
 
     def _absent(self) -> SyncResult:
+        bootbudget.mark(bootbudget.METADATA)  # a 404 is an answer: the attribute is not set
         with self._lock:
             self._etag = None
         return SyncResult(
@@ -402,6 +403,7 @@ class EnvSync:
         )
 
     def _from_metadata(self, body: bytes, etag: str | None) -> SyncResult:
+        bootbudget.mark(bootbudget.METADATA)
         try:
             env = parse_tpu_env(body, max_bytes=self._metadata.max_body)
         except TpuEnvError as exc:
@@ -450,6 +452,7 @@ class EnvSync:
         data = render_env_file(values).encode("utf-8")
         owner = (os.geteuid(), os.getegid())
         written = write_file(self._root, self._env.tpu_env_path, data, mode=TPU_ENV_MODE, owner=owner)
+        bootbudget.mark(bootbudget.TPU_ENV)  # written or already so: either way it holds the values
         failed = [f"{path} not written: {exc}" for path, exc in self._write_formats(values, owner)]
         return written, "".join(f"; {line}" for line in failed)
 
@@ -520,6 +523,7 @@ class EnvSync:
                 result,
                 status=f"{result.status}; {self._env.environment_path} not written ({type(exc).__name__})",
             )
+        bootbudget.mark(bootbudget.ENVIRONMENT)
         return dataclasses.replace(result, environment_written=bool(changed))
 
     def _report(self, result: SyncResult) -> None:
