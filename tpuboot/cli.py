@@ -446,8 +446,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logs.setup(args.verbose)
-    ctx = Context(args)
+    ctx: Context | None = None
     try:
+        ctx = Context(args)
         status: int = args.func(ctx, args)
         return status
     except UsageError as exc:
@@ -459,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     finally:
-        if args.command in TEXTFILE_COMMANDS:
+        if ctx is not None and args.command in TEXTFILE_COMMANDS:
             _write_metrics_textfile(ctx)
 
 
@@ -470,6 +471,9 @@ def _write_metrics_textfile(ctx: Context) -> None:
     """After a one-shot command: its metrics to ``metrics.textfile_dir`` for node_exporter, if set."""
     try:
         config = ctx.config
+    except TpubootError:
+        return  # the command has said why (its one line); no second line for the same error
+    try:
         if config.metrics.textfile_dir is None:
             return
         from tpuboot import metrics

@@ -64,15 +64,14 @@ CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.contai
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
               "tpuboot.component"}  # fmt: skip
-#: Who holds the chips (`who`, `status`, doctor): the chip grouping and the /proc readers.
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
 CHIPS = SURVEY - {"tpuboot.devices.health"}
 HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
            "tpuboot.holders.report", "tpuboot.holders.scan"}  # fmt: skip
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
            "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
-CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.devices.kmodule",
-          "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
+CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.checks.cmdline",
+          "tpuboot.devices.kmodule", "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
 #: A config that sets something, read the first time: PyYAML, and the cache's record written
 #: (tpuboot/configcache.py); the same file unchanged later: the record alone (CACHED below).

@@ -27,8 +27,9 @@ configure-gcs-timeouts.sh). ``sync_once`` runs at boot; ``watch`` keeps tpu-env 
 - /etc/environment gets ``env.environment`` whatever metadata says.
 - The same values go to ``env.systemd_env_path`` (systemd's ``EnvironmentFile=``) and
   ``env.docker_env_path`` (``docker run --env-file``), each in its reader's syntax
-  (:mod:`tpuboot.env.tpuenv`), written with tpu-env: root's, 0644, atomically. A value docker's
-  format cannot carry (a newline) is left out of that file only, named in one warning. A
+  (:mod:`tpuboot.env.tpuenv`), written with tpu-env: root's, 0644, atomically. A value one of
+  them cannot carry (a newline for docker, a Unicode noncharacter for systemd, whose reader
+  would refuse the whole file) is left out of that file only, named in one warning. A
   failure to write either is logged and added to the status line; tpu-env itself still counts.
 
 ``watch`` ends when ``stop`` is set and the client is closed (``client.close()`` cuts a
@@ -276,7 +277,7 @@ class EnvSync:
         is still used for tpu-env, but never for what tpuboot runs as root."""
         for path in (self._env.cache_dir, self.cache_path):
             try:
-                st = os.lstat(self._root.path(path))
+                st = os.lstat(self._root.path(path, follow=False))
             except FileNotFoundError:
                 continue
             except OSError:
@@ -460,10 +461,9 @@ class EnvSync:
     ) -> list[tuple[str, FileWriteError]]:
         """The systemd and docker files that are configured; the failures, each logged."""
         failures: list[tuple[str, FileWriteError]] = []
-        docker_text, skipped = render_docker_env_file(values)
-        for path, text in (
+        for path, (text, skipped) in (
             (self._env.systemd_env_path, render_systemd_env_file(values)),
-            (self._env.docker_env_path, docker_text),
+            (self._env.docker_env_path, render_docker_env_file(values)),
         ):
             if path is None:
                 continue
@@ -473,7 +473,7 @@ class EnvSync:
                 log.error("tpu-env: %s", exc, extra={"TPU_ENV_PATH": path})
                 failures.append((path, exc))
                 continue
-            if rewritten and skipped and path == self._env.docker_env_path:
+            if rewritten and skipped:
                 log.warning(
                     "tpu-env: %s left out of %s: %s",
                     ", ".join(skipped),

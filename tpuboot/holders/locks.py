@@ -101,7 +101,7 @@ def find_locks(root: Root, reader: ProcReader, table: LockTable | None = None) -
     found = []
     for path in lock_paths(root):
         try:
-            st = os.lstat(root.path(path))
+            st = os.lstat(root.path(path, follow=False))
         except OSError:
             continue  # removed meanwhile
         key = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)

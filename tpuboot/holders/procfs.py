@@ -170,7 +170,7 @@ class ProcReader:
 
     def namespace(self, pid: int | str) -> str | None:
         try:
-            return os.readlink(self.root.path(f"/proc/{pid}/ns/pid"))
+            return os.readlink(self.root.path(f"/proc/{pid}/ns/pid", follow=False))
         except OSError:
             return None
 

@@ -102,7 +102,7 @@ def remove_unheld(root: Root, lock: LockFile, dry_run: bool) -> str:
         return f"kept {lock.path}: held by {holder}"
     if dry_run:
         return f"would remove {lock.path} (owner {lock.owner}, not held)"
-    path = root.path(lock.path)
+    path = root.path(lock.path, follow=False)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
