@@ -3,12 +3,12 @@ processes of 50 open files each, all three side by side in one run (on the host,
 
 The bench makes the crowd itself: 2,000 forked processes (``--processes``), each with 50 files
 of a scratch directory open (``--files``), three of them also holding the node; it ends them
-all (and removes the node and the scratch files) whatever happens. The node is a regular file at
-``/dev/vfio/<group>`` on this host, which has no TPU: `tpuboot who` runs with ``--root`` on a
-tree whose sysfs has one v5p stand-in in that group and whose /proc is a link to this host's,
-so it reads the real /proc of the crowd. Under ``--root`` it matches fds by their link text
-alone (no st_rdev stat); the crowd's files are regular files, which the host path does not
-stat either, so the work is the same. Each tool runs ``--runs`` times in turn (ABC ABC ...)
+all (and removes the node and the scratch files) whatever happens. This host has no TPU: the
+bench runs itself again in a private mount namespace (``unshare -m``) where a stand-in sysfs
+(one v5p function bound to vfio-pci in IOMMU group ``GROUP``) is bind-mounted over
+/sys/bus/pci and /sys/kernel/iommu_groups, and the node is a regular file at
+``/dev/vfio/<group>``; `tpuboot who` then runs as on a TPU host, without ``--root``, on the
+host's real /proc. Each tool runs ``--runs`` times in turn (ABC ABC ...)
 after one warm-up round; the table gives medians and ratios (tpuboot / the tool). Goal: at
 most fuser's time. Every tool must name the same three holders, or the bench says so.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import resource
 import shutil
@@ -63,7 +64,7 @@ class Timing:
 
 
 def stand_in_tree(top: Path) -> Path:
-    """A root whose sysfs has one v5p function bound to vfio-pci in GROUP and whose /proc is this host's."""
+    """A sysfs tree with one v5p function bound to vfio-pci in GROUP, for bind mounts over the host's."""
     device = top / "sys/bus/pci/devices" / DBDF
     device.mkdir(parents=True)
     (device / "uevent").write_text(f"PCI_ID=1AE0:0062\nPCI_SUBSYS_ID=1AE0:00AD\nPCI_SLOT_NAME={DBDF}\n")
@@ -73,11 +74,13 @@ def stand_in_tree(top: Path) -> Path:
     os.symlink(f"../../../../bus/pci/devices/{DBDF}", members / DBDF)
     os.symlink(f"../../../kernel/iommu_groups/{GROUP}", device / "iommu_group")
     os.symlink("../../../bus/pci/drivers/vfio-pci", device / "driver")
-    (top / "tmp").mkdir()
-    (top / "dev/vfio").mkdir(parents=True)
-    (top / "dev/vfio" / GROUP).write_text("")
-    os.symlink("/proc", top / "proc")
     return top
+
+
+def mount_stand_in(top: Path) -> None:
+    """Over this namespace's sysfs: the stand-in's PCI devices and IOMMU groups."""
+    for where in ("/sys/bus/pci", "/sys/kernel/iommu_groups"):
+        subprocess.run(["mount", "--bind", str(top) + where, where], check=True)
 
 
 def _child(paths: Sequence[str], hold: bool) -> None:
@@ -132,8 +135,8 @@ def crowd(processes: int, files: int) -> Iterator[set[int]]:
         shutil.rmtree(scratch)
 
 
-def commands(tree: Path) -> dict[str, list[str]]:
-    tpuboot = [sys.executable, "-m", "tpuboot", "--root", str(tree), "who"]
+def commands() -> dict[str, list[str]]:
+    tpuboot = [sys.executable, "-m", "tpuboot", "who"]
     return {"tpuboot who": tpuboot, "fuser -v": ["fuser", "-v", NODE], "lsof": ["lsof", "-w", NODE]}
 
 
@@ -203,14 +206,22 @@ def measure_crowd(
     for tool in ("fuser", "lsof"):
         if shutil.which(tool) is None:
             raise SystemExit(f"bench.holders: {tool} not found (Debian: apt install psmisc lsof)")
-    with tempfile.TemporaryDirectory(prefix="tpuboot-bench-root-") as top, crowd(processes, files) as holders:
-        tree = stand_in_tree(Path(top))
-        return measure(commands(tree), runs), holders
+    with tempfile.TemporaryDirectory(prefix="tpuboot-bench-sys-") as top:
+        mount_stand_in(stand_in_tree(Path(top)))
+        with crowd(processes, files) as holders:
+            return measure(commands(), runs), holders
 
 
-def run(processes: int = 2000, files: int = 50, runs: int = 7) -> list[str]:
-    timings, holders = measure_crowd(processes, files, runs)
-    return report(timings, holders, processes, files)
+def in_namespace(processes: int = 2000, files: int = 50, runs: int = 7) -> tuple[dict[str, Timing], set[int]]:
+    """:func:`measure_crowd` in a private mount namespace (the bench itself again, under unshare)."""
+    argv = ["unshare", "-m", "--propagation", "private", sys.executable, "-m", "bench.holders", "--inside"]
+    argv += ["--processes", str(processes), "--files", str(files), "--runs", str(runs), "--raw"]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=REPO)
+    data = json.loads(done.stdout.splitlines()[-1])
+    timings = {
+        name: Timing(name, t["seconds"], t["cpu"], set(t["pids"])) for name, t in data["timings"].items()
+    }
+    return timings, set(data["holders"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,8 +229,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2000)
     parser.add_argument("--files", type=int, default=50)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # in the namespace
+    parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)  # JSON for in_namespace
     args = parser.parse_args(argv)
-    print("\n".join(run(args.processes, args.files, args.runs)))
+    if not args.inside:
+        timings, holders = in_namespace(args.processes, args.files, args.runs)
+    else:
+        timings, holders = measure_crowd(args.processes, args.files, args.runs)
+    if args.raw:
+        data = {
+            name: {"seconds": t.seconds, "cpu": t.cpu, "pids": sorted(t.pids)} for name, t in timings.items()
+        }
+        print(json.dumps({"timings": data, "holders": sorted(holders)}))
+    else:
+        print("\n".join(report(timings, holders, args.processes, args.files)))
     return 0
 
 

@@ -1145,7 +1145,7 @@ def run_holders(report: Report) -> None:
     """bench/holders.py: `tpuboot who` against fuser (the baseline) and lsof (the peer)."""
     from bench import holders
 
-    timings, named = holders.measure_crowd()
+    timings, named = holders.in_namespace()
     ours, fuser, lsof = (timings[name] for name in ("tpuboot who", "fuser -v", "lsof"))
     for what, pick in (("wall", lambda t: t.median), ("cpu", lambda t: t.cpu_median)):
         ratio = _ratio(pick(ours), pick(fuser))
