@@ -19,6 +19,8 @@ Modules, one responsibility each:
 * :mod:`.machine`     -- :class:`~.machine.VM`, the QEMU machine a test drives.
 * :mod:`.tpuboot_guest` -- tpuboot's .deb and the metadata emulator in a guest tree (install
   hooks, stand-in devices, the vBar guest), and steering them in the running guest.
+* :mod:`.pyguest`     -- a library-matrix row's CPython with its libraries in a guest tree, the
+  unit's ExecStart pointed at it (jammy's 3.10: tests/vm/test_tpuboot_ubuntu_userland.py).
 * :mod:`.demo`        -- ``scripts/demo``.
 * ``guest/``          -- files for the guest: ``guestcmd.py`` + its unit, ``vfio_read.py`` (both
   installed at ``/usr/local/libexec/tpuboot-test/``), ``initramfs-init``.
