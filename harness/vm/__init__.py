@@ -42,6 +42,8 @@ Main API:
   ``pci_devices(vendor, device) -> [PciDevice]``, ``qmp(cmd, **args)``, ``device_add(driver,
   id, bus)``, ``device_del(id)``, ``journal(unit)``, ``console_log()``, ``reboot()``,
   ``shutdown()``, ``kill()``; ``hotplug_ports`` lists the root-port ids (``hp0``...).
+* ``ensure_row_python(row) -> Path`` (cached) and ``with_row_python(install, row, prefix)``: an
+  install hook that adds a library-matrix row's CPython and libraries and runs the unit on them.
 * Fixtures: ``vm_bench(platform) -> PlatformBench`` (``.artifacts``, ``.image(install, key=)``),
   ``vm_artifacts``, ``vm_image_factory(install=None, *, key="base")`` (both Debian 12),
   ``vm_image``, ``vm_factory(image=None, *, boot=True, **VM kwargs)``, ``tpuboot_images(platform)``.
