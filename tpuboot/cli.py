@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from typing import NoReturn
 
     from tpuboot.checks.image import CheckResult
+    from tpuboot.devices.chips import Chip
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
@@ -242,6 +243,59 @@ def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
+def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.devices.reset import Breaker, Ladder, chip_to_reset
+    from tpuboot.holders.report import chips_of
+
+    if not args.dry_run and not ctx.root.is_host:
+        raise UsageError(
+            "reset acts on this host's kernel only; it cannot act on a --root tree (try --dry-run)"
+        )
+    address = parse_dbdf(args.dbdf)
+    chip = chip_to_reset(ctx.root, chips_of(ctx.root, ctx.config), address)
+    ladder = Ladder(ctx.binder(), Breaker(ctx.root, ctx.config.recovery.max_resets_per_hour))
+    if args.dry_run:
+        print("\n".join(ladder.plan(chip)))
+        return EXIT_OK
+    _free_chip(ctx, chip, kill=args.kill)
+    steps = ladder.climb(chip)
+    for step in steps:
+        outcome = "brought it back" if step.back else f"not back: {step.problem}"
+        print(f"{step.rung}: {step.done}; {outcome}")
+    if steps and steps[-1].back:
+        return EXIT_OK
+    print(
+        f"tpuboot: chip {chip.address} did not come back from any reset; stop and start the VM",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
+
+
+def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:
+    """Nobody holds ``chip`` once this returns: its holders ended (``kill``) or ResetRefused."""
+    from tpuboot.devices.reset import ResetRefused
+    from tpuboot.holders.release import end, protected, vbar_processes
+    from tpuboot.holders.report import describe, gather
+
+    (held,) = gather(ctx.root, [chip]).chips
+    if not held.holders:
+        return
+    if not kill:
+        who = "; ".join(describe(h.process) for h in held.holders)
+        raise ResetRefused(
+            f"chip {chip.address} is held by {who}; end it first, or pass --kill to end it first"
+        )
+    vbar = vbar_processes(ctx.root, ctx.config)
+    spared = [f"{describe(h.process)} ({why})" for h in held.holders if (why := protected(h.process, vbar))]
+    if spared:
+        raise ResetRefused(f"chip {chip.address} is held by {'; '.join(spared)}, which tpuboot never ends")
+    for h in held.holders:
+        print(end(ctx.root, h.process))
+    (held,) = gather(ctx.root, [chip]).chips
+    if held.holders:
+        raise ResetRefused(f"chip {chip.address} is still held by {describe(held.holders[0].process)}")
+
+
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.env.metadata import MetadataAbsent, MetadataClient, metadata_get
 
@@ -377,6 +431,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = command("release", cmd_release, "remove libtpu lock files nobody holds; report (and end) holders")
     p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
     p.add_argument("--kill", action="store_true", help="also end the holders: SIGTERM, then SIGKILL")
+    p = command("reset", cmd_reset, "bring a wedged TPU chip back: function reset, rebind, remove and rescan")
+    p.add_argument("dbdf", metavar="DBDF", help="PCI address of the chip (any of its functions)")
+    p.add_argument("--dry-run", action="store_true", help="say what each rung would do, do nothing")
+    p.add_argument("--kill", action="store_true", help="end the chip's holders first: SIGTERM, then SIGKILL")
     p = command("wait-free", cmd_wait_free, "wait until every TPU chip and libtpu lock is free")
     p.add_argument(
         "--timeout", type=_seconds, default=60.0, metavar="S", help="give up after S seconds (default 60)"

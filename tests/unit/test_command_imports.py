@@ -107,6 +107,11 @@ CASES = {
         None,
         CORE | CHIPS | HOLDERS | {"tpuboot.holders.wait"},
     ),
+    "reset": (
+        ["reset", "--dry-run", "0000:00:04.0"],
+        None,
+        CORE | SURVEY | HOLDERS | {"tpuboot.devices.reset", "json"},
+    ),
     "image-check": (["image-check"], None, CORE | CHECKS),
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
     "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),
