@@ -133,12 +133,13 @@ def cmd_unbind(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
     if args.boot:
         return _print_boot(ctx, args.json)
-    from tpuboot.devices.health import judge, read_health
+    from tpuboot.devices.health import judge, load_baselines, read_health
     from tpuboot.devices.survey import driver_summary, survey
 
     binder = ctx.binder()
     tpus = survey(binder)
-    health = {t.address: read_health(ctx.root, t.address) for t in tpus}
+    baselines = load_baselines(ctx.root)
+    health = {t.address: read_health(ctx.root, t.address, baselines) for t in tpus}
     if args.json:
         _print_json([{**t.as_dict(), "pcie": health[t.address].as_dict()} for t in tpus])
     elif not tpus:

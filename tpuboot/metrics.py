@@ -59,7 +59,7 @@ from tpuboot import __version__
 from tpuboot.atomicfile import write_file
 from tpuboot.config import MetricsConfig
 from tpuboot.devices.chips import base_address
-from tpuboot.devices.health import AER_FILES, read_health
+from tpuboot.devices.health import AER_FILES, load_baselines, read_health
 from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.table import DeviceTable
 from tpuboot.paths import Root
@@ -332,8 +332,9 @@ class PcieCollector:
         errors = CounterMetricFamily(
             "tpuboot_pcie_errors", "AER errors since boot, by kind (severity).", labels=[*labels, "kind"]
         )
+        baselines = load_baselines(self.root)
         for address in self._tpu_addresses():
-            health = read_health(self.root, address)
+            health = read_health(self.root, address, baselines)
             chip = base_address(address)
             present.add_metric([address, chip], 1 if health.present else 0)
             link = health.link

@@ -45,7 +45,7 @@ CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.devices", "tpuboot.
         "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.logs",
         "tpuboot.paths", "tpuboot.subproc"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
-          "tpuboot.devices.health",
+          "tpuboot.devices.health", "json",
           "inspect", "typing"}  # fmt: skip
 METADATA = {"tpuboot.env", "tpuboot.env.metadata", "tpuboot.netio", "requests", "urllib3"}
 ENV = {
@@ -65,7 +65,7 @@ CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.contai
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
               "tpuboot.component"}  # fmt: skip
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
-CHIPS = SURVEY - {"tpuboot.devices.health"}
+CHIPS = SURVEY - {"tpuboot.devices.health", "json"}
 HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
            "tpuboot.holders.report", "tpuboot.holders.scan"}  # fmt: skip
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",

@@ -156,3 +156,43 @@ def test_as_dict_has_every_field(tmp_path: Path) -> None:
         "fraction": 1.0,
     }
     assert shown["aer_totals"] == {"correctable": None, "nonfatal": None, "fatal": 0}
+
+
+def behind_a_port(tmp_path: Path, siblings: tuple[str, ...] = ()) -> Root:
+    """Real sysfs's shape: bus/pci/devices/X a link into devices/pci0000:00/PORT/X."""
+    port = tmp_path / "sys/devices/pci0000:00/0000:00:02.0"
+    for name in ("0000:01:00.0", *siblings):
+        (port / name).mkdir(parents=True)
+        (port / name / "config").write_bytes(b"\xe0\x1a\x62\x00" + bytes(60))
+        (port / name / "aer_dev_fatal").write_text("TOTAL_ERR_FATAL 0\n")
+    (port / "aer_rootport_total_err_fatal").write_text("2\n")
+    (port / "aer_rootport_total_err_nonfatal").write_text("0\n")
+    devices = tmp_path / "sys/bus/pci/devices"
+    devices.mkdir(parents=True)
+    for name in ("0000:00:02.0", "0000:01:00.0", *siblings):
+        target = "0000:00:02.0" if name == "0000:00:02.0" else f"0000:00:02.0/{name}"
+        (devices / name).symlink_to(f"../../../devices/pci0000:00/{target}")
+    return Root(tmp_path)
+
+
+def test_a_fatal_error_only_the_root_port_counted_is_the_chips_when_it_is_alone_below_it(
+    tmp_path: Path,
+) -> None:
+    # Linux 6.1 does not read an endpoint's status after a fatal error: only the port counts it.
+    health = read_health(behind_a_port(tmp_path), "0000:01:00.0")
+    assert health.port == "0000:00:02.0" and health.errors("fatal") == 2 and health.errors("nonfatal") == 0
+    (finding,) = judge(health)
+    assert finding.level == "FAIL"
+    assert finding.detail == (
+        "0000:01:00.0 logged 2 fatal PCIe error(s) since boot (as its root port 0000:00:02.0 received them)"
+    )
+
+
+def test_a_port_shared_with_another_device_says_nothing_of_the_chip(tmp_path: Path) -> None:
+    health = read_health(behind_a_port(tmp_path, siblings=("0000:01:01.0",)), "0000:01:00.0")
+    assert health.port is None and health.errors("fatal") == 0 and judge(health) == []
+
+
+def test_the_chips_own_functions_may_share_its_port(tmp_path: Path) -> None:
+    health = read_health(behind_a_port(tmp_path, siblings=("0000:01:00.1",)), "0000:01:00.0")
+    assert health.port == "0000:00:02.0" and health.errors("fatal") == 2

@@ -196,3 +196,17 @@ def test_the_cli_plans_under_root_refuses_to_act_there_and_never_resets_a_non_tp
         == "remove-rescan: 0000:00:09.0 is gone from sysfs: rescan the PCI bus, bind it again\n"
     )
     assert kernel.writes == []
+
+
+def test_errors_a_reset_cleared_up_are_history_until_new_ones_come(tmp_path):
+    from tpuboot.devices.health import judge, read_health
+
+    kernel, chip, ladder, _ = setup(tmp_path)
+    aer = kernel.p("/sys/bus/pci/devices/0000:05:00.0/aer_dev_fatal")
+    aer.write_text("DLP 1\nTOTAL_ERR_FATAL 1\n")
+    assert [f.level for f in judge(read_health(kernel.root, "0000:05:00.0"))] == ["FAIL"]
+    assert ladder.climb(chip)[-1].back
+    assert judge(read_health(kernel.root, "0000:05:00.0")) == []  # the counter since boot is still 1
+    aer.write_text("DLP 2\nTOTAL_ERR_FATAL 2\n")
+    (finding,) = judge(read_health(kernel.root, "0000:05:00.0"))
+    assert finding.detail == "0000:05:00.0 logged 1 fatal PCIe error(s) since its last reset"

@@ -11,6 +11,8 @@ Documentation/ABI/testing/sysfs-bus-pci-devices-aer), the reset methods it offer
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -19,6 +21,15 @@ from tpuboot.paths import Root
 
 #: The AER counter files, by the severity they count.
 AER_FILES = {"correctable": "aer_dev_correctable", "nonfatal": "aer_dev_nonfatal", "fatal": "aer_dev_fatal"}
+#: A root port's totals of the error messages it received from below it. The kernel counts a
+#: fatal error in the endpoint's own file only when it can still read the endpoint's status
+#: (Linux 6.1 does not try after a fatal one: "type=Inaccessible"), but always here.
+PORT_FILES = {
+    "correctable": "aer_rootport_total_err_cor",
+    "nonfatal": "aer_rootport_total_err_nonfatal",
+    "fatal": "aer_rootport_total_err_fatal",
+}
+_DBDF_NAME = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 #: A link at this fraction of its maximum bandwidth or less is a failure, not just a doubt: a
 #: chip trained at x8 of x16, or one PCIe generation down, moves data at half the rate.
 FAIL_FRACTION = 0.5
@@ -76,14 +87,43 @@ class Health:
     link: Link | None  # None: not a PCIe function, or the link files are missing
     aer: dict[str, dict[str, int]] = field(default_factory=dict)
     reset_methods: tuple[str, ...] = ()
+    port: str | None = None  # the root port right above it, when nothing else sits below that port
+    port_errors: dict[str, int] = field(default_factory=dict)  # what that port received, by severity
+    reset_baseline: dict[str, int] = field(default_factory=dict)  # errors() at its last good reset
+
+    def since_reset(self, severity: str) -> int | None:
+        """:meth:`errors` since the last reset that brought the chip back (since boot without
+        one): the errors a reset cleared up are history, and the root port's totals never drop."""
+        now = self.errors(severity)
+        before = self.reset_baseline.get(severity, 0)
+        if now is None:
+            return None
+        return now - before if now >= before else now  # lower: the counters started again
 
     def errors(self, severity: str) -> int | None:
-        """The total of one severity since boot; None when the kernel keeps no such counter."""
+        """The errors of one severity since boot, the function's own count or, when larger, what
+        its root port received (from it alone); None when the kernel keeps neither."""
         counters = self.aer.get(severity)
-        if counters is None:
-            return None
-        total = next((v for k, v in counters.items() if k.startswith("TOTAL_ERR")), None)
-        return total if total is not None else sum(counters.values())
+        own = None
+        if counters is not None:
+            total = next((v for k, v in counters.items() if k.startswith("TOTAL_ERR")), None)
+            own = total if total is not None else sum(counters.values())
+        port = self.port_errors.get(severity)
+        if own is None or (port is not None and port > own):
+            return port
+        return own
+
+    def since(self) -> str:
+        return "since its last reset" if self.reset_baseline else "since boot"
+
+    def origin(self, severity: str) -> str:
+        """Where :meth:`errors` counted them, for a message: "" (the function's own counters)."""
+        counters = self.aer.get(severity)
+        own = None if counters is None else next((v for k, v in counters.items() if k.startswith("TOTAL")), 0)
+        port = self.port_errors.get(severity)
+        if port is not None and (own is None or port > own):
+            return f" (as its root port {self.port} received them)"
+        return ""
 
     def as_dict(self) -> dict[str, object]:
         link = self.link
@@ -101,6 +141,8 @@ class Health:
             },
             "aer": self.aer,
             "aer_totals": {severity: self.errors(severity) for severity in AER_FILES},
+            "root_port": self.port,
+            "root_port_errors": self.port_errors,
             "reset_methods": list(self.reset_methods),
         }
 
@@ -156,14 +198,83 @@ def is_present(root: Root, address: str) -> bool:
     return len(vendor) == 2 and vendor != _ABSENT_VENDOR
 
 
-def read_health(root: Root, address: str) -> Health:
+def sole_port(root: Root, address: str) -> str | None:
+    """The root port directly above ``address`` when its functions are the only ones below it
+    (so what the port received came from this chip); None otherwise, or when not behind one."""
+    try:
+        target = os.readlink(root.path(f"{PCI_DEVICES}/{address}", follow=False))
+    except OSError:
+        return None
+    parts = target.split("/")
+    if len(parts) < 2 or not _DBDF_NAME.fullmatch(parts[-2]):
+        return None
+    port = parts[-2]
+    try:
+        below = [n for n in os.listdir(root.path(f"{PCI_DEVICES}/{port}")) if _DBDF_NAME.fullmatch(n)]
+    except OSError:
+        return None
+    base = address.rpartition(".")[0]
+    if not all(n.rpartition(".")[0] == base for n in below):
+        return None
+    return port if _read(root, port, PORT_FILES["fatal"]) is not None else None
+
+
+def _port_errors(root: Root, port: str | None) -> dict[str, int]:
+    if port is None:
+        return {}
+    found = {}
+    for severity, name in PORT_FILES.items():
+        count = parse_width(_read(root, port, name))  # one whole number, as a width is
+        if count is not None:
+            found[severity] = count
+    return found
+
+
+#: The error counts at each function's last reset that brought its chip back (tpuboot reset
+#: writes it); under /run, as the kernel's counters, it starts again at every boot.
+BASELINE_PATH = "/run/tpuboot/aer-baseline.json"
+
+
+def load_baselines(root: Root) -> dict[str, dict[str, int]]:
+    """{address: {severity: count}}; {} when there is none or it is damaged (nothing is hidden)."""
+    from tpuboot.atomicfile import FileWriteError, read_file
+
+    try:
+        data = json.loads(read_file(root, BASELINE_PATH, limit=1 << 20) or b"{}")
+    except (FileWriteError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {
+        str(a): {str(k): v for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
+        for a, counts in data.items()
+        if isinstance(counts, dict)
+    }
+
+
+def save_baseline(root: Root, healths: list[Health]) -> None:
+    """After a reset brought a chip back: its functions' counts now are where its errors start."""
+    from tpuboot.atomicfile import write_file
+
+    data = load_baselines(root)
+    for h in healths:
+        data[h.address] = {s: n for s in AER_FILES if (n := h.errors(s)) is not None}
+    write_file(root, BASELINE_PATH, json.dumps(data, sort_keys=True).encode(), mode=0o644)
+
+
+def read_health(root: Root, address: str, baselines: dict[str, dict[str, int]] | None = None) -> Health:
+    """One function's health; ``baselines`` (default: read now) from :func:`load_baselines`."""
     aer = {}
     for severity, name in AER_FILES.items():
         text = _read(root, address, name)
         if text is not None:
             aer[severity] = parse_aer(text)
     methods = tuple((_read(root, address, "reset_method") or "").split())
-    return Health(address, is_present(root, address), read_link(root, address), aer, methods)
+    port = sole_port(root, address)
+    link = read_link(root, address)
+    baseline = (load_baselines(root) if baselines is None else baselines).get(address, {})
+    present = is_present(root, address)
+    return Health(address, present, link, aer, methods, port, _port_errors(root, port), baseline)
 
 
 @dataclass(frozen=True)
@@ -187,22 +298,22 @@ def judge(health: Health) -> list[Finding]:
             )
         ]
     found = []
-    fatal = health.errors("fatal")
+    fatal = health.since_reset("fatal")
     if fatal:
         found.append(
             Finding(
                 "FAIL",
-                f"{a} logged {fatal} fatal PCIe error(s) since boot",
+                f"{a} logged {fatal} fatal PCIe error(s) {health.since()}{health.origin('fatal')}",
                 f"once no job uses it, `tpuboot unbind {a} && tpuboot bind {a}`; "
                 "if errors go on, stop and start the VM",
             )
         )
-    nonfatal = health.errors("nonfatal")
+    nonfatal = health.since_reset("nonfatal")
     if nonfatal:
         found.append(
             Finding(
                 "WARN",
-                f"{a} logged {nonfatal} non-fatal PCIe error(s) since boot",
+                f"{a} logged {nonfatal} non-fatal PCIe error(s) {health.since()}{health.origin('nonfatal')}",
                 "watch the count (`tpuboot status --json`): a rising one comes before a failing chip",
             )
         )

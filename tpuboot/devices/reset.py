@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
 from tpuboot.devices.chips import Chip, ChipFunction, base_address
-from tpuboot.devices.health import is_present
+from tpuboot.devices.health import is_present, read_health, save_baseline
 from tpuboot.devices.pci import PCI_DEVICES, PciFunction
 from tpuboot.devices.survey import describe
 from tpuboot.devices.table import VFIO_ACCESS
@@ -200,6 +200,7 @@ class Ladder:
                 extra={"DBDF": chip.address, "TPU_RESET_RUNG": rung},
             )
             if problem is None:
+                save_baseline(self.root, [read_health(self.root, fn.address) for fn in chip.functions])
                 break
         return steps
 
