@@ -55,7 +55,8 @@ ENV = {
     "yaml",
     "json",
 }
-METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client"}
+METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "tpuboot.metrics_server", "tpuboot.netio",
+           "prometheus_client"}  # fmt: skip
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
