@@ -154,16 +154,22 @@ class Daemon:
             threading.active_count(), peak, connections, extra=fields)  # fmt: skip
 
     def toggle_debug(self) -> None:
-        """SIGUSR2: debug logging on, or back to the level it was turned on from."""
+        """SIGUSR2: debug logging on, or back to the level it was turned on from; one toggle per
+        LOG_INTERVAL at most (more within it are counted and ignored, so a storm cannot flap it)."""
+        more = self._signal_log.due(signal.SIGUSR2)
+        if more is None:
+            return
         logger = logging.getLogger("tpuboot")
         if self._debug_from is None:
             self._debug_from = logger.level
             logger.setLevel(logging.DEBUG)
-            self._signal_log.log(signal.SIGUSR2, logging.INFO, "debug logging on (SIGUSR2 again: off)")
+            said = "debug logging on (SIGUSR2 again: off)"
         else:
             logger.setLevel(self._debug_from)
             self._debug_from = None
-            self._signal_log.log(signal.SIGUSR2, logging.INFO, "debug logging off")
+            said = "debug logging off"
+        ignored = more.replace(" since", ", ignored, since")
+        log.info("SIGUSR2: %s%s", said, ignored, extra={"SIGNAL": "SIGUSR2"})
 
     # ------------------------------------------------------------------ derived from Status
 

@@ -32,7 +32,7 @@ class Notifier:
 
     def _notify(self, **fields: str) -> None:
         """Send ``fields`` with any still pending; never raises (a failure is logged once per streak)."""
-        message = {**self._pending, **fields}
+        message = {**{k: v for k, v in self._pending.items() if k not in fields}, **fields}
         try:
             self._send("\n".join(f"{name}={value}" for name, value in message.items()))
         except Exception as exc:  # OSError (EMFILE, ENOBUFS, ECONNREFUSED...), or the library's own
