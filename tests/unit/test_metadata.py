@@ -714,3 +714,29 @@ def test_a_watch_reports_a_malformed_head_as_what_it_is(
     warnings = [r.getMessage() for r in caplog.records]
     assert sum("answer with more than 100 header lines" in line for line in warnings) == 1, warnings
     assert not any("dropped" in line for line in warnings)
+
+
+def test_a_new_etag_over_the_same_value_is_no_change(emulator: MetadataEmulator) -> None:
+    """A flapping server's long-polls return at once, each with a new ETag: the watch yields the
+    value it did not know yet, then nothing until the value itself changes."""
+    client = make_client(emulator)
+    emulator.set_faults(flapping_etag=True)
+    stop = threading.Event()
+    seen: list[Change] = []
+
+    def consume() -> None:
+        for change in client.changes(TPU_ENV, stop=stop, timeout_sec=30):
+            seen.append(change)
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    try:
+        assert emulator.wait_for_requests(12)  # twelve answers, each with an ETag of its own
+        assert [c.value for c in seen] == [tpu_env_yaml(SAMPLE_TPU_ENV).encode()]
+        emulator.set_attribute("tpu-env", "A: '1'\n")
+        assert emulator.wait_for_requests(emulator.request_count + 6)
+    finally:
+        stop.set()
+        client.close()
+        worker.join(timeout=10)
+    assert [c.value for c in seen] == [tpu_env_yaml(SAMPLE_TPU_ENV).encode(), b"A: '1'\n"]
