@@ -113,3 +113,20 @@ def test_a_stop_signal_before_ready_still_stops_cleanly(tmp_path: Path, emulator
     assert daemon.process.returncode == 0
     assert not any("READY=1" in message for message in seen)
     assert "SIGUSR1: starting" in daemon.stderr
+
+
+def test_before_the_loop_the_held_signals_are_dropped_and_a_child_still_gets_their_default() -> None:
+    """The first moments of `tpuboot run` (the coldplug binds, the imports): a SIGHUP there must not
+    end it; and a child started later (vbar.runtime: exec) must not inherit it ignored."""
+    import subprocess
+
+    saved = {sig: signal.getsignal(sig) for sig in signals.HELD}
+    try:
+        signals.hold_until_served()
+        for sig in signals.HELD:
+            os.kill(os.getpid(), sig)  # each caught and dropped: this process goes on
+        child = subprocess.run(["sh", "-c", "kill -HUP $$; echo survived"], capture_output=True, text=True)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert child.returncode == -signal.SIGHUP and child.stdout == ""
