@@ -377,6 +377,32 @@ def test_a_stop_that_hangs_is_cut_at_the_stop_budget_and_the_watchdog_beats_mean
     assert "stop: still not finished after 1 s; exiting all the same" in caplog.text
 
 
+def test_a_modprobe_that_runs_out_of_time_at_boot_is_retried_not_given_up(kernel, monkeypatch):
+    """Found by the long-life soak: on a loaded machine `modprobe vfio-pci` outlived its 30 s at
+    boot, the cold-plugged TPUs were failed for good, and stayed unbound for the daemon's whole
+    life (a restart used to hide it). A timeout is transient: the bind is retried."""
+    from tpuboot.errors import TimedOut
+
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
+    b = binder(kernel)
+    load = b.load_module
+    slow = [1]
+
+    def modprobe(name: str) -> None:
+        if name == "vfio-pci" and slow:
+            slow.pop()
+            raise TimedOut("modprobe vfio-pci did not finish in 30 s")
+        load(name)
+
+    b.load_module = modprobe  # type: ignore[method-assign]
+    daemon, _, notifier = make(kernel, ReadyConfig(), b=b)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
+        assert notifier.sent[0] == "READY=1\nSTATUS=4 TPUs bound to vfio-pci"
+        assert running.stop() == 0
+    assert not slow  # the slow modprobe did happen
+
+
 def test_vfio_node_event_reapplies_mode(kernel):
     daemon, monitor, _ = make(kernel)
     with serving(daemon) as running:
