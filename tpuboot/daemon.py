@@ -55,8 +55,6 @@ from tpuboot.eventloop import EventLoop, Timer
 from tpuboot.notify import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from tpuboot.containers.service import Containers
     from tpuboot.guestattrs import Publisher
     from tpuboot.metrics_server import MetricsServer
@@ -100,24 +98,21 @@ class Daemon:
         tpuboot/signals.py gives it. The tests that serve it in a thread of their own pass False
         and stop it by request.
         """
-        undo: list[Callable[[], None]] = []
         try:
             if signals:
-                undo.append(self._take_signals())
+                self._take_signals()
             return self.run()
         finally:
             self.loop.close()  # gives the signals back
-            for step in undo:
-                step()
 
-    def _take_signals(self) -> Callable[[], None]:
+    def _take_signals(self) -> None:
         for sig in meaning.STOP:
             self.loop.add_signal_handler(sig, functools.partial(self._on_stop_signal, sig))
         for ignored in meaning.IGNORED:
             self.loop.add_signal_handler(ignored, functools.partial(self._on_ignored_signal, ignored))
         self.loop.add_signal_handler(signal.SIGUSR1, self.dump_state)
         self.loop.add_signal_handler(signal.SIGUSR2, self.toggle_debug)
-        return meaning.dump_stacks_on_quit()
+        self.loop.add_signal_handler(signal.SIGQUIT, self.dump_stacks)
 
     def request_stop(self) -> None:
         """From any thread: stop as SIGTERM does."""
@@ -152,6 +147,16 @@ class Daemon:
         log.info(
             "SIGUSR1: threads %d, peak RSS %d KiB, metrics connections %s",
             threading.active_count(), peak, connections, extra=fields)  # fmt: skip
+
+    def dump_stacks(self) -> None:
+        """SIGQUIT: every thread's Python stack to the journal, one record per thread."""
+        more = self._signal_log.due(signal.SIGQUIT)
+        if more is None:
+            return
+        stacks = meaning.thread_stacks()
+        log.info("SIGQUIT: the stacks of %d threads follow%s", len(stacks), more, extra={"SIGNAL": "SIGQUIT"})
+        for name, stack in stacks:
+            log.info("SIGQUIT: thread %s:\n%s", name, stack, extra={"SIGNAL": "SIGQUIT", "THREAD": name})
 
     def toggle_debug(self) -> None:
         """SIGUSR2: debug logging on, or back to the level it was turned on from; one toggle per

@@ -12,8 +12,10 @@ signal systemd or a person may send has a meaning here:
   does cleanly (``systemctl restart tpuboot``).
 - SIGUSR1: the daemon's state to the journal (STATUS, each component, threads, metrics connections).
 - SIGUSR2: debug logging on, or back off.
-- SIGQUIT: every thread's Python stack to stderr (the journal), by ``faulthandler`` at C level, so
-  it answers even when the loop is stuck; the daemon runs on (as a JVM's thread dump does).
+- SIGQUIT: every thread's Python stack to the journal, one record per thread, taken on the loop
+  under the GIL; the daemon runs on (as a JVM's thread dump does). Not ``faulthandler``: its dump
+  of all threads from a signal handler reads other threads' frames unlocked, and a QUIT sent while
+  they run crashed the daemon with SIGSEGV. A loop stuck for good is the watchdog's to end.
 - SIGALRM, SIGVTALRM, SIGPROF, SIGIO, SIGPWR: not used by tpuboot; logged and ignored.
 - SIGPIPE: ignored, as Python sets it at start: a write to a closed socket fails with EPIPE where it
   is made, and is handled there.
@@ -29,11 +31,12 @@ systemd counts as a clean stop of a start that had not finished.
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import signal
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 
 log = logging.getLogger("tpuboot.signals")
@@ -56,7 +59,7 @@ for _name in ("SIGALRM", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR"):
     if _sig is not None:
         IGNORED[_sig] = "not used by tpuboot; ignored"
 #: What the loop logs or does for; a hold before it runs keeps these from ending the process.
-HELD = (*IGNORED, signal.SIGUSR1, signal.SIGUSR2)
+HELD = (*IGNORED, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 
 def hold_until_served() -> None:
@@ -73,10 +76,13 @@ def _drop(signum: int, frame: object) -> None:
     """Held before the loop runs: nothing to do yet."""
 
 
-def dump_stacks_on_quit() -> Callable[[], None]:
-    """SIGQUIT: every thread's stack to stderr, from C, even with the loop stuck; the undo."""
-    faulthandler.register(signal.SIGQUIT, file=sys.stderr, all_threads=True, chain=False)
-    return lambda: faulthandler.unregister(signal.SIGQUIT)
+def thread_stacks() -> list[tuple[str, str]]:
+    """(thread name, its Python stack) for every thread now, the caller's own included."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return [
+        (names.get(ident, f"thread {ident}"), "".join(traceback.format_stack(frame)).rstrip())
+        for ident, frame in sys._current_frames().items()
+    ]
 
 
 class SignalLog:

@@ -31,7 +31,7 @@ RUNS_ON = {
     signal.SIGPROF: "SIGPROF: not used by tpuboot; ignored",
     signal.SIGIO: "SIGIO: not used by tpuboot; ignored",
     signal.SIGPWR: "SIGPWR: not used by tpuboot; ignored",
-    signal.SIGQUIT: "(most recent call first)",  # faulthandler's stack of each thread
+    signal.SIGQUIT: "SIGQUIT: thread MainThread:\n",  # then its stack, as each thread's
     signal.SIGPIPE: None,
 }
 
@@ -54,6 +54,7 @@ def test_the_table_covers_every_signal_that_ends_a_process_by_default() -> None:
     """What a person may send with kill(1) that would end it: each has a meaning here, or is
     caught by systemd's own semantics (TERM, INT: the stop)."""
     meant = {*signals.STOP, *signals.IGNORED, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT}
+    assert signal.SIGQUIT in signals.HELD
     meant.add(signal.SIGPIPE)  # ignored by Python itself from the start
     sent_by_people = {"SIGHUP", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM",
                       "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR"}  # fmt: skip
@@ -66,15 +67,18 @@ def test_each_signal_does_what_it_means_and_a_second_sigterm_does_not_cut_the_st
 ) -> None:
     for sig in RUNS_ON:
         run.process.send_signal(sig)
-    for _ in range(300):  # a storm: one line for it
+    for _ in range(300):  # a storm: a line for it (each QUIT reads every thread's stack: none crashes)
         run.process.send_signal(signal.SIGHUP)
+        run.process.send_signal(signal.SIGQUIT)
     emulator.set_attribute("tpu-env", "WORKER_ID: '7'\n")  # the loop still answers a change
     run.receive("; tpu-env: 1 key from metadata", 30)
     assert run.process.poll() is None
-    emulator.set_faults(delay=1.0)  # the stop's last guest-attribute write takes a second
+    emulator.set_faults(delay=1.5)  # the stop's last guest-attribute write takes 1.5 s
+    asked = emulator.request_count
     run.process.send_signal(signal.SIGTERM)
     run.receive("STOPPING=1", 20)
-    run.process.send_signal(signal.SIGTERM)  # during the stop
+    assert emulator.wait_for_requests(asked + 1, timeout=20)  # that write has begun: mid-stop
+    run.process.send_signal(signal.SIGTERM)
     run.process.send_signal(signal.SIGINT)
     run.process.wait(timeout=20)
     assert run.process.returncode == 0
@@ -82,7 +86,7 @@ def test_each_signal_does_what_it_means_and_a_second_sigterm_does_not_cut_the_st
     err = run_stderr(run)
     for line in filter(None, RUNS_ON.values()):
         assert line in err, line
-    assert sum("SIGHUP:" in line for line in err.splitlines()) == 1, err
+    assert sum("SIGHUP:" in line for line in err.splitlines()) <= 2, err  # 301 of them: a line, or two
     assert "SIGTERM: stopping" in err
     assert "SIGTERM: already stopping; ignored (the stop ends within 8 s)" in err
     assert "SIGINT: already stopping; ignored" in err
