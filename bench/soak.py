@@ -18,6 +18,12 @@ document gave, a file still wrong long after the faults cleared, file descriptor
 RSS growth per hour, and error lines by kind. Exit status 1 on any crash, lost device, missing
 or wrong file, or a vBar not running at the end.
 
+``--life-minutes M`` (at least 30) is the long-life mode: the same campaign, but tpuboot is never
+restarted, stopped or killed by it except once every M minutes, so each process lives M minutes
+under the faults; the report gives each life's RSS, fds and threads per hour (the least-squares
+slope after its first :data:`WARMUP_S` seconds, which are start-up, not growth). ``--minutes``
+then defaults to one life.
+
 Not a test: ``tests/vm/test_soak.py`` runs a short one in the test run.
 """
 
@@ -80,6 +86,8 @@ VBAR_SETTLE_S = 240.0  # vBar runs again within this at the end (crash-loop back
 LIFECYCLE_GAP_S = 75.0
 DOCKERD_GAP_S = 60.0
 SAMPLE_EVERY_S = 15.0
+LONG_LIFE_MIN = 30.0  # minutes: a shorter life's slope is start-up warm-up, not growth
+WARMUP_S = 300.0  # the first seconds of a life left out of its slope
 FAULT_HOLD_S = (5.0, 30.0)
 
 BASE = {**SAMPLE_TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": VBAR_IMAGE}
@@ -210,6 +218,40 @@ def longest_life(samples: Sequence[tuple[int, float, int, int, int]]) -> Life:
 
 
 @dataclass
+class LifeGrowth:
+    """One tpuboot process of a long-life soak: its length and its growth per hour after warm-up."""
+
+    pid: int
+    minutes: float
+    samples: int  # after warm-up, in the slope
+    fds: float
+    threads: float
+    rss_kib: float
+    first: tuple[int, int, int]  # (fds, threads, RSS KiB) at its first and last sample
+    last: tuple[int, int, int]
+
+
+def life_growth(
+    samples: Sequence[tuple[int, float, int, int, int]], warmup_s: float = WARMUP_S
+) -> list[LifeGrowth]:
+    """Each process's slopes per hour (fds, threads, RSS) over its samples after ``warmup_s`` seconds
+    of its sampled life, longest life first; a process with fewer than 3 such samples is left out."""
+    by_pid: dict[int, list[tuple[int, float, int, int, int]]] = collections.defaultdict(list)
+    for sample in samples:
+        by_pid[sample[0]].append(sample)
+    lives = []
+    for pid, points in by_pid.items():
+        start = points[0][1]
+        settled = [p for p in points if p[1] - start >= warmup_s]
+        if len(settled) < 3:
+            continue
+        slopes = [pooled_slope([(pid, p[1], p[2 + i]) for p in settled])[0] for i in range(3)]
+        minutes = (points[-1][1] - start) / 60
+        lives.append(LifeGrowth(pid, minutes, len(settled), *slopes, points[0][2:], points[-1][2:]))
+    return sorted(lives, key=lambda life: -life.minutes)
+
+
+@dataclass
 class SoakReport:
     minutes: float
     seed: int
@@ -228,6 +270,8 @@ class SoakReport:
     errors_by_kind: dict[str, int] = field(default_factory=dict)
     leftover_temps: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    life_minutes: float | None = None  # the long-life mode's life (None: restarts at random)
+    lives: list[LifeGrowth] = field(default_factory=list)
 
     def failures(self) -> list[str]:
         out = [f"tpuboot crashed: {c}" for c in self.crashes]
@@ -242,6 +286,24 @@ class SoakReport:
             out.append(f"vBar not running {VBAR_SETTLE_S:.0f} s after the last fault")
         out += [f"temporary file left behind: {t}" for t in self.leftover_temps]
         return out
+
+    def render_lives(self) -> list[str]:
+        if self.life_minutes is None:
+            return []
+        lines = [
+            f"long lives (restarted only every {self.life_minutes:g} min; slopes per hour of life "
+            f"after its first {WARMUP_S / 60:g} min, sampled every {SAMPLE_EVERY_S:g} s):"
+        ]
+        for life in self.lives:
+            lines.append(
+                f"  pid {life.pid}, {life.minutes:.1f} min ({life.samples} samples): "
+                f"RSS {life.rss_kib:+.0f} KiB/h, fds {life.fds:+.2f}/h, threads {life.threads:+.2f}/h; "
+                f"first -> last: RSS {life.first[2]} -> {life.last[2]} KiB, "
+                f"fds {life.first[0]} -> {life.last[0]}, threads {life.first[1]} -> {life.last[1]}"
+            )
+        if not self.lives:
+            lines.append("  none sampled long enough")
+        return lines
 
     def render(self) -> str:
         settle = sorted(self.file_settle_s)
@@ -269,6 +331,7 @@ class SoakReport:
             f"fds {self.longest.first[0]} -> {self.longest.last[0]}, "
             f"threads {self.longest.first[1]} -> {self.longest.last[1]}, "
             f"RSS {self.longest.first[2]} -> {self.longest.last[2]} KiB",
+            *self.render_lives(),
             f"temporary files left behind: {len(self.leftover_temps)}",
             "error and warning lines by kind:",
             *(f"  {n:5d}  {kind}" for kind, n in sorted(self.errors_by_kind.items(), key=lambda kv: -kv[1])),
@@ -321,11 +384,12 @@ def error_kind(message: str) -> str:
 class Soak:
     """One campaign on a booted guest; :meth:`run` returns the report."""
 
-    def __init__(self, vm: VM, minutes: float, seed: int) -> None:
+    def __init__(self, vm: VM, minutes: float, seed: int, life_minutes: float | None = None) -> None:
         self.vm = vm
         self.minutes = minutes
+        self.life_minutes = life_minutes  # long-life mode: tpuboot restarted only this often
         self.rng = random.Random(seed)
-        self.report = SoakReport(minutes=minutes, seed=seed)
+        self.report = SoakReport(minutes=minutes, seed=seed, life_minutes=life_minutes)
         self.actions: collections.Counter[str] = collections.Counter()
         self.documents: collections.Counter[str] = collections.Counter()
         self.hot: dict[str, str] = {}  # QMP id -> guest address
@@ -342,6 +406,7 @@ class Soak:
         self.vbar_down_since: float | None = None
         self.unbound_since: dict[str, float] = {}
         self.started = time.monotonic()
+        self.life_started = self.started
 
     # -- guest helpers -------------------------------------------------------------------------
 
@@ -377,8 +442,14 @@ class Soak:
         self.start_reader()
         deadline = self.started + self.minutes * 60
         moves = self.moves()
+        self.life_started = time.monotonic()
         while time.monotonic() < deadline:
             self.tick()
+            if self.life_over(deadline):
+                log.info("%5.0f s: a life of %g min is over: restart", self.elapsed(), self.life_minutes)
+                self.actions["tpuboot restart (end of a life)"] += 1
+                self.lifecycle("restart")
+                self.life_started = time.monotonic()
             name, move = self.choose(moves)
             log.info("%5.0f s: %s", time.monotonic() - self.started, name)
             self.actions[name] += 1
@@ -387,6 +458,17 @@ class Soak:
             time.sleep(self.rng.uniform(0.2, 2.0))
         self.settle()
         return self.finish()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def life_over(self, deadline: float) -> bool:
+        """Long-life mode: this life has had its minutes, and another whole one fits before the end."""
+        if self.life_minutes is None:
+            return False
+        life = self.life_minutes * 60
+        now = time.monotonic()
+        return now - self.life_started >= life and deadline - now >= life
 
     def settle(self) -> None:
         """Clear every fault, then wait for the file, the devices and vBar to come right."""
@@ -417,6 +499,7 @@ class Soak:
         slope = [pooled_slope([(p, t, s[i]) for p, t, *s in self.samples]) for i in range(3)]
         r.growth = Growth(slope[0][0], slope[1][0], slope[2][0], slope[0][1], slope[0][2])
         r.longest = longest_life(self.samples)
+        r.lives = life_growth(self.samples) if self.life_minutes is not None else []
         temps = self.sh(f"find {TEMP_DIRS} -maxdepth 1 -name '.*.tpuboot-*' || true")
         r.leftover_temps = temps.split()
         return r
@@ -530,7 +613,9 @@ class Soak:
         return self.lifecycle_allowed() and len(self.hot) < HOTPLUG_PORTS
 
     def lifecycle_allowed(self) -> bool:
-        return time.monotonic() - self.last_lifecycle > LIFECYCLE_GAP_S
+        """A restart, stop or kill of tpuboot may come now (never in long-life mode: its lives end
+        only on schedule)."""
+        return self.life_minutes is None and time.monotonic() - self.last_lifecycle > LIFECYCLE_GAP_S
 
     def free_port(self) -> str:
         used = set(self.hot.values())
@@ -631,8 +716,8 @@ class Soak:
         self.wait_ready()
 
 
-def run_soak(vm: VM, minutes: float, seed: int) -> SoakReport:
-    return Soak(vm, minutes, seed).run()
+def run_soak(vm: VM, minutes: float, seed: int, life_minutes: float | None = None) -> SoakReport:
+    return Soak(vm, minutes, seed, life_minutes).run()
 
 
 def boot_kwargs() -> dict[str, Any]:
@@ -656,14 +741,27 @@ def soak_guest() -> Iterator[VM]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
-    parser.add_argument("--minutes", type=float, default=30.0, help="how long to drive faults (default 30)")
+    parser.add_argument(
+        "--minutes", type=float, help="how long to drive faults (default 30; with --life-minutes, one life)"
+    )
+    parser.add_argument(
+        "--life-minutes",
+        type=float,
+        metavar="M",
+        help=f"long lives: restart tpuboot only every M minutes (at least {LONG_LIFE_MIN:g}) and report "
+        "each life's growth per hour",
+    )
     parser.add_argument("--seed", type=int, help="random seed (default: from the clock, printed)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON to FILE")
     args = parser.parse_args(argv)
+    if args.life_minutes is not None and args.life_minutes < LONG_LIFE_MIN:
+        parser.error(f"--life-minutes: {args.life_minutes:g} is under {LONG_LIFE_MIN:g}; a shorter life's "
+                     "slope is its start-up, not growth")  # fmt: skip
+    minutes = args.minutes if args.minutes is not None else (args.life_minutes or 30.0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     seed = args.seed if args.seed is not None else int(time.time())
     with soak_guest() as vm:
-        report = run_soak(vm, args.minutes, seed)
+        report = run_soak(vm, minutes, seed, args.life_minutes)
     print(report.render())
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")

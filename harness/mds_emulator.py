@@ -152,6 +152,9 @@ class Faults:
     trickle_headers: float = 0.0  # seconds between bytes of the status line and headers (endless)
     trickle_body: float = 0.0  # headers at once, then the body a byte per this many seconds
     content_length: str | None = None  # send this Content-Length instead of the body's length
+    extra_headers: int = 0  # this many more header lines in each answer (X-Padding-N: x)
+    long_header: int = 0  # one more header line of this many bytes
+    status_line: bytes | None = None  # send this status line (CRLF added) instead of a real one
 
 
 def etag_of(value: str) -> str:
@@ -613,7 +616,14 @@ class _Handler(BaseHTTPRequestHandler):
                 while self._trickle(b"a", faults.trickle_headers):
                     pass
             return
-        self.send_response(status)
+        if faults.status_line is not None:
+            self.wfile.write(faults.status_line + b"\r\n")
+        else:
+            self.send_response(status)
+        for n in range(faults.extra_headers):
+            self.send_header(f"X-Padding-{n}", "x")
+        if faults.long_header:
+            self.send_header("X-Long", "a" * faults.long_header)
         if faults.flavor is not None:
             self.send_header("Metadata-Flavor", faults.flavor)
         self.send_header("Content-Type", content_type)

@@ -58,6 +58,9 @@ def _addresses(texts: Sequence[str]) -> list[str]:
 
 
 def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.signals import hold_until_served
+
+    hold_until_served()  # until the loop gives each signal its meaning (tpuboot/signals.py)
     try:
         config = ctx.config
     except ConfigError as exc:  # a daemon that exits on a typo leaves the TPUs unbound

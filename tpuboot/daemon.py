@@ -36,12 +36,16 @@ resident memory and start-up time for what the daemon does not use (issue 15).
 
 from __future__ import annotations
 
+import functools
 import logging
+import resource
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from tpuboot import __version__, bootbudget, metrics
+from tpuboot import signals as meaning
 from tpuboot.component import Status
 from tpuboot.containers.service import VBAR
 from tpuboot.containers.supervisor import RUNNING
@@ -52,10 +56,9 @@ from tpuboot.eventloop import EventLoop, Timer
 from tpuboot.notify import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from tpuboot.containers.service import Containers
     from tpuboot.guestattrs import Publisher
+    from tpuboot.metrics_server import MetricsServer
 
 log = logging.getLogger("tpuboot.daemon")
 
@@ -71,7 +74,7 @@ class Daemon:
         containers: Containers | None = None,
         guest_attrs: Publisher | None = None,
         metadata: MetadataClient | None = None,
-        metrics_server: WSGIServer | None = None,
+        metrics_server: MetricsServer | None = None,
         budget: bootbudget.Budget | None = None,
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
@@ -85,25 +88,96 @@ class Daemon:
         self.metrics_server = metrics_server
         self.budget = budget  # the boot's phases, shown at READY and when vBar first runs
         self.ready = False
+        self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
+        self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread
         self._watchdog_timer: Timer | None = None
+        self._signal_log = meaning.SignalLog()
+        self._debug_from: int | None = None  # the level SIGUSR2 turned debug logging on from
 
     def serve(self, *, signals: bool = True) -> int:
         """Run on this thread until SIGTERM, SIGINT or :meth:`request_stop`; returns the exit status.
 
-        ``signals`` (the default, and only from the main thread): SIGTERM and SIGINT stop it. The
-        tests that serve it in a thread of their own pass False and stop it by request.
+        ``signals`` (the default, and only from the main thread): each signal gets the meaning
+        tpuboot/signals.py gives it. The tests that serve it in a thread of their own pass False
+        and stop it by request.
         """
         try:
             if signals:
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    self.loop.add_signal_handler(sig, self.loop.stop)
+                self._take_signals()
             return self.run()
         finally:
-            self.loop.close()
+            self.loop.close()  # gives the signals back
+
+    def _take_signals(self) -> None:
+        for sig in meaning.STOP:
+            self.loop.add_signal_handler(sig, functools.partial(self._on_stop_signal, sig))
+        for ignored in meaning.IGNORED:
+            self.loop.add_signal_handler(ignored, functools.partial(self._on_ignored_signal, ignored))
+        self.loop.add_signal_handler(signal.SIGUSR1, self.dump_state)
+        self.loop.add_signal_handler(signal.SIGUSR2, self.toggle_debug)
+        self.loop.add_signal_handler(signal.SIGQUIT, self.dump_stacks)
 
     def request_stop(self) -> None:
         """From any thread: stop as SIGTERM does."""
-        self.loop.stop()
+        self._stop_asked.set()
+        self.loop.call_soon_threadsafe(_nothing)  # wakes the loop to look
+
+    def _on_stop_signal(self, sig: int) -> None:
+        if not self.stopping:
+            log.info("%s: stopping", signal.Signals(sig).name, extra={"SIGNAL": signal.Signals(sig).name})
+            self.request_stop()
+            return
+        self._signal_log.log(
+            sig, logging.WARNING, "already stopping; ignored (the stop ends within %g s)", meaning.STOP_BUDGET
+        )
+
+    def _on_ignored_signal(self, sig: int) -> None:
+        self._signal_log.log(sig, logging.WARNING, "%s", meaning.IGNORED[signal.Signals(sig)])
+
+    def dump_state(self) -> None:
+        """SIGUSR1: what the daemon is doing, to the journal (one line per part)."""
+        sig = signal.SIGUSR1
+        more = self._signal_log.due(sig)
+        if more is None:
+            return
+        state = "stopping" if self.stopping else "ready" if self.ready else "starting"
+        fields = {"SIGNAL": "SIGUSR1"}
+        log.info("SIGUSR1: %s, tpuboot %s%s", state, __version__, more, extra=fields)
+        for part in self.statuses():
+            log.info("SIGUSR1: %s: %s", part.state, part.detail, extra=fields)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        connections = "off" if self.metrics_server is None else str(self.metrics_server.connections)
+        log.info(
+            "SIGUSR1: threads %d, peak RSS %d KiB, metrics connections %s",
+            threading.active_count(), peak, connections, extra=fields)  # fmt: skip
+
+    def dump_stacks(self) -> None:
+        """SIGQUIT: every thread's Python stack to the journal, one record per thread."""
+        more = self._signal_log.due(signal.SIGQUIT)
+        if more is None:
+            return
+        stacks = meaning.thread_stacks()
+        log.info("SIGQUIT: the stacks of %d threads follow%s", len(stacks), more, extra={"SIGNAL": "SIGQUIT"})
+        for name, stack in stacks:
+            log.info("SIGQUIT: thread %s:\n%s", name, stack, extra={"SIGNAL": "SIGQUIT", "THREAD": name})
+
+    def toggle_debug(self) -> None:
+        """SIGUSR2: debug logging on, or back to the level it was turned on from; one toggle per
+        LOG_INTERVAL at most (more within it are counted and ignored, so a storm cannot flap it)."""
+        more = self._signal_log.due(signal.SIGUSR2)
+        if more is None:
+            return
+        logger = logging.getLogger("tpuboot")
+        if self._debug_from is None:
+            self._debug_from = logger.level
+            logger.setLevel(logging.DEBUG)
+            said = "debug logging on (SIGUSR2 again: off)"
+        else:
+            logger.setLevel(self._debug_from)
+            self._debug_from = None
+            said = "debug logging off"
+        ignored = more.replace(" since", ", ignored, since")
+        log.info("SIGUSR2: %s%s", said, ignored, extra={"SIGNAL": "SIGUSR2"})
 
     # ------------------------------------------------------------------ derived from Status
 
@@ -132,6 +206,8 @@ class Daemon:
 
     def _changed(self) -> None:
         """On the loop, after any component's report: derive everything shown from the Statuses."""
+        if self.stopping:
+            return  # STATUS=stopping stays, and the guest attributes have had their last word
         self._vbar_in_budget()
         if self.containers is not None:  # vBar and the collector start only on a TPU VM
             if self.devices.counts()[1]:
@@ -168,9 +244,10 @@ class Daemon:
     # ------------------------------------------------------------------ the loop
 
     def _watchdog(self, interval: float) -> None:
-        """WATCHDOG=1 now and every ``interval``: the loop's only periodic wake-up."""
-        self.notifier.watchdog()
+        """WATCHDOG=1 now and every ``interval``: the loop's only periodic wake-up. Re-armed first,
+        so nothing the send does can end the watchdog."""
         self._watchdog_timer = self.loop.call_later(interval, self._watchdog, interval)
+        self.notifier.watchdog()
 
     def run(self) -> int:
         """Start every component, READY once booted, then serve until stopped (on the loop's thread)."""
@@ -191,10 +268,11 @@ class Daemon:
         if self.containers is not None:  # in their own threads: READY never waits for dockerd
             self.containers.start(report)
         self._changed()  # the TPUs coldplug found open the containers' gate at once
+        asked = self._stop_asked.is_set
         try:
             # SIGTERM during a long boot (metadata server down) ends this wait: no deadline to sit out.
-            loop.run_until(self._booted)
-            if not loop.stopping:
+            loop.run_until(lambda: asked() or self._booted())
+            if not asked():
                 line = self.status_line()
                 log.info("ready: %s", line)
                 self.notifier.ready(line)
@@ -202,13 +280,14 @@ class Daemon:
                 self._ready_budget()
                 if self.guest_attrs is not None:
                     self.guest_attrs.update(self.guest_attribute_values())  # state=ready
-                loop.run_until()
+                loop.run_until(asked)
         finally:
+            self.stopping = True
             self.notifier.stopping()
             log.info("stopping")
+            self._stop()
             if self._watchdog_timer is not None:
                 self._watchdog_timer.cancel()
-            self._stop()
         return 0
 
     def _ready_budget(self) -> None:
@@ -221,9 +300,35 @@ class Daemon:
         self._publish_budget()
 
     def _stop(self) -> None:
-        """Every component told to end; the last guest-attribute write before the shared metadata
-        client is closed (which cuts a fetch, a long-poll or a GKE check in flight)."""
+        """The devices let go on the loop (their reader and timers are its own); the rest ends in a
+        thread while the loop runs on (the watchdog, and the signals' meanings: a second SIGTERM
+        is logged and ignored), for :data:`~tpuboot.signals.STOP_BUDGET` at most."""
         self.devices.stop()
+        done = threading.Event()
+
+        def stop_components() -> None:
+            try:
+                self._stop_components()
+            except Exception:  # a bug: the stop still ends, and says so
+                log.exception("stop: unexpected error; stopping all the same, please report it")
+            finally:
+                done.set()
+                self.loop.call_soon_threadsafe(_nothing)
+
+        overdue = threading.Event()
+        timer = self.loop.call_later(meaning.STOP_BUDGET, overdue.set)
+        threading.Thread(target=stop_components, name="tpuboot-stop", daemon=True).start()
+        self.loop.run_until(lambda: done.is_set() or overdue.is_set())
+        timer.cancel()
+        if not done.is_set():
+            log.error(
+                "stop: still not finished after %g s; exiting all the same (%s)",
+                meaning.STOP_BUDGET, ", ".join(t.name for t in threading.enumerate()))  # fmt: skip
+
+    def _stop_components(self) -> None:
+        """Every component told to end; the last guest-attribute write before the shared metadata
+        client is closed (which cuts a fetch, a long-poll or a GKE check in flight). Each wait
+        here has a bound of its own; STOP_BUDGET bounds them together."""
         if self.env is not None:
             self.env.stop()
         if self.guest_attrs is not None:
@@ -236,3 +341,7 @@ class Daemon:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _nothing() -> None:
+    """A call that only wakes the loop, so it looks at what another thread changed."""

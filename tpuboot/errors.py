@@ -8,6 +8,12 @@ class TpubootError(Exception):
     transient = False
 
 
+class TimedOut(TpubootError):
+    """A command that did not finish in its time (a modprobe on a loaded machine): another try may."""
+
+    transient = True
+
+
 class UsageError(TpubootError):
     """The caller asked for something malformed (bad DBDF, bad flag value)."""
 

@@ -105,7 +105,8 @@ class EventLoop:
         still wakes it. :meth:`close` puts back what was there before.
         """
         if not self._signals:
-            self._previous_wakeup_fd = signal.set_wakeup_fd(self._wake_w)
+            # A full pipe already holds wake-ups enough: no "Exception ignored" line per signal of a storm.
+            self._previous_wakeup_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self._previous.setdefault(sig, signal.signal(sig, _on_signal))
         self._signals[sig] = fn
 

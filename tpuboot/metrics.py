@@ -34,15 +34,12 @@ break the daemon. :func:`use` swaps in a fresh :class:`Metrics` (tests, the one-
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any, TypeVar, cast
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -62,6 +59,7 @@ from tpuboot.devices.chips import base_address
 from tpuboot.devices.health import AER_FILES, load_baselines, read_health
 from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.table import DeviceTable
+from tpuboot.metrics_server import MetricsServer, QuietHandler
 from tpuboot.paths import Root
 
 if TYPE_CHECKING:
@@ -188,7 +186,6 @@ class Metrics:
 
 
 _current = Metrics()
-IDLE_POLL_INTERVAL = 3600.0  # seconds
 
 
 def current() -> Metrics:
@@ -365,63 +362,30 @@ def watch_pcie(root: Root, table: DeviceTable) -> None:
     _current.pcie = collector
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    """The metrics endpoint: a thread per scrape, so a stalled scraper cannot block the next one.
-
-    Built from the standard library around prometheus_client's public ``make_wsgi_app``: the
-    server and handler classes prometheus_client keeps in its exposition module are private and
-    differ across the versions tpuboot supports (0.9 on Ubuntu 22.04 to 0.21 on Debian 13).
-    """
-
-    daemon_threads = True
-
-    def shutdown(self) -> None:
-        """Stop serve_forever, which sleeps in select() between requests: knock until it ends."""
-        finished = threading.Event()
-
-        def stop() -> None:
-            super(_Server, self).shutdown()
-            finished.set()
-
-        stopper = threading.Thread(target=stop)
-        stopper.start()
-        host, port = self.server_address[:2]
-        while not finished.wait(0.05):
-            with contextlib.suppress(OSError):
-                socket.create_connection((str(host), port), timeout=1).close()
-        stopper.join()
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log line per scrape on stderr (the journal): a scrape every 15 s is not news."""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def _server_class(address: str, port: int) -> tuple[type[_Server], str]:
+def _server_class(address: str, port: int) -> tuple[type[MetricsServer], str]:
     """A server class whose address family suits ``address`` (an IPv6 literal needs AF_INET6),
     and the address to bind; raises OSError (socket.gaierror) for an unresolvable name."""
     family, _, _, _, sockaddr = socket.getaddrinfo(
         address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
 
-    class Server(_Server):
+    class Server(MetricsServer):
         address_family = family
 
     return Server, str(sockaddr[0])
 
 
-def serve(config: MetricsConfig) -> WSGIServer | None:
+def serve(config: MetricsConfig) -> MetricsServer | None:
     """Serve the current metrics on ``config.address:port`` in a daemon thread; None if disabled
     or the port cannot be had (one warning line: the daemon runs on without metrics).
-    ``server.server_port`` is the port (for port 0); ``server.shutdown()`` stops it."""
+    ``server.server_port`` is the port (for port 0); ``server.shutdown()`` stops it. What a client
+    can make it hold is bounded (tpuboot/metrics_server.py)."""
     if not config.enabled:
         return None
     try:
         server_class, addr = _server_class(config.address, config.port)
         server = make_server(
-            addr, config.port, make_wsgi_app(_current.registry), server_class, handler_class=_QuietHandler
+            addr, config.port, make_wsgi_app(_current.registry), server_class, handler_class=QuietHandler
         )
     except OSError as exc:
         log.warning(
@@ -431,10 +395,7 @@ def serve(config: MetricsConfig) -> WSGIServer | None:
             exc.strerror or exc,
         )
         return None
-    # serve_forever wakes every poll_interval only to look for shutdown(), which the daemon never
-    # calls (the thread dies with the process): an hour keeps an idle daemon asleep.
-    serve = functools.partial(server.serve_forever, poll_interval=IDLE_POLL_INTERVAL)
-    threading.Thread(target=serve, name="tpuboot-metrics", daemon=True).start()
+    server.start()
     log.info("metrics: serving http://%s:%d/metrics", config.address, server.server_port)
     return server
 

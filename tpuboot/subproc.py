@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tpuboot.errors import TpubootError
+from tpuboot.errors import TimedOut, TpubootError
 
 
 def run(argv: Sequence[str], timeout: float = 30.0) -> str:
@@ -18,7 +18,7 @@ def run(argv: Sequence[str], timeout: float = 30.0) -> str:
     except FileNotFoundError:
         raise TpubootError(f"{argv[0]} not found; install it (Debian package kmod for modprobe)") from None
     except subprocess.TimeoutExpired:
-        raise TpubootError(f"{' '.join(argv)} did not finish in {timeout:.0f} s") from None
+        raise TimedOut(f"{' '.join(argv)} did not finish in {timeout:.0f} s") from None
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()
         why = lines[-1] if lines else f"exit status {done.returncode}"

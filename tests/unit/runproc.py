@@ -6,12 +6,13 @@ from __future__ import annotations
 import fcntl
 import os
 import random
+import resource
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -93,21 +94,38 @@ class RunningDaemon:
 
 
 @contextmanager
-def tpuboot_run(top: Path, config: str, metadata_host: str, work: Path) -> Iterator[RunningDaemon]:
+def tpuboot_run(
+    top: Path,
+    config: str,
+    metadata_host: str,
+    work: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    nofile: int | None = None,
+) -> Iterator[RunningDaemon]:
     """Start ``tpuboot --root TOP --config /tpuboot.yaml run`` with ``config``; killed if still
-    running at exit, its stderr printed (pytest shows it on failure)."""
+    running at exit, its stderr printed (pytest shows it on failure). ``env``: more environment
+    (``WATCHDOG_USEC``, as systemd's WatchdogSec= sets it); ``nofile``: its RLIMIT_NOFILE, soft and
+    hard (as the unit's LimitNOFILE= sets it)."""
     (top / "tpuboot.yaml").write_text(config)
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         notify.bind(str(work / "notify"))
-        env = {
+        environ = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "NOTIFY_SOCKET": str(work / "notify"),
             "GCE_METADATA_HOST": metadata_host,
+            **(env or {}),
         }
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         command = [sys.executable, "-m", "tpuboot", "--root", str(top), "--config", "/tpuboot.yaml", "run"]
-        running = RunningDaemon(
-            subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True), notify
+        process = subprocess.Popen(
+            command, cwd=REPO, env=environ, stderr=subprocess.PIPE, text=True, preexec_fn=limit
         )
+        running = RunningDaemon(process, notify)
         try:
             yield running
         finally:

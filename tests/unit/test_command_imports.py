@@ -58,8 +58,8 @@ ENV = {
     "json",
 }
 # The daemon's PCIe collector lives with the metrics: its sysfs readers come along.
-METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client", "tpuboot.devices.health",
-           "tpuboot.devices.chips"}  # fmt: skip
+METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "tpuboot.metrics_server", "tpuboot.netio",
+           "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",

@@ -327,6 +327,84 @@ def test_idle_the_daemon_wakes_only_for_the_watchdog(kernel, monkeypatch):
     assert elapsed >= 0.099 * (ticks - 1)  # never more often than asked
 
 
+class FailingNotifier(RecordingNotifier):
+    """sd_notify failing ``failures`` times (no fd to spare, systemd busy), then working again."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def _send(self, text: str) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        super()._send(text)
+
+
+def test_a_failed_watchdog_send_never_ends_the_watchdog(kernel, monkeypatch):
+    """Before: WATCHDOG=1 was re-armed only after a send that worked, so one failure ended it."""
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    notifier = FailingNotifier(failures=3)
+    config = DEVICES_ONLY.replace(ready=FIRST_ATTEMPT)
+    daemon = build(kernel.root, config, binder=binder(kernel), monitor=QueueMonitor(), notifier=notifier)
+    with serving(daemon) as running:
+        until(lambda: notifier.failures == 0 and notifier.sent.count("WATCHDOG=1") >= 5)
+        assert any(m.startswith("READY=1") for m in notifier.sent)  # READY came, if late
+        assert running.stop() == 0
+
+
+def test_a_stop_that_hangs_is_cut_at_the_stop_budget_and_the_watchdog_beats_meanwhile(
+    kernel, emulator, root, monkeypatch, caplog
+):
+    """Every wait at stop has a bound, and together they have one: STOP_BUDGET, under the unit's
+    TimeoutStopSec, so tpuboot ends by itself before systemd would SIGKILL it."""
+    from tpuboot import signals
+
+    monkeypatch.setattr(signals, "STOP_BUDGET", 1.0)
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    daemon, _, notifier = make(kernel, config=with_env(emulator), root=root, metadata=make_client(emulator))
+    assert daemon.env is not None
+    released = threading.Event()
+    monkeypatch.setattr(daemon.env, "stop", lambda: released.wait(60))  # a stop that never returns
+    with caplog.at_level("ERROR", logger="tpuboot.daemon"), serving(daemon) as running:
+        until(lambda: daemon.ready)
+        daemon.request_stop()
+        until(lambda: notifier.sent[-1:] == ["STOPPING=1\nSTATUS=stopping"])
+        beats = notifier.sent.count("WATCHDOG=1")
+        until(lambda: notifier.sent.count("WATCHDOG=1") > beats)  # the loop runs on during the stop
+        assert running.stop() == 0  # within the budget, not the 60 s
+    released.set()
+    assert "stop: still not finished after 1 s; exiting all the same" in caplog.text
+
+
+def test_a_modprobe_that_runs_out_of_time_at_boot_is_retried_not_given_up(kernel, monkeypatch):
+    """Found by the long-life soak: on a loaded machine `modprobe vfio-pci` outlived its 30 s at
+    boot, the cold-plugged TPUs were failed for good, and stayed unbound for the daemon's whole
+    life (a restart used to hide it). A timeout is transient: the bind is retried."""
+    from tpuboot.errors import TimedOut
+
+    monkeypatch.setattr(manager, "BACKOFF_FIRST", 0.01)
+    b = binder(kernel)
+    load = b.load_module
+    slow = [1]
+
+    def modprobe(name: str) -> None:
+        if name == "vfio-pci" and slow:
+            slow.pop()
+            raise TimedOut("modprobe vfio-pci did not finish in 30 s")
+        load(name)
+
+    b.load_module = modprobe  # type: ignore[method-assign]
+    daemon, _, notifier = make(kernel, ReadyConfig(), b=b)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
+        assert notifier.sent[0] == "READY=1\nSTATUS=4 TPUs bound to vfio-pci"
+        assert running.stop() == 0
+    assert not slow  # the slow modprobe did happen
+
+
 def test_vfio_node_event_reapplies_mode(kernel):
     daemon, monitor, _ = make(kernel)
     with serving(daemon) as running:

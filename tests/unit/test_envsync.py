@@ -20,7 +20,7 @@ from harness.mds_emulator import (
     MetadataEmulator,
     tpu_env_yaml,
 )
-from tests.unit.conftest import make_client, make_config
+from tests.unit.conftest import make_client, make_config, wait_until
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.env import sync as envsync
 from tpuboot.env.metadata import MetadataClient
@@ -426,3 +426,39 @@ def test_the_watch_survives_an_unexpected_exception_logs_it_once_and_resumes(
         .getMessage()
         .startswith("tpu-env watch (retrying in 0.05 s): unexpected RuntimeError: boom;")
     )
+
+
+def test_a_flapping_etag_over_an_unchanged_value_costs_no_line_and_no_rewrite(
+    sync: EnvSync,
+    sync_client: MetadataClient,
+    root: Root,
+    emulator: MetadataEmulator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that gives every answer a new ETag (its long-polls then return at once): nothing
+    is news until the value itself changes, and that change still arrives."""
+    sync.sync_once(deadline_s=5)
+    caplog.clear()
+    files = (root.path(TPU_ENV), root.path(CACHE))
+    inodes = [path.stat().st_ino for path in files]
+    emulator.set_faults(flapping_etag=True)
+    stop, seen, results = threading.Event(), threading.Event(), []
+    with caplog.at_level(logging.DEBUG, logger="tpuboot"):
+        worker = run_watch(sync, stop, results, seen)
+        try:
+            assert emulator.wait_for_requests(emulator.request_count + 12)  # a dozen new ETags
+            quiet = [r for r in caplog.records if r.levelno >= logging.INFO]
+            assert [path.stat().st_ino for path in files] == inodes  # neither file rewritten
+            emulator.set_attribute("tpu-env", tpu_env_yaml({"WORKER_ID": "3"}))
+            wait_until(lambda: any(not r.confirmed for r in results))  # a real change, through the flapping
+            changed = [path.stat().st_ino for path in files]
+            assert emulator.wait_for_requests(emulator.request_count + 12)
+            assert [path.stat().st_ino for path in files] == changed  # and again nothing after it
+        finally:
+            stop.set()
+            sync_client.close()
+            worker.join(timeout=5)
+    assert quiet == [], [r.getMessage() for r in quiet]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == ["tpu-env: 1 key from metadata"]
+    assert root.path(TPU_ENV).read_text() == 'WORKER_ID="3"\n'

@@ -615,3 +615,128 @@ def test_no_test_reaches_past_loopback_even_after_undoing_patches(monkeypatch: p
         sock.connect_ex(("192.0.2.1", 9))
     with pytest.raises(AssertionError, match=ONLY_LOOPBACK):
         MetadataClient(timeout=0.2).get("instance/hostname", deadline_s=0.2)  # the default address
+
+
+# --- failures told by URL and by what they are ------------------------------------------------------
+
+
+def test_an_answer_on_one_url_is_no_recovery_for_another(
+    client: MetadataClient, emulator: MetadataEmulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One client serves tpu-env, the guest attributes and the GKE check: a guest-attribute write
+    that works while tpu-env fails must not say tpu-env's server is "answering again"."""
+    enable_guest_attributes(emulator)
+    with caplog.at_level(logging.INFO, logger="tpuboot.env.metadata"):
+        for _ in range(2):  # tpu-env fails, the others answer in between, tpu-env fails again
+            emulator.set_faults(status=503)
+            with pytest.raises(MetadataError, match="HTTP 503"):
+                client.get(TPU_ENV, deadline_s=0.3)
+            emulator.set_faults()
+            client.put(GUEST, "ready", deadline_s=5)
+            client.get("instance/hostname", deadline_s=5)
+        said = [r.getMessage() for r in caplog.records]
+        client.get(TPU_ENV, deadline_s=5)
+        recovered = [r.getMessage() for r in caplog.records][len(said) :]
+    assert not any("answering again" in line for line in said), said
+    assert sum("HTTP 503; retrying" in line for line in said) == 1, said  # once, not once per recovery
+    again = [line for line in recovered if "answering again" in line]
+    assert len(again) == 1 and "tpu-env: answering again (was: HTTP 503" in again[0]
+
+
+def test_failure_kinds_are_kept_per_url() -> None:
+    from tpuboot.env.metadata import _FailureLog
+
+    failures = _FailureLog()
+    a, b = "http://127.0.0.1:1/a", "http://127.0.0.1:1/b"
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("tpuboot.env.metadata")
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        failures.failed("timed out", a, retrying=True)
+        failures.failed("timed out", b, retrying=True)  # b's own first failure: said
+        failures.recovered(b)
+        failures.failed("timed out", a, retrying=True)  # a still failing: not said again
+        failures.recovered(a)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+    assert [line.split(":", 3)[2].split(" ")[0][-1] for line in records] == ["a", "b", "b", "a"]
+    assert "answering again (was: timed out)" in records[2] and records[2].startswith(f"metadata server {b}")
+
+
+@pytest.mark.parametrize(
+    ("faults", "kind"),
+    [
+        ({"extra_headers": 5000}, "answer with more than 100 header lines"),
+        ({"extra_headers": 101}, "answer with more than 100 header lines"),
+        ({"long_header": 70000}, "answer with a header line over 64 KiB"),
+        ({"status_line": b"HTTQ/1.1 200 OK"}, "answer with no valid HTTP status line"),
+        ({"status_line": b"HTTP/1.1 2OO OK\x1b[2J"}, "answer with no valid HTTP status line"),
+    ],
+    ids=["5000 headers", "101 headers", "a 70 kB header", "no HTTP", "a status that is no number"],
+)
+def test_a_malformed_head_is_reported_as_what_it_is(
+    emulator: MetadataEmulator, caplog: pytest.LogCaptureFixture, faults: dict[str, object], kind: str
+) -> None:
+    """Before: each was "connection dropped" (urllib3 says "Connection aborted" around the parser's
+    complaint), which sends an operator to the network instead of to whatever answers."""
+    client = make_client(emulator, timeout=1.0)
+    emulator.set_faults(**faults)
+    with (
+        caplog.at_level(logging.WARNING, logger="tpuboot.env.metadata"),
+        pytest.raises(MetadataError) as raised,
+    ):
+        client.get(TPU_ENV, deadline_s=0.5)
+    client.close()
+    assert kind in str(raised.value) and "dropped" not in str(raised.value)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert kind in warnings[0]  # once: a loaded machine may add a timeout, never a drop
+    assert not any("dropped" in line or "\x1b" in line for line in warnings)  # nor what the server sent
+
+
+def test_a_watch_reports_a_malformed_head_as_what_it_is(
+    emulator: MetadataEmulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = make_client(emulator, timeout=1.0)
+    emulator.set_faults(extra_headers=5000)
+    stop = threading.Event()
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env.metadata"):
+        worker = threading.Thread(target=drain, args=(client.changes(TPU_ENV, stop=stop),))
+        worker.start()
+        assert emulator.wait_for_requests(emulator.request_count + 3)
+        stop.set()
+        client.close()
+        worker.join(timeout=10)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("answer with more than 100 header lines" in line for line in warnings) == 1, warnings
+    assert not any("dropped" in line for line in warnings)
+
+
+def test_a_new_etag_over_the_same_value_is_no_change(emulator: MetadataEmulator) -> None:
+    """A flapping server's long-polls return at once, each with a new ETag: the watch yields the
+    value it did not know yet, then nothing until the value itself changes."""
+    client = make_client(emulator)
+    emulator.set_faults(flapping_etag=True)
+    stop = threading.Event()
+    seen: list[Change] = []
+
+    def consume() -> None:
+        for change in client.changes(TPU_ENV, stop=stop, timeout_sec=30):
+            seen.append(change)
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    try:
+        assert emulator.wait_for_requests(12)  # twelve answers, each with an ETag of its own
+        assert [c.value for c in seen] == [tpu_env_yaml(SAMPLE_TPU_ENV).encode()]
+        emulator.set_attribute("tpu-env", "A: '1'\n")
+        assert emulator.wait_for_requests(emulator.request_count + 6)
+    finally:
+        stop.set()
+        client.close()
+        worker.join(timeout=10)
+    assert [c.value for c in seen] == [tpu_env_yaml(SAMPLE_TPU_ENV).encode(), b"A: '1'\n"]

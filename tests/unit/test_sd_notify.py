@@ -52,3 +52,47 @@ def test_without_notify_socket_nothing_is_sent(monkeypatch: pytest.MonkeyPatch) 
     notifier = Notifier()
     assert not notifier.enabled
     notifier.ready("by hand")  # no systemd: a no-op, not an error
+
+
+def _received(sock: socket.socket) -> list[str]:
+    sock.setblocking(False)
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            return out
+
+
+def test_a_send_that_fails_never_raises_and_what_systemd_missed_goes_with_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """systemd's socket gone for a while (or no fd to make one): READY and the latest STATUS reach
+    it with the next notification, the watchdog's at the latest; one warning, one recovery line."""
+    path = tmp_path / "notify"
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))  # nothing listens there yet: ENOENT
+    notifier = Notifier()
+    with caplog.at_level("INFO", logger="tpuboot.notify"):
+        notifier.ready("4 TPUs bound")
+        notifier.watchdog()
+        notifier.status("3 of 4 TPUs bound")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.bind(str(path))
+            notifier.watchdog()
+            notifier.watchdog()
+            received = _received(sock)
+    assert received == ["READY=1\nSTATUS=3 of 4 TPUs bound\nWATCHDOG=1", "WATCHDOG=1"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("sd_notify failed (")
+    assert any(r.getMessage().startswith("sd_notify works again") for r in caplog.records)
+
+
+def test_stopping_drops_a_ready_systemd_never_got(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "notify"
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    notifier = Notifier()
+    notifier.ready("starting")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        notifier.stopping()
+        assert _received(sock) == ["STOPPING=1\nSTATUS=stopping"]

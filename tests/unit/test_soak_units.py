@@ -94,3 +94,31 @@ def test_the_longest_lived_process_is_the_one_sampled_longest() -> None:
     life = longest_life(samples)
     assert (life.minutes, life.first, life.last) == (3.0, (9, 4, 90), (12, 6, 95))
     assert longest_life([]).minutes == 0.0
+
+
+def test_each_long_life_is_sloped_after_its_warm_up_alone() -> None:
+    from bench.soak import life_growth
+
+    # pid 1: 40 min; RSS climbs 1000 KiB in its first 5 min (start-up), then 120 KiB an hour; one
+    # fd more half-way, no thread. pid 2: too short to slope.
+    samples = []
+    for t in range(0, 2401, 15):
+        rss = 30000 + min(t, 300) * 1000 / 300 + max(0, t - 300) * 120 / 3600
+        samples.append((1, float(t), 13 if t >= 1800 else 12, 8, int(rss)))
+    samples += [(2, 2500.0, 12, 8, 30000), (2, 2515.0, 12, 8, 30000)]
+    lives = life_growth(samples)
+    assert [life.pid for life in lives] == [1]
+    life = lives[0]
+    assert life.minutes == pytest.approx(40.0)
+    assert life.rss_kib == pytest.approx(120, abs=2)  # the warm-up is not growth
+    assert 0 < life.fds < 3 and life.threads == 0
+    assert life.first == (12, 8, 30000) and life.last == (13, 8, 31000 + 70)
+
+
+def test_the_long_life_mode_refuses_a_life_too_short_to_tell(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.soak import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--life-minutes", "5"])
+    assert exited.value.code == 2
+    assert "--life-minutes: 5 is under 30" in capsys.readouterr().err

@@ -251,6 +251,8 @@ class Binder:
             try:
                 self.load_module(VFIO_PCI)
             except TpubootError as exc:
+                if exc.transient:  # a modprobe that ran out of time (a loaded boot): retried later
+                    raise TransientDeviceError(f"cannot load vfio-pci yet ({exc}); retrying") from None
                 if state.origin == "absent":
                     raise DeviceError(
                         f"{state.kernel} has no vfio-pci, neither built in nor as a module; {NO_VFIO_PCI_FIX}"
@@ -322,6 +324,9 @@ class Binder:
             try:
                 self.load_module("vfio_iommu_type1")
             except TpubootError as exc:
+                if exc.transient:
+                    why = f"cannot load vfio_iommu_type1 yet ({exc}); retrying"
+                    raise TransientDeviceError(why) from None
                 raise DeviceError(f"cannot load vfio_iommu_type1 ({exc}); check dmesg") from None
         if not path.exists():  # else read_text's FileNotFoundError would read as "device removed"
             raise DeviceError(

@@ -16,8 +16,8 @@ Why each choice:
 - Retries use exponential backoff with full jitter above a 0.5 s floor inside a deadline,
   so a fleet booting together does not hammer the server in lockstep and no host asks more
   than twice a second; a wait that would pass the deadline is shortened for a last try.
-  404 is an answer ("absent"), not a failure, and is not retried. Each kind of failure is
-  logged once until it changes or the server recovers (as compute-image-packages'
+  404 is an answer ("absent"), not a failure, and is not retried. Each kind of failure of a URL
+  is logged once until it changes or that URL is answered again (as compute-image-packages'
   metadata_watcher does), not once per try.
 - Every request ends by a wall-clock deadline, not only each receive by a timeout: a server
   that trickles its headers or body a byte at a time cannot hold a try past ``timeout``
@@ -30,6 +30,8 @@ Why each choice:
   the same ETag at once, a flapping ETag) back off exponentially and never come more than
   once a second. ``changes`` is stopped by a threading.Event: a guard thread shuts down the
   in-flight socket within half a second, so a 60 s long-poll does not delay shutdown.
+  A change is a change of the value: a new ETag over the same body (a flapping server) is not
+  yielded, so it costs its consumer no rewrite and no log line.
 """
 
 from __future__ import annotations
@@ -165,20 +167,25 @@ def metadata_base_url(config_host: str | None = None, environ: Mapping[str, str]
 
 
 class _FailureLog:
-    """Logs each kind of failure once until the server answers again, then the recovery once.
+    """Logs each kind of failure of each URL once until that URL is answered again, then the
+    recovery once.
 
-    A flapping server (dropped, timed out, dropped, ...) costs one line per kind, not per try.
+    A flapping server (dropped, timed out, dropped, ...) costs one line per kind, not per try. Per
+    URL: one client serves tpu-env, the guest attributes and the GKE check, and an answer to one
+    says nothing of another (a guest-attribute write that works while tpu-env fails is not
+    "answering again" for tpu-env).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kinds: list[str] = []
+        self._kinds: dict[str, list[str]] = {}  # url -> kinds logged since it last answered
 
     def failed(self, kind: str, url: str, retrying: bool) -> None:
         with self._lock:
-            if kind in self._kinds:
+            kinds = self._kinds.setdefault(url, [])
+            if kind in kinds:
                 return
-            self._kinds.append(kind)
+            kinds.append(kind)
         then = "retrying with backoff" if retrying else "not retrying"
         log.warning(
             "metadata server %s: %s; %s (logged once until it answers again)",
@@ -190,7 +197,7 @@ class _FailureLog:
 
     def recovered(self, url: str) -> None:
         with self._lock:
-            kinds, self._kinds = self._kinds, []
+            kinds = self._kinds.pop(url, [])
         if kinds:
             was = ", ".join(kinds)
             log.info("metadata server %s: answering again (was: %s)", url, was, extra={"METADATA_URL": url})
@@ -278,8 +285,41 @@ def _tries(count: int) -> str:
     return "1 try" if count == 1 else f"{count} tries"
 
 
+def _malformed(exc: BaseException, depth: int = 0) -> http.client.HTTPException | None:
+    """The HTTP parser's complaint behind ``exc`` (urllib3 and requests wrap it as "Connection
+    aborted"), or None: a server that hung up (RemoteDisconnected, IncompleteRead) is no complaint."""
+    if isinstance(exc, (http.client.RemoteDisconnected, http.client.IncompleteRead)):
+        return None
+    if isinstance(exc, http.client.HTTPException):
+        return exc
+    if depth > 4:
+        return None
+    for inner in (*exc.args, exc.__cause__, exc.__context__):
+        if isinstance(inner, BaseException):
+            found = _malformed(inner, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _malformed_kind(exc: http.client.HTTPException) -> str:
+    """What was wrong with the answer, in words of ours: a stable kind, nothing the server chose."""
+    if isinstance(exc, http.client.LineTooLong):
+        what = "a header line over 64 KiB"
+    elif isinstance(exc, http.client.BadStatusLine):
+        what = "no valid HTTP status line"
+    elif "more than" in str(exc) and "headers" in str(exc):
+        what = "more than 100 header lines"
+    else:
+        what = f"a malformed head ({type(exc).__name__})"
+    return f"answer with {what} (not the metadata server?)"
+
+
 def _failure_kind(exc: BaseException) -> str:
     """A short, stable name for why a try failed (the unit of 'log once per kind')."""
+    malformed = _malformed(exc)
+    if malformed is not None:
+        return _malformed_kind(malformed)
     text = str(exc)
     if isinstance(exc, requests.Timeout) or "timed out" in text:
         return "timed out"
@@ -467,7 +507,8 @@ class MetadataClient:
                 absent, etag, last_body = True, None, None
             else:
                 self._failures.recovered(url)
-                if reply.etag != etag or (reply.etag is None and reply.body != last_body):
+                moved = reply.etag is None or reply.etag != etag
+                if absent or (moved and reply.body != last_body):  # a new ETag alone is no change
                     change = Change(reply.body, reply.etag)
                 absent, etag, last_body = False, reply.etag, reply.body
             if change is not None and not stop.is_set():

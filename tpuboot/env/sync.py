@@ -105,6 +105,9 @@ class SyncResult:
     status: str
     tpu_env_written: bool = False
     environment_written: bool = False
+    #: The metadata value was the one last written (a long-poll's new ETag over the same body):
+    #: the files are checked, nothing is rewritten, nothing is logged.
+    confirmed: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,7 @@ class EnvSync:
         self._lock = threading.Lock()
         self._etag: str | None = None
         self._values: Mapping[str, str] | None = None  # what the last good sync wrote (read-only)
+        self._body: bytes | None = None  # the metadata value behind the cache record this run wrote
         self._reported: SyncResult | None = None
         self.watch_retry = (WATCH_RETRY_FIRST, WATCH_RETRY_MAX)
         self._unexpected_seen: set[str] = set()
@@ -418,9 +422,12 @@ class EnvSync:
                 return SyncResult("failed", len(env.values), etag, f"tpu-env: {exc}")
             self._etag = etag
             self._values = types.MappingProxyType(env.values)
-            self._save_cache(body.decode("utf-8"), etag)
+            confirmed = body == self._body  # the value the cache holds: only its ETag moved, if that
+            if not confirmed:
+                self._save_cache(body.decode("utf-8"), etag)
+                self._body = body
         status = f"tpu-env: {_keys(len(env.values))} from metadata{more}"
-        return SyncResult("metadata", len(env.values), etag, status, written)
+        return SyncResult("metadata", len(env.values), etag, status, written, confirmed=confirmed)
 
     def _from_cache(self, reason: str) -> SyncResult:
         path = self._env.tpu_env_path
@@ -532,6 +539,10 @@ class EnvSync:
         last, self._reported = self._reported, result
         if result.source == "absent" and last is not None and last.status == result.status:
             return  # the watch's first look at an attribute still unset: said already
+        unchanged = last is not None and last.status == result.status and not result.tpu_env_written
+        if result.confirmed and unchanged:
+            log.debug("tpu-env: unchanged under ETag %s", result.etag)  # a flapping ETag: no news
+            return
         level = logging.INFO if result.source in ("metadata", "absent") else logging.WARNING
         log.log(
             level,
