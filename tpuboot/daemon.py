@@ -53,6 +53,7 @@ from tpuboot.notify import Notifier, watchdog_interval
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
     from tpuboot.guestattrs import Publisher
 
@@ -71,6 +72,7 @@ class Daemon:
         guest_attrs: Publisher | None = None,
         metadata: MetadataClient | None = None,
         metrics_server: WSGIServer | None = None,
+        cdi: SpecWriter | None = None,
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
         self.devices = devices
@@ -81,6 +83,7 @@ class Daemon:
         self.guest_attrs = guest_attrs  # publishes the state below; never waited for
         self.metadata = metadata  # shared by env, containers and guest_attrs; closed at the end
         self.metrics_server = metrics_server
+        self.cdi = cdi  # the CDI spec: refreshed in the turn of every device change
         self.ready = False
         self._watchdog_timer: Timer | None = None
 
@@ -139,6 +142,12 @@ class Daemon:
         if self.ready:
             self.notifier.status(self.status_line())
 
+    def _devices_changed(self) -> None:
+        """The device manager's report: the CDI spec follows in the same turn, then the rest."""
+        if self.cdi is not None:
+            self.cdi.refresh()
+        self._changed()
+
     def _booted(self) -> bool:
         """What READY waits for: the devices settled (DeviceManager.booted) and the boot-time
         tpu-env sync ended. Checked by the loop after every round, so no change is missed."""
@@ -158,7 +167,9 @@ class Daemon:
         def report() -> None:  # from any thread: the loop reads the Statuses
             loop.call_soon_threadsafe(self._changed)
 
-        self.devices.start(self._changed)  # on the loop: coldplug before any udev event binds
+        self.devices.start(self._devices_changed)  # on the loop: coldplug before any udev event binds
+        if self.cdi is not None:
+            self.cdi.refresh()  # the chips bound already (a restart), or none: no spec of a past run
         if self.guest_attrs is not None:
             self.guest_attrs.update(self.guest_attribute_values())
             self.guest_attrs.start()  # its own thread: READY never waits for it
@@ -193,6 +204,8 @@ class Daemon:
         """Every component told to end; the last guest-attribute write before the shared metadata
         client is closed (which cuts a fetch, a long-poll or a GKE check in flight)."""
         self.devices.stop()
+        if self.cdi is not None:
+            self.cdi.stop()
         if self.env is not None:
             self.env.stop()
         if self.guest_attrs is not None:

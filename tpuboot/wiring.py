@@ -56,6 +56,7 @@ def build(
 
     # isort: split
     from tpuboot import metrics
+    from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
     from tpuboot.devices.manager import DeviceManager
     from tpuboot.env.metadata import MetadataClient
@@ -67,6 +68,7 @@ def build(
 
     loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
     devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready)
+    cdi = SpecWriter(binder, executor, loop.call_soon_threadsafe)
     publish = config.guest_attributes.enabled != "false"
     containers_on = config.vbar.enabled or config.telemetry.enabled
     if metadata is None and (config.env.enabled or containers_on or publish):
@@ -96,4 +98,4 @@ def build(
         guest_attrs = Publisher(metadata, config.guest_attributes, check_deadline=deadline)
     server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
     notifier = notifier or Notifier()
-    return Daemon(loop, devices, executor, notifier, env, containers, guest_attrs, metadata, server)
+    return Daemon(loop, devices, executor, notifier, env, containers, guest_attrs, metadata, server, cdi)

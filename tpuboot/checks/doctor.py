@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tpuboot.atomicfile import read_file
+from tpuboot.checks.cdi import CdiChecks
 from tpuboot.checks.image import (
     Check,
     CheckResult,
@@ -206,6 +207,8 @@ class Doctor:
             ("vbar-running", self.check_vbar),
             ("telemetry-running", self.check_telemetry),
         ):
+            self.checks.add(name)(_ignoring_root(check))
+        for name, check in CdiChecks(root, self.binder).named():  # containers without --privileged
             self.checks.add(name)(_ignoring_root(check))
 
     def run(self) -> list[Verdict]:

@@ -177,6 +177,8 @@ class DeviceManager:
             self.consider(device.sys_name)
         elif device.action == "remove":
             self.removed(device.sys_name)
+        elif device.action in ("bind", "unbind") and device.sys_name in self.devices:
+            self._changed()  # a driver came or went (`tpuboot unbind`): the CDI spec follows
 
     # ------------------------------------------------------------------ binding
 
