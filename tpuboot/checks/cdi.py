@@ -62,7 +62,7 @@ def run_version(path: str) -> str | None:
 
 def parse_version(text: str | None) -> tuple[int, int] | None:
     """(major, minor) of the first ``N.N`` in ``text``: ``Docker version 26.1.5+dfsg1`` -> (26, 1)."""
-    match = re.search(r"\b(\d+)\.(\d+)", text or "")
+    match = re.search(r"(?<![\w.])v?(\d+)\.(\d+)", text or "")
     return (int(match[1]), int(match[2])) if match else None
 
 
