@@ -54,6 +54,9 @@ def test_a_spec_without_a_bound_chip_is_stale(tmp_path) -> None:
     assert c.check_spec().status == "FAIL"
 
 
+CDI_ON = {"features": {"cdi": True}}
+
+
 @pytest.mark.parametrize(
     ("version", "daemon_json", "status", "said"),
     [
@@ -62,10 +65,8 @@ def test_a_spec_without_a_bound_chip_is_stale(tmp_path) -> None:
         ("Docker version 26.1.5+dfsg1, build a72d7cd", {"features": {"cdi": True}}, "PASS", "feature cdi on"),
         ("Docker version 28.2.2, build e6534b4", None, "PASS", "on by default"),
         ("Docker version 28.2.2, build e6534b4", {"features": {"cdi": False}}, "FAIL", "off"),
-        ("Docker version 27.5.1, build 9f9e405", {"features": {"cdi": True}, "cdi-spec-dirs": ["/etc/cdi"]}, "FAIL",
-         "leaves out /var/run/cdi"),
-        ("Docker version 27.5.1, build 9f9e405", {"features": {"cdi": True}, "cdi-spec-dirs": ["/run/cdi/"]}, "PASS",
-         "reads"),
+        ("Docker version 27.5.1", {**CDI_ON, "cdi-spec-dirs": ["/etc/cdi"]}, "FAIL", "leaves out"),
+        ("Docker version 27.5.1", {**CDI_ON, "cdi-spec-dirs": ["/run/cdi/"]}, "PASS", "reads"),
         (None, None, "WARN", "unknown"),
     ],
 )  # fmt: skip
