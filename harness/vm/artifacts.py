@@ -109,10 +109,19 @@ BOOKWORM = Platform("debian12", "bookworm", GUEST_PACKAGES)
 TRIXIE = Platform("debian13", "trixie", TRIXIE_PACKAGES)
 PLATFORMS = (BOOKWORM, TRIXIE)
 
+# Guests of one scenario each (tests/vm/test_cdi.py): a platform's kernel with a tree of their own,
+# so the packages only they need (a container engine) lengthen no other guest's debootstrap. Not in
+# PLATFORMS: the tests that run on every platform do not run on these. Their names share no prefix
+# with a platform's, so pruning one never touches the other's artifacts.
+# AppArmor is on in Debian's kernels: the engines load their default profile with apparmor_parser.
+PODMAN_BOOKWORM = Platform("podman-debian12", "bookworm", (*BASE_PACKAGES, "podman", "apparmor"))
+DOCKER_TRIXIE = Platform("docker-debian13", "trixie", (*BASE_PACKAGES, "docker.io", "apparmor"))
+VARIANT_OF = {PODMAN_BOOKWORM.name: BOOKWORM, DOCKER_TRIXIE.name: TRIXIE}
+
 
 def platform_named(name: str) -> Platform:
-    """The platform called ``name`` (``debian12``, ``debian13``)."""
-    for platform in PLATFORMS:
+    """The platform called ``name`` (``debian12``, ``debian13``, or a variant's)."""
+    for platform in (*PLATFORMS, PODMAN_BOOKWORM, DOCKER_TRIXIE):
         if platform.name == name:
             return platform
     raise ValueError(f"no platform {name!r}; known: {', '.join(p.name for p in PLATFORMS)}")
@@ -679,7 +688,7 @@ def ensure_artifacts(
     if problem:
         raise HostError(problem)
     cache = cache or hostenv.cache_dir()
-    kernel = ensure_kernel(platform, cache)
+    kernel = ensure_kernel(VARIANT_OF.get(platform.name, platform), cache)  # a variant: its platform's
     initrd = ensure_initramfs(kernel, cache)
     if on_boot_files:
         on_boot_files(kernel, initrd)
