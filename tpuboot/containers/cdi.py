@@ -175,6 +175,11 @@ class SpecWriter:
         self._lock = threading.Lock()  # held by a write in the pool and by stop()
         self._stopped = False
 
+    @property
+    def writing(self) -> bool:
+        """A refresh is running or asked for (the boot's last lands a little after READY)."""
+        return self._running or self._again
+
     def refresh(self) -> None:
         """On the loop, within the turn of a device change."""
         if self._running:
