@@ -103,6 +103,9 @@ class Platform:
     suite: str
     packages: tuple[str, ...]
     kernel_meta: str = KERNEL_META
+    # Installed with apt-get after debootstrap: packages whose maintainer scripts debootstrap's
+    # own configuration order cannot run (podman's golang-github-containers-common).
+    apt_packages: tuple[str, ...] = ()
 
 
 BOOKWORM = Platform("debian12", "bookworm", GUEST_PACKAGES)
@@ -114,8 +117,10 @@ PLATFORMS = (BOOKWORM, TRIXIE)
 # PLATFORMS: the tests that run on every platform do not run on these. Their names share no prefix
 # with a platform's, so pruning one never touches the other's artifacts.
 # AppArmor is on in Debian's kernels: the engines load their default profile with apparmor_parser.
-PODMAN_BOOKWORM = Platform("podman-debian12", "bookworm", (*BASE_PACKAGES, "podman", "apparmor"))
-DOCKER_TRIXIE = Platform("docker-debian13", "trixie", (*BASE_PACKAGES, "docker.io", "apparmor"))
+PODMAN_BOOKWORM = Platform(
+    "podman-debian12", "bookworm", BASE_PACKAGES, apt_packages=("podman", "crun", "apparmor")
+)
+DOCKER_TRIXIE = Platform("docker-debian13", "trixie", BASE_PACKAGES, apt_packages=("docker.io", "apparmor"))
 VARIANT_OF = {PODMAN_BOOKWORM.name: BOOKWORM, DOCKER_TRIXIE.name: TRIXIE}
 
 
@@ -552,14 +557,28 @@ def _debootstrap(tmp: Path, platform: Platform) -> None:
         deb.unlink()
 
 
+def _apt_install(tmp: Path, platform: Platform) -> None:
+    """``platform.apt_packages`` into the debootstrapped tree, from the mirror debootstrap used."""
+    chroot_run(tmp, ["apt-get", "update"], timeout=BUILD_TIMEOUT)
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *platform.apt_packages]
+    chroot_run(tmp, install, timeout=BUILD_TIMEOUT)
+    chroot_run(tmp, ["apt-get", "clean"])
+    for lists in (tmp / "var/lib/apt/lists").glob("*_Packages*"):
+        lists.unlink()
+
+
 def ensure_base(platform: Platform = BOOKWORM, cache: Path | None = None) -> Path:
     """A plain ``debootstrap --variant=minbase`` tree of ``platform`` with its packages."""
     parent = (cache or hostenv.cache_dir()) / "base"
     key = _digest(platform.suite, *sorted(platform.packages), _source(_debootstrap))
+    if platform.apt_packages:  # (the platforms' keys stay as they were)
+        key = _digest(key, *platform.apt_packages, _source(_apt_install))
     final = parent / f"{platform.name}-{key}"
     if not final.is_dir():
         with _timed(f"debootstrap {platform.suite}"), _building(final) as tmp:
             _debootstrap(tmp, platform)
+            if platform.apt_packages:
+                _apt_install(tmp, platform)
         _prune(parent, final, platform)
     return final
 

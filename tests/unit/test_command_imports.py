@@ -63,13 +63,15 @@ CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.contai
 CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.devices.kmodule",
           "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
+CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", "json"}
+
 #: A config that sets something, read the first time: PyYAML, and the cache's record written
 #: (tpuboot/configcache.py); the same file unchanged later: the record alone (CACHED below).
 PARSED = {"yaml", "json", "tpuboot.configcache", "tpuboot.atomicfile"}
 CACHED = {"json", "tpuboot.configcache"}
 TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
-DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.checks.doctor",
-                                                                         "tpuboot.checks.slices"}  # fmt: skip
+DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | CDI | {"tpuboot.checks.doctor",
+          "tpuboot.checks.slices", "tpuboot.checks.cdi"}  # fmt: skip
 
 PREPARE = (
     CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot"}
@@ -91,6 +93,7 @@ CASES = {
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
     "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),
     "doctor": (["doctor"], None, DOCTOR),
+    "cdi": (["cdi"], None, CORE | SURVEY | CDI),
     "prepare-image": (["prepare-image"], None, PREPARE),
 }
 #: The daemon loads everything tpuboot has; tests/unit/test_run_start.py runs it whole.

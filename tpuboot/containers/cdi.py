@@ -51,7 +51,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING
 
 from tpuboot.atomicfile import write_file
@@ -59,6 +58,8 @@ from tpuboot.devices.chips import VFIO_CONTAINER, Chip, chips_present
 from tpuboot.devices.survey import survey
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor, Future
+
     from tpuboot.devices.vfio import Binder
     from tpuboot.paths import Root
 
