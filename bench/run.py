@@ -134,6 +134,8 @@ from harness.vm.tpuboot_guest import (
     vbar_install_hook,
 )
 from tpuboot.containers.cdi import SPEC_PATH as CDI_SPEC
+from tpuboot.containers.cdi import name_of
+from tpuboot.devices.chips import base_address
 
 log = logging.getLogger("bench.bind")
 
@@ -571,11 +573,6 @@ def run_hotplug(vm: VM, reps: int, report: Report) -> None:
 # --------------------------------------------------------------------------- 1b. cdi
 
 
-def cdi_name(address: str) -> str:
-    """The chip's CDI device name by address (tpuboot.containers.cdi.address_name's rule)."""
-    return address.rpartition(".")[0].replace(":", "-")
-
-
 def cdi_rep(vm: VM, console: ConsoleTail, address: str, serial: int) -> tuple[float, float]:
     """One add -> (usable, in the spec) on the guest clock from the add -> remove cycle."""
     tag = f"@CD{serial:03d}"
@@ -595,7 +592,7 @@ def cdi_rep(vm: VM, console: ConsoleTail, address: str, serial: int) -> tuple[fl
         waiter.join(timeout=60)
     marks = guest_json(box["r"], "cdi waiter") if "r" in box else {}
     vm.device_del(f"cd{serial}")
-    vm.wait_until(f"! grep -q '{cdi_name(address)}' {CDI_SPEC}", timeout=20)
+    vm.wait_until(f"! grep -q '{name_of(base_address(address))}' {CDI_SPEC}", timeout=20)
     if marks.get("usable") is None or marks.get("spec") is None:
         raise BenchError(f"cdi: hot-added {address} not usable and in the spec: {marks}")
     guest_add = marks["start"] + (t0 - ready_at)

@@ -32,12 +32,14 @@ from harness.vm.tpuboot_guest import (
     package_install_hook,
     write_in_tree,
 )
+from tpuboot.containers.cdi import SPEC_PATH, name_of
+from tpuboot.devices.chips import base_address
 
 from .conftest import BenchFactory
 
 pytestmark = pytest.mark.vm
 
-SPEC = "/var/run/cdi/google.com-tpu.json"
+SPEC = SPEC_PATH
 PROBE_TAR = "/var/lib/tpuboot-test/probe-rootfs.tar"
 PROBE_IMAGE = "localhost/tpuboot-test/probe:1"
 # Docker: CDI behind its feature flag (Docker 26); no bridge or iptables (they cost 30 s under TCG).
@@ -143,7 +145,7 @@ def container(vm: VM, engine: Engine, device: str, addresses: list[str]) -> dict
 
 
 def cdi_name(address: str) -> str:
-    return address.rpartition(".")[0].replace(":", "-")
+    return name_of(base_address(address))
 
 
 def edus(vm: VM) -> list[str]:

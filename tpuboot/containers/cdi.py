@@ -54,7 +54,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from tpuboot.atomicfile import write_file
-from tpuboot.devices.chips import VFIO_CONTAINER, Chip, chips_present
+from tpuboot.devices.chips import VFIO_CONTAINER, Chip, base_address, chips_present
 from tpuboot.devices.survey import survey
 
 if TYPE_CHECKING:
@@ -84,7 +84,12 @@ Spec = dict[str, object]
 
 def address_name(chip: Chip) -> str:
     """The chip's device name by address: its base address, ``-`` for ``:`` (the spec's grammar)."""
-    return chip.address.replace(":", "-")
+    return name_of(base_address(chip.functions[0].address))
+
+
+def name_of(base: str) -> str:
+    """The device name of the chip at base address ``base`` (dddd:bb:dd): ``dddd-bb-dd``."""
+    return base.replace(":", "-")
 
 
 def spec_chips(chips: Sequence[Chip]) -> list[Chip]:
