@@ -9,7 +9,9 @@ Which engine reads CDI, and from when (the consumers tpuboot's VM tests run):
   ``cdi_spec_dirs``.
 - containerd: from 1.7 with ``enable_cdi = true`` in the CRI plugin's table of
   /etc/containerd/config.toml (``[plugins."io.containerd.grpc.v1.cri"]``); on by default from
-  2.0 (``[plugins."io.containerd.cri.v1.runtime"]``). ``cdi_spec_dirs`` beside it.
+  2.0 (``[plugins."io.containerd.cri.v1.runtime"]``). ``cdi_spec_dirs`` beside it. Only its CRI
+  clients (kubelet, crictl) depend on it; Docker, which runs its containers on containerd, reads
+  the spec itself: so a containerd that will not read it is a WARN, not a FAIL.
 
 Memlock: CDI carries no rlimits. A container without CAP_IPC_LOCK (any unprivileged one) may pin
 only RLIMIT_MEMLOCK bytes for VFIO's DMA mappings; it inherits the limit of the engine that starts
@@ -247,26 +249,29 @@ class CdiChecks:
         return passed(f"podman{version} reads CDI specs from {SPEC_DIR}")
 
     def check_containerd(self) -> CheckResult:
+        """containerd's enable_cdi serves its CRI clients alone (kubelet, crictl): Docker reads the
+        spec itself, so a containerd without it is a WARN, and one whose CRI plugin is off a SKIP."""
         engine = self._engine("containerd", CONTAINERD)
         if engine is None:
             return skipped("containerd is not installed")
+        values = list(toml_values(self._text(CONTAINERD_TOML) or ""))
+        disabled = next((v for table, key, v in values if table == () and key == "disabled_plugins"), [])
+        if isinstance(disabled, list) and {"cri", CRI_TABLES[0][1]} & set(disabled):
+            return skipped(
+                f"containerd's CRI plugin is disabled in {CONTAINERD_TOML}: no CRI client to serve"
+            )
         if engine.version is None:
-            return warned("containerd's version is unknown: cannot tell whether it reads CDI specs")
+            return warned("containerd's version is unknown: cannot tell whether its CRI reads CDI specs")
         version = _dotted(engine.version)
         if engine.version < CONTAINERD_CDI_FIRST:
-            return failed(
-                f"containerd {version} does not read CDI specs (1.7 is the first)",
-                "install containerd 1.7 or later",
+            return warned(
+                f"containerd {version}'s CRI does not read CDI specs (1.7 is the first)",
+                "install containerd 1.7 or later for Kubernetes pods (Docker reads the spec itself)",
             )
-        settings = {
-            key: value
-            for table, key, value in toml_values(self._text(CONTAINERD_TOML) or "")
-            if table in CRI_TABLES
-        }
-        enabled = settings.get("enable_cdi", engine.version >= CONTAINERD_CDI_DEFAULT)
-        if enabled is not True:
-            return failed(
-                f"containerd {version} has enable_cdi off",
+        settings = {key: value for table, key, value in values if table in CRI_TABLES}
+        if settings.get("enable_cdi", engine.version >= CONTAINERD_CDI_DEFAULT) is not True:
+            return warned(
+                f"containerd {version} has enable_cdi off: its CRI clients (kubelet) get no TPU",
                 f'set enable_cdi = true under [plugins."io.containerd.grpc.v1.cri"] in {CONTAINERD_TOML}, '
                 "then systemctl restart containerd",
             )
@@ -276,7 +281,7 @@ class CdiChecks:
                 f"{CONTAINERD_TOML} cdi_spec_dirs ({', '.join(map(str, dirs))}) leaves out {SPEC_DIR}",
                 f"add {SPEC_DIR} to cdi_spec_dirs in {CONTAINERD_TOML}, then systemctl restart containerd",
             )
-        return passed(f"containerd {version} reads CDI specs (enable_cdi)")
+        return passed(f"containerd {version} reads CDI specs for its CRI clients (enable_cdi)")
 
     # --- memlock
 
