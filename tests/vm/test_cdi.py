@@ -85,6 +85,9 @@ def install_hook(deb: Path, engine: Engine) -> Callable[[Path], None]:
         base(tree)
         write_in_tree(tree, PROBE_TAR, "")
         (tree / PROBE_TAR.lstrip("/")).write_bytes(probe_rootfs_tar())
+        # Loaded at boot (systemd-modules-load, before tpuboot): under a loaded host's TCG a first
+        # modprobe can outlast tpuboot's 30 s bound, and module loading is not this module's subject.
+        write_in_tree(tree, "/etc/modules-load.d/tpuboot-test-vfio.conf", "vfio-pci\n")
         if engine.name == "docker":
             write_in_tree(tree, "/etc/docker/daemon.json", DOCKER_DAEMON_JSON)
 
@@ -108,6 +111,7 @@ def vm(
     ) as m:
         m.wait_booted()
         m.run([engine.name, "import", PROBE_TAR, PROBE_IMAGE], check=True, timeout=300)
+        m.wait_until(f"[ $(grep -c '\"name\"' {SPEC} 2>/dev/null) = 5 ]", timeout=120)  # both bound
         yield m, engine
 
 
