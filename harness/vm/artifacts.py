@@ -120,7 +120,10 @@ PLATFORMS = (BOOKWORM, TRIXIE)
 PODMAN_BOOKWORM = Platform(
     "podman-debian12", "bookworm", BASE_PACKAGES, apt_packages=("podman", "crun", "apparmor")
 )
-DOCKER_TRIXIE = Platform("docker-debian13", "trixie", BASE_PACKAGES, apt_packages=("docker.io", "apparmor"))
+# Debian 13 ships the docker command apart from dockerd (docker-cli).
+DOCKER_TRIXIE = Platform(
+    "docker-debian13", "trixie", BASE_PACKAGES, apt_packages=("docker.io", "docker-cli", "apparmor")
+)
 VARIANT_OF = {PODMAN_BOOKWORM.name: BOOKWORM, DOCKER_TRIXIE.name: TRIXIE}
 
 
