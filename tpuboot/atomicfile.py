@@ -42,9 +42,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from tpuboot.errors import TpubootError
-from tpuboot.paths import Root
+from tpuboot.paths import MAX_SYMLINK_HOPS, Root, split
 
-_MAX_SYMLINK_HOPS = 40
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_TRIES = 8
 _TEMP_HEX = 8  # secrets.token_hex(4)
@@ -130,6 +129,62 @@ def read_file(root: Root, path: str, *, limit: int | None = None) -> bytes | Non
     return content
 
 
+def remove_file(root: Root, path: str) -> bool:
+    """Remove ``path`` if it is a file or a link (the link itself, never what it points to); False
+    if there is none. Walked as write_file walks: what is removed is what would have been written."""
+    try:
+        parent, name = _resolve(root, path, create=False, follow_last=False)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise FileWriteError(f"cannot remove {path}: {_why(exc)}") from None
+    try:
+        if stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+            raise FileWriteError(f"{path} is a directory, not the file tpuboot writes: remove it by hand")
+        os.unlink(name, dir_fd=parent)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise FileWriteError(f"cannot remove {path}: {_write_fix(exc)}") from None
+    finally:
+        os.close(parent)
+
+
+def remove_files_in(root: Root, directory: str) -> list[str]:
+    """Remove the files and links directly in ``directory`` (never through a link at
+    ``directory`` itself, never a subdirectory); the paths removed, sorted."""
+    try:
+        parent, name = _resolve(root, directory, create=False, follow_last=False)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise FileWriteError(f"cannot empty {directory}: {_why(exc)}") from None
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):  # none, or not a directory of its own
+            return []
+        raise FileWriteError(f"cannot empty {directory}: {_why(exc)}") from None
+    finally:
+        os.close(parent)
+    removed = []
+    try:
+        for entry in sorted(_names(fd)):
+            try:
+                mode = os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode
+                if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+                    os.unlink(entry, dir_fd=fd)
+                    removed.append(f"{directory.rstrip('/')}/{entry}")
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise FileWriteError(f"cannot remove {directory}/{entry}: {_write_fix(exc)}") from None
+    finally:
+        os.close(fd)
+    return removed
+
+
 _NO_DAC_OVERRIDE = (
     "permission denied; a directory on its path is not root's and this process lacks "
     "CAP_DAC_OVERRIDE (tpuboot.service has it: keep it in CapabilityBoundingSet=)"
@@ -153,25 +208,25 @@ def _write_fix(exc: OSError) -> str:
     return f"{exc.strerror or exc}; check the directory and its permissions"
 
 
-def _split(path: str) -> list[str]:
-    return [part for part in path.split("/") if part not in ("", ".")]
-
-
 def _trusted(dir_fd: int) -> bool:
     """Only root or we can create entries here: symlinks in it were not planted by others."""
     st = os.fstat(dir_fd)
     return st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022
 
 
-def _resolve(root: Root, path: str, *, create: bool, dir_mode: int = 0o755) -> tuple[int, str]:
+def _resolve(
+    root: Root, path: str, *, create: bool, dir_mode: int = 0o755, follow_last: bool = True
+) -> tuple[int, str]:
     """Walk ``path`` from the Root; return an fd of the directory holding its last component, and its name.
 
-    Raises FileNotFoundError when a directory is missing and ``create`` is false, and
-    FileWriteError when a symlink would have to be followed in an untrusted directory.
+    Links resolve as :meth:`Root.path` resolves them (inside the root); ``follow_last=False``
+    stops at a link that is the last component. Raises FileNotFoundError when a directory is
+    missing and ``create`` is false, and FileWriteError when a symlink would have to be followed
+    in an untrusted directory.
     """
     if not path.startswith("/"):
         raise ValueError(f"tpuboot paths must be absolute, got {path!r}")
-    queue = deque(_split(path))
+    queue = deque(split(path))
     if not queue or queue[-1] == "..":
         raise FileWriteError(f"{path} does not name a file; give a file path")
     stack = [os.open(root.prefix, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
@@ -184,7 +239,7 @@ def _resolve(root: Root, path: str, *, create: bool, dir_mode: int = 0o755) -> t
                     os.close(stack.pop())
                 continue
             link = _symlink(stack[-1], name)
-            if link is not None and not queue and not _trusted(stack[-1]):
+            if link is not None and not queue and (not follow_last or not _trusted(stack[-1])):
                 return os.dup(stack[-1]), name  # a planted last component: replaced, never followed
             if link is not None:
                 if not _trusted(stack[-1]):
@@ -193,12 +248,12 @@ def _resolve(root: Root, path: str, *, create: bool, dir_mode: int = 0o755) -> t
                         "refusing to follow it (remove it)"
                     )
                 hops += 1
-                if hops > _MAX_SYMLINK_HOPS:
+                if hops > MAX_SYMLINK_HOPS:
                     raise FileWriteError(f"{path}: too many levels of symbolic links; fix the links")
                 if link.startswith("/"):
                     while len(stack) > 1:
                         os.close(stack.pop())
-                queue.extendleft(reversed(_split(link)))
+                queue.extendleft(reversed(split(link)))
                 if not queue or queue[-1] == "..":
                     raise FileWriteError(f"{path}: symbolic link {name} does not lead to a file; fix it")
                 continue

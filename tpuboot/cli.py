@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), 128 + 2 as a shell reports a command it killed
 METADATA_KINDS = ("attributes", "project-attributes", "instance")  # tpuboot.env.metadata.KINDS
 log = logging.getLogger("tpuboot.cli")
 
@@ -129,12 +130,16 @@ def cmd_unbind(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
+    if args.boot:
+        return _print_boot(ctx, args.json)
+    from tpuboot.devices.health import judge, read_health
     from tpuboot.devices.survey import driver_summary, survey
 
     binder = ctx.binder()
     tpus = survey(binder)
+    health = {t.address: read_health(ctx.root, t.address) for t in tpus}
     if args.json:
-        _print_json([t.as_dict() for t in tpus])
+        _print_json([{**t.as_dict(), "pcie": health[t.address].as_dict()} for t in tpus])
     elif not tpus:
         print("no TPUs found")
     else:
@@ -143,9 +148,40 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
         for t in tpus:
             node = f"{t.node} {t.node_mode}" if t.node else "no node"
             group = f"group {t.iommu_group}" if t.iommu_group else "no IOMMU group"
-            line = f"{t.address}  {t.kind:<12} {t.driver or 'no driver':<12} {group:<10} {node}"
-            print(line + (f"  ! {t.problem}" if t.problem else ""))
-    return EXIT_FAILED if any(t.problem and t.managed for t in tpus) else EXIT_OK
+            link = health[t.address].link
+            pcie = f"  {link}" if link is not None else ""
+            problems = [t.problem] if t.problem else []
+            problems += [f.detail for f in judge(health[t.address])]
+            line = f"{t.address}  {t.kind:<12} {t.driver or 'no driver':<12} {group:<10} {node}{pcie}"
+            print(line + "".join(f"  ! {p}" for p in problems))
+    failing = any(f.level == "FAIL" for t in tpus if t.managed for f in judge(health[t.address]))
+    return EXIT_FAILED if failing or any(t.problem and t.managed for t in tpus) else EXIT_OK
+
+
+def _print_boot(ctx: Context, as_json: bool) -> int:
+    """`status --boot`: the phases of this boot as the daemon recorded them at READY."""
+    from tpuboot import bootbudget
+
+    budget = bootbudget.load(ctx.root)
+    if budget is None:
+        print(
+            f"tpuboot: no boot budget in {bootbudget.BUDGET_PATH}: tpuboot run has not said READY "
+            "since this boot; systemctl status tpuboot says why",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    if as_json:
+        _print_json([budget])
+        return EXIT_OK
+    after = budget.get("started_after_boot_seconds")
+    if isinstance(after, (int, float)):
+        print(f"tpuboot started {after:.2f} s after the kernel; each phase ended at, since then:")
+    phases = budget.get("phases")
+    for phase in phases if isinstance(phases, list) else []:
+        if isinstance(phase, dict):
+            detail = f" {phase.get('detail')}" if phase.get("detail") else ""
+            print(f"{phase.get('seconds', 0.0):>9.3f} s  {phase.get('phase')}{detail}")
+    return EXIT_OK
 
 
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
@@ -267,7 +303,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = (argparse.ArgumentParser if only is None else _NarrowParser)(
         prog="tpuboot",
         description="Boot-time agent for Cloud TPU VMs.",
-        epilog="Exit status: 0 ok, 1 failed, 2 usage error, 3 metadata key not set.",
+        epilog="Exit status: 0 ok, 1 failed, 2 usage error, 3 metadata key not set, 130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"tpuboot {__version__}")
     parser.add_argument(
@@ -294,8 +330,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p = command(name, func, what)
         p.add_argument("dbdf", nargs="+", metavar="DBDF", help="PCI address, dddd:bb:dd.f or bb:dd.f")
         p.add_argument("--force", action="store_true", help="also act on a device that is not a TPU")
-    p = command("status", cmd_status, "show every TPU: generation, driver, IOMMU group, node, viability")
+    p = command("status", cmd_status, "show every TPU: generation, driver, IOMMU group, node, PCIe health")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--boot", action="store_true", help="where this boot's time went, phase by phase")
     p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
@@ -364,8 +401,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logs.setup(args.verbose)
-    ctx = Context(args)
+    ctx: Context | None = None
     try:
+        ctx = Context(args)
         status: int = args.func(ctx, args)
         return status
     except UsageError as exc:
@@ -375,9 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tpuboot: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     finally:
-        if args.command in TEXTFILE_COMMANDS:
+        if ctx is not None and args.command in TEXTFILE_COMMANDS:
             _write_metrics_textfile(ctx)
 
 
@@ -388,6 +426,9 @@ def _write_metrics_textfile(ctx: Context) -> None:
     """After a one-shot command: its metrics to ``metrics.textfile_dir`` for node_exporter, if set."""
     try:
         config = ctx.config
+    except TpubootError:
+        return  # the command has said why (its one line); no second line for the same error
+    try:
         if config.metrics.textfile_dir is None:
             return
         from tpuboot import metrics

@@ -503,6 +503,12 @@ class ReadyConfig(Section):
     )
 
 
+class RecoveryConfig(Section):
+    """`tpuboot reset`'s circuit breaker: a chip that wedges again and again needs a new host."""
+
+    max_resets_per_hour: int = _opt(3, parse_whole(1, 60, " (resets of one chip in any hour)"))
+
+
 class Config(Section):
     devices: tuple[MatchRule, ...] = _opt((), parse_rules)
     vfio: VfioConfig = _opt(VfioConfig(), lambda v, w: _section(VfioConfig, v, w))
@@ -521,6 +527,7 @@ class Config(Section):
         GuestAttributesConfig(), lambda v, w: _section(GuestAttributesConfig, v, w)
     )
     ready: ReadyConfig = _opt(ReadyConfig(), lambda v, w: _section(ReadyConfig, v, w))
+    recovery: RecoveryConfig = _opt(RecoveryConfig(), lambda v, w: _section(RecoveryConfig, v, w))
 
 
 def _sets_nothing(text: str) -> bool:

@@ -142,9 +142,12 @@ def _trusted(st: os.stat_result) -> bool:
 
 def _read(root: Root) -> bytes | None:
     """The record's bytes, or None: no symlink followed at the file or its directory, capped."""
-    real = root.path(CACHE_PATH)
+    real = root.path(CACHE_PATH, follow=False)  # the links above the directory resolved under the root
     try:
-        parent = os.open(real.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        parent = os.open(
+            root.path(os.path.dirname(CACHE_PATH), follow=False),
+            os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+        )
     except OSError as exc:
         if not isinstance(exc, FileNotFoundError):
             log.debug("config cache %s: %s; parsing the file", CACHE_PATH, exc)

@@ -41,9 +41,10 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from tpuboot import __version__
+from tpuboot import __version__, bootbudget, metrics
 from tpuboot.component import Status
 from tpuboot.containers.service import VBAR
+from tpuboot.containers.supervisor import RUNNING
 from tpuboot.devices.manager import DeviceManager
 from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.service import PENDING, EnvService
@@ -72,6 +73,7 @@ class Daemon:
         guest_attrs: Publisher | None = None,
         metadata: MetadataClient | None = None,
         metrics_server: WSGIServer | None = None,
+        budget: bootbudget.Budget | None = None,
         cdi: SpecWriter | None = None,
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
@@ -83,6 +85,7 @@ class Daemon:
         self.guest_attrs = guest_attrs  # publishes the state below; never waited for
         self.metadata = metadata  # shared by env, containers and guest_attrs; closed at the end
         self.metrics_server = metrics_server
+        self.budget = budget  # the boot's phases, shown at READY and when vBar first runs
         self.cdi = cdi  # the CDI spec: refreshed in the turn of every device change
         self.ready = False
         self._watchdog_timer: Timer | None = None
@@ -132,6 +135,7 @@ class Daemon:
 
     def _changed(self) -> None:
         """On the loop, after any component's report: derive everything shown from the Statuses."""
+        self._vbar_in_budget()
         if self.containers is not None:  # vBar and the collector start only on a TPU VM
             if self.devices.counts()[1]:
                 self.containers.tpu_vm_seen("a TPU is present")
@@ -147,6 +151,23 @@ class Daemon:
         if self.cdi is not None:
             self.cdi.refresh()
         self._changed()
+
+    def _vbar_in_budget(self) -> None:
+        """vBar's first run ends the boot budget's last phase (after READY, which never waits for it)."""
+        if self.budget is None or self.containers is None or self.budget.has(bootbudget.VBAR):
+            return
+        vbar = self.containers.statuses().get(VBAR)
+        if vbar is not None and vbar.state == RUNNING:
+            self.budget.mark(bootbudget.VBAR)
+            self._publish_budget()
+
+    def _publish_budget(self) -> None:
+        """The budget as metrics, and to /run/tpuboot/boot.json from the pool (a file write)."""
+        budget = self.budget
+        if budget is None:
+            return
+        metrics.boot_phases(budget.phases())
+        self.executor.submit(budget.save)
 
     def _booted(self) -> bool:
         """What READY waits for: the devices settled (DeviceManager.booted) and the boot-time
@@ -189,6 +210,7 @@ class Daemon:
                 line = self.status_line()
                 log.info("ready: %s", line)
                 self.notifier.ready(line)
+                self._ready_budget()
                 if self.guest_attrs is not None:
                     self.guest_attrs.update(self.guest_attribute_values())  # state=ready
                 loop.run_until()
@@ -199,6 +221,15 @@ class Daemon:
                 self._watchdog_timer.cancel()
             self._stop()
         return 0
+
+    def _ready_budget(self) -> None:
+        """READY's phase, and the whole budget in one structured journal line."""
+        if self.budget is None:
+            return
+        self.budget.mark(bootbudget.READY)
+        self._vbar_in_budget()  # running already: said in this line too
+        log.info("%s", self.budget.summary(), extra=self.budget.journal_fields())
+        self._publish_budget()
 
     def _stop(self) -> None:
         """Every component told to end; the last guest-attribute write before the shared metadata

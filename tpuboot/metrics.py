@@ -14,6 +14,13 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
   confirmation of tpu-env) and ``tpuboot_tpu_env_from_cache`` (1: that came from the cache)
 - ``tpuboot_container_up{container}`` and ``tpuboot_container_restarts_total{container}`` for
   the supervised containers (vBar, the telemetry collector)
+- ``tpuboot_boot_phase_seconds{phase}``: when each phase of this boot ended (tpuboot/bootbudget.py)
+- PCIe health of every TPU function, read from sysfs at scrape time (:class:`PcieCollector`):
+  ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
+  (current over maximum), ``tpuboot_pcie_link_width{link}`` and
+  ``tpuboot_pcie_link_speed_gigatransfers_per_second{link}`` (link current or max), and
+  ``tpuboot_pcie_errors_total{kind}`` (AER counters since boot by severity: correctable, nonfatal,
+  fatal; not named ``severity``, which alert rules set)
 
 Every update goes through a function of this module that never raises: metrics must never
 break the daemon. :func:`use` swaps in a fresh :class:`Metrics` (tests, the one-shot CLI).
@@ -29,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -41,11 +48,21 @@ from prometheus_client import (
     generate_latest,
     make_wsgi_app,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tpuboot import __version__
 from tpuboot.atomicfile import write_file
 from tpuboot.config import MetricsConfig
+from tpuboot.devices.chips import base_address
+from tpuboot.devices.health import AER_FILES, read_health
+from tpuboot.devices.pci import PciFunction, list_addresses
+from tpuboot.devices.table import DeviceTable
 from tpuboot.paths import Root
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
+    from tpuboot.bootbudget import Phase
 
 log = logging.getLogger("tpuboot.metrics")
 T = TypeVar("T")
@@ -110,6 +127,13 @@ class Metrics:
         for outcome in METADATA_OUTCOMES:
             self.metadata_requests.labels(outcome)
         self._tpu_labels: set[tuple[str, str]] = set()
+        self.boot_phase = Gauge(
+            "tpuboot_boot_phase_seconds",
+            "When each phase of this boot ended, in seconds since tpuboot started (bind: the last TPU's).",
+            ["phase"],
+            registry=reg,
+        )
+        self.pcie: Collector | None = None  # watch_pcie's collector, once the daemon has one
 
     def set_tpus(self, devices: Iterable[tuple[str, str]]) -> None:
         """(generation, state) of every TPU now; label sets no longer seen drop to 0."""
@@ -212,6 +236,87 @@ def container_up(container: str, up: bool) -> None:
 def container_restarted(container: str) -> None:
     """tpuboot restarted the supervised ``container``."""
     _current.container_restarts.labels(container).inc()
+
+
+@_safe
+def boot_phases(phases: Iterable[Phase]) -> None:
+    """The boot budget's phases; the binds as one phase, when the last of them ended."""
+    ends: dict[str, float] = {}
+    for phase in phases:
+        ends[phase.name] = max(ends.get(phase.name, 0.0), phase.seconds)
+    for name, seconds in ends.items():
+        _current.boot_phase.labels(name).set(seconds)
+
+
+class PcieCollector:
+    """The PCIe health of every TPU function, read from sysfs when Prometheus scrapes: nothing is
+    sampled between scrapes (an idle daemon stays asleep) and nothing goes stale."""
+
+    def __init__(self, root: Root, table: DeviceTable) -> None:
+        self.root = root
+        self.table = table
+
+    def _tpu_addresses(self) -> list[str]:
+        found = []
+        for address in list_addresses(self.root):
+            try:
+                if self.table.classify(PciFunction(self.root, address).ids()) is not None:
+                    found.append(address)
+            except OSError:  # removed while we looked, or unreadable: not vouched for here
+                continue
+        return found
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["address", "chip"]
+        present = GaugeMetricFamily(
+            "tpuboot_pcie_present", "1 while the TPU function answers config reads.", labels=labels
+        )
+        ratio = GaugeMetricFamily(
+            "tpuboot_pcie_link_bandwidth_ratio",
+            "PCIe link bandwidth now over the most the link can do (1: full).",
+            labels=labels,
+        )
+        width = GaugeMetricFamily(
+            "tpuboot_pcie_link_width", "PCIe link lanes, current or max.", labels=[*labels, "link"]
+        )
+        speed = GaugeMetricFamily(
+            "tpuboot_pcie_link_speed_gigatransfers_per_second",
+            "PCIe link speed per lane, current or max.",
+            labels=[*labels, "link"],
+        )
+        errors = CounterMetricFamily(
+            "tpuboot_pcie_errors", "AER errors since boot, by kind (severity).", labels=[*labels, "kind"]
+        )
+        for address in self._tpu_addresses():
+            health = read_health(self.root, address)
+            chip = base_address(address)
+            present.add_metric([address, chip], 1 if health.present else 0)
+            link = health.link
+            if link is not None:
+                if link.fraction is not None:
+                    ratio.add_metric([address, chip], link.fraction)
+                for name, lanes, gts in (
+                    ("current", link.width, link.speed),
+                    ("max", link.max_width, link.max_speed),
+                ):
+                    if lanes is not None:
+                        width.add_metric([address, chip, name], lanes)
+                    if gts is not None:
+                        speed.add_metric([address, chip, name], gts)
+            for severity in AER_FILES:
+                total = health.errors(severity)
+                if total is not None:
+                    errors.add_metric([address, chip, severity], total)
+        yield from (present, ratio, width, speed, errors)
+
+
+def watch_pcie(root: Root, table: DeviceTable) -> None:
+    """Export the PCIe health of ``root``'s TPU functions with the current metrics (the daemon)."""
+    collector = cast("Collector", PcieCollector(root, table))  # the ABC exists from 0.14 only
+    if _current.pcie is not None:  # a daemon built again with the same metrics (tests)
+        _current.registry.unregister(_current.pcie)
+    _current.registry.register(collector)
+    _current.pcie = collector
 
 
 class _Server(ThreadingMixIn, WSGIServer):

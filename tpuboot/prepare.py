@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import stat
 from collections.abc import Callable
 
 from tpuboot import subproc
+from tpuboot.atomicfile import remove_file, remove_files_in
 from tpuboot.checks.image import CheckResult, failed, passed, run_checks, skipped, warned
 from tpuboot.config import Config
 from tpuboot.containers.credentials import ANONYMOUS, ServiceAccountCredentials
@@ -210,28 +209,18 @@ class Preparer:
         files = [cache_path(self.config), env.tpu_env_path, env.systemd_env_path, env.docker_env_path]
         if self.config.metrics.textfile_dir:
             files.append(self.config.metrics.textfile_dir.rstrip("/") + "/" + TEXTFILE_NAME)
-        removed = [path for path in dict.fromkeys(f for f in files if f) if self._remove_file(path)]
-        runtime = self.root.path(RUNTIME_DIR)
-        if runtime.is_dir() and not runtime.is_symlink():
-            for entry in sorted(runtime.iterdir()):
-                if entry.is_file() or entry.is_symlink():
-                    entry.unlink()
-                    removed.append(self.root.strip(entry))
+        removed = [path for path in dict.fromkeys(f for f in files if f) if remove_file(self.root, path)]
+        link = self.root.links_on(RUNTIME_DIR)
+        if link is not None:
+            return failed(
+                f"{link} is a symbolic link; tpuboot empties no directory reached through one"
+                + (f" (removed {', '.join(removed)})" if removed else ""),
+                f"remove what is in {RUNTIME_DIR} by hand, or make {link} a directory",
+            )
+        removed += remove_files_in(self.root, RUNTIME_DIR)
         if removed:
             return passed("removed " + ", ".join(removed))
         return passed("no instance state (no tpu-env, no cache)")
-
-    def _remove_file(self, path: str) -> bool:
-        """Remove ``path`` if it is a file or a link (never a directory, never through a link)."""
-        real = self.root.path(path)
-        try:
-            mode = os.lstat(real).st_mode
-        except FileNotFoundError:
-            return False
-        if stat.S_ISDIR(mode):
-            raise TpubootError(f"{path} is a directory, not the file tpuboot writes: remove it by hand")
-        real.unlink()
-        return True
 
 
 def prepare(root: Root, config: Config) -> list[CheckResult]:

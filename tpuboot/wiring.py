@@ -45,17 +45,25 @@ def build(
     fake kernel's), ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client
     for every part), ``docker`` (a dockerd client factory), ``loop`` (one that counts its wake-ups)."""
     binder = binder or Binder(root, DeviceTable(config.devices), config.vfio)
+    from time import CLOCK_BOOTTIME, clock_gettime  # the boot budget's clock; its module comes later
+
     from tpuboot.devices.udev import new_executor, open_udev_monitor, start_coldplug
 
     if monitor is None:
         monitor = open_udev_monitor()  # before enumerating, so no device falls in between
+    monitor_open = clock_gettime(CLOCK_BOOTTIME)
     executor = new_executor()
     coldplug = start_coldplug(binder, executor)
+    enumerated = clock_gettime(CLOCK_BOOTTIME)
 
     from tpuboot.daemon import Daemon  # the heavy part, first: bench/ stamps this import's span
 
     # isort: split
-    from tpuboot import metrics
+    from tpuboot import bootbudget, metrics
+
+    budget = bootbudget.begin(root)
+    budget.mark(bootbudget.MONITOR_OPEN, at=monitor_open)
+    budget.mark(bootbudget.COLDPLUG, f"{len(coldplug.addresses)} PCI functions", at=enumerated)
     from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
     from tpuboot.devices.manager import DeviceManager
@@ -96,6 +104,8 @@ def build(
     if publish and metadata is not None:
         deadline = config.metadata.boot_deadline
         guest_attrs = Publisher(metadata, config.guest_attributes, check_deadline=deadline)
+    metrics.watch_pcie(root, binder.table)  # read at each scrape, never between them
     server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
     notifier = notifier or Notifier()
-    return Daemon(loop, devices, executor, notifier, env, containers, guest_attrs, metadata, server, cdi)
+    parts = (env, containers, guest_attrs, metadata, server)
+    return Daemon(loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi)

@@ -1,7 +1,10 @@
-# A TPU VM image with tpuboot, built by Packer on Google Compute Engine.
+# A TPU VM image with tpuboot, built by Packer on Google Compute Engine: Ubuntu 22.04 by default.
 #
 #   packer validate -var project_id=MY-PROJECT -var deb=./tpuboot_VERSION_all.deb tpuboot-image.pkr.hcl
 #   packer build    -var project_id=MY-PROJECT -var deb=./tpuboot_VERSION_all.deb tpuboot-image.pkr.hcl
+#
+# Another system: -var source_image_family=... -var source_image_project=..., e.g. Ubuntu 24.04
+# (ubuntu-2404-lts, ubuntu-os-cloud) or Debian 12 (debian-12, debian-cloud).
 #
 # The build VM is an ordinary VM (no TPU): tpuboot, once installed, runs no privileged container
 # there. `tpuboot prepare-image` is the last provisioning step: it checks the image against its
@@ -34,13 +37,15 @@ variable "deb" {
 }
 
 variable "source_image_family" {
-  type    = string
-  default = "debian-12"
+  type        = string
+  description = "The image family the build VM starts from: Ubuntu 22.04 LTS (Cloud TPU's runtime images are Ubuntu 22.04 based)."
+  default     = "ubuntu-2204-lts"
 }
 
 variable "source_image_project" {
-  type    = string
-  default = "debian-cloud"
+  type        = string
+  description = "The project that publishes source_image_family (debian-cloud for debian-12)."
+  default     = "ubuntu-os-cloud"
 }
 
 variable "image_family" {
@@ -72,8 +77,12 @@ build {
   provisioner "shell" {
     environment_vars = ["DEBIAN_FRONTEND=noninteractive"]
     inline = [
+      # Ubuntu: some of tpuboot's Python libraries and docker.io are in universe (on already in
+      # Ubuntu's cloud images; this makes sure). Debian has them in main.
+      "if grep -qx 'ID=ubuntu' /etc/os-release; then sudo -E add-apt-repository -y universe; fi",
       "sudo -E apt-get update",
-      # dockerd runs vBar on the TPU VMs; prepare-image pulls its image into this one.
+      # dockerd runs vBar on the TPU VMs; prepare-image pulls its image into this one (and fails
+      # without dockerd).
       "sudo -E apt-get install -y docker.io /tmp/tpuboot.deb",
       "sudo tpuboot prepare-image",
       "rm -f /tmp/tpuboot.deb",

@@ -25,6 +25,7 @@ import errno
 import os
 import pathlib
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,6 +67,9 @@ class FakeKernel:
         self.modules: list[str] = []  # every module load asked for, in order (modprobe's argument)
         self.default_driver: dict[str, str | None] = {}
         self.refuse_probe: set[str] = set()
+        self.specs: dict[str, tuple[int, int, tuple[int, int], str | None, str | None]] = {}
+        self.removed: set[str] = set()  # functions written to `remove`, back at the next rescan
+        self.on_reset: Callable[[str], None] = lambda address: None  # a function reset's effect
         self.create_nodes = True
         self.faults = Faults(top)
         self._loading = threading.Lock()  # binds run in a thread pool: one modprobe at a time
@@ -156,6 +160,7 @@ class FakeKernel:
         driver: str | None = None,
         group: str | None = None,
     ) -> None:
+        self.specs[address] = (vendor, device, subsystem, driver, group)
         d = self.p(f"/sys/bus/pci/devices/{address}")
         d.mkdir(parents=True)
         (d / "vendor").write_text(f"0x{vendor:04x}\n")
@@ -167,6 +172,10 @@ class FakeKernel:
             f"PCI_SLOT_NAME={address}\n"
         )
         (d / "driver_override").write_text("(null)\n")
+        # Config space starts with the vendor and device ids (little-endian), as the kernel shows it.
+        ids = vendor.to_bytes(2, "little") + device.to_bytes(2, "little")
+        (d / "config").write_bytes(ids + bytes(60))
+        (d / "remove").touch()  # every function has it; `reset` only one the kernel can reset
         if group is not None:
             g = self.p(f"/sys/kernel/iommu_groups/{group}/devices")
             g.mkdir(parents=True, exist_ok=True)
@@ -219,8 +228,27 @@ class FakeKernel:
             self._unbind(value)
         elif rel.startswith("/sys/module/"):
             path.write_text("Y\n" if value in ("1", "Y") else "N\n")
+        elif parts[-1] == "reset" and value == "1":
+            self.on_reset(parts[-2])
+        elif parts[-1] == "remove" and value == "1":
+            self._remove(parts[-2])
+        elif rel == "/sys/bus/pci/rescan" and value == "1":
+            for address in sorted(self.removed):
+                vendor, device, subsystem, driver, group = self.specs[address]
+                self.add_device(address, vendor, device, subsystem, driver=driver, group=group)
+            self.removed.clear()
         else:
             raise OSError(errno.EACCES, "unexpected write", rel)
+
+    def _remove(self, address: str) -> None:
+        """What `remove` does: the driver let go, the function gone from sysfs and its group."""
+        if self.driver(address) is not None:
+            self._unbind(address)
+        group = self.group(address)
+        if group is not None:
+            self.p(f"/sys/kernel/iommu_groups/{group}/devices/{address}").unlink()
+        self.remove_device(address)
+        self.removed.add(address)
 
     def _unbind(self, address: str) -> None:
         link = self.p(f"/sys/bus/pci/devices/{address}/driver")

@@ -45,23 +45,27 @@ CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.devices", "tpuboot.
         "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.logs",
         "tpuboot.paths", "tpuboot.subproc"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
+          "tpuboot.devices.health",
           "inspect", "typing"}  # fmt: skip
 METADATA = {"tpuboot.env", "tpuboot.env.metadata", "tpuboot.netio", "requests", "urllib3"}
 ENV = {
     "tpuboot.backoff",
+    "tpuboot.bootbudget",
     "tpuboot.env.etc_environment",
     "tpuboot.env.sync",
     "tpuboot.env.tpuenv",
     "yaml",
     "json",
 }
-METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client"}
+# The daemon's PCIe collector lives with the metrics: its sysfs readers come along.
+METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "prometheus_client", "tpuboot.devices.health",
+           "tpuboot.devices.chips"}  # fmt: skip
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
               "tpuboot.component"}  # fmt: skip
-CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.devices.kmodule",
-          "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
+CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.checks.cmdline",
+          "tpuboot.devices.kmodule", "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
 CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", "json"}
 
@@ -71,7 +75,7 @@ PARSED = {"yaml", "json", "tpuboot.configcache", "tpuboot.atomicfile"}
 CACHED = {"json", "tpuboot.configcache"}
 TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | CDI | {"tpuboot.checks.doctor",
-          "tpuboot.checks.slices", "tpuboot.checks.cdi"}  # fmt: skip
+          "tpuboot.checks.slices", "tpuboot.checks.pcie", "tpuboot.checks.cdi"}  # fmt: skip
 
 PREPARE = (
     CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot"}

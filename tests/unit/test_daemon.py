@@ -13,6 +13,7 @@ import collections
 import contextlib
 import errno
 import functools
+import json
 import os
 import signal
 import socket
@@ -28,6 +29,7 @@ from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port
 from tests.unit.test_eventloop import CountingSelector
 from tests.unit.test_vfio import V5P, add_tpu, binder
+from tpuboot import bootbudget, cli
 from tpuboot.component import Status
 from tpuboot.config import (
     Config,
@@ -644,3 +646,46 @@ def test_lost_udev_events_are_recovered_from_sysfs(kernel, caplog):
     assert "udev: events were lost (receive buffer full)" in caplog.text
     assert "0000:00:07.0 (TPU v5p) removed" in caplog.text
     assert kernel.driver("0000:00:02.0") == "virtio-pci"
+
+
+def test_ready_logs_the_boot_budget_and_keeps_it_for_status_boot(kernel, emulator, root, caplog, capsys):
+    caplog.set_level("INFO", logger="tpuboot")
+    daemon, _, _ = make(kernel, config=with_env(emulator), root=root, metadata=make_client(emulator))
+    with serving(daemon) as running:
+        until(lambda: daemon.ready and root.path(bootbudget.BUDGET_PATH).exists())
+        assert running.stop() == 0
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("boot budget: ")]
+    text = line.getMessage()
+    for phase in ("monitor-open", "coldplug-enumerated", "4 binds", "metadata-answered", "tpu-env-written",
+                  "etc-environment", "ready"):  # fmt: skip
+        assert phase in text, text
+    fields = vars(line)
+    assert float(fields["TPUBOOT_BOOT_READY"]) >= float(fields["TPUBOOT_BOOT_TPU_ENV_WRITTEN"])
+    assert fields["TPUBOOT_BOOT_BINDS"].count("=") == 4
+    recorded = json.loads(root.path(bootbudget.BUDGET_PATH).read_text())
+    names = [p["phase"] for p in recorded["phases"]]
+    assert names.count("bind") == 4 and names[-1] == "ready"
+    assert [p["seconds"] for p in recorded["phases"]] == sorted(p["seconds"] for p in recorded["phases"])
+    assert cli.main(["--root", str(root.prefix), "status", "--boot"]) == cli.EXIT_OK
+    shown = capsys.readouterr().out
+    assert " s  bind 0000:00:04.0" in shown and shown.rstrip().endswith(" s  ready")
+    assert "started" not in shown  # the test tree has no /proc/self/stat: no kernel-relative start
+
+
+def test_a_tpu_hot_added_after_ready_is_not_part_of_the_boot(kernel):
+    daemon, monitor, _ = make(kernel)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
+        add_tpu(kernel, "0000:00:0a.0", V5P, group="10")
+        monitor.push("add", "pci", "0000:00:0a.0")
+        until(lambda: kernel.driver("0000:00:0a.0") == "vfio-pci")
+        running.stop()
+    assert daemon.budget is not None
+    assert sorted(p.detail for p in daemon.budget.phases() if p.name == bootbudget.BIND) == [
+        f"0000:00:0{4 + i}.0" for i in range(4)
+    ]
+
+
+def test_status_boot_without_a_record_says_why(tmp_path, capsys):
+    assert cli.main(["--root", str(tmp_path), "status", "--boot"]) == cli.EXIT_FAILED
+    assert "tpuboot run has not said READY since this boot" in capsys.readouterr().err

@@ -3,29 +3,60 @@
 - conf/tpuboot.yaml shows every section and key of tpuboot/config.py, commented out, with its
   default and a line saying what it is;
 - the man page has every command and option of the argparse parser in tpuboot/cli.py, every exit
-  status the CLI returns, every configuration key and every metric (the README every metric too);
-- README.md links and cites only files inside the repository;
-- the man page and the package description say that the package runs privileged containers.
+  status the CLI returns, every configuration key and every metric (doc/monitoring.md every metric
+  too); doc/operation.md every command, option and exit status, the README every command;
+- README.md and the doc/ pages link and cite only files inside the repository;
+- the man page and the package description say that the package runs privileged containers;
+- figures and paths the docs quote come from the code: the bind retries and their waits, every path
+  the unit lets tpuboot write, every path the package's purge removes, the README's STATUS line
+  (from a daemon of the default configuration), how instruction counts were measured, and the
+  date and commit of each table in doc/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tpuboot import cli
+from tpuboot import cli, metrics
 from tpuboot.config import Config, MatchRule, Section, parse_config
+from tpuboot.devices.table import DeviceTable
 from tpuboot.metrics import Metrics
+from tpuboot.paths import Root
 
 TOP = Path(__file__).resolve().parents[2]
 CONF = TOP / "conf/tpuboot.yaml"
 MAN = TOP / "doc/tpuboot.8"
 README = TOP / "README.md"
+DOC = TOP / "doc"
+OPERATION = DOC / "operation.md"
+UNIT = TOP / "systemd/tpuboot.service"
+POSTRM = TOP / "debian/tpuboot.postrm"
+
+
+def pages() -> list[Path]:
+    """README.md and every Markdown page under doc/."""
+    return [README, *sorted(DOC.glob("*.md"))]
+
+
+def section(path: Path, heading: str) -> str:
+    """The text under ``## heading`` of a Markdown page, up to the next heading of that level."""
+    text = path.read_text()
+    assert f"\n## {heading}\n" in text, f"{path.name} has no section {heading!r}"
+    return text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def unwrapped(text: str) -> str:
+    """Prose with its line breaks as blanks, so that a phrase wrapped over two lines is found."""
+    return " ".join(text.split())
 
 
 # --- conf/tpuboot.yaml -----------------------------------------------------------------------------
@@ -206,22 +237,33 @@ def test_man_page_lists_every_configuration_key():
     assert missing == []
 
 
-def test_man_page_and_readme_list_every_metric():
+def test_man_page_and_the_monitoring_page_list_every_metric(tmp_path):
+    with metrics.use(Metrics()) as fresh:
+        metrics.watch_pcie(Root(tmp_path), DeviceTable())  # the daemon's collector, names and all
+        exposition = fresh.exposition()
     families = [
         line.split()[2]
-        for line in Metrics().exposition().decode().splitlines()
+        for line in exposition.decode().splitlines()
         if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")
     ]
+    assert "tpuboot_pcie_present" in families
     assert "tpuboot_tpus" in families
     man = plain(man_sections()["METRICS"])
-    readme = README.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    monitoring = section(DOC / "monitoring.md", "Metrics")
     assert {
         "man": [f for f in families if f not in man],
-        "README": [f for f in families if f not in readme],
+        "doc/monitoring.md": [f for f in families if f not in monitoring],
     } == {
         "man": [],
-        "README": [],
+        "doc/monitoring.md": [],
     }
+
+
+def test_the_monitoring_page_lists_every_alert_and_record_of_the_shipped_rules():
+    rules = yaml.safe_load((TOP / "prometheus/tpuboot.rules.yml").read_text())
+    names = [r.get("alert") or r.get("record") for group in rules["groups"] for r in group["rules"]]
+    text = (DOC / "monitoring.md").read_text()
+    assert "TpubootDown" in names and [n for n in names if f"`{n}`" not in text] == []
 
 
 def test_man_page_says_the_package_runs_a_privileged_container():
@@ -268,28 +310,52 @@ def relative_targets(text: str) -> list[str]:
     ]
 
 
-def outside_or_missing(text: str) -> list[str]:
+def outside_or_missing(text: str, base: Path = TOP) -> list[str]:
+    """Relative targets of ``text`` (a page in directory ``base``) outside the repository or missing."""
     bad = []
     for target in relative_targets(text):
-        path = (TOP / target.split("#")[0]).resolve()
+        path = (base / target.split("#")[0]).resolve()
         if TOP not in (path, *path.parents) or not path.exists():
             bad.append(target)
     return bad
 
 
-def test_readme_links_and_cites_only_files_in_the_repository():
-    text = README.read_text()
-    assert outside_or_missing(text) == []
-    assert [a for a in re.findall(r"\]\(#([^)]+)\)", text) if a not in anchors(text)] == []
+def broken_anchors(text: str, base: Path = TOP) -> list[str]:
+    """Links to ``#anchor`` of this page or of another page (``page.md#anchor``) with no such heading."""
+    bad = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", prose(text)):
+        page = (base / target).resolve() if target else None
+        if page is not None and (page.suffix != ".md" or not page.exists()):
+            continue  # not a Markdown page, or missing (outside_or_missing says so)
+        if anchor not in anchors(page.read_text() if page is not None else text):
+            bad.append(f"{target}#{anchor}")
+    return bad
 
 
-def test_readme_paths_in_backticks_exist():
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.relative_to(TOP).as_posix())
+def test_pages_link_and_cite_only_files_in_the_repository(page: Path):
+    text = page.read_text()
+    assert outside_or_missing(text, page.parent) == []
+    assert broken_anchors(text, page.parent) == []
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.relative_to(TOP).as_posix())
+def test_paths_in_backticks_exist(page: Path):
     """`tpuboot/metrics.py`, `scripts/matrix/`: a path under one of the repository's own top-level
     directories names a file that is there."""
     tops = {p.name for p in TOP.iterdir() if p.is_dir() and not p.name.startswith(".git")}
-    quoted = re.findall(r"`([^`\s]+)`", README.read_text())
+    quoted = re.findall(r"`([^`\s]+)`", page.read_text())
     cited = [q for q in quoted if q.split("/")[0] in tops and "/" in q]
-    assert cited and [q for q in cited if not (TOP / q.split(":")[0]).exists()] == []
+    assert [q for q in cited if not (TOP / q.split(":")[0]).exists()] == []
+
+
+def test_the_readme_cites_the_repository_and_links_every_doc_page():
+    text = README.read_text()
+    assert re.search(r"`tpuboot/[\w/]+\.py`|`scripts/\w", text)
+    linked = set(re.findall(r"\]\((doc/[\w.-]+)", text))
+    assert [
+        p.relative_to(TOP).as_posix() for p in DOC.glob("*.md") if p.relative_to(TOP).as_posix() not in linked
+    ] == []
 
 
 @pytest.mark.parametrize(
@@ -304,6 +370,16 @@ def test_readme_paths_in_backticks_exist():
 )
 def test_readme_check_finds_paths_outside_the_repository(text, bad):
     assert outside_or_missing(text) == bad
+
+
+def test_a_page_under_doc_is_checked_from_its_own_directory():
+    assert outside_or_missing("see [the page](tpuboot.8) and [up](../README.md)", DOC) == []
+    assert outside_or_missing("see [the page](doc/tpuboot.8)", DOC) == ["doc/tpuboot.8"]
+
+
+def test_anchor_check_finds_a_missing_heading():
+    assert broken_anchors("## Here\n[a](#here) [b](#gone) [c](operation.md#commands)", DOC) == ["#gone"]
+    assert broken_anchors("[d](operation.md#no-such-part)", DOC) == ["operation.md#no-such-part"]
 
 
 # --- doc/architecture.md ---------------------------------------------------------------------------
@@ -328,3 +404,246 @@ def test_the_architecture_page_names_only_modules_and_classes_that_exist():
     }  # fmt: skip
     for module, name in classes.items():
         assert name in text and hasattr(importlib.import_module(module), name), (module, name)
+
+
+# --- doc/operation.md and the README: the commands ---------------------------------------------------
+
+
+def operation_commands() -> str:
+    return section(OPERATION, "Commands")
+
+
+def test_the_operation_page_lists_every_command_with_its_options_and_global_option():
+    text = operation_commands()
+    rows = {
+        m.group(1): m.group(0)
+        for m in re.finditer(r"^\| `tpuboot ([a-z-]+(?: get)?)\b.*$", text, re.MULTILINE)
+    }
+    missing = []
+    for path, parser in commands(cli.build_parser()):
+        if path not in rows:
+            missing.append(path)
+            continue
+        missing += [
+            f"{path} {o}"
+            for o in options(parser)
+            if not re.search(rf"(?<![\w-]){re.escape(o)}\b", rows[path])
+        ]
+    parser = cli.build_parser()
+    wanted = [o for a in parser._actions if not isinstance(a, argparse._HelpAction) for o in a.option_strings]
+    missing += [o for o in wanted if not re.search(rf"(?<![\w-]){re.escape(o)}\b", text)]
+    assert missing == []
+
+
+def test_the_readme_lists_every_command_and_global_option():
+    text = section(README, "Commands")
+    missing = [path for path, _ in commands(cli.build_parser()) if not re.search(rf"\b{path}\b", text)]
+    parser = cli.build_parser()
+    wanted = [
+        a.option_strings[0]
+        for a in parser._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction)
+    ]
+    assert missing + [o for o in wanted if f"`{o}" not in text] == []
+
+
+@pytest.mark.parametrize("where", ["README", "doc/operation.md", "--help"])
+def test_every_exit_status_is_listed(where: str):
+    text = {
+        "README": section(README, "Commands"),
+        "doc/operation.md": operation_commands(),
+        "--help": cli.build_parser().epilog or "",
+    }[where]
+    statuses = exit_statuses()
+    assert 130 in statuses.values()
+    assert [v for v in statuses.values() if not re.search(rf"(?<!\d){v} [a-z]", unwrapped(text))] == []
+
+
+# --- figures the docs quote, from the code -------------------------------------------------------
+
+
+def test_the_bind_retries_quoted_are_the_managers():
+    """The number of retries, of tries, each wait and their sum, as README-level prose quotes them."""
+    from tpuboot.config import VfioConfig
+    from tpuboot.devices import manager
+
+    retries = VfioConfig().retries
+    waits = [manager.retry_delay(n) for n in range(1, retries + 1)]
+    total = f"{sum(waits):g} s"
+    operation = unwrapped(section(OPERATION, "How a bind works, and what it refuses"))
+    assert f"({retries} by default, so {retries + 1} tries in all)" in operation
+    assert ", ".join(f"{w:g} s" for w in waits) + f" ({total} in all" in operation
+    assert f"at most {manager.BACKOFF_CAP:g} s" in operation
+    ready = unwrapped(section(OPERATION, "READY and STATUS"))
+    assert f"{retries} retries by default, {retries + 1} tries, {total} of backoff" in ready
+    man = unwrapped(plain(man_sections()["CONFIGURATION"]))
+    assert (
+        f"{retries + 1} tries over {total} by default" in man and f"at most {manager.BACKOFF_CAP:g} s" in man
+    )
+    conf = unwrapped(re.sub(r"^\s*#", "", CONF.read_text(), flags=re.MULTILINE))
+    assert f"{retries} retries are {retries + 1} tries over {total}" in conf
+
+
+def test_the_retry_waits_double_from_the_first_up_to_the_cap():
+    from tpuboot.devices import manager
+
+    waits = [manager.retry_delay(n) for n in range(1, 10)]
+    assert waits[0] == manager.BACKOFF_FIRST and max(waits) == manager.BACKOFF_CAP
+    assert all(b in (2 * a, manager.BACKOFF_CAP) for a, b in itertools.pairwise(waits))
+    assert manager.retry_delay(10_000) == manager.BACKOFF_CAP  # no float overflow
+
+
+def unit_directives() -> dict[str, list[str]]:
+    directives: dict[str, list[str]] = {}
+    for line in UNIT.read_text().splitlines():
+        if re.match(r"[A-Za-z]+=", line):
+            key, _, value = line.partition("=")
+            directives.setdefault(key, []).extend(value.split())
+    return directives
+
+
+def writable_paths() -> list[str]:
+    """Every path the unit lets tpuboot write: ReadWritePaths= (a leading '-' only means "if it
+    exists") and the directories systemd makes for StateDirectory=, CacheDirectory=, RuntimeDirectory=."""
+    unit = unit_directives()
+    paths = [p.lstrip("-") for p in unit["ReadWritePaths"]]
+    for key, base in (
+        ("StateDirectory", "/var/lib"),
+        ("CacheDirectory", "/var/cache"),
+        ("RuntimeDirectory", "/run"),
+    ):
+        paths += [f"{base}/{name}" for name in unit.get(key, [])]
+    return paths
+
+
+def test_the_unit_lets_tpuboot_write_what_the_docs_say():
+    assert {"/etc", "/var/lib/tpuboot", "/run/tpuboot", "/sys/bus/pci"} <= set(writable_paths())
+
+
+@pytest.mark.parametrize("where", ["man", "doc/security.md", "conf/tpuboot.yaml"])
+def test_every_writable_path_is_documented(where: str):
+    """The man page's SECURITY, the security page's list and the shipped config's header name each
+    path the unit lets tpuboot write (the config's header: the file system's, not sysfs)."""
+    text = {
+        "man": plain(man_sections()["SECURITY"]),
+        "doc/security.md": section(DOC / "security.md", "The service's sandbox"),
+        "conf/tpuboot.yaml": CONF.read_text().split("\n\n", 1)[0],
+    }[where]
+    paths = [p for p in writable_paths() if where != "conf/tpuboot.yaml" or not p.startswith("/sys/")]
+    assert [p for p in paths if not re.search(rf"{re.escape(p)}(?![\w/-])", text)] == []
+
+
+def purged_paths() -> list[str]:
+    """What the postrm's purge removes with rm -rf (directories), under ${DPKG_ROOT:-}."""
+    purge = POSTRM.read_text().split("\npurge)", 1)[1].split(";;", 1)[0]
+    return re.findall(r'rm -rf "\$\{DPKG_ROOT:-\}(/[^"]+)"', purge)
+
+
+@pytest.mark.parametrize("where", ["man", "doc/package.md"])
+def test_every_path_the_purge_removes_is_documented(where: str):
+    text = {
+        "man": plain(man_sections()["REMOVING THE PACKAGE"]),
+        "doc/package.md": section(DOC / "package.md", "Purge"),
+    }[where]
+    paths = purged_paths()
+    assert {"/var/lib/tpuboot", "/run/tpuboot"} <= set(paths)
+    assert [p for p in paths if p not in text] == []
+    assert "textfile" in text, "what a purge leaves: the metrics textfile"
+
+
+def test_the_readme_status_line_is_what_a_default_install_shows(kernel_with_tpus, emulator, root):
+    """A daemon of the default configuration (env, vBar, GKE check on; the metadata server and a
+    dockerd answering) says the README's STATUS line, numbers aside."""
+    from tests.unit.fakedockerd import fake_dockerd
+    from tests.unit.test_daemon import make, serving, until
+    from tpuboot.config import MetadataConfig, MetricsConfig, VbarConfig
+    from tpuboot.containers.dockerapi import DockerAPI
+
+    shown = re.search(r'Status: "([^"]+)"', section(README, "On a running TPU VM"))
+    assert shown is not None
+    pattern = re.sub(r"\d+", r"\\d+", re.escape(shown.group(1)))
+    config = Config(
+        metadata=MetadataConfig(host=emulator.host, timeout=2.0, boot_deadline=5.0, watch=False),
+        vbar=VbarConfig(registries=(*VbarConfig().registries, "example.invalid")),
+        metrics=MetricsConfig(enabled=False),
+    )
+    assert (config.gke, config.env.enabled, config.vbar.enabled) == ("auto", True, True)  # the defaults
+    with fake_dockerd() as dockerd:
+        dockerd.images.update({config.vbar.image, "example.invalid/vbar:1.0"})
+        daemon, _, _ = make(
+            kernel_with_tpus, config=config, root=root, docker=lambda: DockerAPI(str(dockerd.socket_path))
+        )
+        with serving(daemon) as running:
+            until(lambda: daemon.ready and "vBar: running" in daemon.status_line())  # READY: tpu-env synced
+            line = daemon.status_line()
+            running.stop()
+    assert re.fullmatch(pattern, line), (shown.group(1), line)
+
+
+@pytest.fixture
+def kernel_with_tpus(tmp_path: Path):
+    from tests.unit.fakekernel import FakeKernel
+    from tests.unit.test_vfio import V5P, add_tpu
+
+    k = FakeKernel(tmp_path / "kernel")
+    for i in range(4):
+        add_tpu(k, f"0000:00:0{4 + i}.0", V5P, driver=None, group=str(4 + i))
+    return k
+
+
+def paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.relative_to(TOP).as_posix())
+def test_every_instruction_count_says_how_it_was_measured(page: Path):
+    """An instruction count (`79 M instructions`, `icount, M instructions`) stands in a paragraph or
+    table that names its method: valgrind on the host, or the icount guest."""
+    unmeasured = [
+        p.strip().splitlines()[0]
+        for p in paragraphs(page.read_text())
+        if re.search(r"\d+ M\b.*instructions|instructions.*\d+ M\b", p, re.DOTALL)
+        and not re.search(r"valgrind|icount", p)
+    ]
+    assert unmeasured == []
+
+
+def shallow() -> bool:
+    """A shallow clone lacks the history the figures name."""
+    done = subprocess.run(
+        ["git", "-C", str(TOP), "rev-parse", "--is-shallow-repository"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() != "false"
+
+
+def test_every_table_of_figures_names_its_date_and_commit():
+    """Each table of doc/performance.md follows a paragraph giving the date and the tree it was
+    measured on; the commits it names exist (when this is a git checkout with its history)."""
+    text = (DOC / "performance.md").read_text()
+    blocks = paragraphs(text)
+    named: list[str] = []
+    for i, block in enumerate(blocks):
+        if not block.lstrip().startswith("|"):
+            continue
+        before = blocks[i - 1]
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", before) and re.search(r"\b[0-9a-f]{7}\b", before), (
+            f"a table without its date and commit after: {before[:80]!r}"
+        )
+        named += re.findall(r"\b[0-9a-f]{7}\b", before)
+    assert named
+    if (TOP / ".git").exists() and shutil.which("git") and not shallow():
+
+        def known(commit: str) -> bool:
+            check = ["git", "-C", str(TOP), "cat-file", "-e", f"{commit}^{{commit}}"]
+            return subprocess.run(check, capture_output=True, check=False).returncode == 0
+
+        unknown = [c for c in set(named) if not known(c)]
+        assert unknown == []
+
+
+def test_every_configuration_section_is_explained_on_a_page():
+    text = "\n".join(p.read_text() for p in pages())
+    assert [name for name in Config.options if not re.search(rf"`{name}[.:`]", text)] == []

@@ -521,3 +521,24 @@ def test_doctor_asks_the_image_checks_systemd_it_was_given(kernel):
     assert result_of(verdicts, "systemd-default-limits").status == "FAIL"
     assert None in systemd.asked
     assert result_of(doctor(kernel), "systemd-default-limits").status == "PASS"  # the files say so
+
+
+def test_pcie_health_fails_a_degraded_link_or_a_lost_function_and_warns_on_nonfatal_errors(kernel):
+    assert result_of(doctor(kernel), "pcie-health").status == "PASS"
+    device = kernel.p(f"/sys/bus/pci/devices/{ADDRESSES[1]}")
+    (device / "aer_dev_nonfatal").write_text("CmpltTO 1\nTOTAL_ERR_NONFATAL 1\n")
+    result = result_of(doctor(kernel), "pcie-health")
+    assert (result.status, result.detail) == (
+        "WARN",
+        f"{ADDRESSES[1]} logged 1 non-fatal PCIe error(s) since boot",
+    )
+    for name, text in [("current_link_width", "8"), ("max_link_width", "16")]:
+        (device / name).write_text(text + "\n")
+    for name in ("current_link_speed", "max_link_speed"):
+        (device / name).write_text("32.0 GT/s PCIe\n")
+    result = result_of(doctor(kernel), "pcie-health")
+    assert result.status == "FAIL" and "link trained at 32 GT/s x8 of 32 GT/s x16 (50% of" in result.detail
+    assert result.fix
+    (kernel.p(f"/sys/bus/pci/devices/{ADDRESSES[2]}") / "config").write_bytes(b"\xff" * 64)
+    result = result_of(doctor(kernel), "pcie-health")
+    assert f"{ADDRESSES[2]} does not answer config reads (vendor id 0xffff)" in result.detail

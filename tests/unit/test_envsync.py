@@ -129,13 +129,17 @@ def test_corrupt_cache_is_ignored_with_a_warning(
 
 
 def test_bad_environment_config_is_reported_without_stopping_tpu_env(
-    root: Root, emulator: MetadataEmulator, sync_client: MetadataClient
+    root: Root, emulator: MetadataEmulator, sync_client: MetadataClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = make_config(emulator, environment={"BAD": 'has "quotes"'})
-    result = EnvSync(root, config, sync_client).sync_once(deadline_s=5)
+    config = make_config(emulator, environment={"BAD": 'has "quotes"', "GOOD": "1"})
+    with caplog.at_level(logging.WARNING):
+        result = EnvSync(root, config, sync_client).sync_once(deadline_s=5)
     assert result.source == "metadata"
-    assert "/etc/environment not written: env.environment.BAD" in result.status
     assert root.path(TPU_ENV).read_bytes() == GOOD
+    # One bad value costs only itself: the other keys are written, and it is named once.
+    assert root.path("/etc/environment").read_text() == "GOOD=1\n"
+    (warning,) = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert warning.startswith("/etc/environment: left out BAD: env.environment.BAD: the value holds")
 
 
 def test_hostile_values_are_written_so_the_shell_reads_them_verbatim(

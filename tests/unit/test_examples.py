@@ -1,12 +1,15 @@
 """The image-build examples under examples/: the Packer template passes the validation of the
-Packer Debian 12 ships (googlecompute built in: the full check, not only the syntax), and the
-cloud-init user-data installs the .deb and runs prepare-image, keeping its verdict.
+Packer Debian 12 ships (googlecompute built in: the full check, not only the syntax) for Ubuntu
+22.04 (its default) and Debian 12, and the cloud-init user-data installs the .deb and runs
+prepare-image, keeping its verdict.
 
-The cloud-init path runs for real in tests/vm/test_tpuboot_cloudinit.py.
+The cloud-init path runs for real in tests/vm/test_tpuboot_cloudinit.py, with user-data of its own
+(the same steps); this file is only read here.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,12 +36,29 @@ def validate(tmp_path: Path, *variables: str) -> subprocess.CompletedProcess[str
     )
 
 
+#: The source images the README documents: the template's default (Ubuntu 22.04) and Debian 12.
+SOURCES = {
+    "ubuntu-2204": (),
+    "debian-12": ("source_image_family=debian-12", "source_image_project=debian-cloud"),
+}
+
+
 @needs_packer
-def test_the_packer_template_validates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_packer_template_validates(tmp_path: Path, source: str) -> None:
     deb = tmp_path / "tpuboot_1.0_all.deb"
     deb.write_bytes(b"!<arch>\n")
-    done = validate(tmp_path, "project_id=my-project", f"deb={deb}")
+    done = validate(tmp_path, "project_id=my-project", f"deb={deb}", *SOURCES[source])
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_packer_template_builds_ubuntu_2204_by_default() -> None:
+    text = TEMPLATE.read_text()
+    defaults = dict(re.findall(r'variable "(\w+)" \{[^}]*?default\s*=\s*"([^"]*)"', text, re.DOTALL))
+    assert (defaults["source_image_family"], defaults["source_image_project"]) == (
+        "ubuntu-2204-lts",
+        "ubuntu-os-cloud",
+    )
 
 
 @needs_packer
@@ -50,9 +70,11 @@ def test_validation_is_real(tmp_path: Path) -> None:
 
 
 def test_the_packer_template_installs_the_deb_and_runs_prepare_image() -> None:
+    """In the README's order: universe on Ubuntu, docker.io with the .deb, then prepare-image."""
     text = TEMPLATE.read_text()
+    universe = text.index("add-apt-repository -y universe")
     install = text.index("apt-get install -y docker.io /tmp/tpuboot.deb")
-    assert install < text.index('"sudo tpuboot prepare-image"')
+    assert universe < install < text.index('"sudo tpuboot prepare-image"')
 
 
 def test_the_cloud_init_user_data_installs_then_prepares() -> None:

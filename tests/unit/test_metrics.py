@@ -78,6 +78,7 @@ def test_every_metric_is_named_by_convention(fresh):
         "tpuboot_metadata_requests": "counter",
         "tpuboot_tpu_env_last_update_timestamp_seconds": "gauge",
         "tpuboot_tpu_env_from_cache": "gauge",
+        "tpuboot_boot_phase_seconds": "gauge",
         "tpuboot_container_up": "gauge",
         "tpuboot_container_restarts": "counter",
     }

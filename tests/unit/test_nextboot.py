@@ -46,14 +46,15 @@ def tree(tmp_path: Path, grub: str | None, dropins: dict[str, str] | None = None
     return Root(tmp_path)
 
 
-def sourced(root: Root) -> str:
+def sourced(root: Root) -> tuple[str, str]:
     """What sh makes of the same files, sourced in grub-mkconfig's order (benign files only)."""
     files = " ".join(f'. "{root.path(f)}";' for f in grub_files(root))
-    script = f'{files} printf "%s %s" "$GRUB_CMDLINE_LINUX" "$GRUB_CMDLINE_LINUX_DEFAULT"'
+    script = f'{files} printf "%s\\0%s" "$GRUB_CMDLINE_LINUX" "$GRUB_CMDLINE_LINUX_DEFAULT"'
     out = subprocess.run(
         ["sh", "-c", script], capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"}
     )
-    return " ".join(out.stdout.split())
+    linux, default = out.stdout.split("\0")
+    return linux, default
 
 
 def words(root: Root, arch: str = "amd64") -> str:
@@ -92,7 +93,8 @@ def test_the_shipped_dropin_is_read_by_its_known_text() -> None:
 )
 def test_benign_files_read_as_sh_sources_them(tmp_path: Path, grub: str, dropins: dict[str, str]) -> None:
     root = tree(tmp_path, grub, dropins)
-    assert words(root) == sourced(root)
+    boot = next_boot(root, "amd64")
+    assert boot is not None and (boot.linux, boot.default) == sourced(root)
 
 
 def test_the_dropin_adds_the_iommu_only_for_x86(tmp_path: Path) -> None:
@@ -115,8 +117,8 @@ def test_no_grub_configuration_is_none(tmp_path: Path) -> None:
     ("text", "why"),
     [
         ("rm -rf /\n", "'rm' is a command"),
-        ('GRUB_CMDLINE_LINUX="$(touch {canary})"\n', "set from a command's output"),
-        ("GRUB_CMDLINE_LINUX=`touch {canary}`\n", "set from a command's output"),
+        ('GRUB_CMDLINE_LINUX="$(touch {canary})"\n', "not known without running shell"),
+        ("GRUB_CMDLINE_LINUX=`touch {canary}`\n", "not known without running shell"),
         ("GRUB_CMDLINE_LINUX=x; touch {canary}\n", "'touch' is a command"),
         ("GRUB_CMDLINE_LINUX=x && touch {canary}\n", "more than assignments"),
         ("GRUB_CMDLINE_LINUX=x&&touch {canary}\n", "outside quotes"),
@@ -143,7 +145,7 @@ def test_hostile_or_unusual_files_are_refused_and_nothing_runs(tmp_path: Path, t
 
 def test_an_unknown_value_is_harmless_until_the_command_line_uses_it(tmp_path: Path) -> None:
     root = tree(tmp_path, DEBIAN_GRUB + 'GRUB_CMDLINE_LINUX="$GRUB_DISTRIBUTOR"\n')
-    why = r"GRUB_CMDLINE_LINUX is set from a command's output \(/etc/default/grub line 4\)"
+    why = r"GRUB_CMDLINE_LINUX is not known without running shell \(/etc/default/grub line 4\)"
     with pytest.raises(Unreadable, match=why):
         next_boot(root, "amd64")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ import pytest
 import yaml
 
 from tpuboot import metrics
+from tpuboot.devices.table import DeviceTable
+from tpuboot.paths import Root
 
 TOP = Path(__file__).resolve().parents[2]
 RULES = TOP / "prometheus/tpuboot.rules.yml"
@@ -46,7 +49,10 @@ def exported_names() -> set[str]:
     """Every series name a fresh registry of tpuboot.metrics exposes, from its # TYPE lines (a
     labelled metric not yet set has no sample line, but has its TYPE line)."""
     names = set()
-    for line in metrics.Metrics().exposition().decode().splitlines():
+    with tempfile.TemporaryDirectory() as top, metrics.use(metrics.Metrics()) as fresh:
+        metrics.watch_pcie(Root(top), DeviceTable())  # the daemon's collector: its TYPE lines too
+        exposition = fresh.exposition()
+    for line in exposition.decode().splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split()
             names.add(name)

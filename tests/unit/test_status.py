@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.unit.fakekernel import FakeKernel
@@ -54,3 +56,24 @@ def test_the_driver_line_says_how_vfio_pci_is_in_the_kernel(tmp_path, shape, loa
     if load:
         kernel.load_module("vfio-pci")
     assert driver_summary(binder(kernel)).startswith(line)
+
+
+def test_status_shows_the_pcie_link_and_fails_on_a_function_gone_from_the_bus(tmp_path, capsys):
+    from tpuboot import cli
+
+    kernel = FakeKernel(tmp_path)
+    kernel.load_module("vfio-pci")
+    add_tpu(kernel, driver="vfio-pci")
+    os.chmod(kernel.p("/dev/vfio/4"), 0o666)
+    device = kernel.p("/sys/bus/pci/devices/0000:00:04.0")
+    for name, text in [("current_link_speed", "16.0 GT/s PCIe"), ("max_link_speed", "16.0 GT/s PCIe")]:
+        (device / name).write_text(text + "\n")
+    for name in ("current_link_width", "max_link_width"):
+        (device / name).write_text("16\n")
+    assert cli.main(["--root", str(tmp_path), "status"]) == cli.EXIT_OK
+    assert "16 GT/s x16 of 16 GT/s x16" in capsys.readouterr().out
+    (device / "config").write_bytes(b"\xff" * 64)
+    assert cli.main(["--root", str(tmp_path), "status"]) == cli.EXIT_FAILED
+    assert "! 0000:00:04.0 does not answer config reads" in capsys.readouterr().out
+    assert cli.main(["--root", str(tmp_path), "status", "--json"]) == cli.EXIT_FAILED
+    assert '"present": false' in capsys.readouterr().out

@@ -20,7 +20,7 @@ from tests.unit.test_daemon import serving, until
 from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Status
-from tpuboot.config import Config, TelemetryConfig, VbarConfig
+from tpuboot.config import Config, MetadataConfig, TelemetryConfig, VbarConfig
 from tpuboot.containers.exec import ExecRuntime, describe_exit
 from tpuboot.containers.gke import gke_node
 from tpuboot.containers.service import vbar_spec
@@ -157,13 +157,57 @@ def kernel(tmp_path: Path) -> Any:
 
 
 def test_ready_never_waits_for_dockerd_and_the_status_says_so(kernel: Any, root: Any) -> None:
-    daemon = daemon_with(kernel, root, gke="false")  # no /run/docker.sock under the root
+    """No dockerd installed (none under the root, no /run/docker.sock): STATUS says what vBar
+    waits for and how to get it, as doctor's fix does, not "starting" for good."""
+    daemon = daemon_with(kernel, root, gke="false")
     with serving(daemon) as running:
         until(lambda: daemon.ready)
-        until(lambda: "vBar: waiting (dockerd not answering" in daemon.notifier.last_status)
-        assert daemon.notifier.last_status.startswith("1 TPU bound to vfio-pci; vBar: waiting")
-        assert daemon.guest_attribute_values()["vbar"].startswith("waiting (dockerd not answering")
+        until(lambda: "vBar: waiting (dockerd is not installed" in daemon.notifier.last_status)
+        assert daemon.notifier.last_status == (
+            "1 TPU bound to vfio-pci; vBar: waiting (dockerd is not installed: apt install docker.io)"
+        )
+        assert daemon.guest_attribute_values()["vbar"].startswith("waiting (dockerd is not installed")
         running.stop()
+
+
+@pytest.mark.parametrize("where", ["usr/sbin/dockerd", "usr/bin/dockerd"])
+def test_an_installed_dockerd_that_does_not_answer_is_waited_for(kernel: Any, root: Any, where: str) -> None:
+    dockerd = root.path("/" + where)
+    dockerd.parent.mkdir(parents=True, exist_ok=True)
+    dockerd.write_text("#!/bin/sh\n")
+    daemon = daemon_with(kernel, root, gke="false")
+    with serving(daemon) as running:
+        until(lambda: "vBar: waiting (" in daemon.notifier.last_status)
+        assert daemon.notifier.last_status.endswith(
+            "vBar: waiting (dockerd not answering on /run/docker.sock)"
+        )
+        running.stop()
+
+
+def test_while_the_gke_question_is_unanswered_status_says_so(kernel: Any, root: Any) -> None:
+    """gke: auto asks until the metadata server answers (vBar must not start on a GKE node): the
+    question shows in STATUS, then why it is asked again, and vBar starts once it is answered."""
+    from harness.mds_emulator import MetadataEmulator
+    from tests.unit.conftest import make_client
+    from tests.unit.test_daemon import DEVICES_ONLY, make
+
+    with MetadataEmulator({}) as emu:
+        emu.set_faults(status=503)
+        config = DEVICES_ONLY.replace(
+            vbar=VbarConfig(), gke="auto", metadata=MetadataConfig(boot_deadline=1.0)
+        )
+        daemon, _, _ = make(kernel, config=config, root=root, metadata=make_client(emu, timeout=0.5))
+        with serving(daemon) as running:
+            asking = "1 TPU bound to vfio-pci; vBar: not started, asking whether this is a GKE node"
+            until(lambda: daemon.notifier.last_status.startswith(asking))
+            until(
+                lambda: daemon.notifier.last_status.startswith(
+                    asking + " (the metadata server did not answer"
+                )
+            )
+            emu.set_faults()
+            until(lambda: "vBar: waiting (dockerd is not installed" in daemon.notifier.last_status)
+            running.stop()
 
 
 def test_on_a_gke_node_neither_container_starts(kernel: Any, root: Any) -> None:

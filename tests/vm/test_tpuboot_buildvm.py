@@ -44,7 +44,9 @@ def vm(vm_artifacts: Artifacts, vm_image_factory: ImageFactory, tpuboot_deb: Pat
 
 
 def test_no_tpu_and_no_tpu_env_runs_no_container(vm: VM) -> None:
-    vm.wait_until("systemctl show -P StatusText tpuboot | grep -q 'vBar: not started'", timeout=60)
+    vm.wait_until(
+        "systemctl show -P StatusText tpuboot | grep -q 'vBar: not started, not a TPU VM'", timeout=60
+    )
     assert status_text(vm).endswith("vBar: not started, not a TPU VM (no TPU present, no tpu-env)")
     vm.wait_until("systemctl is-active -q docker", timeout=120)
     assert managed_containers(vm) == []

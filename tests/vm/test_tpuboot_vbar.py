@@ -184,7 +184,7 @@ def test_an_image_from_a_registry_not_allowed_is_never_pulled_and_the_status_say
 def test_on_a_gke_node_nothing_is_started_and_the_status_says_why(vm: VM, running: str) -> None:
     set_attribute(vm, "cluster-name", "tpu-cluster")
     vm.run(["systemctl", "restart", "tpuboot"], check=True, timeout=120)
-    vm.wait_until("systemctl show -P StatusText tpuboot | grep -q 'vBar: not started'", timeout=60)
+    vm.wait_until("systemctl show -P StatusText tpuboot | grep -q 'vBar: not started, GKE node'", timeout=60)
     assert status_text(vm).endswith("vBar: not started, GKE node (GKE runs it)")
     # tpuboot left the container it had started (containers outlive tpuboot); on GKE it starts none.
     vm.run(["docker", "rm", "-f", NAME], check=True, timeout=60)

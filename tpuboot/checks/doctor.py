@@ -45,9 +45,17 @@ from tpuboot.checks.image import (
     skipped,
     warned,
 )
+from tpuboot.checks.pcie import check_pcie_health
 from tpuboot.checks.slices import Reading, read_slice
 from tpuboot.config import Config, MetadataConfig
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
+from tpuboot.containers.dockerapi import (
+    DOCKER_SOCKET,
+    DockerAPI,
+    DockerError,
+    NotFound,
+    Unreachable,
+    dockerd_installed,
+)
 from tpuboot.containers.gke import GkeAnswer, ask_gke
 from tpuboot.containers.service import TELEMETRY, VBAR
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
@@ -66,8 +74,6 @@ from tpuboot.paths import Root
 ADVISORY = frozenset({"tpu-env-fresh"})
 
 MAX_FILE = 1 << 20
-#: Where Debian's and Ubuntu's docker.io (/usr/sbin) and Docker's docker-ce (/usr/bin) put dockerd.
-DOCKERD = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
 RUNNING, ABSENT = "running", "absent"
 
 #: How long doctor waits for the metadata server, per key.
@@ -158,7 +164,7 @@ class AskedOnce:
 
 def _dockerd_fix(root: Root) -> str:
     """Start dockerd where it is installed, else install it."""
-    if any(root.path(path).exists() for path in DOCKERD):
+    if dockerd_installed(root):
         return "systemctl enable --now docker; journalctl -u docker says why it stopped"
     return "apt install docker.io (then systemctl restart tpuboot)"
 
@@ -199,6 +205,7 @@ class Doctor:
             ("vfio-node-mode", self.check_node_mode),
             ("unsafe-interrupts", self.check_unsafe_interrupts),
             ("iommu-groups-viable", self.check_groups_viable),
+            ("pcie-health", lambda: check_pcie_health(self.root, self.tpus)),
             ("chip-count", self.check_chip_count),
             ("slice", self.check_slice),
             ("tpu-env", self.check_tpu_env),

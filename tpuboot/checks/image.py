@@ -30,6 +30,7 @@ from typing import Literal, TypeVar
 
 from tpuboot import subproc
 from tpuboot.atomicfile import read_file
+from tpuboot.checks.cmdline import Param, kernel_params
 from tpuboot.checks.nextboot import GRUB_DROPIN_DIR, X86, Unreadable, next_boot
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
@@ -175,7 +176,11 @@ def _layered(root: Root, dirs: tuple[str, ...], pattern: str) -> list[str]:
         for entry in real.iterdir():
             if entry.name not in chosen and fnmatch.fnmatchcase(entry.name, pattern):
                 chosen[entry.name] = entry
-    return [root.strip(path) for _, path in sorted(chosen.items()) if not _masked(path) and not path.is_dir()]
+    return [
+        root.strip(path)
+        for _, path in sorted(chosen.items())
+        if not _masked(path) and not root.path(root.strip(path)).is_dir()  # a link resolved under the root
+    ]
 
 
 def _texts(root: Root, paths: list[str]) -> Iterator[tuple[str, str]]:
@@ -191,16 +196,10 @@ def _texts(root: Root, paths: list[str]) -> Iterator[tuple[str, str]]:
 GRUB_DROPIN = "/etc/default/grub.d/tpuboot.cfg"
 
 
-def _cmdline(root: Root) -> list[tuple[str, str | None]] | None:
-    """``/proc/cmdline`` as (name, value) pairs in order, or None on a tree that is not running."""
-    text = _read(root, "/proc/cmdline")
-    if text is None:
-        return None
-    params = []
-    for word in re.findall(r'(?:[^\s"]+|"[^"]*")+', text):
-        name, eq, value = word.partition("=")
-        params.append((name, value.replace('"', "") if eq else None))
-    return params
+def _cmdline(root: Root) -> list[Param] | None:
+    """``/proc/cmdline`` as the kernel parsed it, or None on a tree that is not running."""
+    data = read_file(root, "/proc/cmdline", limit=MAX_FILE_BYTES)
+    return None if data is None else kernel_params(data)
 
 
 def kernel_arch(root: Root) -> str:
@@ -220,7 +219,7 @@ def image_arch(root: Root) -> str:
 class Cmdline:
     """A kernel command line to judge and what it is (shown in the detail)."""
 
-    params: list[tuple[str, str | None]]
+    params: list[Param]
     what: str
 
 
@@ -238,11 +237,11 @@ def next_boot_cmdline(root: Root) -> Cmdline | CheckResult:
     SKIP without a GRUB configuration, WARN when a file is shell tpuboot does not evaluate."""
     try:
         boot = next_boot(root, image_arch(root))
+        if boot is None:
+            return skipped(f"no {GRUB_DEFAULT} nor {GRUB_DROPIN_DIR}/*.cfg: not booted by GRUB, cannot tell")
+        return Cmdline(boot.params(), "next boot's command line (update-grub)")
     except Unreadable as exc:
         return warned(f"cannot tell the next boot's command line: {exc}", "see the detail")
-    if boot is None:
-        return skipped(f"no {GRUB_DEFAULT} nor {GRUB_DROPIN_DIR}/*.cfg: not booted by GRUB, cannot tell")
-    return Cmdline(boot.params(), "next boot's command line (update-grub)")
 
 
 CmdlineSource = Callable[[Root], "Cmdline | CheckResult"]
@@ -265,7 +264,7 @@ def _cmdline_check(
     line = source(root)
     if isinstance(line, CheckResult):
         return line
-    values = [value for key, value in line.params if key == name]
+    values = [param.value for param in line.params if param.name == name]
     if ok(values):
         return passed(f"{line.what} has {want}")
     found = " ".join(f"{name}={v}" if v is not None else name for v in values) or f"no {name}="
@@ -590,8 +589,10 @@ def check_manager_limits(root: Root, systemd: Systemd = SYSTEMD) -> CheckResult:
 
 def _unit_file(root: Root, unit: str) -> str | None:
     """The unit's file (maybe an alias symlink, read under the root), None if absent or masked."""
-    path = next((f"{d}/{unit}" for d in UNIT_DIRS if os.path.lexists(root.path(f"{d}/{unit}"))), None)
-    if path is None or _masked(root.path(path)) or _read(root, path) is None:
+    path = next(
+        (f"{d}/{unit}" for d in UNIT_DIRS if os.path.lexists(root.path(f"{d}/{unit}", follow=False))), None
+    )
+    if path is None or _masked(root.path(path, follow=False)) or _read(root, path) is None:
         return None
     return path
 
@@ -754,18 +755,18 @@ def _files_in(root: Root, directory: str) -> list[str]:
     real = root.path(directory)
     if not real.is_dir():
         return []
-    return sorted(f"{directory}/{e.name}" for e in real.iterdir() if e.is_file() and not e.is_symlink())
+    return sorted(f"{directory}/{e.name}" for e in real.iterdir() if not e.is_symlink() and e.is_file())
 
 
 def _cloud_instance(root: Root) -> str | None:
     """The current cloud-init instance directory (the link's target, read under the root)."""
-    link = root.path(CLOUD_INSTANCE_LINK)
+    link = root.path(CLOUD_INSTANCE_LINK, follow=False)
     if not link.is_symlink():
         return CLOUD_INSTANCE_LINK if link.is_dir() else None
     target = os.readlink(link)
     if not target.startswith("/"):
         target = os.path.normpath(f"{os.path.dirname(CLOUD_INSTANCE_LINK)}/{target}")
-    return target if root.path(target).is_dir() and not root.path(target).is_symlink() else None
+    return target if root.path(target).is_dir() and not root.path(target, follow=False).is_symlink() else None
 
 
 def _runners(root: Root) -> Iterator[tuple[str, str]]:
@@ -789,10 +790,10 @@ def _runners(root: Root) -> Iterator[tuple[str, str]]:
 
 def _scripts(root: Root) -> Iterator[tuple[str, str]]:
     """(path, text) of the files in SCRIPT_DIRS, each real file once (/lib may be /usr/lib)."""
-    seen: set[Path] = set()
+    seen: set[str] = set()
     for directory in SCRIPT_DIRS:
         for path in _files_in(root, directory):
-            real = root.path(path).resolve()
+            real = root.resolve(path)
             if real in seen or _own(path):
                 continue
             seen.add(real)
@@ -1067,12 +1068,11 @@ def check_leftover_grub(root: Root) -> CheckResult:
     line: dict[str, str] = {}
     for match in _GRUB_CMDLINE.finditer(text):  # the last assignment of each variable wins
         line[match.group(1)] = next(g for g in match.groups()[1:] if g is not None)
-    words = " ".join(line.get(v, "") for v in ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")).split()
+    typed = " ".join(line.get(v, "") for v in ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT"))
     set_here: dict[str, list[str]] = {}
-    for word in words:
-        name, _, value = word.partition("=")
-        if name in TPU_PARAMS:
-            set_here.setdefault(name, []).append(value)
+    for param in kernel_params(typed.encode("utf-8")):
+        if param.name in TPU_PARAMS:
+            set_here.setdefault(param.name, []).append(param.value or "")
     if not set_here:
         return passed(f"{GRUB_DEFAULT} sets no TPU kernel parameter")
     wrong = {name: values for name, values in set_here.items() if not _param_ok(name, values)}

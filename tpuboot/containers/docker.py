@@ -136,8 +136,12 @@ class DockerRuntime:
         *,
         allowlist: RegistryAllowlist,
         credentials: ServiceAccountCredentials | None = None,
+        installed: Callable[[], bool] | None = None,
     ) -> None:
+        """``installed``: whether dockerd is installed at all (dockerapi.dockerd_installed), asked
+        when its socket does not answer so that STATUS says what vBar waits for."""
         self.spec = spec
+        self.installed = installed
         self.allowlist = allowlist
         self.credentials = credentials
         self.pull_retries = pull_retries
@@ -180,7 +184,7 @@ class DockerRuntime:
                 raise RuntimeUnavailable(_reason(exc)) from None
             if _unreachable(exc):
                 self._drop_client()
-                raise RuntimeUnavailable(f"dockerd not answering on {DOCKER_SOCKET}") from None
+                raise RuntimeUnavailable(self._unreachable_reason()) from None
             raise StartFailed(f"{spec.name}: {_reason(exc)}") from None
         self._running = spec
         return started
@@ -261,6 +265,11 @@ class DockerRuntime:
             client.ping()  # learns dockerd's API version; raises here when dockerd is absent
             self.client = client
         return self.client
+
+    def _unreachable_reason(self) -> str:
+        if self.installed is not None and not self.installed():
+            return "dockerd is not installed: apt install docker.io"
+        return f"dockerd not answering on {DOCKER_SOCKET}"
 
     def _drop_client(self) -> None:
         """Forget the client: the next start asks dockerd's API version again (it may be another)."""

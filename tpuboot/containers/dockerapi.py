@@ -40,12 +40,25 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from tpuboot.netio import DeadlineSocket, ascii_int
 
+if TYPE_CHECKING:
+    from tpuboot.paths import Root
+
 DOCKER_SOCKET = "/run/docker.sock"
+#: Where Debian's and Ubuntu's docker.io (/usr/sbin) and Docker's docker-ce (/usr/bin) put dockerd.
+DOCKERD = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
+
+
+def dockerd_installed(root: Root) -> bool:
+    """Whether a dockerd binary is there: a socket nobody answers on means "not started" then,
+    and "install docker.io" otherwise."""
+    return any(root.path(path).exists() for path in DOCKERD)
+
+
 #: The newest Engine API version tpuboot speaks: Docker 29.0's. moby's API changelog from 1.41
 #: (Debian 12's docker.io, the oldest engine tested) to 1.56 was read against what tpuboot sends
 #: (create: Image, Labels, HostConfig Privileged, NetworkMode, Binds; start; remove with force;

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,12 +55,17 @@ def ask_gke(mode: str, metadata: Metadata | None, deadline_s: float) -> GkeAnswe
 
 
 def gke_node(
-    mode: str, client: Metadata | None, stop: threading.Event, deadline_s: float = 60.0
+    mode: str,
+    client: Metadata | None,
+    stop: threading.Event,
+    deadline_s: float = 60.0,
+    unanswered: Callable[[str], None] | None = None,
 ) -> bool | None:
     """True on a GKE node, False elsewhere, None if ``stop`` was set before metadata answered.
 
     With ``auto`` the question is asked until answered: starting vBar on a GKE node because
-    the metadata server was slow would run two agents.
+    the metadata server was slow would run two agents. ``unanswered(why)`` hears, once, why it
+    is still being asked, so that STATUS can say what vBar waits for.
     """
     reported = False
     while mode in ("true", "false") or not stop.is_set():
@@ -70,6 +76,8 @@ def gke_node(
             return answer.node
         if not reported:
             log.warning("GKE check: %s; asking again", answer.why)
+            if unanswered is not None:
+                unanswered(answer.why)
             reported = True
         stop.wait(5.0)
     return None

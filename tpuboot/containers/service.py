@@ -32,7 +32,7 @@ from tpuboot.component import Report, Status
 from tpuboot.config import Config, TelemetryConfig
 from tpuboot.containers.credentials import ServiceAccountCredentials, TokenSource
 from tpuboot.containers.docker import ContainerSpec, DockerRuntime
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, dockerd_installed
 from tpuboot.containers.gke import gke_node
 from tpuboot.containers.imageref import RegistryAllowlist
 from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, Supervisor
@@ -193,10 +193,20 @@ class Containers:
         self._report()
 
     def _begin(self) -> None:
-        gke = gke_node(self.config.gke, self.metadata, self.stopping, self.config.metadata.boot_deadline)
+        labels = list(self._statuses)
+
+        def asking(why: str) -> None:
+            for label in labels:
+                self._set(label, Status(NOT_STARTED, f"not started, asking whether this is a GKE node{why}"))
+
+        if self.config.gke == "auto":
+            asking("")
+        deadline = self.config.metadata.boot_deadline
+        gke = gke_node(
+            self.config.gke, self.metadata, self.stopping, deadline, lambda why: asking(f" ({why})")
+        )
         if gke is None:
             return
-        labels = list(self._statuses)
         if gke:
             for label in labels:
                 what = "it" if label == VBAR else "the telemetry collector"
@@ -244,8 +254,9 @@ class Containers:
 
             credentials = self._registry_credentials()
             return DockerRuntime(
-                wanted, retries, self.docker_factory, allowlist=allowlist, credentials=credentials
-            )
+                wanted, retries, self.docker_factory, allowlist=allowlist, credentials=credentials,
+                installed=self._dockerd_installed,
+            )  # fmt: skip
         telemetry = config.telemetry
         allowlist = RegistryAllowlist(telemetry.registries, "telemetry.registries")
         return DockerRuntime(
@@ -254,7 +265,11 @@ class Containers:
             self.docker_factory,
             allowlist=allowlist,
             credentials=self._registry_credentials(),
+            installed=self._dockerd_installed,
         )
+
+    def _dockerd_installed(self) -> bool:
+        return dockerd_installed(self.root)
 
 
 def _nothing() -> None:

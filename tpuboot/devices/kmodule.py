@@ -83,7 +83,9 @@ def installed_releases(root: Root) -> list[str]:
     return sorted(
         entry.name
         for entry in top.iterdir()
-        if entry.is_dir() and any((entry / f).is_file() for f in ("modules.dep", "modules.builtin"))
+        if any(
+            root.path(f"{MODULES_DIR}/{entry.name}/{f}").is_file() for f in ("modules.dep", "modules.builtin")
+        )
     )
 
 

@@ -13,7 +13,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from tpuboot import metrics
+from tpuboot import bootbudget, metrics
 from tpuboot.component import Report, Status
 from tpuboot.config import ReadyConfig
 from tpuboot.devices.pci import PciFunction, list_addresses
@@ -26,6 +26,15 @@ log = logging.getLogger("tpuboot.devices.manager")
 
 BACKOFF_FIRST = 1.0
 BACKOFF_CAP = 60.0
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds before the next try of a bind that failed ``failures`` times in a row: doubling
+    from BACKOFF_FIRST, at most BACKOFF_CAP (the README and the man page quote the schedule)."""
+    # The exponent is capped before the power: 2.0 ** 1100 would overflow a float.
+    return min(BACKOFF_CAP, BACKOFF_FIRST * 2.0 ** min(failures - 1, 32))
+
+
 #: A function whose PCI ids could not be read: maybe a TPU; STATUS lists it apart from the TPUs.
 UNCLASSIFIED = "unclassified PCI function"
 
@@ -312,6 +321,7 @@ class DeviceManager:
         if isinstance(outcome, BindResult):
             state.state, state.error = "bound", None
             how = "bound to vfio-pci" if outcome.changed else "already bound to vfio-pci"
+            bootbudget.mark(bootbudget.BIND, address)
             extra = {**fields, "IOMMU_GROUP": outcome.group, "VFIO_NODE": outcome.node}
             log.info("%s (%s) %s, %s ready", address, state.kind, how, outcome.node, extra=extra)
         else:
@@ -329,8 +339,7 @@ class DeviceManager:
         state.state, state.error = "failed", str(exc)
         retries = self.binder.config.retries
         if exc.transient and state.attempts <= retries:
-            # The exponent is capped before the power: 2.0 ** 1100 would overflow a float.
-            delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2.0 ** min(state.attempts - 1, 32))
+            delay = retry_delay(state.attempts)
             log.warning("%s (retry %d/%d in %.0f s)", exc, state.attempts, retries, delay, extra=fields)
             state.retry = self.loop.call_later(delay, again or self._retry, address, state)
         else:

@@ -31,7 +31,10 @@ dropped from env.environment keeps tpuboot's line until purge.
 Syntax is pam_env's (``KEY=value`` or ``KEY="value"``, optional ``export``, ``#`` comments,
 a trailing backslash continues a line; the last assignment of a key is the one read). Values are
 quoted only when needed; values pam_env and a shell would read differently (quotes, backslash,
-``$``, backtick, newline) are refused.
+``$``, backtick, newline, and ``#``, where pam_env ends every value) are refused, and so are the
+Unicode noncharacters systemd's environment.d generator refuses (Debian's systemd links
+/etc/environment into environment.d: one would cost every user manager the whole file). A
+refused key is left out of the file alone, named in one warning; the others are written.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tpuboot.atomicfile import read_file, write_file
+from tpuboot.env.tpuenv import systemd_problem
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
 
@@ -58,7 +62,9 @@ RECORD_MODE = 0o600
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _ASSIGNMENT = re.compile(r"[ \t]*(?:export[ \t]+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)\Z", re.DOTALL)
 _BARE = re.compile(r"[A-Za-z0-9_./:,@%+=-]+\Z")
-_UNREPRESENTABLE = frozenset('"\\$`\n\r\0')
+# pam_env ends a line's value at its first "#", quoted or not (Linux-PAM 1.5's _parse_env_file, as
+# tests/unit/test_envfile_consumers.py finds): a value holding one cannot be carried either.
+_UNREPRESENTABLE = frozenset('"\\$`#\n\r\0')
 
 # (path, key, admin's value, tpuboot's value) already logged: said once per process, not per sync.
 _reported: set[tuple[str, str, str, str]] = set()
@@ -75,6 +81,9 @@ def format_assignment(key: str, value: str) -> str:
             f"env.environment.{key}: the value holds {', '.join(map(repr, bad))}, which /etc/environment "
             "cannot carry; remove it"
         )
+    refused = systemd_problem(key, value)
+    if refused:  # systemd's environment.d generator reads /etc/environment (Debian links it there)
+        raise ConfigError(f"env.environment.{key}: the value {refused}; remove it")
     return f"{key}={value}" if _BARE.match(value) else f'{key}="{value}"'
 
 
@@ -230,6 +239,7 @@ def ensure_environment(
 ) -> dict[str, str]:
     """Make ``path`` (normally /etc/environment) set ``wanted`` where no admin has set it; the
     lines tpuboot wrote, by key (empty: none written). ``record`` is kept in step."""
+    wanted = _writable(path, wanted)
     raw = read_file(root, path, limit=MAX_ENVIRONMENT_BYTES)
     text = (raw or b"").decode("utf-8", "surrogateescape")
     recorded = read_record(root, record)
@@ -259,6 +269,34 @@ def ensure_environment(
             extra={"ENVIRONMENT_PATH": path, "ENVIRONMENT_KEYS": " ".join(plan.changed)},
         )
     return dict(plan.written)
+
+
+def _writable(path: str, wanted: Mapping[str, str]) -> dict[str, str]:
+    """``wanted`` less the keys /etc/environment cannot carry, named once: one bad value must not
+    cost the file every other key."""
+    kept: dict[str, str] = {}
+    refused: dict[str, str] = {}
+    for key, value in wanted.items():
+        try:
+            format_assignment(key, value)
+        except ConfigError as exc:
+            refused[key] = str(exc)
+            continue
+        kept[key] = value
+    if refused:
+        with _reported_lock:
+            said = (path, "", repr(sorted(refused.items())), "")
+            new = said not in _reported
+            _reported.add(said)
+        if new:
+            log.warning(
+                "%s: left out %s: %s",
+                path,
+                ", ".join(refused),
+                "; ".join(refused.values()),
+                extra={"ENVIRONMENT_PATH": path, "ENVIRONMENT_KEYS": " ".join(refused)},
+            )
+    return kept
 
 
 def _report_admin_values(path: str, admin: Mapping[str, tuple[str, str]]) -> None:

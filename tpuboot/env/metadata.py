@@ -1,4 +1,7 @@
-"""The GCE metadata server client: the one module in tpuboot that speaks HTTP.
+"""The GCE metadata server client: every request tpuboot makes to the metadata server.
+
+(tpuboot speaks HTTP in two other places: to dockerd on its unix socket,
+:mod:`tpuboot.containers.dockerapi`, and as the server of its metrics, :mod:`tpuboot.metrics`.)
 
 Why each choice:
 - Address ``169.254.169.254``, not ``metadata.google.internal``: DNS may not work yet at boot.

@@ -27,8 +27,9 @@ configure-gcs-timeouts.sh). ``sync_once`` runs at boot; ``watch`` keeps tpu-env 
 - /etc/environment gets ``env.environment`` whatever metadata says.
 - The same values go to ``env.systemd_env_path`` (systemd's ``EnvironmentFile=``) and
   ``env.docker_env_path`` (``docker run --env-file``), each in its reader's syntax
-  (:mod:`tpuboot.env.tpuenv`), written with tpu-env: root's, 0644, atomically. A value docker's
-  format cannot carry (a newline) is left out of that file only, named in one warning. A
+  (:mod:`tpuboot.env.tpuenv`), written with tpu-env: root's, 0644, atomically. A value one of
+  them cannot carry (a newline for docker, a Unicode noncharacter for systemd, whose reader
+  would refuse the whole file) is left out of that file only, named in one warning. A
   failure to write either is logged and added to the status line; tpu-env itself still counts.
 
 ``watch`` ends when ``stop`` is set and the client is closed (``client.close()`` cuts a
@@ -60,7 +61,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from tpuboot import metrics
+from tpuboot import bootbudget, metrics
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config
@@ -276,7 +277,7 @@ class EnvSync:
         is still used for tpu-env, but never for what tpuboot runs as root."""
         for path in (self._env.cache_dir, self.cache_path):
             try:
-                st = os.lstat(self._root.path(path))
+                st = os.lstat(self._root.path(path, follow=False))
             except FileNotFoundError:
                 continue
             except OSError:
@@ -391,6 +392,7 @@ class EnvSync:
         return self._from_metadata(change.value, change.etag)
 
     def _absent(self) -> SyncResult:
+        bootbudget.mark(bootbudget.METADATA)  # a 404 is an answer: the attribute is not set
         with self._lock:
             self._etag = None
         return SyncResult(
@@ -401,6 +403,7 @@ class EnvSync:
         )
 
     def _from_metadata(self, body: bytes, etag: str | None) -> SyncResult:
+        bootbudget.mark(bootbudget.METADATA)
         try:
             env = parse_tpu_env(body, max_bytes=self._metadata.max_body)
         except TpuEnvError as exc:
@@ -449,6 +452,7 @@ class EnvSync:
         data = render_env_file(values).encode("utf-8")
         owner = (os.geteuid(), os.getegid())
         written = write_file(self._root, self._env.tpu_env_path, data, mode=TPU_ENV_MODE, owner=owner)
+        bootbudget.mark(bootbudget.TPU_ENV)  # written or already so: either way it holds the values
         failed = [f"{path} not written: {exc}" for path, exc in self._write_formats(values, owner)]
         return written, "".join(f"; {line}" for line in failed)
 
@@ -457,10 +461,9 @@ class EnvSync:
     ) -> list[tuple[str, FileWriteError]]:
         """The systemd and docker files that are configured; the failures, each logged."""
         failures: list[tuple[str, FileWriteError]] = []
-        docker_text, skipped = render_docker_env_file(values)
-        for path, text in (
+        for path, (text, skipped) in (
             (self._env.systemd_env_path, render_systemd_env_file(values)),
-            (self._env.docker_env_path, docker_text),
+            (self._env.docker_env_path, render_docker_env_file(values)),
         ):
             if path is None:
                 continue
@@ -470,7 +473,7 @@ class EnvSync:
                 log.error("tpu-env: %s", exc, extra={"TPU_ENV_PATH": path})
                 failures.append((path, exc))
                 continue
-            if rewritten and skipped and path == self._env.docker_env_path:
+            if rewritten and skipped:
                 log.warning(
                     "tpu-env: %s left out of %s: %s",
                     ", ".join(skipped),
@@ -520,6 +523,7 @@ class EnvSync:
                 result,
                 status=f"{result.status}; {self._env.environment_path} not written ({type(exc).__name__})",
             )
+        bootbudget.mark(bootbudget.ENVIRONMENT)
         return dataclasses.replace(result, environment_written=bool(changed))
 
     def _report(self, result: SyncResult) -> None:

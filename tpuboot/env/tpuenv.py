@@ -20,6 +20,10 @@ Skipped, all named in one warning: keys that are not shell variable names, names
 tagged values, values a shell variable cannot hold (NUL, unpaired surrogates), values
 over the kernel's limit for one environment string (:data:`MAX_ENV_STRING`), and values
 past the whole file's bound (:data:`MAX_ENV_TOTAL`).
+
+The systemd and docker renderings each leave out what their reader cannot take whole
+(:func:`systemd_problem`, :func:`docker_problem`): that value is missing from that file alone,
+and the caller names it in one warning; tpu-env itself keeps it.
 """
 
 from __future__ import annotations
@@ -330,18 +334,60 @@ def parse_env_file(text: str) -> dict[str, str] | None:
 GENERATED_HEADER = "# Written by tpuboot from the tpu-env metadata attribute; edits are overwritten.\n"
 
 
-def render_systemd_env_file(values: Mapping[str, str]) -> str:
-    """The tpu-env values for systemd's ``EnvironmentFile=``: ``KEY="value"``, one per key.
+def _noncharacters() -> re.Pattern[str]:
+    planes = "".join(f"\\U{plane:04x}fffe\\U{plane:04x}ffff" for plane in range(1, 17))
+    return re.compile(f"[\\ud800-\\udfff\\ufdd0-\\ufdef\\ufffe\\uffff{planes}]")
+
+
+#: What systemd's utf8_is_valid refuses in text that is otherwise UTF-8 (unichar_is_valid in
+#: src/basic/utf8.c, 249 to 257): UTF-16 surrogates and the 66 Unicode noncharacters (U+FDD0 to
+#: U+FDEF, and the last two code points of each plane, U+nFFFE and U+nFFFF).
+SYSTEMD_REFUSED = _noncharacters()
+
+
+def systemd_problem(key: str, value: str) -> str | None:
+    """Why ``KEY="value"`` cannot be a line of a file systemd's env-file reader parses (None: it can).
+
+    That reader (load_env_file in src/basic/env-file.c) checks each key and value with
+    utf8_is_valid and, on the first that fails, refuses the **whole file** ("invalid UTF-8"): an
+    ``EnvironmentFile=`` unit then fails to start, and a user manager's environment.d generator
+    (Debian links /etc/environment there) loses every variable. Everything else a tpu-env value may
+    hold is read back byte for byte (:func:`render_systemd_env_file`). The other forms that check
+    refuses cannot reach it: invalid or overlong UTF-8 never comes out of a str's encoding, and
+    NUL and lone surrogates are refused for every file by :func:`parse_tpu_env`. The reader has no
+    line or key length limit (a file up to 64 MiB); keys are shell names, which it takes as such.
+    """
+    bad = SYSTEMD_REFUSED.search(key) or SYSTEMD_REFUSED.search(value)
+    if bad is None:
+        return None
+    return (
+        f"holds U+{ord(bad.group()):04X}, a Unicode noncharacter, and systemd's env-file reader "
+        "refuses a whole file holding one"
+    )
+
+
+def render_systemd_env_file(values: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """The tpu-env values for systemd's ``EnvironmentFile=`` (``KEY="value"``, one per key), and
+    those left out (key → why: :func:`systemd_problem`).
 
     systemd's reader (parse_env_file_internal in src/basic/env-file.c, the same state machine in
     249 and 257) takes a double-quoted value up to the closing quote, newlines and carriage
     returns included; inside it ``\\`` followed by one of ``"\\`$`` (SHELL_NEED_ESCAPE) gives that
     character, and nothing is expanded. So :func:`shell_quote`'s escaping is read back byte for
-    byte: every value tpu-env accepts (UTF-8, no NUL) is carried. Since 248 (pull request 18129)
-    env_value_is_valid refuses no control character; 239 to 247 dropped values holding one other
-    than tab and newline, but no supported release has those.
+    byte. Since 248 (pull request 18129) env_value_is_valid refuses no control character; 239 to
+    247 dropped values holding one other than tab and newline, but no supported release has those.
+    The reader has no line length limit; the executor drops a single assignment longer than
+    ARG_MAX, far above :data:`MAX_ENV_STRING`.
     """
-    return GENERATED_HEADER + render_env_file(values)
+    carried: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    for key, value in values.items():
+        why = systemd_problem(key, value)
+        if why is None:
+            carried[key] = value
+        else:
+            skipped[key] = why
+    return GENERATED_HEADER + render_env_file(carried), skipped
 
 
 #: The longest line (its newline not counted) docker's reader takes: opts/envfile.go in docker/cli
@@ -350,17 +396,32 @@ def render_systemd_env_file(values: Mapping[str, str]) -> str:
 DOCKER_MAX_LINE = 64 * 1024 - 1
 
 
+_QUOTES = ('"', "'")
+
+
 def docker_problem(key: str, value: str) -> str | None:
     """Why ``KEY=value`` cannot be a line of a docker env-file (None: it can, byte for byte).
 
     docker reads one variable a line, with no quoting or escapes: the value is everything after
     the first ``=`` up to the newline, trailing blanks kept. bufio.ScanLines drops one carriage
-    return before the newline, and a line must fit the scanner's buffer.
+    return before the newline, and a line must fit the scanner's buffer. Go's utf8.Valid, which
+    the reader applies to each line, accepts noncharacters: docker carries what systemd refuses.
+
+    Decision on quotes: a value wrapped in one matching pair (``"x"``, ``'x'``, ``""``) is read
+    as written by every docker CLI released so far, but docker/cli pull request 6805 (open)
+    would strip that pair, as docker compose does. A file whose meaning depends on the CLI
+    version is not written: such a value is left out, and named, rather than be wrong under
+    one of them. A quote anywhere else (``a"b``, ``"x``) means the same to both.
     """
     if "\n" in value:
         return "holds a newline, and docker's --env-file reads one line per variable"
     if value.endswith("\r"):
         return "ends in a carriage return, which docker's --env-file drops"
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in _QUOTES:
+        return (
+            "is wrapped in matching quotes, which docker's --env-file keeps today and a later docker "
+            "may strip (docker/cli pull request 6805)"
+        )
     size = len(key) + 1 + len(value.encode("utf-8"))
     if size > DOCKER_MAX_LINE:
         return f"{size} bytes as KEY=value, over the {DOCKER_MAX_LINE} docker's --env-file reads in a line"

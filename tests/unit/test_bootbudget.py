@@ -1,0 +1,120 @@
+"""The boot budget's record: phases timed from the process's start as /proc says it, the first
+end of each phase counting, binds closed at READY, and the line, fields and file it gives."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tpuboot import bootbudget
+from tpuboot.bootbudget import BIND, COLDPLUG, METADATA, READY, VBAR, Budget, process_start
+from tpuboot.paths import Root
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree(tmp_path: Path, start_ticks: int | None = None, command: str = "python3") -> Root:
+    if start_ticks is not None:
+        proc = tmp_path / "proc/self"
+        proc.mkdir(parents=True)
+        rest = ["S"] + ["0"] * 18 + [str(start_ticks)] + ["0"] * 30  # starttime is field 22
+        (proc / "stat").write_text(f"4242 ({command}) " + " ".join(rest) + "\n")
+    return Root(tmp_path)
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_start_is_read_past_a_command_name_with_spaces_and_parentheses(tmp_path: Path) -> None:
+    root = tree(tmp_path, 500 * TICK, command="tpu boot) (x")
+    assert process_start(root) == 500.0
+
+
+def test_phases_count_from_the_process_start(tmp_path: Path) -> None:
+    clock = Clock(503.0)
+    budget = Budget(tree(tmp_path, 500 * TICK), clock)
+    assert budget.started_after_boot == 500.0
+    budget.mark(COLDPLUG, "9 PCI functions")
+    clock.now = 504.5
+    budget.mark(READY)
+    assert [(p.label, p.seconds) for p in budget.phases()] == [
+        ("coldplug-enumerated 9 PCI functions", 3.0),
+        ("ready", 4.5),
+    ]
+    assert budget.summary().endswith("(started 500.00 s after the kernel)")
+
+
+def test_without_proc_the_budget_counts_from_its_own_birth(tmp_path: Path) -> None:
+    clock = Clock(10.0)
+    budget = Budget(tree(tmp_path), clock)
+    clock.now = 11.25
+    budget.mark(READY)
+    assert budget.started_after_boot is None and budget.phases()[0].seconds == 1.25
+    assert "after the kernel" not in budget.summary()
+
+
+def test_a_start_after_now_is_another_clock_and_not_trusted(tmp_path: Path) -> None:
+    budget = Budget(tree(tmp_path, 900 * TICK), Clock(100.0))
+    assert budget.started_after_boot is None and budget.origin == 100.0
+
+
+def test_the_first_end_of_a_phase_counts_and_binds_close_at_ready(tmp_path: Path) -> None:
+    clock = Clock(0.0)
+    budget = Budget(tree(tmp_path), clock)
+    for now, name, detail in [
+        (1, METADATA, ""),
+        (2, BIND, "0000:00:04.0"),
+        (3, METADATA, ""),
+        (4, READY, ""),
+    ]:
+        clock.now = now
+        budget.mark(name, detail)
+    clock.now = 9
+    budget.mark(BIND, "0000:00:05.0")  # hot-added after READY
+    budget.mark(VBAR)  # after READY, and still part of the boot
+    assert [p.label for p in budget.phases()] == [
+        "metadata-answered",
+        "bind 0000:00:04.0",
+        "ready",
+        "vbar-running",
+    ]
+    assert budget.phases()[0].seconds == 1
+
+
+def test_journal_fields_and_summary(tmp_path: Path) -> None:
+    clock = Clock(0.0)
+    budget = Budget(tree(tmp_path), clock)
+    for now, address in [(1.0, "0000:00:05.0"), (0.5, "0000:00:04.0")]:
+        budget.mark(BIND, address, at=now)
+    clock.now = 2.0
+    budget.mark(READY)
+    assert budget.journal_fields() == {
+        "TPUBOOT_BOOT_BINDS": "0000:00:04.0=0.500 0000:00:05.0=1.000",
+        "TPUBOOT_BOOT_READY": "2.000",
+    }
+    assert budget.summary() == "boot budget: 2 binds 0.50-1.00 s, ready 2.00 s"
+
+
+def test_the_record_round_trips_and_a_bad_one_is_none(tmp_path: Path) -> None:
+    root = tree(tmp_path)
+    assert bootbudget.load(root) is None
+    budget = Budget(root, Clock(0.0))
+    budget.mark(READY)
+    budget.save()
+    record = bootbudget.load(root)
+    assert record is not None and record["phases"] == [{"phase": "ready", "detail": "", "seconds": 0.0}]
+    root.path(bootbudget.BUDGET_PATH).write_text("[1, 2")
+    assert bootbudget.load(root) is None
+    root.path(bootbudget.BUDGET_PATH).write_text("[1, 2]")
+    assert bootbudget.load(root) is None
+
+
+def test_marks_outside_a_daemon_do_nothing() -> None:
+    bootbudget._current = None
+    bootbudget.mark(READY)  # `tpuboot env` writes tpu-env through the same code
+    assert bootbudget.current() is None

@@ -1,0 +1,177 @@
+"""Where a boot's time goes: each start-up phase of `tpuboot run`, timed from the process's start.
+
+A TPU VM that becomes usable late is diagnosed on the VM, without a benchmark: the daemon marks
+each phase as it ends (udev monitor open, coldplug enumeration, each bind, the metadata server's
+first answer, tpu-env written, /etc/environment, READY, vBar running), logs them in one structured
+journal line at READY, exports them as ``tpuboot_boot_phase_seconds``, and keeps them in
+``/run/tpuboot/boot.json`` for ``tpuboot status --boot``.
+
+Times are seconds since the process started (its start time in ``/proc/self/stat``, so the
+interpreter's own start-up counts too), on the kernel's boot-time clock, which also says how long
+after the kernel's start the unit began.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tpuboot.atomicfile import FileWriteError, read_file, write_file
+from tpuboot.paths import Root
+
+log = logging.getLogger("tpuboot.bootbudget")
+
+BUDGET_PATH = "/run/tpuboot/boot.json"
+MONITOR_OPEN = "monitor-open"
+COLDPLUG = "coldplug-enumerated"
+BIND = "bind"  # one per TPU: "bind 0000:00:04.0"
+METADATA = "metadata-answered"  # tpu-env's first answer (a value, or 404: not set)
+TPU_ENV = "tpu-env-written"
+ENVIRONMENT = "etc-environment"
+READY = "ready"
+VBAR = "vbar-running"
+#: The phases of every boot, in the order they are shown (binds stand between coldplug and READY).
+PHASES = (MONITOR_OPEN, COLDPLUG, BIND, METADATA, TPU_ENV, ENVIRONMENT, READY, VBAR)
+
+
+def boottime() -> float:
+    """Now on the boot-time clock (the one /proc/self/stat's start time counts on)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def process_start(root: Root) -> float | None:
+    """When this process started, in seconds of the boot-time clock; None if /proc cannot say."""
+    try:
+        text = root.path("/proc/self/stat").read_text()
+        fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
+        return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime: field 22 of proc(5)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str  # one of PHASES ("bind" with the TPU's address as ``detail``)
+    seconds: float  # since the process started
+    detail: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.detail}" if self.detail else self.name
+
+
+class Budget:
+    """The phases marked so far; thread-safe (the env thread and the containers mark too)."""
+
+    def __init__(self, root: Root, clock: Callable[[], float] = boottime) -> None:
+        self.root = root
+        self.clock = clock
+        now = clock()
+        start = process_start(root)
+        # A start after now (another clock) or none at all: count from this object's birth.
+        self.origin: float = start if start is not None and start <= now else now
+        self.started_after_boot: float | None = start if start is not None and start <= now else None
+        self._lock = threading.Lock()
+        self._phases: dict[tuple[str, str], Phase] = {}
+
+    def mark(self, name: str, detail: str = "", at: float | None = None) -> None:
+        """Phase ``name`` ended now (or ``at``, a :func:`boottime` reading); only its first end
+        counts (a bind retried later is not boot)."""
+        seconds = max(0.0, (self.clock() if at is None else at) - self.origin)
+        with self._lock:
+            if name == BIND and (READY, "") in self._phases:
+                return  # a TPU hot-added after READY: not part of the boot
+            self._phases.setdefault((name, detail), Phase(name, seconds, detail))
+
+    def phases(self) -> list[Phase]:
+        with self._lock:
+            found = list(self._phases.values())
+        return sorted(found, key=lambda p: (p.seconds, PHASES.index(p.name) if p.name in PHASES else 99))
+
+    def has(self, name: str) -> bool:
+        with self._lock:
+            return any(key[0] == name for key in self._phases)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "started_after_boot_seconds": self.started_after_boot,
+            "phases": [
+                {"phase": p.name, "detail": p.detail, "seconds": round(p.seconds, 6)} for p in self.phases()
+            ],
+        }
+
+    def journal_fields(self) -> dict[str, str]:
+        """One field per phase (``TPUBOOT_BOOT_READY=2.412``), the binds in one field."""
+        fields: dict[str, str] = {}
+        binds = []
+        for p in self.phases():
+            if p.name == BIND:
+                binds.append(f"{p.detail}={p.seconds:.3f}")
+            else:
+                fields[f"TPUBOOT_BOOT_{p.name.upper().replace('-', '_')}"] = f"{p.seconds:.3f}"
+        if binds:
+            fields["TPUBOOT_BOOT_BINDS"] = " ".join(binds)
+        if self.started_after_boot is not None:
+            fields["TPUBOOT_BOOT_STARTED_AFTER_KERNEL"] = f"{self.started_after_boot:.3f}"
+        return fields
+
+    def summary(self) -> str:
+        """The journal line's text: each phase with its time, the binds as a range."""
+        parts = []
+        binds = [p.seconds for p in self.phases() if p.name == BIND]
+        for p in self.phases():
+            if p.name != BIND:
+                parts.append(f"{p.name} {p.seconds:.2f} s")
+            elif p.seconds == binds[0]:
+                shown = f"{binds[0]:.2f} s" if len(binds) == 1 else f"{binds[0]:.2f}-{binds[-1]:.2f} s"
+                parts.append(f"{len(binds)} bind{'s' if len(binds) > 1 else ''} {shown}")
+        after = (
+            ""
+            if self.started_after_boot is None
+            else f" (started {self.started_after_boot:.2f} s after the kernel)"
+        )
+        return "boot budget: " + ", ".join(parts) + after
+
+    def save(self) -> None:
+        """Write the phases for `tpuboot status --boot` (not on the daemon's loop: a file write)."""
+        try:
+            write_file(self.root, BUDGET_PATH, json.dumps(self.as_dict(), indent=1).encode(), mode=0o644)
+        except FileWriteError as exc:
+            log.warning("boot budget: %s", exc)
+
+
+_current: Budget | None = None
+
+
+def begin(root: Root) -> Budget:
+    """The budget of this run of the daemon (its start is the process's)."""
+    global _current
+    _current = Budget(root)
+    return _current
+
+
+def mark(name: str, detail: str = "") -> None:
+    """Mark a phase of the current budget; nothing when no daemon runs (the one-shot commands)."""
+    if _current is not None:
+        _current.mark(name, detail)
+
+
+def current() -> Budget | None:
+    return _current
+
+
+def load(root: Root) -> dict[str, object] | None:
+    """What the running (or last) daemon wrote; None when there is no record."""
+    raw = read_file(root, BUDGET_PATH, limit=1 << 20)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,220 @@
+"""PCIe health of one PCI function, as the kernel reports it in sysfs.
+
+Nothing on a TPU host watches a chip degrade: GKE's device plugin and the TPU DRA driver call a
+chip healthy when its node exists. The kernel already knows more for every function: the link it
+trained at against the one it can do (``current_link_*`` / ``max_link_*``), the AER error counters
+since boot (``aer_dev_correctable``, ``aer_dev_nonfatal``, ``aer_dev_fatal``:
+Documentation/ABI/testing/sysfs-bus-pci-devices-aer), the reset methods it offers
+(``reset_method``, Linux 5.15+), and whether the function still answers at all (a vendor id of
+0xffff in config space: it fell off the bus). Reading these costs a few small sysfs reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tpuboot.devices.pci import PCI_DEVICES
+from tpuboot.paths import Root
+
+#: The AER counter files, by the severity they count.
+AER_FILES = {"correctable": "aer_dev_correctable", "nonfatal": "aer_dev_nonfatal", "fatal": "aer_dev_fatal"}
+#: A link at this fraction of its maximum bandwidth or less is a failure, not just a doubt: a
+#: chip trained at x8 of x16, or one PCIe generation down, moves data at half the rate.
+FAIL_FRACTION = 0.5
+_SPEED = re.compile(r"(\d+(?:\.\d+)?) GT/s")
+_ABSENT_VENDOR = b"\xff\xff"
+
+
+def _encoding(gts: float) -> float:
+    """Payload share of the line rate: 8b/10b up to 5 GT/s (PCIe 1 and 2), 128b/130b from 8 GT/s;
+    PCIe 6's FLIT mode is close enough to 128b/130b for a ratio."""
+    return 0.8 if gts <= 5.0 else 128 / 130
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link a function trained at, and the best it can do; None where sysfs does not say."""
+
+    speed: float | None  # GT/s
+    width: int | None  # lanes
+    max_speed: float | None
+    max_width: int | None
+
+    @property
+    def fraction(self) -> float | None:
+        """Current bandwidth over the maximum's (1.0: as good as it gets); None if unknown."""
+        if None in (self.speed, self.width, self.max_speed, self.max_width):
+            return None
+        assert self.speed is not None and self.width is not None  # for mypy: checked above
+        assert self.max_speed is not None and self.max_width is not None
+        best = self.max_speed * _encoding(self.max_speed) * self.max_width
+        if best <= 0:
+            return None
+        return self.speed * _encoding(self.speed) * self.width / best
+
+    @property
+    def degraded(self) -> bool:
+        fraction = self.fraction
+        return fraction is not None and fraction < 1.0
+
+    def __str__(self) -> str:
+        def side(speed: float | None, width: int | None) -> str:
+            shown = "?" if speed is None else f"{speed:g} GT/s"
+            return f"{shown} x{'?' if width is None else width}"
+
+        return f"{side(self.speed, self.width)} of {side(self.max_speed, self.max_width)}"
+
+
+@dataclass(frozen=True)
+class Health:
+    """One function's PCIe health. ``aer`` maps a severity to its counters by name (the kernel's
+    names, ``TOTAL_ERR_*`` included); a severity without a file (no AER capability) is absent."""
+
+    address: str
+    present: bool  # config space readable and not all ones
+    link: Link | None  # None: not a PCIe function, or the link files are missing
+    aer: dict[str, dict[str, int]] = field(default_factory=dict)
+    reset_methods: tuple[str, ...] = ()
+
+    def errors(self, severity: str) -> int | None:
+        """The total of one severity since boot; None when the kernel keeps no such counter."""
+        counters = self.aer.get(severity)
+        if counters is None:
+            return None
+        total = next((v for k, v in counters.items() if k.startswith("TOTAL_ERR")), None)
+        return total if total is not None else sum(counters.values())
+
+    def as_dict(self) -> dict[str, object]:
+        link = self.link
+        return {
+            "address": self.address,
+            "present": self.present,
+            "link": None
+            if link is None
+            else {
+                "speed_gts": link.speed,
+                "width": link.width,
+                "max_speed_gts": link.max_speed,
+                "max_width": link.max_width,
+                "fraction": link.fraction,
+            },
+            "aer": self.aer,
+            "aer_totals": {severity: self.errors(severity) for severity in AER_FILES},
+            "reset_methods": list(self.reset_methods),
+        }
+
+
+def _read(root: Root, address: str, name: str) -> str | None:
+    try:
+        return root.path(f"{PCI_DEVICES}/{address}/{name}").read_text(errors="replace")
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return None
+    except OSError:  # EIO from a function that fell off the bus, EINVAL from a link that is down
+        return None
+
+
+def parse_speed(text: str | None) -> float | None:
+    """``8.0 GT/s PCIe`` (Linux 5.x+) or ``8 GT/s`` (older) in GT/s; None for ``Unknown``."""
+    match = _SPEED.search(text or "")
+    return float(match[1]) if match else None
+
+
+def parse_width(text: str | None) -> int | None:
+    """A lane count; 0 (link down) counts, anything else unreadable is None."""
+    try:
+        return int((text or "").strip())
+    except ValueError:
+        return None
+
+
+def parse_aer(text: str) -> dict[str, int]:
+    """``NAME COUNT`` lines as a mapping; a line of another shape is skipped, not trusted."""
+    counters = {}
+    for line in text.splitlines():
+        name, _, count = line.strip().rpartition(" ")
+        if name and count.isdigit():
+            counters[name.strip()] = int(count)
+    return counters
+
+
+def read_link(root: Root, address: str) -> Link | None:
+    texts = [_read(root, address, f) for f in ("current_link_speed", "current_link_width")]
+    maxima = [_read(root, address, f) for f in ("max_link_speed", "max_link_width")]
+    if all(t is None for t in (*texts, *maxima)):
+        return None
+    return Link(parse_speed(texts[0]), parse_width(texts[1]), parse_speed(maxima[0]), parse_width(maxima[1]))
+
+
+def is_present(root: Root, address: str) -> bool:
+    """The function answers config reads with a real vendor id (0xffff: gone from the bus)."""
+    try:
+        with open(root.path(f"{PCI_DEVICES}/{address}/config"), "rb") as f:
+            vendor = f.read(2)
+    except OSError:
+        return False
+    return len(vendor) == 2 and vendor != _ABSENT_VENDOR
+
+
+def read_health(root: Root, address: str) -> Health:
+    aer = {}
+    for severity, name in AER_FILES.items():
+        text = _read(root, address, name)
+        if text is not None:
+            aer[severity] = parse_aer(text)
+    methods = tuple((_read(root, address, "reset_method") or "").split())
+    return Health(address, is_present(root, address), read_link(root, address), aer, methods)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one function's health means for its chip: ``level`` FAIL or WARN, and why."""
+
+    level: str
+    detail: str
+    fix: str
+
+
+def judge(health: Health) -> list[Finding]:
+    """The doubts and failures in one function's health; [] when it is well."""
+    a = health.address
+    if not health.present:
+        return [
+            Finding(
+                "FAIL",
+                f"{a} does not answer config reads (vendor id 0xffff): it fell off the bus",
+                "stop the VM and start it again (a function that does not answer cannot be rebound)",
+            )
+        ]
+    found = []
+    fatal = health.errors("fatal")
+    if fatal:
+        found.append(
+            Finding(
+                "FAIL",
+                f"{a} logged {fatal} fatal PCIe error(s) since boot",
+                f"once no job uses it, `tpuboot unbind {a} && tpuboot bind {a}`; "
+                "if errors go on, stop and start the VM",
+            )
+        )
+    nonfatal = health.errors("nonfatal")
+    if nonfatal:
+        found.append(
+            Finding(
+                "WARN",
+                f"{a} logged {nonfatal} non-fatal PCIe error(s) since boot",
+                "watch the count (`tpuboot status --json`): a rising one comes before a failing chip",
+            )
+        )
+    link = health.link
+    if link is not None and link.degraded:
+        fraction = link.fraction or 0.0
+        level = "FAIL" if fraction <= FAIL_FRACTION else "WARN"
+        found.append(
+            Finding(
+                level,
+                f"{a} link trained at {link} ({fraction:.0%} of its bandwidth)",
+                "stop the VM and start it again (a new host retrains the link); report it if it recurs",
+            )
+        )
+    return found

@@ -1,0 +1,241 @@
+"""Bringing a wedged chip back: a ladder of ever larger resets, stopping at the first that works.
+
+People reset a wedged accelerator by hand with whatever they find (tt-kmd's secondary bus reset,
+edgetpu's remove and rescan, a VM restart). tpuboot climbs the same rungs in order of how much
+they disturb, each one on every function of the chip:
+
+1. ``function-reset``: the kernel's own reset (``reset`` in sysfs, which uses the first method
+   ``reset_method`` lists: FLR, PM, bus...); absent when the kernel offers none.
+2. ``rebind``: unbind from vfio-pci and bind again (the driver's teardown and probe).
+3. ``remove-rescan``: the function removed from the kernel and found again by a bus rescan.
+
+After each rung the chip must be back (config space answers), bound to vfio-pci and usable (its
+/dev/vfio node there with the configured mode, its group viable); the ladder stops at the first
+rung that leaves it so. A chip somebody holds is never reset (the job would lose the device
+under it), and a circuit breaker bounds the resets of one chip per hour: a chip that needs more
+needs a new host, not another reset.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tpuboot.atomicfile import FileWriteError, read_file, write_file
+from tpuboot.devices.chips import Chip
+from tpuboot.devices.health import is_present
+from tpuboot.devices.pci import PCI_DEVICES, PciFunction
+from tpuboot.devices.survey import describe
+from tpuboot.devices.vfio import VFIO_PCI, Binder
+from tpuboot.errors import DeviceError, TpubootError
+from tpuboot.paths import Root
+
+log = logging.getLogger("tpuboot.reset")
+
+RESCAN = "/sys/bus/pci/rescan"
+#: Where the breaker remembers each chip's resets (root's, survives tpuboot restarts and reboots:
+#: a chip reset again and again across boots is the pattern it exists to stop).
+BREAKER_PATH = "/var/lib/tpuboot/resets.json"
+HOUR = 3600.0
+RUNGS = ("function-reset", "rebind", "remove-rescan")
+BIND_TRIES = 3
+
+
+class ResetRefused(TpubootError):
+    """A reset that must not be done now: the chip is held, or its breaker is open."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rung climbed: what was done and whether the chip was back after it."""
+
+    rung: str
+    done: str
+    back: bool
+    problem: str | None = None  # why it is not back (or why the rung could not run)
+
+
+class Breaker:
+    """At most ``limit`` resets of one chip in any hour, remembered under the Root."""
+
+    def __init__(self, root: Root, limit: int, now: Callable[[], float] = time.time) -> None:
+        self.root = root
+        self.limit = limit
+        self.now = now
+
+    def _load(self) -> dict[str, list[float]]:
+        try:
+            data = json.loads(read_file(self.root, BREAKER_PATH, limit=1 << 20) or b"{}")
+        except (FileWriteError, ValueError):  # a damaged record forgets, it does not block resets
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {
+            str(k): [float(t) for t in v if isinstance(t, (int, float))]
+            for k, v in data.items()
+            if isinstance(v, list)
+        }
+
+    def recent(self, chip: str) -> list[float]:
+        """This chip's resets in the last hour."""
+        now = self.now()
+        return [t for t in self._load().get(chip, []) if now - HOUR < t <= now]
+
+    def check(self, chip: str) -> None:
+        recent = self.recent(chip)
+        if len(recent) >= self.limit:
+            wait = int(min(recent) + HOUR - self.now()) + 1
+            raise ResetRefused(
+                f"chip {chip} was reset {len(recent)} times in the last hour (recovery.max_resets_per_hour "
+                f"is {self.limit}); a chip that keeps wedging needs a new host: stop and start the VM, "
+                f"or try again in {wait} s"
+            )
+
+    def record(self, chip: str) -> None:
+        now = self.now()
+        data = {k: [t for t in v if now - HOUR < t <= now] for k, v in self._load().items()}
+        data = {k: v for k, v in data.items() if v}
+        data.setdefault(chip, []).append(now)
+        write_file(self.root, BREAKER_PATH, json.dumps(data, sort_keys=True).encode(), mode=0o600)
+
+
+class Ladder:
+    """Climbs :data:`RUNGS` for one chip. ``write`` is how sysfs is written (the Binder's seam)."""
+
+    def __init__(
+        self,
+        binder: Binder,
+        breaker: Breaker,
+        *,
+        rescan_timeout: float = 10.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.binder = binder
+        self.root = binder.root
+        self.breaker = breaker
+        self.rescan_timeout = rescan_timeout
+        self.sleep = sleep
+
+    # --- what is possible -------------------------------------------------------------------
+
+    def reset_methods(self, address: str) -> tuple[str, ...]:
+        """The kernel's reset methods for one function; () when it offers none (no ``reset``)."""
+        path = self.root.path(f"{PCI_DEVICES}/{address}")
+        if not (path / "reset").exists():
+            return ()
+        try:
+            methods = tuple((path / "reset_method").read_text().split())
+        except OSError:  # before Linux 5.15 there is no reset_method, but ``reset`` works
+            return ("default",)
+        return methods
+
+    def plan(self, chip: Chip) -> list[str]:
+        """What each rung would do to ``chip``, for --dry-run."""
+        addresses = " ".join(fn.address for fn in chip.functions)
+        methods = {fn.address: self.reset_methods(fn.address) for fn in chip.functions}
+        if all(methods.values()):
+            shown = ", ".join(f"{a}: {' '.join(m)}" for a, m in methods.items())
+            first = f"function-reset: write 1 to reset of {addresses} ({shown})"
+        else:
+            first = f"function-reset: skipped, the kernel offers no reset method for {addresses}"
+        return [
+            first,
+            f"rebind: unbind {addresses} from vfio-pci and bind again",
+            f"remove-rescan: remove {addresses}, rescan the PCI bus, bind again",
+        ]
+
+    # --- climbing ---------------------------------------------------------------------------
+
+    def climb(self, chip: Chip) -> list[Step]:
+        """Every rung in turn until the chip is back; the steps taken, the last one back or not."""
+        self.breaker.check(chip.address)
+        self.breaker.record(chip.address)
+        steps = []
+        ladder = list(zip(RUNGS, (self._function_reset, self._rebind, self._remove_rescan), strict=True))
+        if not any(PciFunction(self.root, fn.address).exists() for fn in chip.functions):
+            ladder = ladder[-1:]  # the kernel removed it already: only a rescan can find it again
+        for rung, action in ladder:
+            try:
+                done = action(chip)
+            except (TpubootError, OSError) as exc:
+                steps.append(Step(rung, "failed", False, str(exc)))
+                log.warning("%s: %s failed: %s", chip.address, rung, exc, extra={"DBDF": chip.address})
+                continue
+            if done is None:
+                continue  # not possible on this chip; the next rung says more
+            problem = self.problem(chip)
+            steps.append(Step(rung, done, problem is None, problem))
+            log.info(
+                "%s: %s %s",
+                chip.address,
+                rung,
+                "brought it back" if problem is None else f"did not help: {problem}",
+                extra={"DBDF": chip.address, "TPU_RESET_RUNG": rung},
+            )
+            if problem is None:
+                break
+        return steps
+
+    def problem(self, chip: Chip) -> str | None:
+        """None when every function answers, is bound to vfio-pci and usable; else why not."""
+        for fn in chip.functions:
+            if not is_present(self.root, fn.address):
+                return f"{fn.address} does not answer config reads"
+            failure = self._bind(fn.address)
+            if failure is not None:
+                return failure
+            status = describe(self.binder, PciFunction(self.root, fn.address))
+            if status is None or status.driver != VFIO_PCI:
+                return f"{fn.address} is not bound to vfio-pci"
+            if status.problem:
+                return status.problem
+        return None
+
+    def _bind(self, address: str) -> str | None:
+        """Bind again after a rung; a transient failure is tried again (after a rescan the
+        daemon binds the new function too, and the two may meet), a permanent one says why."""
+        for attempt in range(BIND_TRIES):
+            try:
+                self.binder.bind(address)
+                return None
+            except DeviceError as exc:
+                if not exc.transient or attempt == BIND_TRIES - 1:
+                    return str(exc)
+                self.sleep(0.5)
+        return None  # not reached: the last try returned
+
+    def _function_reset(self, chip: Chip) -> str | None:
+        addresses = [fn.address for fn in chip.functions]
+        if not all(self.reset_methods(a) for a in addresses):
+            return None
+        for address in addresses:
+            self.binder.write(self.root.path(f"{PCI_DEVICES}/{address}/reset"), "1")
+        return f"reset {' '.join(addresses)} ({' '.join(self.reset_methods(addresses[0]))})"
+
+    def _rebind(self, chip: Chip) -> str:
+        for fn in chip.functions:
+            self.binder.unbind(fn.address)
+        return "unbound and bound again"
+
+    def _remove_rescan(self, chip: Chip) -> str:
+        addresses = [fn.address for fn in chip.functions]
+        for address in reversed(addresses):  # function 0 last: some devices drop the rest with it
+            path = self.root.path(f"{PCI_DEVICES}/{address}/remove")
+            if path.exists():
+                self.binder.write(path, "1")
+        self.binder.write(self.root.path(RESCAN), "1")
+        missing = self._wait_present(addresses)
+        if missing:
+            raise DeviceError(f"{', '.join(missing)} did not come back after a rescan; stop and start the VM")
+        return "removed and rescanned"
+
+    def _wait_present(self, addresses: Sequence[str]) -> list[str]:
+        deadline = time.monotonic() + self.rescan_timeout
+        while True:
+            missing = [a for a in addresses if not PciFunction(self.root, a).exists()]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            self.sleep(0.05)
