@@ -219,3 +219,21 @@ def test_tpuboot_cdi_without_a_bound_chip_is_a_one_line_error(kernel, capsys) ->
     assert cli.main(["--root", str(kernel.top), "cdi"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "tpuboot status says why" in err
+
+
+def test_a_driver_change_reports_only_when_no_bind_of_ours_runs(kernel) -> None:
+    """Our own bind's udev ``bind`` event would refresh the spec before the node is ready (its
+    end reports itself); a driver changed by anyone else (`tpuboot unbind`) reports at once."""
+    from tests.unit.test_daemon import Event
+    from tpuboot.devices.manager import DeviceManager, DeviceState
+
+    manager = DeviceManager(None, binder(kernel), None, None, None)  # type: ignore[arg-type]
+    reports: list[None] = []
+    manager.on_change = lambda: reports.append(None)
+    manager.devices["0000:00:04.0"] = DeviceState("TPU v5p", state="pending", running=True)
+    manager.dispatch(Event("bind", "pci", "0000:00:04.0"))
+    assert reports == []
+    manager.devices["0000:00:04.0"] = DeviceState("TPU v5p", state="bound")
+    manager.dispatch(Event("unbind", "pci", "0000:00:04.0"))
+    manager.dispatch(Event("unbind", "pci", "0000:00:09.0"))  # not ours
+    assert reports == [None]
