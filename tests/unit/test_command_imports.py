@@ -97,7 +97,7 @@ CASES = {
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
     "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),
     "doctor": (["doctor"], None, DOCTOR),
-    "cdi": (["cdi"], None, CORE | SURVEY | CDI),
+    "cdi": (["cdi"], None, CORE | CDI | {"tpuboot.atomicfile", "dataclasses", "inspect", "typing"}),
     "prepare-image": (["prepare-image"], None, PREPARE),
 }
 #: The daemon loads everything tpuboot has; tests/unit/test_run_start.py runs it whole.

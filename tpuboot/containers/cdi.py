@@ -51,11 +51,12 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tpuboot.atomicfile import write_file
 from tpuboot.devices.chips import VFIO_CONTAINER, Chip, base_address, chips_present
-from tpuboot.devices.survey import survey
+from tpuboot.devices.pci import PciFunction, list_addresses
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor, Future
@@ -140,10 +141,30 @@ def to_yaml(spec: Spec) -> bytes:
     return yaml.safe_dump(spec, sort_keys=False, default_flow_style=False).encode()
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What :func:`chips_present` needs of one function (a survey's record without its checks)."""
+
+    address: str
+    kind: str
+    driver: str | None
+    iommu_group: str | None
+
+
 def current_chips(binder: Binder) -> list[Chip]:
-    """The chips on the machine now, from a survey of sysfs (one source for the daemon, `tpuboot
-    cdi` and doctor)."""
-    return chips_present(binder.root, binder.table, survey(binder))
+    """The chips on the machine now, from sysfs (one source for the daemon, `tpuboot cdi` and
+    doctor): each function's ids, driver and group, without the survey's viability checks, which
+    the spec does not need and which would delay it after every bind."""
+    seen = []
+    for address in list_addresses(binder.root):
+        fn = PciFunction(binder.root, address)
+        try:
+            kind = binder.table.classify(fn.ids())
+            if kind is not None:
+                seen.append(_Seen(address, kind.name, fn.driver(), fn.iommu_group()))
+        except OSError:  # removed while read, or unreadable: no chip a container could use
+            continue
+    return chips_present(binder.root, binder.table, seen)
 
 
 def apply(root: Root, spec: Spec | None) -> bool:
