@@ -240,7 +240,7 @@ def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_cdi(ctx: Context, args: argparse.Namespace) -> int:
-    """The CDI spec the daemon keeps, from a survey now: printed, or written to --output."""
+    """The CDI spec the daemon keeps, read from sysfs now: printed, or written to --output."""
     import os
 
     from tpuboot.atomicfile import write_file

@@ -181,7 +181,7 @@ def apply(root: Root, spec: Spec | None) -> bool:
 class SpecWriter:
     """The daemon's copy of the spec, refreshed after every change to the devices.
 
-    :meth:`refresh` runs on the event loop and only hands the work to the worker pool (a survey of
+    :meth:`refresh` runs on the event loop and only hands the work to the worker pool (a read of
     sysfs and a file write: daemon.py's rule keeps both off the loop, as it keeps a bind's chmod);
     at most one refresh runs at a time, and one asked for meanwhile runs after it, so the last
     write always follows the last change. :meth:`stop` removes the file, and no write lands after
