@@ -8,7 +8,7 @@ Debian's packages in the same guests, never active beside tpuboot): ``driverctl`
 footprint. Usage, from the repository root (root is needed for the image build and QEMU)::
 
     sudo .venv/bin/python -m bench.run [--json FILE] [--markdown FILE]
-                                       [--only hotplug,cdi,coldplug,cli,icount,idle,fleet]
+                                       [--only hotplug,cdi,coldplug,cli,icount,idle,fleet,holders]
                                        [--reps 6] [--coldplug-reps 5] [--cli-runs 10]
                                        [--icount-runs 5]
 
@@ -77,6 +77,10 @@ Families and timing methods:
    Then tpuboot is stopped and google-guest-agent started alone, against the metadata emulator on
    169.254.169.254:80 (an address on lo); after 30 s of its start-up work, the same window on its
    process. Each emulator counts the requests of the window (``GET /_emulator/stats``).
+
+6. holders -- on the host, no guest: ``bench/holders.py`` makes 2,000 processes of 50 open files
+   each, three holding a node, and times ``tpuboot who`` against ``fuser -v`` and ``lsof`` on it
+   in turn (wall and CPU time, medians); goal: at most fuser's time.
 
 5. fleet -- on the host, no guest: ``bench/fleet.py``'s 64 simulated hosts boot at once against
    one metadata server emulator failing 20% of requests (then again after a 5 s total outage),
@@ -147,7 +151,7 @@ STAGED_RULE = f"{BENCH_LIBEXEC}/{RULE_NAME}"
 ACTIVE_RULE = f"/etc/udev/rules.d/{RULE_NAME}"
 HANDLER = "/lib/udev/bind_to_vfio_pci.sh"
 HOTPLUG_PORT = "hp0"
-FAMILIES = ("hotplug", "cdi", "coldplug", "cli", "icount", "idle", "fleet")
+FAMILIES = ("hotplug", "cdi", "coldplug", "cli", "icount", "idle", "fleet", "holders")
 VM_FAMILIES = ("hotplug", "cdi", "coldplug", "cli", "icount", "idle")
 CDI_LAG_GOAL_S = 0.050  # the CDI spec lands within 50 ms of the chip becoming usable
 SIDES = ("tpuboot", "baseline", "driverctl")  # the binding families' sides, one armed at a time
@@ -1190,6 +1194,30 @@ def run_fleet(report: Report) -> None:
     )
 
 
+def run_holders(report: Report) -> None:
+    """bench/holders.py: `tpuboot who` against fuser (the baseline) and lsof (the peer)."""
+    from bench import holders
+
+    timings, named = holders.in_namespace()
+    ours, fuser, lsof = (timings[name] for name in ("tpuboot who", "fuser -v", "lsof"))
+    for what, pick in (("wall", lambda t: t.median), ("cpu", lambda t: t.cpu_median)):
+        ratio = _ratio(pick(ours), pick(fuser))
+        verdict = "PASS" if ratio is not None and ratio <= holders.GOAL else "FAIL"
+        row = Row(
+            f"who on 2000 processes x 50 files: {what} time (baseline fuser -v)",
+            f"{pick(ours) * 1000:.0f} ms",
+            f"{pick(fuser) * 1000:.0f} ms",
+            ratio,
+            f"<= {holders.GOAL:g}x",
+            verdict,
+        )
+        peer = f"{pick(lsof) * 1000:.0f} ms"
+        report.add("holders", row.against("lsof", peer, _ratio(pick(ours), pick(lsof))))
+    missing = {t.name: sorted(named - t.pids) for t in timings.values() if not t.pids >= named}
+    said = f"every tool named the {len(named)} holders" if not missing else f"missed: {missing}"
+    report.note("holders", said)
+
+
 def _ratio(ours: float, base: float) -> float | None:
     return ours / base if base and not math.isnan(base) and not math.isnan(ours) else None
 
@@ -1329,6 +1357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_fleet(report)
         crowd["fleet"] = round(load.others_cores(), 2)
         log.info("fleet: measured in %.0f s", time.monotonic() - t)
+    if "holders" in args.families:
+        t, load = time.monotonic(), HostLoad()
+        run_holders(report)
+        crowd["holders"] = round(load.others_cores(), 2)
+        log.info("holders: measured in %.0f s", time.monotonic() - t)
     report.raw["total_s"] = time.monotonic() - started
     report.raw["revision"] = revision
     report.raw["host_cores_used_by_others"] = crowd

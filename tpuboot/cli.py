@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from typing import NoReturn
 
     from tpuboot.checks.image import CheckResult
+    from tpuboot.devices.chips import Chip
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
@@ -154,6 +155,7 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
             problems += [f.detail for f in judge(health[t.address])]
             line = f"{t.address}  {t.kind:<12} {t.driver or 'no driver':<12} {group:<10} {node}{pcie}"
             print(line + "".join(f"  ! {p}" for p in problems))
+        _print_chip_holders(ctx, tpus)
     failing = any(f.level == "FAIL" for t in tpus if t.managed for f in judge(health[t.address]))
     return EXIT_FAILED if failing or any(t.problem and t.managed for t in tpus) else EXIT_OK
 
@@ -182,6 +184,116 @@ def _print_boot(ctx: Context, as_json: bool) -> int:
             detail = f" {phase.get('detail')}" if phase.get("detail") else ""
             print(f"{phase.get('seconds', 0.0):>9.3f} s  {phase.get('phase')}{detail}")
     return EXIT_OK
+
+
+def _print_chip_holders(ctx: Context, tpus: Sequence[object]) -> None:
+    """Each chip and who holds it, after the functions (`tpuboot who` has the detail)."""
+    from tpuboot.devices.chips import chips_present
+    from tpuboot.holders.report import gather, summary
+
+    chips = chips_present(ctx.root, DeviceTable(ctx.config.devices), tpus)  # type: ignore[arg-type]
+    for c in gather(ctx.root, chips).chips:
+        print(f"chip {c.chip.index}  {c.chip.address}  {c.chip.kind:<12} {summary(c)}")
+
+
+def _held_exit(report: object) -> int:
+    return EXIT_OK if getattr(report, "free", False) else EXIT_FAILED
+
+
+def cmd_who(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.holders.report import chips_of, gather, render
+
+    report = gather(ctx.root, chips_of(ctx.root, ctx.config))
+    if ctx.config.metrics.textfile_dir is not None:  # prometheus_client costs a second of start-up
+        from tpuboot import metrics
+
+        metrics.holders(report)
+    if args.json:
+        _print_json([report.as_dict()])
+    else:
+        print("\n".join(render(report)))
+    return _held_exit(report)
+
+
+def cmd_release(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.holders.release import VbarProcesses, release, vbar_processes
+    from tpuboot.holders.report import chips_of, gather
+
+    if args.kill and not args.dry_run and not ctx.root.is_host:
+        raise UsageError("--kill ends processes of this host only; it cannot act on a --root tree")
+    report = gather(ctx.root, chips_of(ctx.root, ctx.config))
+    vbar = vbar_processes(ctx.root, ctx.config) if args.kill else VbarProcesses()
+    for line in release(ctx.root, report, vbar, dry_run=args.dry_run, kill=args.kill):
+        print(line)
+    if args.dry_run:
+        return _held_exit(report)
+    return _held_exit(gather(ctx.root, chips_of(ctx.root, ctx.config)))
+
+
+def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.holders.report import chips_of, gather, render
+    from tpuboot.holders.wait import wait_free
+
+    report = wait_free(lambda: gather(ctx.root, chips_of(ctx.root, ctx.config)), args.timeout)
+    if report.free:
+        print("every chip and lock is free")
+        return EXIT_OK
+    print(f"still held after {args.timeout:g} s:", file=sys.stderr)
+    print("\n".join(render(report)), file=sys.stderr)
+    return EXIT_FAILED
+
+
+def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.devices.reset import Breaker, Ladder, chip_to_reset
+    from tpuboot.holders.report import chips_of
+
+    if not args.dry_run and not ctx.root.is_host:
+        raise UsageError(
+            "reset acts on this host's kernel only; it cannot act on a --root tree (try --dry-run)"
+        )
+    address = parse_dbdf(args.dbdf)
+    chip = chip_to_reset(ctx.root, chips_of(ctx.root, ctx.config), address)
+    ladder = Ladder(ctx.binder(), Breaker(ctx.root, ctx.config.recovery.max_resets_per_hour))
+    if args.dry_run:
+        print("\n".join(ladder.plan(chip)))
+        return EXIT_OK
+    _free_chip(ctx, chip, kill=args.kill)
+    steps = ladder.climb(chip)
+    for step in steps:
+        outcome = "brought it back" if step.back else f"not back: {step.problem}"
+        print(f"{step.rung}: {step.done}; {outcome}")
+    if steps and steps[-1].back:
+        return EXIT_OK
+    print(
+        f"tpuboot: chip {chip.address} did not come back from any reset; stop and start the VM",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
+
+
+def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:
+    """Nobody holds ``chip`` once this returns: its holders ended (``kill``) or ResetRefused."""
+    from tpuboot.devices.reset import ResetRefused
+    from tpuboot.holders.release import end, protected, vbar_processes
+    from tpuboot.holders.report import describe, gather
+
+    (held,) = gather(ctx.root, [chip]).chips
+    if not held.holders:
+        return
+    if not kill:
+        who = "; ".join(describe(h.process) for h in held.holders)
+        raise ResetRefused(
+            f"chip {chip.address} is held by {who}; end it first, or pass --kill to end it first"
+        )
+    vbar = vbar_processes(ctx.root, ctx.config)
+    spared = [f"{describe(h.process)} ({why})" for h in held.holders if (why := protected(h.process, vbar))]
+    if spared:
+        raise ResetRefused(f"chip {chip.address} is held by {'; '.join(spared)}, which tpuboot never ends")
+    for h in held.holders:
+        print(end(ctx.root, h.process))
+    (held,) = gather(ctx.root, [chip]).chips
+    if held.holders:
+        raise ResetRefused(f"chip {chip.address} is still held by {describe(held.holders[0].process)}")
 
 
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
@@ -333,6 +445,21 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = command("status", cmd_status, "show every TPU: generation, driver, IOMMU group, node, PCIe health")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--boot", action="store_true", help="where this boot's time went, phase by phase")
+    p = command(
+        "who", cmd_who, "show who holds each TPU chip and libtpu's lock files (exit 1: something is held)"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command("release", cmd_release, "remove libtpu lock files nobody holds; report (and end) holders")
+    p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
+    p.add_argument("--kill", action="store_true", help="also end the holders: SIGTERM, then SIGKILL")
+    p = command("reset", cmd_reset, "bring a wedged TPU chip back: function reset, rebind, remove and rescan")
+    p.add_argument("dbdf", metavar="DBDF", help="PCI address of the chip (any of its functions)")
+    p.add_argument("--dry-run", action="store_true", help="say what each rung would do, do nothing")
+    p.add_argument("--kill", action="store_true", help="end the chip's holders first: SIGTERM, then SIGKILL")
+    p = command("wait-free", cmd_wait_free, "wait until every TPU chip and libtpu lock is free")
+    p.add_argument(
+        "--timeout", type=_seconds, default=60.0, metavar="S", help="give up after S seconds (default 60)"
+    )
     p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
@@ -419,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _write_metrics_textfile(ctx)
 
 
-TEXTFILE_COMMANDS = ("bind", "unbind", "env")
+TEXTFILE_COMMANDS = ("bind", "unbind", "env", "who")
 
 
 def _write_metrics_textfile(ctx: Context) -> None:

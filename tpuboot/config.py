@@ -503,6 +503,28 @@ class ReadyConfig(Section):
     )
 
 
+#: What a job's unit name may end with (systemd's unit types that run processes).
+UNIT_SUFFIXES = (".service", ".scope")
+
+
+def parse_units(value: Any, where: str) -> tuple[str, ...]:
+    """A list (maybe empty) of systemd unit names, each ``NAME.service`` or ``NAME.scope``."""
+    if not isinstance(value, list):
+        raise _fail(where, "expected a list of systemd units, like [train.service], or []")
+    for index, item in enumerate(value):
+        unit = parse_str(item, f"{where}[{index}]")
+        if not unit.endswith(UNIT_SUFFIXES) or "/" in unit or unit.startswith(UNIT_SUFFIXES):
+            raise _fail(f"{where}[{index}]", f"{unit!r} is not a unit name like train.service")
+    return tuple(value)
+
+
+class DoctorConfig(Section):
+    """What `tpuboot doctor` looks at beyond tpuboot's own work."""
+
+    # The units that run TPU jobs: doctor checks their main process's memlock limit.
+    job_units: tuple[str, ...] = _opt((), parse_units)
+
+
 class RecoveryConfig(Section):
     """`tpuboot reset`'s circuit breaker: a chip that wedges again and again needs a new host."""
 
@@ -527,6 +549,7 @@ class Config(Section):
         GuestAttributesConfig(), lambda v, w: _section(GuestAttributesConfig, v, w)
     )
     ready: ReadyConfig = _opt(ReadyConfig(), lambda v, w: _section(ReadyConfig, v, w))
+    doctor: DoctorConfig = _opt(DoctorConfig(), lambda v, w: _section(DoctorConfig, v, w))
     recovery: RecoveryConfig = _opt(RecoveryConfig(), lambda v, w: _section(RecoveryConfig, v, w))
 
 

@@ -206,10 +206,10 @@ class Daemon:
             # SIGTERM during a long boot (metadata server down) ends this wait: no deadline to sit out.
             loop.run_until(self._booted)
             if not loop.stopping:
-                self.ready = True
                 line = self.status_line()
                 log.info("ready: %s", line)
                 self.notifier.ready(line)
+                self.ready = True  # after READY=1 went out: a thread that sees it sees that too
                 self._ready_budget()
                 if self.guest_attrs is not None:
                     self.guest_attrs.update(self.guest_attribute_values())  # state=ready

@@ -14,6 +14,11 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
   confirmation of tpu-env) and ``tpuboot_tpu_env_from_cache`` (1: that came from the cache)
 - ``tpuboot_container_up{container}`` and ``tpuboot_container_restarts_total{container}`` for
   the supervised containers (vBar, the telemetry collector)
+- ``tpuboot_chip_holders{chip,state}``: processes holding each chip's nodes open (chip: its base
+  address, as the PCIe metrics label it), by process state (running, sleeping, stopped, zombie,
+  uninterruptible), from the last `tpuboot who`
+- ``tpuboot_libtpu_lock_held{path}``: 1 while a process holds that libtpu lock file, 0 while it
+  exists and nobody does
 - ``tpuboot_boot_phase_seconds{phase}``: when each phase of this boot ended (tpuboot/bootbudget.py)
 - PCIe health of every TPU function, read from sysfs at scrape time (:class:`PcieCollector`):
   ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
@@ -63,6 +68,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
     from tpuboot.bootbudget import Phase
+    from tpuboot.holders.report import Report
 
 log = logging.getLogger("tpuboot.metrics")
 T = TypeVar("T")
@@ -122,6 +128,20 @@ class Metrics:
             ["container"],
             registry=reg,
         )
+        self.chip_holders = Gauge(
+            "tpuboot_chip_holders",
+            "Processes holding a TPU chip's device nodes open, by chip and process state.",
+            ["chip", "state"],
+            registry=reg,
+        )
+        self.libtpu_lock_held = Gauge(
+            "tpuboot_libtpu_lock_held",
+            "1 while a process holds the libtpu lock file, 0 while it exists unheld.",
+            ["path"],
+            registry=reg,
+        )
+        self._holder_labels: set[tuple[str, str]] = set()
+        self._lock_labels: set[str] = set()
         for result in BIND_RESULTS:  # zeros from the start: rate() needs the series before the event
             self.bind_attempts.labels(result)
         for outcome in METADATA_OUTCOMES:
@@ -143,6 +163,25 @@ class Metrics:
         for labels in self._tpu_labels | set(counts):
             self.tpus.labels(*labels).set(counts.get(labels, 0))
         self._tpu_labels |= set(counts)
+
+    def set_holders(self, report: Report) -> None:
+        """Holders per chip and state, and each lock file; label sets no longer seen drop to 0
+        (a lock file removed since: its series goes)."""
+        counts: dict[tuple[str, str], int] = {}
+        for c in report.chips:
+            counts.setdefault((c.chip.address, "running"), 0)
+            for h in c.holders:
+                key = (c.chip.address, h.process.state)
+                counts[key] = counts.get(key, 0) + 1
+        for labels in self._holder_labels | set(counts):
+            self.chip_holders.labels(*labels).set(counts.get(labels, 0))
+        self._holder_labels |= set(counts)
+        locks = {lock.path: lock.held for lock in report.locks}
+        for path in self._lock_labels - set(locks):
+            self.libtpu_lock_held.remove(path)
+        for path, held in locks.items():
+            self.libtpu_lock_held.labels(path).set(1 if held else 0)
+        self._lock_labels = set(locks)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -211,6 +250,12 @@ def timed_bind(bind: Callable[..., T], address: str, **kwargs: Any) -> T:
 def tpus(devices: Iterable[tuple[str, str]]) -> None:
     """(generation, state) of every TPU now."""
     _current.set_tpus(list(devices))
+
+
+@_safe
+def holders(report: Report) -> None:
+    """What `tpuboot who` found: holders per chip and state, and the libtpu lock files."""
+    _current.set_holders(report)
 
 
 @_safe

@@ -19,6 +19,8 @@ Modules, one responsibility each:
 * :mod:`.machine`     -- :class:`~.machine.VM`, the QEMU machine a test drives.
 * :mod:`.tpuboot_guest` -- tpuboot's .deb and the metadata emulator in a guest tree (install
   hooks, stand-in devices, the vBar guest), and steering them in the running guest.
+* :mod:`.pyguest`     -- a library-matrix row's CPython with its libraries in a guest tree, the
+  unit's ExecStart pointed at it (jammy's 3.10: tests/vm/test_tpuboot_ubuntu_userland.py).
 * :mod:`.demo`        -- ``scripts/demo``.
 * ``guest/``          -- files for the guest: ``guestcmd.py`` + its unit, ``vfio_read.py`` (both
   installed at ``/usr/local/libexec/tpuboot-test/``), ``initramfs-init``.
@@ -40,6 +42,8 @@ Main API:
   ``pci_devices(vendor, device) -> [PciDevice]``, ``qmp(cmd, **args)``, ``device_add(driver,
   id, bus)``, ``device_del(id)``, ``journal(unit)``, ``console_log()``, ``reboot()``,
   ``shutdown()``, ``kill()``; ``hotplug_ports`` lists the root-port ids (``hp0``...).
+* ``ensure_row_python(row) -> Path`` (cached) and ``with_row_python(install, row, prefix)``: an
+  install hook that adds a library-matrix row's CPython and libraries and runs the unit on them.
 * Fixtures: ``vm_bench(platform) -> PlatformBench`` (``.artifacts``, ``.image(install, key=)``),
   ``vm_artifacts``, ``vm_image_factory(install=None, *, key="base")`` (both Debian 12),
   ``vm_image``, ``vm_factory(image=None, *, boot=True, **VM kwargs)``, ``tpuboot_images(platform)``.

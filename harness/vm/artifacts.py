@@ -248,11 +248,11 @@ def _building(final: Path) -> Iterator[Path]:
         raise
 
 
-def _prune(parent: Path, keep: Path, platform: Platform, *, keep_count: int = 2) -> None:
-    """Keep the newest ``keep_count`` entries of ``platform`` (always ``keep``); old keys only
-    waste disk. Other platforms' entries, and unprefixed ones of older bench versions that a
-    concurrent run may still use, are never touched."""
-    prefix = f"{platform.name}-"
+def _prune(parent: Path, keep: Path, owner: str, *, keep_count: int = 2) -> None:
+    """Keep the newest ``keep_count`` entries of ``owner`` (a platform's name, or another prefix
+    of the cached names; always ``keep``); old keys only waste disk. Other owners' entries, and
+    unprefixed ones of older bench versions that a concurrent run may still use, are never touched."""
+    prefix = f"{owner}-"
     entries = sorted(
         (p for p in parent.iterdir() if p.name.startswith(prefix) and p != keep),
         key=lambda p: p.stat().st_mtime,
@@ -421,7 +421,7 @@ def ensure_kernel(platform: Platform = BOOKWORM, cache: Path | None = None) -> K
         if not final.is_dir():
             with _timed(f"kernel {package} {version}"), _building(final) as tmp:
                 _unpack_kernel(tmp, platform, package, version, apt)
-            _prune(parent, final, platform)
+            _prune(parent, final, platform.name)
     except HostError as exc:
         # Offline, or stale apt lists: a kernel cached earlier still does the job.
         cached = sorted(
@@ -542,7 +542,7 @@ def ensure_initramfs(kernel: Kernel, cache: Path | None = None) -> Path:
     if not final.is_file():
         with _timed(f"initramfs {kernel.platform}"), _building(final) as tmp:
             _write_initramfs(tmp, kernel, init, busybox)
-        _prune(parent, final, platform_named(kernel.platform))
+        _prune(parent, final, kernel.platform)
     return final
 
 
@@ -582,7 +582,7 @@ def ensure_base(platform: Platform = BOOKWORM, cache: Path | None = None) -> Pat
             _debootstrap(tmp, platform)
             if platform.apt_packages:
                 _apt_install(tmp, platform)
-        _prune(parent, final, platform)
+        _prune(parent, final, platform.name)
     return final
 
 
@@ -673,7 +673,7 @@ def ensure_tree(kernel: Kernel, platform: Platform = BOOKWORM, cache: Path | Non
         with _timed(f"guest tree {platform.name}"), _building(final) as tmp:
             run(["cp", "-a", "--reflink=auto", base, tmp], timeout=300)
             _customize(tmp, kernel)
-        _prune(parent, final, platform)
+        _prune(parent, final, platform.name)
     return final
 
 

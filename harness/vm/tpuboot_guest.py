@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import tarfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -20,9 +21,9 @@ import yaml
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, tpu_env_yaml
 
-from .artifacts import GUEST_LIBEXEC, in_tree, install_debs
+from .artifacts import GUEST_LIBEXEC, TESTER, in_tree, install_debs
 from .hostenv import BUSYBOX, run
-from .machine import VM
+from .machine import VM, PciDevice
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,6 +130,50 @@ def sourced(vm: VM, shell: str, path: str) -> dict[str, str]:
     out = vm.run(["env", "-i", shell, "-c", script], check=True).stdout_bytes
     pairs = (item.decode().split("=", 1) for item in out.split(b"\0") if item)
     return {k: v for k, v in pairs if k not in ("PWD", "SHLVL", "_")}
+
+
+def stand_ins(vm: VM) -> list[PciDevice]:
+    """The PCI functions standing in for TPUs (edu and virtio-rng)."""
+    return vm.pci_devices(*EDU) + vm.pci_devices(*VIRTIO_RNG)
+
+
+def node_mode(vm: VM, group: int | None) -> str:
+    """The octal mode of ``/dev/vfio/<group>``."""
+    return vm.run(["stat", "-c", "%a", f"/dev/vfio/{group}"], check=True).stdout.strip()
+
+
+def vfio_read(vm: VM, address: str, python: str = "python3") -> str:
+    """The device's BAR0 identification register, read by an unprivileged user through VFIO."""
+    result = vm.run([python, VFIO_READ, address], user=TESTER, timeout=30)
+    assert result.ok, result.stderr
+    return result.stdout.strip()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def hotplug_edu(vm: VM, id: str, port: int) -> PciDevice:
+    """Hot-add an edu as ``id`` into hotplug port ``port``; wait until tpuboot has bound it."""
+    before = {d.address for d in vm.pci_devices(*EDU)}
+    vm.device_add("edu", id=id, bus=vm.hotplug_ports[port])
+
+    def new_and_bound() -> bool:
+        new = [d for d in vm.pci_devices(*EDU) if d.address not in before]
+        return len(new) == 1 and new[0].driver == "vfio-pci"
+
+    wait_for(new_and_bound, timeout=20)
+    (new,) = [d for d in vm.pci_devices(*EDU) if d.address not in before]
+    return new
+
+
+def unplug(vm: VM, id: str, tpus: int) -> None:
+    """Remove the hot-added ``id``; wait until tpuboot's status counts ``tpus`` bound again."""
+    vm.device_del(id)
+    vm.wait_until(f"systemctl show -P StatusText tpuboot | grep -q '^{tpus} TPUs bound'", timeout=10)
 
 
 # --- the guest tree --------------------------------------------------------------------------------

@@ -64,6 +64,12 @@ CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.contai
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
               "tpuboot.component"}  # fmt: skip
+#: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
+CHIPS = SURVEY - {"tpuboot.devices.health"}
+HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
+           "tpuboot.holders.report", "tpuboot.holders.scan"}  # fmt: skip
+RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
+           "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
 CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.checks.cmdline",
           "tpuboot.devices.kmodule", "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
@@ -74,8 +80,9 @@ CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", 
 PARSED = {"yaml", "json", "tpuboot.configcache", "tpuboot.atomicfile"}
 CACHED = {"json", "tpuboot.configcache"}
 TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
-DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | CDI | {"tpuboot.checks.doctor",
-          "tpuboot.checks.slices", "tpuboot.checks.pcie", "tpuboot.checks.cdi"}  # fmt: skip
+DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | HOLDERS | CDI | {
+    "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
+    "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
 
 PREPARE = (
     CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot"}
@@ -93,6 +100,20 @@ CASES = {
     "unbind": (["unbind", "0000:00:04.0"], None, CORE),
     "status": (["status"], None, CORE | SURVEY),
     "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
+    "who": (["who"], None, CORE | CHIPS | HOLDERS),
+    "who --json": (["who", "--json"], None, CORE | CHIPS | HOLDERS | {"json"}),
+    "who, metrics.textfile_dir set": (["who"], TEXTFILE, CORE | PARSED | SURVEY | HOLDERS | METRICS),
+    "release": (["release", "--dry-run"], None, CORE | CHIPS | HOLDERS | RELEASE),
+    "wait-free": (
+        ["wait-free", "--timeout", "0.1"],
+        None,
+        CORE | CHIPS | HOLDERS | {"tpuboot.holders.wait"},
+    ),
+    "reset": (
+        ["reset", "--dry-run", "0000:00:04.0"],
+        None,
+        CORE | SURVEY | HOLDERS | {"tpuboot.devices.reset", "json"},
+    ),
     "image-check": (["image-check"], None, CORE | CHECKS),
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
     "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),

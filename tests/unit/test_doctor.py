@@ -130,10 +130,10 @@ def test_a_healthy_vm_passes_every_check(kernel):
     found = statuses(verdicts)
     assert failing(verdicts) == [], [v.result for v in verdicts if v.result.status == "FAIL"]
     # The container runtimes are not installed in this tree: their limits are SKIP; the
-    # telemetry collector is off by default.
+    # telemetry collector is off by default; no engine, job unit or chip holder runs (memlock).
     skips = {n for n, s in found.items() if s == "SKIP"}
     container_checks = {"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"}
-    assert skips == {"docker-limits", "containerd-limits", "telemetry-running", *container_checks}
+    assert skips == {"docker-limits", "containerd-limits", "telemetry-running", "memlock", *container_checks}
     for name in (
         *imagecheck.IMAGE_CHECKS.names,
         "tpus-bound",
@@ -521,6 +521,24 @@ def test_doctor_asks_the_image_checks_systemd_it_was_given(kernel):
     assert result_of(verdicts, "systemd-default-limits").status == "FAIL"
     assert None in systemd.asked
     assert result_of(doctor(kernel), "systemd-default-limits").status == "PASS"  # the files say so
+
+
+def test_the_chip_count_counts_chips_not_functions(tmp_path):
+    """A TPU7x chip is two PCI functions: 8 functions of a tpu7x-standard-4t VM are its 4 chips."""
+    from tests.unit.test_holders import TPU7X, add_chips
+
+    kernel = healthy(tmp_path / "root")
+    for address in ADDRESSES:
+        kernel.remove_device(address)
+    add_chips(kernel, [str(20 + n) for n in range(8)], TPU7X, per_chip=2)
+    machine = {"instance/machine-type": "projects/1/machineTypes/tpu7x-standard-4t"}
+    set_tpu_env(tmp_path / "root", {"ACCELERATOR_TYPE": "tpu7x-8", "TOPOLOGY": "2x2x1", "WORKER_ID": "0"})
+    count = result_of(doctor(kernel, metadata=Values(machine)), "chip-count")
+    assert count.status == "PASS"
+    assert count.detail == "4 chips usable, as machine type tpu7x-standard-4t implies"
+    kernel.remove_device("0000:00:07.1")  # half of chip 3: the chip is not usable
+    count = result_of(doctor(kernel, metadata=Values(machine)), "chip-count")
+    assert count.status == "FAIL" and count.detail.startswith("3 chips usable (4 present, 7 PCI functions)")
 
 
 def test_pcie_health_fails_a_degraded_link_or_a_lost_function_and_warns_on_nonfatal_errors(kernel):

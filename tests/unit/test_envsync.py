@@ -30,7 +30,7 @@ from tpuboot.paths import Root
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"
 CACHE = "/var/lib/tpuboot/tpu-env.json"
-FETCHED = datetime.datetime(2026, 11, 29, 20, 0, 30, tzinfo=datetime.UTC)
+FETCHED = datetime.datetime(2026, 11, 29, 20, 0, 30, tzinfo=datetime.timezone.utc)
 GOOD = render_env_file(SAMPLE_TPU_ENV).encode()
 
 

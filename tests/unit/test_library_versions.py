@@ -1,8 +1,11 @@
-"""The library matrix runs what it claims: each row imports exactly its distribution's versions.
+"""The library matrix runs what it claims: each row imports exactly its distribution's versions,
+on its system's Python minor version.
 
 scripts/test-matrix sets TPUBOOT_LIBRARY_ROW for the jammy, noble and trixie venvs, and
-scripts/test sets it to bookworm for the main run, whose .venv sees the host's python3-*
-packages; a pip-installed test tool that pulled in a newer requests there would show up here.
+scripts/test sets it to bookworm for the main run, whose .venv sees the host's python3 and
+python3-* packages; a pip-installed test tool that pulled in a newer requests there would show up
+here. Off CI, scripts/test-matrix runs a row whose Python is missing on the host's, says so in the
+row's header, and sets TPUBOOT_ROW_PYTHON_SUBSTITUTE=1, which turns the Python check into a skip.
 """
 
 from __future__ import annotations
@@ -10,14 +13,15 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-MATRIX = Path(__file__).resolve().parents[2] / "scripts" / "matrix"
-ROWS = ("jammy", "noble", "bookworm", "trixie")
-#: tpuboot's run-time dependencies, by their distribution names on PyPI.
-LIBRARIES = ("PyYAML", "requests", "urllib3", "pyudev", "systemd-python", "prometheus-client")
+from harness.matrix import LIBRARIES, MATRIX, row_named
+from harness.matrix import ROWS as MATRIX_ROWS
+
+ROWS = tuple(row.name for row in MATRIX_ROWS)
 PIN = re.compile(r"([A-Za-z0-9._-]+)==([0-9][A-Za-z0-9.+-]*)\Z")
 
 
@@ -64,3 +68,13 @@ def test_this_run_imports_its_rows_versions() -> None:
     wanted = pins(MATRIX / f"{ROW}.txt")
     found = {lib: importlib.metadata.version(lib) for lib in LIBRARIES}
     assert found == {lib: wanted[lib] for lib in LIBRARIES}
+
+
+@pytest.mark.skipif(
+    ROW is None, reason="not a library-matrix run (scripts/test and scripts/test-matrix set it)"
+)
+def test_this_run_is_on_its_systems_python() -> None:
+    wanted = row_named(str(ROW)).python
+    if os.environ.get("TPUBOOT_ROW_PYTHON_SUBSTITUTE") == "1":
+        pytest.skip(f"no Python {wanted} here: scripts/test-matrix ran this row on {sys.version.split()[0]}")
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" == wanted

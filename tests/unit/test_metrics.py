@@ -81,6 +81,8 @@ def test_every_metric_is_named_by_convention(fresh):
         "tpuboot_boot_phase_seconds": "gauge",
         "tpuboot_container_up": "gauge",
         "tpuboot_container_restarts": "counter",
+        "tpuboot_chip_holders": "gauge",
+        "tpuboot_libtpu_lock_held": "gauge",
     }
     assert value(fresh, "tpuboot_build_info", version=__version__) == 1
     assert value(fresh, "tpuboot_container_restarts_total", container="vbar") == 1

@@ -1,9 +1,13 @@
 """The shipped code needs no Python newer than 3.10 (Ubuntu 22.04's), checked statically by vermin,
-and uses nothing 3.12 or 3.13 removed (they run on Ubuntu 24.04 and Debian 13).
+and uses nothing 3.12 or 3.13 removed (they run on Ubuntu 24.04 and Debian 13); so does every
+Python file a library-matrix row runs: tests/, harness/ and the bench/ modules they import.
 
-Only Python 3.11 runs here, so a 3.11 name (``datetime.UTC``, ``tomllib``, ``asyncio.timeout``)
-would pass every other test and still fail on Ubuntu 22.04. The check is tested on snippets of
-each kind of newer use, so it cannot pass by checking nothing.
+The rows run the unit suite on 3.10, 3.12 and 3.13 (scripts/test-matrix), but only the lines the
+tests take: a 3.11 name (``datetime.UTC``, ``tomllib``, ``asyncio.timeout``) on a path no test
+takes would still fail on Ubuntu 22.04, and one in a test module stops the whole module from
+being collected there. The check is tested on snippets of each kind of newer use, so it cannot
+pass by checking nothing. It runs in the main run only: vermin is a main-run tool, and a static
+verdict does not depend on the interpreter that reaches it.
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ import importlib.util
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 OLDEST = "3.10"
 VERMIN = "from vermin import main; raise SystemExit(main())"
+#: What the rows run directly (their pytest collects tests/; tests and bench import harness/).
+ROW_ROOTS = ("tests", "harness")
 
 
 def vermin(*paths: Path) -> subprocess.CompletedProcess[str]:
@@ -41,18 +47,108 @@ def vermin(*paths: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def module_file(top: Path, dotted: str) -> Path | None:
+    """The file under ``top`` that the absolute module name ``dotted`` is, if it is one of them."""
+    base = top.joinpath(*dotted.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_files(path: Path, top: Path) -> set[Path]:
+    """The files under ``top`` that ``path`` imports, lazily imported ones too."""
+    found: set[Path] = set()
+    package = ".".join(path.relative_to(top).parent.parts)
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        found.update(f for name in names if name and (f := module_file(top, name)) is not None)
+    return found
+
+
+def files_run(roots: Iterable[Path], top: Path) -> list[Path]:
+    """Every .py file under ``roots`` and every file of ``top`` they import, transitively."""
+    todo = [f for root in roots for f in sorted(root.rglob("*.py"))]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            todo.extend(imported_files(path, top) - seen)
+    return sorted(seen)
+
+
+def row_files() -> list[Path]:
+    """The Python files a library-matrix row runs, besides tpuboot/."""
+    return [
+        f for f in files_run((REPO / root for root in ROW_ROOTS), REPO) if REPO / "tpuboot" not in f.parents
+    ]
+
+
 def test_the_shipped_code_needs_at_most_python_3_10() -> None:
     result = vermin(REPO / "tpuboot")
     assert result.returncode == 0, f"tpuboot/ uses Python newer than 3.10:\n{result.stdout}{result.stderr}"
     assert "Minimum required versions: 3." in result.stdout, result.stdout  # it analysed something
 
 
+def test_what_the_rows_run_needs_at_most_python_3_10() -> None:
+    files = row_files()
+    result = vermin(*files)
+    assert result.returncode == 0, f"these use Python newer than 3.10:\n{result.stdout}{result.stderr}"
+    assert f"Analyzing {len(files)} files" in result.stdout, result.stdout
+
+
+def test_the_rows_files_are_the_tests_the_harness_and_the_bench_modules_they_import() -> None:
+    files = {f.relative_to(REPO).as_posix() for f in row_files()}
+    assert {"tests/unit/test_envsync.py", "harness/pythons.py", "harness/vm/guest/vfio_read.py"} <= files
+    # Imported by tests (test_soak_units.py, test_bench_peers.py) and by those modules in turn:
+    assert {
+        "bench/soak.py",
+        "bench/soak_reader.py",
+        "bench/run.py",
+        "bench/peers.py",
+        "bench/icount.py",
+    } <= files
+    assert not [f for f in files if f.startswith("tpuboot/")]
+
+
+def test_the_import_walk_follows_absolute_relative_and_lazy_imports(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("from lib import one\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "__init__.py").write_text("")
+    (tmp_path / "lib" / "one.py").write_text("def f():\n    from . import two\n")
+    (tmp_path / "lib" / "two.py").write_text("import lib.three\n")
+    (tmp_path / "lib" / "three.py").write_text("")
+    (tmp_path / "lib" / "unused.py").write_text("import tomllib\n")
+    found = {f.relative_to(tmp_path).as_posix() for f in files_run([tmp_path / "tests"], tmp_path)}
+    assert found == {"tests/test_a.py", "lib/__init__.py", "lib/one.py", "lib/two.py", "lib/three.py"}
+
+
+def toml_string(text: str, table: str, key: str) -> str:
+    """The string ``key = "..."`` of ``[table]`` in pyproject.toml (tomllib is 3.11's)."""
+    section = re.search(rf"^\[{re.escape(table)}\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    assert section, f"no [{table}] table"
+    value = re.search(rf'^{re.escape(key)}\s*=\s*"([^"]*)"', section.group(1), re.M)
+    assert value, f"no {key} in [{table}]"
+    return value.group(1)
+
+
 def test_the_check_target_is_the_packages_python_floor() -> None:
     metadata = configparser.ConfigParser()
     metadata.read(REPO / "setup.cfg")
     assert metadata["options"]["python_requires"] == f">={OLDEST}"
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert project["tool"]["ruff"]["target-version"] == "py" + OLDEST.replace(".", "")
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert toml_string(pyproject, "tool.ruff", "target-version") == "py" + OLDEST.replace(".", "")
+    assert toml_string(pyproject, "tool.mypy", "python_version") == OLDEST
 
 
 TOO_NEW = {
@@ -136,8 +232,9 @@ def removed_uses(path: Path) -> list[str]:
     return found
 
 
-def test_the_shipped_code_uses_nothing_python_3_12_or_3_13_removed() -> None:
-    found = [use for path in sorted((REPO / "tpuboot").rglob("*.py")) for use in removed_uses(path)]
+def test_the_shipped_code_and_what_the_rows_run_use_nothing_python_3_12_or_3_13_removed() -> None:
+    files = [*sorted((REPO / "tpuboot").rglob("*.py")), *row_files()]
+    found = [use for path in files for use in removed_uses(path)]
     assert not found, "replace these, gone in newer Pythons:\n" + "\n".join(found)
 
 

@@ -176,3 +176,23 @@ def test_a_chip_the_kernel_removed_is_found_again_by_a_rescan_alone(tmp_path):
     steps = ladder.climb(chip)
     assert [(s.rung, s.back) for s in steps] == [("remove-rescan", True)]
     assert kernel.driver("0000:05:00.0") == "vfio-pci"
+
+
+def test_the_cli_plans_under_root_refuses_to_act_there_and_never_resets_a_non_tpu(tmp_path, capsys):
+    from tpuboot import cli
+
+    kernel, _, _, _ = setup(tmp_path)
+    kernel.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")  # the boot disk
+    root = ["--root", str(kernel.top)]
+    assert cli.main([*root, "reset", "--dry-run", "05:00.0"]) == cli.EXIT_OK
+    assert capsys.readouterr().out.startswith("function-reset: write 1 to reset of 0000:05:00.0 (")
+    assert cli.main([*root, "reset", "05:00.0"]) == cli.EXIT_USAGE
+    assert "cannot act on a --root tree" in capsys.readouterr().err
+    assert cli.main([*root, "reset", "--dry-run", "00:02.0"]) == cli.EXIT_FAILED
+    assert "0000:00:02.0 is not a TPU; tpuboot never resets another device" in capsys.readouterr().err
+    assert cli.main([*root, "reset", "--dry-run", "00:09.0"]) == cli.EXIT_OK  # gone: a rescan's plan
+    assert (
+        capsys.readouterr().out
+        == "remove-rescan: 0000:00:09.0 is gone from sysfs: rescan the PCI bus, bind it again\n"
+    )
+    assert kernel.writes == []

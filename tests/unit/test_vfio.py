@@ -116,9 +116,16 @@ def test_force_binds_a_non_tpu(kernel):
     assert kernel.driver("0000:00:02.0") == "vfio-pci"
 
 
+def test_v5e_is_bound_to_vfio_pci_as_libtpu_opens_it(kernel):
+    """tpu-info's chip_path and GKE's device plugin reach v5e through /dev/vfio, like v5p."""
+    add_tpu(kernel, ids=(0x1AE0, 0x0063, (0x1AE0, 0x0000)))
+    result = binder(kernel).bind("0000:00:04.0")
+    assert (result.kind, kernel.driver("0000:00:04.0")) == ("TPU v5e", "vfio-pci")
+
+
 def test_report_only_generation_is_refused(kernel):
-    kernel.add_device("0000:00:05.0", 0x1AE0, 0x0063, driver="accel", group="5")
-    with pytest.raises(DeviceError, match="TPU v5e, which tpuboot does not bind"):
+    kernel.add_device("0000:00:05.0", 0x1AE0, 0x005E, driver="accel", group="5")
+    with pytest.raises(DeviceError, match="TPU v4, which tpuboot does not bind"):
         binder(kernel).bind("0000:00:05.0")
 
 

@@ -144,7 +144,7 @@ def test_prune_keeps_other_platforms_and_unprefixed_entries(tmp_path: Path) -> N
     for age, name in enumerate(names):
         (tmp_path / name).mkdir()
         os.utime(tmp_path / name, (1000 - age, 1000 - age))
-    artifacts._prune(tmp_path, tmp_path / "debian12-new", artifacts.BOOKWORM)
+    artifacts._prune(tmp_path, tmp_path / "debian12-new", artifacts.BOOKWORM.name)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["5d1b96167c02c56b", "debian12-new", "debian12-old", "debian13-a", "debian13-b"]
 

@@ -13,24 +13,27 @@ what it changes even when it fails, so ``-k`` runs any one alone and a failure d
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from harness.mds_emulator import SAMPLE_TPU_ENV
 from harness.vm.artifacts import PLATFORMS, TESTER, Platform
-from harness.vm.machine import VM, PciDevice
+from harness.vm.machine import VM
 from harness.vm.tpuboot_guest import (
     EDU,
     EDU_ID_REGISTER,
     READY_STATUS,
-    VFIO_READ,
     VIRTIO_BLK,
     VIRTIO_RNG,
+    hotplug_edu,
+    node_mode,
     put_tpu_env,
     sourced,
+    stand_ins,
     status_text,
+    unplug,
+    vfio_read,
 )
 from tpuboot.config import DEFAULT_ENVIRONMENT
 
@@ -54,27 +57,6 @@ def vm(request: pytest.FixtureRequest, vm_bench: BenchFactory, tpuboot_images: T
     ) as m:
         m.wait_booted()
         yield m
-
-
-def stand_ins(vm: VM) -> list[PciDevice]:
-    return vm.pci_devices(*EDU) + vm.pci_devices(*VIRTIO_RNG)
-
-
-def node_mode(vm: VM, group: int | None) -> str:
-    return vm.run(["stat", "-c", "%a", f"/dev/vfio/{group}"], check=True).stdout.strip()
-
-
-def vfio_read(vm: VM, address: str) -> str:
-    result = vm.run(["python3", VFIO_READ, address], user=TESTER, timeout=30)
-    assert result.ok, result.stderr
-    return result.stdout.strip()
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
 
 
 def tpuboot(vm: VM, *args: str) -> tuple[int, str, str]:
@@ -118,37 +100,18 @@ def test_unprivileged_user_reads_the_device_through_vfio(vm: VM) -> None:
         assert vfio_read(vm, edu.address) == EDU_ID_REGISTER
 
 
-def hotplug_edu(vm: VM, id: str, port: int) -> PciDevice:
-    """Hot-add an edu as ``id`` into hotplug port ``port``; wait until tpuboot has bound it."""
-    before = {d.address for d in vm.pci_devices(*EDU)}
-    vm.device_add("edu", id=id, bus=vm.hotplug_ports[port])
-
-    def new_and_bound() -> bool:
-        new = [d for d in vm.pci_devices(*EDU) if d.address not in before]
-        return len(new) == 1 and new[0].driver == "vfio-pci"
-
-    wait_for(new_and_bound, timeout=20)
-    (new,) = [d for d in vm.pci_devices(*EDU) if d.address not in before]
-    return new
-
-
-def unplug(vm: VM, id: str) -> None:
-    vm.device_del(id)
-    vm.wait_until("systemctl show -P StatusText tpuboot | grep -q '^4 TPUs bound'", timeout=10)
-
-
 def test_hotplugged_device_is_bound_and_usable(vm: VM) -> None:
     new = hotplug_edu(vm, "hot0", 0)
     try:
         assert vfio_read(vm, new.address) == EDU_ID_REGISTER
         vm.wait_until("systemctl show -P StatusText tpuboot | grep -q '^5 TPUs bound'", timeout=10)
     finally:
-        unplug(vm, "hot0")  # back to the 4 stand-ins the tests after this one count
+        unplug(vm, "hot0", 4)  # back to the 4 stand-ins the tests after this one count
 
 
 def test_removal_while_running_is_logged_and_the_daemon_lives(vm: VM) -> None:
     hot = hotplug_edu(vm, "hot1", 1)
-    unplug(vm, "hot1")
+    unplug(vm, "hot1", 4)
     assert vm.run(["systemctl", "is-active", "tpuboot"]).stdout.strip() == "active"
     assert f"{hot.address} (edu stand-in) removed" in vm.journal("tpuboot")
 

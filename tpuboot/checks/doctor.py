@@ -33,6 +33,7 @@ from typing import Protocol
 
 from tpuboot.atomicfile import read_file
 from tpuboot.checks.cdi import CdiChecks
+from tpuboot.checks.holders import HolderChecks
 from tpuboot.checks.image import (
     Check,
     CheckResult,
@@ -58,6 +59,7 @@ from tpuboot.containers.dockerapi import (
 )
 from tpuboot.containers.gke import GkeAnswer, ask_gke
 from tpuboot.containers.service import TELEMETRY, VBAR
+from tpuboot.devices.chips import chips_present
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
 from tpuboot.devices.pci import PCI_DEVICES, PCI_DRIVERS
 from tpuboot.devices.survey import TpuStatus, survey
@@ -215,6 +217,9 @@ class Doctor:
             ("telemetry-running", self.check_telemetry),
         ):
             self.checks.add(name)(_ignoring_root(check))
+        HolderChecks(
+            root, config, lambda: chips_present(root, self.binder.table, self.tpus), systemd
+        ).register(self.checks)
         for name, check in CdiChecks(root, self.binder).named():  # containers without --privileged
             self.checks.add(name)(_ignoring_root(check))
 
@@ -350,15 +355,20 @@ class Doctor:
         return f"no TPU machine type{asked} and no accelerator type in tpu-env"
 
     def check_chip_count(self) -> CheckResult:
-        """The TPU PCI functions usable here: as many as the machine type or slice puts on one
-        host, and of the generation it names."""
+        """The TPU chips usable here (functions grouped into chips, as tpu-info counts them; a chip
+        is usable when all its functions are present and usable): as many as the machine type or slice puts on
+        one host, and of the generation it names."""
         found = self.slice.slice
         if found is None or found.host_chips is None:
             if self.slice.warnings:
                 return skipped("the generation is not in tpuboot's TPU table (see the slice check)")
             return skipped(self._nothing_known())
         want, source = found.host_chips, found.host_chips_from
-        usable = [t for t in self.tpus if (t.driver == VFIO_PCI if t.managed else t.driver is not None)]
+        ready = {
+            t.address for t in self.tpus if (t.driver == VFIO_PCI if t.managed else t.driver is not None)
+        }
+        chips = chips_present(self.root, self.binder.table, self.tpus)
+        usable = [c for c in chips if c.complete and all(fn.address in ready for fn in c.functions)]
         other = sorted({t.kind for t in self.tpus if found.generation.key not in generations_of_kind(t.kind)})
         other = [k for k in other if generations_of_kind(k)]  # a configured kind can be anything
         if other:
@@ -368,10 +378,11 @@ class Doctor:
                 "instance attribute, then tpuboot env",
             )
         shape = f" ({found.hosts} hosts of {want} chips)" if found.hosts and found.hosts > 1 else ""
+        functions = f", {len(self.tpus)} PCI functions" if len(self.tpus) != len(chips) else ""
         if len(usable) == want:
             return passed(f"{want} chips usable, as {source} implies{shape}")
         return failed(
-            f"{len(usable)} chips usable ({len(self.tpus)} present), {source} implies {want}{shape}",
+            f"{len(usable)} chips usable ({len(chips)} present{functions}), {source} implies {want}{shape}",
             "tpuboot status shows each chip; a missing chip is a host problem: recreate or repair the VM",
         )
 

@@ -684,7 +684,7 @@ def _grants_accel(rule: list[tuple[str, str, str]]) -> bool:
 
 @IMAGE_CHECKS.add("accel-udev-rule")
 def check_accel_rule(root: Root) -> CheckResult:
-    """/dev/accel* (TPU v2 to v5e, the kernel's accel driver) open to every user."""
+    """/dev/accel* (TPU v2 to v4, the kernel's accel driver) open to every user."""
     for shown, text in _texts(root, _layered(root, UDEV_RULES_DIRS, "*.rules")):
         if any(_grants_accel(rule) for rule in _udev_rules(text)):
             return passed(f"{shown} gives accel* mode 0666")

@@ -25,10 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tpuboot.atomicfile import FileWriteError, read_file, write_file
-from tpuboot.devices.chips import Chip
+from tpuboot.devices.chips import Chip, ChipFunction, base_address
 from tpuboot.devices.health import is_present
 from tpuboot.devices.pci import PCI_DEVICES, PciFunction
 from tpuboot.devices.survey import describe
+from tpuboot.devices.table import VFIO_ACCESS
 from tpuboot.devices.vfio import VFIO_PCI, Binder
 from tpuboot.errors import DeviceError, TpubootError
 from tpuboot.paths import Root
@@ -56,6 +57,27 @@ class Step:
     done: str
     back: bool
     problem: str | None = None  # why it is not back (or why the rung could not run)
+
+
+def chip_to_reset(root: Root, chips: Sequence[Chip], address: str) -> Chip:
+    """The chip that has function ``address``; for a function sysfs no longer lists (the kernel
+    removed it: a surprise link-down), a chip of that one function, for which a rescan is the
+    only rung (what it finds is bound only if the table says it is a TPU)."""
+    for chip in chips:
+        if any(fn.address == address for fn in chip.functions):
+            if chip.access != VFIO_ACCESS:
+                raise DeviceError(
+                    f"{address} is a {chip.kind} chip, served by the accel driver: tpuboot resets only "
+                    "the chips it binds to vfio-pci"
+                )
+            return chip
+    if PciFunction(root, address).exists():
+        raise DeviceError(
+            f"{address} is not a TPU; tpuboot never resets another device (it may be the boot disk)"
+        )
+    return Chip(
+        -1, base_address(address), "TPU (removed)", VFIO_ACCESS, (ChipFunction(address, "", None),), 1
+    )
 
 
 class Breaker:
@@ -135,6 +157,8 @@ class Ladder:
     def plan(self, chip: Chip) -> list[str]:
         """What each rung would do to ``chip``, for --dry-run."""
         addresses = " ".join(fn.address for fn in chip.functions)
+        if not any(PciFunction(self.root, fn.address).exists() for fn in chip.functions):
+            return [f"remove-rescan: {addresses} is gone from sysfs: rescan the PCI bus, bind it again"]
         methods = {fn.address: self.reset_methods(fn.address) for fn in chip.functions}
         if all(methods.values()):
             shown = ", ".join(f"{a}: {' '.join(m)}" for a, m in methods.items())

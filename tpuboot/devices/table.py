@@ -97,8 +97,11 @@ class Kind:
         return (ids.subsystem_vendor, ids.subsystem_device) == (self.subsystem_vendor, self.subsystem_device)
 
 
-# Generations whose runtime reaches the chip through vfio-pci: tpuboot binds these.
+# Generations whose runtime reaches the chip through vfio-pci: tpuboot binds these. v5e is
+# reached through /dev/vfio like v5p and v6e (tpu-info's chip_path, GKE's TPU device plugin); its
+# subsystem id is not public, so every 0x0063 function is taken for one.
 VFIO_KINDS = (
+    Kind("TPU v5e", GOOGLE, 0x0063, vfio=True, generations=("v5e",)),
     Kind("TPU v5p", GOOGLE, 0x0062, GOOGLE, 0x00AD, vfio=True, generations=("v5p",)),
     Kind("TPU v6e", GOOGLE, 0x006F, GOOGLE, 0x00D1, vfio=True, generations=("v6e",)),
     Kind("TPU7x", GOOGLE, 0x0076, GOOGLE, 0x00F2, vfio=True, generations=("tpu7x",), chip_functions=2),
@@ -109,7 +112,6 @@ REPORT_KINDS = (
     Kind("TPU v2/v3", GOOGLE, 0x0027, generations=("v2", "v3"), access=ACCEL_ACCESS, chip_functions=2),
     Kind("TPU (unnamed 0x0056)", GOOGLE, 0x0056),
     Kind("TPU v4", GOOGLE, 0x005E, generations=("v4",), access=ACCEL_ACCESS),
-    Kind("TPU v5e", GOOGLE, 0x0063, generations=("v5e",)),
     Kind("TPU v5p (unexpected subsystem)", GOOGLE, 0x0062, generations=("v5p",)),
     Kind("TPU v6e (unexpected subsystem)", GOOGLE, 0x006F, generations=("v6e",)),
     Kind("TPU7x (unexpected subsystem)", GOOGLE, 0x0076, generations=("tpu7x",), chip_functions=2),

@@ -1,0 +1,203 @@
+"""`tpuboot release`: the safe part of what people do by hand.
+
+A lock file is removed only while tpuboot itself holds its lock: a libtpu that opened the file
+just before the unlink then fails to lock it and says the TPU is busy, instead of locking an
+orphaned file while the next libtpu creates a new one (two holders of one TPU). A held file is
+never removed. Holders are ended only with ``--kill``: SIGTERM (with SIGCONT, so a stopped one
+can act on it), then SIGKILL after a bounded wait; each through a pidfd opened before the start
+time is checked again, so a PID reused since the scan is never signalled. tpuboot, PID 1,
+vBar's processes (its container, or its program under the exec runtime) and a process holding
+only /dev/vfio/vfio (which a user of any other VFIO device holds too) are never ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import signal
+import time
+from dataclasses import dataclass
+
+from tpuboot.config import Config
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound
+from tpuboot.devices.chips import VFIO_CONTAINER
+from tpuboot.holders.locks import LockFile
+from tpuboot.holders.procfs import Process, running, start_ticks
+from tpuboot.holders.report import Report, describe
+from tpuboot.paths import Root
+
+#: Seconds between SIGTERM and SIGKILL, and after SIGKILL before giving up on a process.
+TERM_GRACE = 5.0
+KILL_WAIT = 2.0
+#: How often a process without a pidfd is looked at, while it is given time to end.
+GONE_POLL = 0.1
+
+
+@dataclass(frozen=True)
+class VbarProcesses:
+    """How vBar's processes are told: the id of its container, or its program (exec runtime)."""
+
+    container: str | None = None
+    program: str | None = None
+    unknown: str | None = None  # why vBar's container could not be told (then no container is ended)
+
+    def reason(self, p: Process) -> str | None:
+        """Why ``p`` must be left alone as vBar's (or as possibly vBar's); None if it is not."""
+        if self.container and p.container and self.container.startswith(p.container):
+            return f"vBar's container {p.container[:12]}"
+        if self.program and p.command.split(" ", 1)[0] == self.program:
+            return f"vBar ({self.program}, the exec runtime)"
+        if self.unknown and p.engine == "docker":
+            return f"in a docker container, and {self.unknown}"
+        return None
+
+
+def vbar_processes(root: Root, config: Config) -> VbarProcesses:
+    vbar = config.vbar
+    if not vbar.enabled:
+        return VbarProcesses()
+    if vbar.runtime == "exec":
+        return VbarProcesses(program=vbar.exec_argv[0])
+    socket = root.path(DOCKER_SOCKET)
+    if not socket.exists():
+        return VbarProcesses()  # no dockerd: no vBar container either
+    try:
+        data = DockerAPI(str(socket), timeout=5).inspect_container(vbar.container_name)
+    except NotFound:
+        return VbarProcesses()
+    except DockerError as exc:
+        return VbarProcesses(unknown=f"dockerd does not say which container is vBar's ({exc})")
+    return VbarProcesses(container=str(data.get("Id") or "") or None)
+
+
+def is_tpuboot(p: Process) -> bool:
+    words = p.command.split()
+    if not words:
+        return False
+    if words[0].rsplit("/", 1)[-1] == "tpuboot":
+        return True
+    return words[0].rsplit("/", 1)[-1].startswith("python") and (
+        words[1:3] == ["-m", "tpuboot"] or (len(words) > 1 and words[1].rsplit("/", 1)[-1] == "tpuboot")
+    )
+
+
+def protected(p: Process, vbar: VbarProcesses) -> str | None:
+    """Why ``p`` is never ended, or None."""
+    if p.pid == os.getpid() or p.pid == 1:
+        return "tpuboot itself" if p.pid != 1 else "PID 1"
+    if is_tpuboot(p):
+        return "tpuboot"
+    return vbar.reason(p)
+
+
+# --- lock files --------------------------------------------------------------------------------
+
+
+def remove_unheld(root: Root, lock: LockFile, dry_run: bool) -> str:
+    """Remove ``lock`` if nobody holds it, holding its lock while unlinking; one line of outcome."""
+    if lock.held:
+        holder = describe(lock.holder) if lock.holder else f"PID {lock.holder_pid}"
+        return f"kept {lock.path}: held by {holder}"
+    if dry_run:
+        return f"would remove {lock.path} (owner {lock.owner}, not held)"
+    path = root.path(lock.path, follow=False)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return f"{lock.path} is gone already"
+    except OSError as exc:
+        return f"cannot remove {lock.path}: {exc.strerror} (run as root)"
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return f"kept {lock.path}: locked since the scan"
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            return f"cannot remove {lock.path}: {exc.strerror} (run as root)"
+    finally:
+        os.close(fd)
+    return f"removed {lock.path} (owner {lock.owner}, not held)"
+
+
+# --- ending holders ----------------------------------------------------------------------------
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid`` where the kernel (5.3+) and Python have them; None otherwise or if gone."""
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        fd: int = opener(pid)
+    except OSError:
+        return None
+    return fd
+
+
+def _signal(pidfd: int | None, pid: int, sig: int) -> None:
+    sender = getattr(signal, "pidfd_send_signal", None)
+    with contextlib.suppress(ProcessLookupError):
+        if pidfd is not None and sender is not None:
+            sender(pidfd, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _gone(root: Root, p: Process, pidfd: int | None, seconds: float) -> bool:
+    """True once ``p`` exits within ``seconds``: its pidfd readable, else it is gone, a zombie, or
+    its PID another process's."""
+    if pidfd is not None:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return bool(poller.poll(int(seconds * 1000)))
+    deadline = time.monotonic() + seconds
+    while True:
+        if not running(root, p.pid, p.start_ticks):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(GONE_POLL)
+
+
+def end(root: Root, p: Process, grace: float = TERM_GRACE) -> str:
+    """SIGTERM, then SIGKILL after ``grace`` seconds: one line saying what became of ``p``."""
+    if p.state == "zombie":
+        return f"PID {p.pid} is a zombie: its parent, PID {p.ppid}, must reap it (end or restart the parent)"
+    pidfd = _pidfd(p.pid)
+    try:
+        if start_ticks(root, p.pid) != p.start_ticks:
+            return f"PID {p.pid} is no longer {p.command!r} (it exited, or its PID was reused): left alone"
+        _signal(pidfd, p.pid, signal.SIGTERM)
+        _signal(pidfd, p.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+        if _gone(root, p, pidfd, grace):
+            return f"PID {p.pid} ended on SIGTERM"
+        _signal(pidfd, p.pid, signal.SIGKILL)
+        if _gone(root, p, pidfd, KILL_WAIT):
+            return f"PID {p.pid} ended on SIGKILL after {grace:g} s"
+        return f"PID {p.pid} is still there after SIGKILL ({p.state}: it ends when the kernel lets it)"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def release(root: Root, report: Report, vbar: VbarProcesses, *, dry_run: bool, kill: bool) -> list[str]:
+    """Remove unheld lock files; report holders; end them with ``kill``. One line per action."""
+    lines = [remove_unheld(root, lock, dry_run) for lock in report.locks]
+    ours = report.chip_pids() | {lock.holder.pid for lock in report.locks if lock.holder}
+    for p in report.processes():
+        why = protected(p, vbar)
+        if why is None and p.pid not in ours:  # any VFIO user opens it, a VM's device too
+            why = f"it holds {VFIO_CONTAINER} only, which users of other VFIO devices open too"
+        if why is not None:
+            lines.append(f"left alone: {describe(p)} ({why})")
+        elif not kill:
+            lines.append(f"holder: {describe(p)} (--kill ends it)")
+        elif dry_run:
+            lines.append(f"would end: {describe(p)}")
+        else:
+            lines.append(end(root, p))
+    return lines or ["nothing holds a chip and there is no libtpu lock file"]
