@@ -158,6 +158,33 @@ def cmd_hotplug(args: argparse.Namespace) -> int:
     return 0 if marks["usable"] is not None else 1
 
 
+def cmd_cdi(args: argparse.Namespace) -> int:
+    """Until a hot-added device is usable by tester and its node is in tpuboot's CDI spec: both
+    stamps on the guest clock (a ready marker on the console first, so the add comes after)."""
+    console = os.open(CONSOLE, os.O_WRONLY | os.O_NOCTTY)
+    drop_to(TESTER)
+    marks: dict[str, float | None] = dict.fromkeys(("usable", "spec"))
+    group: str | None = None
+    start = now()
+    os.write(console, f"\n{args.tag}r{start:.6f}\n".encode())
+    deadline = start + args.timeout
+    while now() < deadline and None in marks.values():
+        group = group or group_of(args.addr)
+        if group is not None:
+            if marks["usable"] is None and node_open_to_all(group) and readable(args.addr):
+                marks["usable"] = now()
+            if marks["spec"] is None:
+                try:
+                    with open(args.spec) as f:
+                        if f'"/dev/vfio/{group}"' in f.read():
+                            marks["spec"] = now()
+                except FileNotFoundError:
+                    pass
+        time.sleep(args.interval)
+    print(json.dumps({"start": start, **marks}))
+    return 0 if None not in marks.values() else 1
+
+
 # --------------------------------------------------------------------------- coldplug
 
 
@@ -664,6 +691,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--interval", type=float, default=0.005)
     p.set_defaults(func=cmd_hotplug)
+    p = sub.add_parser("cdi")
+    p.add_argument("addr")
+    p.add_argument("--spec", required=True)
+    p.add_argument("--tag", required=True)
+    p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--interval", type=float, default=0.002)
+    p.set_defaults(func=cmd_cdi)
     p = sub.add_parser("coldplug")
     p.add_argument("addr", nargs="+")
     p.add_argument("--timeout", type=float, default=60.0)

@@ -8,7 +8,7 @@ Debian's packages in the same guests, never active beside tpuboot): ``driverctl`
 footprint. Usage, from the repository root (root is needed for the image build and QEMU)::
 
     sudo .venv/bin/python -m bench.run [--json FILE] [--markdown FILE]
-                                       [--only hotplug,coldplug,cli,icount,idle,fleet,holders]
+                                       [--only hotplug,cdi,coldplug,cli,icount,idle,fleet,holders]
                                        [--reps 6] [--coldplug-reps 5] [--cli-runs 10]
                                        [--icount-runs 5]
 
@@ -137,6 +137,9 @@ from harness.vm.tpuboot_guest import (
     package_install_hook,
     vbar_install_hook,
 )
+from tpuboot.containers.cdi import SPEC_PATH as CDI_SPEC
+from tpuboot.containers.cdi import name_of
+from tpuboot.devices.chips import base_address
 
 log = logging.getLogger("bench.bind")
 
@@ -148,8 +151,9 @@ STAGED_RULE = f"{BENCH_LIBEXEC}/{RULE_NAME}"
 ACTIVE_RULE = f"/etc/udev/rules.d/{RULE_NAME}"
 HANDLER = "/lib/udev/bind_to_vfio_pci.sh"
 HOTPLUG_PORT = "hp0"
-FAMILIES = ("hotplug", "coldplug", "cli", "icount", "idle", "fleet", "holders")
-VM_FAMILIES = ("hotplug", "coldplug", "cli", "icount", "idle")
+FAMILIES = ("hotplug", "cdi", "coldplug", "cli", "icount", "idle", "fleet", "holders")
+VM_FAMILIES = ("hotplug", "cdi", "coldplug", "cli", "icount", "idle")
+CDI_LAG_GOAL_S = 0.050  # the CDI spec lands within 50 ms of the chip becoming usable
 SIDES = ("tpuboot", "baseline", "driverctl")  # the binding families' sides, one armed at a time
 PEER = "driverctl"
 RSS_GOAL_MIB = 20.0
@@ -568,6 +572,55 @@ def run_hotplug(vm: VM, reps: int, report: Report) -> None:
         'udev MODE="0666" rule',
     )
     report.raw["hotplug"] = {"address": address, "reps": [asdict(r) for r in results], "stop_s": stops}
+
+
+# --------------------------------------------------------------------------- 1b. cdi
+
+
+def cdi_rep(vm: VM, console: ConsoleTail, address: str, serial: int) -> tuple[float, float]:
+    """One add -> (usable, in the spec) on the guest clock from the add -> remove cycle."""
+    tag = f"@CD{serial:03d}"
+    box: dict[str, Result] = {}
+    argv = ["python3", GUEST_HELPER, "cdi", address, "--spec", CDI_SPEC, "--tag", tag]
+
+    def wait() -> None:
+        box["r"] = vm.run(argv, timeout=40)
+
+    waiter = threading.Thread(target=wait, name=f"cdi-waiter-{serial}", daemon=True)
+    waiter.start()
+    try:
+        ready_at = console.wait_for(f"{tag}r", timeout=30)
+        t0 = time.monotonic()
+        vm.device_add("edu", id=f"cd{serial}", bus=HOTPLUG_PORT)
+    finally:
+        waiter.join(timeout=60)
+    marks = guest_json(box["r"], "cdi waiter") if "r" in box else {}
+    vm.device_del(f"cd{serial}")
+    vm.wait_until(f"! grep -q '{name_of(base_address(address))}' {CDI_SPEC}", timeout=20)
+    if marks.get("usable") is None or marks.get("spec") is None:
+        raise BenchError(f"cdi: hot-added {address} not usable and in the spec: {marks}")
+    guest_add = marks["start"] + (t0 - ready_at)
+    return marks["usable"] - guest_add, marks["spec"] - guest_add
+
+
+def run_cdi(vm: VM, reps: int, report: Report) -> None:
+    """Hot add -> usable by tester, and -> its node in the CDI spec (guest clock, one waiter for
+    both); the spec is the daemon's, so tpuboot alone is measured (no baseline writes one)."""
+    address = hotplug_address(vm)
+    console = ConsoleTail(vm.console_path)
+    try:
+        reps_s = [cdi_rep(vm, console, address, serial) for serial in range(reps + 1)][1:]  # 1 warm-up
+    finally:
+        console.close()
+    usable, spec = [u for u, _ in reps_s], [s for _, s in reps_s]
+    lag = [s - u for u, s in reps_s]
+    report.add("cdi", Row(f"cdi: device_add -> usable by tester (n={reps})", spread(usable), "n/a"))
+    report.add("cdi", Row("cdi: device_add -> node in the CDI spec on disk", spread(spec), "n/a"))
+    verdict = "n/a" if not lag else ("PASS" if max(lag) <= CDI_LAG_GOAL_S else "FAIL")
+    goal = f"worst <= {CDI_LAG_GOAL_S * 1000:.0f} ms"
+    report.add("cdi", Row("cdi: usable -> in the spec", spread(lag), "n/a", None, goal, verdict))
+    report.note("cdi", "guest clock; both polled every 2 ms; a negative lag: the spec came first")
+    report.raw["cdi"] = {"address": address, "usable_s": usable, "spec_s": spec}
 
 
 # --------------------------------------------------------------------------- 2. coldplug
@@ -1337,6 +1390,7 @@ def run_guests(
     work = Path(tempfile.mkdtemp(prefix="bindbench-", dir=cache_dir()))
     measures: dict[str, tuple[dict[str, Any], Callable[[VM], None]]] = {
         "hotplug": ({"hotplug_ports": 1}, lambda vm: run_hotplug(vm, args.reps, report)),
+        "cdi": ({"hotplug_ports": 1}, lambda vm: run_cdi(vm, args.reps, report)),
         "coldplug": ({"devices": ["edu"] * 8}, lambda vm: run_coldplug(vm, args.coldplug_reps, report)),
         "cli": ({"devices": ["edu"]}, lambda vm: run_cli(vm, args.cli_runs, report)),
         "icount": (

@@ -355,6 +355,27 @@ def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed_required(verdicts) else EXIT_OK
 
 
+def cmd_cdi(ctx: Context, args: argparse.Namespace) -> int:
+    """The CDI spec the daemon keeps, read from sysfs now: printed, or written to --output."""
+    import os
+
+    from tpuboot.atomicfile import write_file
+    from tpuboot.containers.cdi import current_chips, render, to_json, to_yaml
+
+    spec = render(current_chips(ctx.binder()))
+    if spec is None:
+        raise TpubootError(
+            "no TPU chip is bound to vfio-pci or served by the accel driver: no CDI device to describe; "
+            "tpuboot status says why (tpuboot bind DBDF binds one)"
+        )
+    data = to_yaml(spec) if args.format == "yaml" else to_json(spec)
+    if args.output is None:
+        sys.stdout.write(data.decode())
+    else:
+        write_file(ctx.root, os.path.abspath(args.output), data, mode=0o644)
+    return EXIT_OK
+
+
 def cmd_prepare_image(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.prepare import prepare
 
@@ -460,6 +481,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("doctor", cmd_doctor, "check that this TPU VM is ready for a workload, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command("cdi", cmd_cdi, "print the CDI spec of the bound chips (containers without --privileged)")
+    p.add_argument("--format", choices=("json", "yaml"), default="json", help="output format (default json)")
+    p.add_argument("--output", metavar="FILE", help="write the spec to FILE (atomically), not to stdout")
     p = command("env", cmd_env, "fetch tpu-env once and write it and /etc/environment")
     p.add_argument("--print", action="store_true", help="also print the tpu-env file written")
     p.add_argument("--deadline", type=_seconds, metavar="S", help="give up on the server after S seconds")

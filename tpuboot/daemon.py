@@ -56,6 +56,7 @@ from tpuboot.eventloop import EventLoop, Timer
 from tpuboot.notify import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
+    from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
     from tpuboot.guestattrs import Publisher
     from tpuboot.metrics_server import MetricsServer
@@ -76,6 +77,7 @@ class Daemon:
         metadata: MetadataClient | None = None,
         metrics_server: MetricsServer | None = None,
         budget: bootbudget.Budget | None = None,
+        cdi: SpecWriter | None = None,
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
         self.devices = devices
@@ -87,6 +89,7 @@ class Daemon:
         self.metadata = metadata  # shared by env, containers and guest_attrs; closed at the end
         self.metrics_server = metrics_server
         self.budget = budget  # the boot's phases, shown at READY and when vBar first runs
+        self.cdi = cdi  # the CDI spec: refreshed in the turn of every device change
         self.ready = False
         self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
         self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread
@@ -219,6 +222,12 @@ class Daemon:
         if self.ready:
             self.notifier.status(self.status_line())
 
+    def _devices_changed(self) -> None:
+        """The device manager's report: the CDI spec follows in the same turn, then the rest."""
+        if self.cdi is not None:
+            self.cdi.refresh()
+        self._changed()
+
     def _vbar_in_budget(self) -> None:
         """vBar's first run ends the boot budget's last phase (after READY, which never waits for it)."""
         if self.budget is None or self.containers is None or self.budget.has(bootbudget.VBAR):
@@ -256,7 +265,9 @@ class Daemon:
         def report() -> None:  # from any thread: the loop reads the Statuses
             loop.call_soon_threadsafe(self._changed)
 
-        self.devices.start(self._changed)  # on the loop: coldplug before any udev event binds
+        self.devices.start(self._devices_changed)  # on the loop: coldplug before any udev event binds
+        if self.cdi is not None:
+            self.cdi.refresh()  # the chips bound already (a restart), or none: no spec of a past run
         if self.guest_attrs is not None:
             self.guest_attrs.update(self.guest_attribute_values())
             self.guest_attrs.start()  # its own thread: READY never waits for it
@@ -329,6 +340,8 @@ class Daemon:
         """Every component told to end; the last guest-attribute write before the shared metadata
         client is closed (which cuts a fetch, a long-poll or a GKE check in flight). Each wait
         here has a bound of its own; STOP_BUDGET bounds them together."""
+        if self.cdi is not None:
+            self.cdi.stop()
         if self.env is not None:
             self.env.stop()
         if self.guest_attrs is not None:

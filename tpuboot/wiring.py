@@ -64,6 +64,7 @@ def build(
     budget = bootbudget.begin(root)
     budget.mark(bootbudget.MONITOR_OPEN, at=monitor_open)
     budget.mark(bootbudget.COLDPLUG, f"{len(coldplug.addresses)} PCI functions", at=enumerated)
+    from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
     from tpuboot.devices.manager import DeviceManager
     from tpuboot.env.metadata import MetadataClient
@@ -75,6 +76,7 @@ def build(
 
     loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
     devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready)
+    cdi = SpecWriter(binder, executor, loop.call_soon_threadsafe)
     publish = config.guest_attributes.enabled != "false"
     containers_on = config.vbar.enabled or config.telemetry.enabled
     if metadata is None and (config.env.enabled or containers_on or publish):
@@ -105,4 +107,5 @@ def build(
     metrics.watch_pcie(root, binder.table)  # read at each scrape, never between them
     server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
     notifier = notifier or Notifier()
-    return Daemon(loop, devices, executor, notifier, env, containers, guest_attrs, metadata, server, budget)
+    parts = (env, containers, guest_attrs, metadata, server)
+    return Daemon(loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi)

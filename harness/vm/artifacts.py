@@ -103,16 +103,33 @@ class Platform:
     suite: str
     packages: tuple[str, ...]
     kernel_meta: str = KERNEL_META
+    # Installed with apt-get after debootstrap: packages whose maintainer scripts debootstrap's
+    # own configuration order cannot run (podman's golang-github-containers-common).
+    apt_packages: tuple[str, ...] = ()
 
 
 BOOKWORM = Platform("debian12", "bookworm", GUEST_PACKAGES)
 TRIXIE = Platform("debian13", "trixie", TRIXIE_PACKAGES)
 PLATFORMS = (BOOKWORM, TRIXIE)
 
+# Guests of one scenario each (tests/vm/test_cdi.py): a platform's kernel with a tree of their own,
+# so the packages only they need (a container engine) lengthen no other guest's debootstrap. Not in
+# PLATFORMS: the tests that run on every platform do not run on these. Their names share no prefix
+# with a platform's, so pruning one never touches the other's artifacts.
+# AppArmor is on in Debian's kernels: the engines load their default profile with apparmor_parser.
+PODMAN_BOOKWORM = Platform(
+    "podman-debian12", "bookworm", BASE_PACKAGES, apt_packages=("podman", "crun", "apparmor")
+)
+# Debian 13 ships the docker command apart from dockerd (docker-cli).
+DOCKER_TRIXIE = Platform(
+    "docker-debian13", "trixie", BASE_PACKAGES, apt_packages=("docker.io", "docker-cli", "apparmor")
+)
+VARIANT_OF = {PODMAN_BOOKWORM.name: BOOKWORM, DOCKER_TRIXIE.name: TRIXIE}
+
 
 def platform_named(name: str) -> Platform:
-    """The platform called ``name`` (``debian12``, ``debian13``)."""
-    for platform in PLATFORMS:
+    """The platform called ``name`` (``debian12``, ``debian13``, or a variant's)."""
+    for platform in (*PLATFORMS, PODMAN_BOOKWORM, DOCKER_TRIXIE):
         if platform.name == name:
             return platform
     raise ValueError(f"no platform {name!r}; known: {', '.join(p.name for p in PLATFORMS)}")
@@ -543,14 +560,28 @@ def _debootstrap(tmp: Path, platform: Platform) -> None:
         deb.unlink()
 
 
+def _apt_install(tmp: Path, platform: Platform) -> None:
+    """``platform.apt_packages`` into the debootstrapped tree, from the mirror debootstrap used."""
+    chroot_run(tmp, ["apt-get", "update"], timeout=BUILD_TIMEOUT)
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *platform.apt_packages]
+    chroot_run(tmp, install, timeout=BUILD_TIMEOUT)
+    chroot_run(tmp, ["apt-get", "clean"])
+    for lists in (tmp / "var/lib/apt/lists").glob("*_Packages*"):
+        lists.unlink()
+
+
 def ensure_base(platform: Platform = BOOKWORM, cache: Path | None = None) -> Path:
     """A plain ``debootstrap --variant=minbase`` tree of ``platform`` with its packages."""
     parent = (cache or hostenv.cache_dir()) / "base"
     key = _digest(platform.suite, *sorted(platform.packages), _source(_debootstrap))
+    if platform.apt_packages:  # (the platforms' keys stay as they were)
+        key = _digest(key, *platform.apt_packages, _source(_apt_install))
     final = parent / f"{platform.name}-{key}"
     if not final.is_dir():
         with _timed(f"debootstrap {platform.suite}"), _building(final) as tmp:
             _debootstrap(tmp, platform)
+            if platform.apt_packages:
+                _apt_install(tmp, platform)
         _prune(parent, final, platform.name)
     return final
 
@@ -679,7 +710,7 @@ def ensure_artifacts(
     if problem:
         raise HostError(problem)
     cache = cache or hostenv.cache_dir()
-    kernel = ensure_kernel(platform, cache)
+    kernel = ensure_kernel(VARIANT_OF.get(platform.name, platform), cache)  # a variant: its platform's
     initrd = ensure_initramfs(kernel, cache)
     if on_boot_files:
         on_boot_files(kernel, initrd)

@@ -73,14 +73,16 @@ RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.
 CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.checks.cmdline",
           "tpuboot.devices.kmodule", "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
+CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", "json"}
+
 #: A config that sets something, read the first time: PyYAML, and the cache's record written
 #: (tpuboot/configcache.py); the same file unchanged later: the record alone (CACHED below).
 PARSED = {"yaml", "json", "tpuboot.configcache", "tpuboot.atomicfile"}
 CACHED = {"json", "tpuboot.configcache"}
 TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
-DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | HOLDERS | {
+DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
-    "tpuboot.checks.holders"}  # fmt: skip
+    "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
 
 PREPARE = (
     CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot"}
@@ -116,6 +118,7 @@ CASES = {
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
     "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),
     "doctor": (["doctor"], None, DOCTOR),
+    "cdi": (["cdi"], None, CORE | CDI | {"tpuboot.atomicfile", "dataclasses", "inspect", "typing"}),
     "prepare-image": (["prepare-image"], None, PREPARE),
 }
 #: The daemon loads everything tpuboot has; tests/unit/test_run_start.py runs it whole.

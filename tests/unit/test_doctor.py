@@ -18,8 +18,11 @@ from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli
 from tpuboot.checks import image as imagecheck
 from tpuboot.checks.doctor import Doctor, Verdict, docker_container_state
-from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig
+from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig, VfioConfig
+from tpuboot.containers import cdi
 from tpuboot.containers.dockerapi import Unreachable
+from tpuboot.devices.table import DeviceTable
+from tpuboot.devices.vfio import Binder
 from tpuboot.env.metadata import MetadataAbsent, Reply
 from tpuboot.env.sync import PRODUCT_UUID_PATH
 from tpuboot.env.tpuenv import parse_env_file, render_env_file
@@ -57,6 +60,9 @@ def healthy(top: Path, vfio: VfioShape = "module") -> FakeKernel:
     write(top, "/etc/security/limits.d/tpuboot.conf", PAM_GOOD)
     write(top, "/usr/lib/systemd/system.conf.d/50-tpuboot.conf", MANAGER_GOOD)
     write(top, "/lib/udev/rules.d/70-tpuboot.rules", 'KERNEL=="accel*", MODE="0666"\n')
+    cdi.apply(
+        k.root, cdi.render(cdi.current_chips(Binder(k.root, DeviceTable(), VfioConfig())))
+    )  # the daemon's
     env = EnvConfig()
     set_tpu_env(top, TPU_ENV)
     write(top, env.environment_path, "".join(f'{k}="{v}"\n' for k, v in env.environment.items()))
@@ -126,7 +132,8 @@ def test_a_healthy_vm_passes_every_check(kernel):
     # The container runtimes are not installed in this tree: their limits are SKIP; the
     # telemetry collector is off by default; no engine, job unit or chip holder runs (memlock).
     skips = {n for n, s in found.items() if s == "SKIP"}
-    assert skips == {"docker-limits", "containerd-limits", "telemetry-running", "memlock"}
+    container_checks = {"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"}
+    assert skips == {"docker-limits", "containerd-limits", "telemetry-running", "memlock", *container_checks}
     for name in (
         *imagecheck.IMAGE_CHECKS.names,
         "tpus-bound",
@@ -156,6 +163,7 @@ BREAKAGES = {
     "accel-udev-rule": lambda k: k.p("/lib/udev/rules.d/70-tpuboot.rules").unlink(),
     "tpu-env-fresh": lambda k: k.p(EnvConfig().tpu_env_path).write_text(render_env_file({"ZONE": "old"})),
     "environment": lambda k: k.p("/etc/environment").write_text("PATH=/usr/bin\n"),
+    "cdi-spec": lambda k: k.p(cdi.SPEC_PATH).unlink(),
 }
 
 
@@ -222,8 +230,9 @@ def test_each_broken_setting_fails_exactly_its_check_with_a_fix(kernel, check):
         pytest.skip("a built-in vfio-pci cannot be unloaded: test_vfio_pci_check_on_each_kernel")
     BREAKAGES[check](kernel)
     verdicts = doctor(kernel)
-    # An unbound TPU is also one bound chip fewer than the accelerator type implies.
-    expected = [check, "chip-count"] if check == "tpus-bound" else [check]
+    # An unbound TPU is also one bound chip fewer than the accelerator type implies, and one
+    # device fewer than the CDI spec (which the daemon, not running here, would have rewritten).
+    expected = [check, "chip-count", "cdi-spec"] if check in ("tpus-bound",) else [check]
     assert failing(verdicts) == expected, [v.result for v in verdicts if v.result.status == "FAIL"]
     bad = next(v for v in verdicts if v.result.name == check)
     assert bad.result.fix and "\n" not in bad.result.fix
@@ -232,7 +241,7 @@ def test_each_broken_setting_fails_exactly_its_check_with_a_fix(kernel, check):
 
 def test_a_missing_chip_fails_the_count(kernel):
     kernel.remove_device("0000:00:07.0")
-    assert failing(doctor(kernel)) == ["chip-count"]
+    assert failing(doctor(kernel)) == ["chip-count", "cdi-spec"]  # the spec: no daemon here to update it
 
 
 def test_machine_type_from_metadata_wins_over_tpu_env(kernel):

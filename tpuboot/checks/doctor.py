@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tpuboot.atomicfile import read_file
+from tpuboot.checks.cdi import CdiChecks
 from tpuboot.checks.holders import HolderChecks
 from tpuboot.checks.image import (
     Check,
@@ -219,6 +220,8 @@ class Doctor:
         HolderChecks(
             root, config, lambda: chips_present(root, self.binder.table, self.tpus), systemd
         ).register(self.checks)
+        for name, check in CdiChecks(root, self.binder).named():  # containers without --privileged
+            self.checks.add(name)(_ignoring_root(check))
 
     def run(self) -> list[Verdict]:
         """The device checks, then imagecheck's, then the rest; each result named."""

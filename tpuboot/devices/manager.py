@@ -186,6 +186,14 @@ class DeviceManager:
             self.consider(device.sys_name)
         elif device.action == "remove":
             self.removed(device.sys_name)
+        elif device.action in ("bind", "unbind") and self._driver_changed_by_others(device.sys_name):
+            self._changed()  # a driver came or went (`tpuboot unbind`): the CDI spec follows
+
+    def _driver_changed_by_others(self, address: str) -> bool:
+        """A managed device's driver changed outside a bind of ours (whose end reports itself:
+        reporting its udev ``bind`` too would refresh the CDI spec before the node is ready)."""
+        state = self.devices.get(address)
+        return state is not None and not state.running
 
     # ------------------------------------------------------------------ binding
 

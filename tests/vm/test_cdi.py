@@ -1,0 +1,221 @@
+"""Containers without --privileged, on a real kernel with the real engines: podman 4.3 (Debian 12)
+and Docker 26 (Debian 13, its CDI feature on) give a container the stand-in TPUs through nothing but
+tpuboot's CDI spec, and the spec follows hotplug.
+
+One boot per engine (module-scoped, parametrized). Each guest has two edu stand-ins at boot and a
+hotplug port for a third. The container image is a tarball imported into the engine (no registry):
+busybox, with the guest's own /usr bind-mounted read-only for python3 and vfio_read.py, which walks
+the VFIO path libtpu takes (container, group, device fd) and reads BAR0. The containers run as
+uid 1000 without --privileged, with no capability added.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness.vm.artifacts import DOCKER_TRIXIE, PODMAN_BOOKWORM, Platform
+from harness.vm.hostenv import BUSYBOX
+from harness.vm.machine import VM
+from harness.vm.tpuboot_guest import (
+    EDU,
+    EDU_ID_REGISTER,
+    VFIO_READ,
+    guest_config,
+    package_install_hook,
+    write_in_tree,
+)
+from tpuboot.containers.cdi import SPEC_PATH, name_of
+from tpuboot.devices.chips import base_address
+
+from .conftest import BenchFactory
+
+pytestmark = pytest.mark.vm
+
+SPEC = SPEC_PATH
+PROBE_TAR = "/var/lib/tpuboot-test/probe-rootfs.tar"
+PROBE_IMAGE = "localhost/tpuboot-test/probe:1"
+# Docker: CDI behind its feature flag (Docker 26); no bridge or iptables (they cost 30 s under TCG).
+DOCKER_DAEMON_JSON = '{"features": {"cdi": true}, "bridge": "none", "iptables": false}\n'
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str  # the command: podman or docker
+    platform: Platform
+    run_options: tuple[str, ...]  # what the man page's line for the engine adds
+
+
+ENGINES = [
+    Engine("podman", PODMAN_BOOKWORM, ()),
+    Engine("docker", DOCKER_TRIXIE, ("--ulimit", "memlock=-1:-1")),
+]
+
+
+def probe_rootfs_tar() -> bytes:
+    """busybox as /bin/sh, and the links the guest's /usr needs to run its python3 from a mount."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = BUSYBOX.read_bytes()
+        info = tarfile.TarInfo("bin/busybox")
+        info.size, info.mode = len(data), 0o755
+        tar.addfile(info, io.BytesIO(data))
+        for name, target in (("bin/sh", "busybox"), ("lib", "usr/lib"), ("lib64", "usr/lib64")):
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = tarfile.SYMTYPE, target
+            tar.addfile(link)
+        for name in ("usr", "tmp", "proc", "sys", "dev"):
+            folder = tarfile.TarInfo(name)
+            folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(folder)
+    return buf.getvalue()
+
+
+def install_hook(deb: Path, engine: Engine) -> Callable[[Path], None]:
+    base = package_install_hook(deb, guest_config())
+
+    def hook(tree: Path) -> None:
+        base(tree)
+        write_in_tree(tree, PROBE_TAR, "")
+        (tree / PROBE_TAR.lstrip("/")).write_bytes(probe_rootfs_tar())
+        # Loaded at boot (systemd-modules-load, before tpuboot): under a loaded host's TCG a first
+        # modprobe can outlast tpuboot's 30 s bound, and module loading is not this module's subject.
+        write_in_tree(tree, "/etc/modules-load.d/tpuboot-test-vfio.conf", "vfio-pci\n")
+        if engine.name == "docker":
+            write_in_tree(tree, "/etc/docker/daemon.json", DOCKER_DAEMON_JSON)
+
+    return hook
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=lambda e: e.name)
+def vm(
+    request: pytest.FixtureRequest, vm_bench: BenchFactory, tpuboot_deb: Path
+) -> Iterator[tuple[VM, Engine]]:
+    engine: Engine = request.param
+    bench = vm_bench(engine.platform)
+    image = bench.image(install_hook(tpuboot_deb, engine), key=f"tpuboot-cdi-{engine.name}")
+    with VM.from_artifacts(
+        bench.artifacts,
+        image,
+        devices=["edu", "edu"],
+        hotplug_ports=1,
+        memory=1536,
+        name=f"cdi-{engine.name}",
+    ) as m:
+        m.wait_booted()
+        m.run([engine.name, "import", PROBE_TAR, PROBE_IMAGE], check=True, timeout=300)
+        m.wait_until(f"[ $(grep -c '\"name\"' {SPEC} 2>/dev/null) = 5 ]", timeout=120)  # both bound
+        yield m, engine
+
+
+def spec(vm: VM) -> dict:
+    return json.loads(vm.read_file(SPEC))
+
+
+def names(vm: VM) -> list[str]:
+    return [d["name"] for d in spec(vm)["devices"]]
+
+
+def container(vm: VM, engine: Engine, device: str, addresses: list[str]) -> dict[str, str]:
+    """In a new container given ``google.com/tpu=device``: BAR0 of each address (or the error),
+    the /dev/vfio nodes, the locked-memory limit and the TPU_ variables."""
+    reads = "".join(f'echo "read {a} $(python3 {VFIO_READ} {a} 2>&1)"; ' for a in addresses)
+    script = (
+        f"{reads}echo \"nodes $(ls /dev/vfio | sort | tr '\\n' ' ')\"; "
+        "echo \"memlock $(grep 'Max locked memory' /proc/self/limits | tr -s ' ' | cut -d' ' -f4,5)\"; "
+        "env | grep ^TPU_ | sort | sed 's/^/env /'"
+    )
+    argv = [
+        engine.name, "run", "--rm", "--network", "none", "--user", "1000:1000",
+        "--device", f"google.com/tpu={device}", *engine.run_options,
+        "-v", "/usr:/usr:ro", PROBE_IMAGE, "/bin/sh", "-c", script,
+    ]  # fmt: skip
+    out = vm.run(argv, check=True, timeout=300).stdout
+    found: dict[str, str] = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("read", "env"):
+            name, _, value = value.partition(" ")
+            key = f"{key} {name}"
+        found[key] = value.strip()
+    return found
+
+
+def cdi_name(address: str) -> str:
+    return name_of(base_address(address))
+
+
+def edus(vm: VM) -> list[str]:
+    return sorted(d.address for d in vm.pci_devices(*EDU))
+
+
+def groups(vm: VM, addresses: list[str]) -> list[str]:
+    script = " ".join(f"basename $(readlink /sys/bus/pci/devices/{a}/iommu_group);" for a in addresses)
+    return vm.run(["sh", "-c", script], check=True).stdout.split()
+
+
+def test_all_gives_every_stand_in_through_vfio_without_privileges(vm: tuple[VM, Engine]) -> None:
+    m, engine = vm
+    addresses = edus(m)
+    assert len(addresses) == 2
+    assert names(m) == ["0", cdi_name(addresses[0]), "1", cdi_name(addresses[1]), "all"]
+    got = container(m, engine, "all", addresses)
+    assert [got[f"read {a}"] for a in addresses] == [EDU_ID_REGISTER] * 2, got
+    assert got["nodes"].split() == sorted([*groups(m, addresses), "vfio"])
+    assert got["memlock"] == "unlimited unlimited"
+    assert not any(key.startswith("env ") for key in got)  # all: libtpu sees the whole host
+
+
+def test_a_single_chip_device_gives_exactly_that_chip(vm: tuple[VM, Engine]) -> None:
+    m, engine = vm
+    first, second = edus(m)
+    got = container(m, engine, "1", [first, second])
+    assert got[f"read {second}"] == EDU_ID_REGISTER
+    assert "open /dev/vfio/" in got[f"read {first}"] and "ENOENT" in got[f"read {first}"]
+    assert got["nodes"].split() == sorted([*groups(m, [second]), "vfio"])
+    assert got["env TPU_VISIBLE_CHIPS=1"] == "" and "env TPU_PROCESS_BOUNDS=1,1,1" in got
+
+
+def test_the_spec_follows_a_hot_add_and_a_hot_remove(vm: tuple[VM, Engine]) -> None:
+    m, engine = vm
+    before = edus(m)
+    m.device_add("edu", id="hot0", bus=m.hotplug_ports[0])
+    deadline = time.monotonic() + 60
+    while len(edus(m)) == len(before):
+        assert time.monotonic() < deadline, "the hot-added stand-in did not show up"
+        time.sleep(0.2)
+    (added,) = [a for a in edus(m) if a not in before]
+    m.wait_until(f'grep -q \'"name": "{cdi_name(added)}"\' {SPEC}', timeout=60)
+    got = container(m, engine, "all", [added])
+    assert got[f"read {added}"] == EDU_ID_REGISTER
+    m.device_del("hot0")
+    m.wait_until(f"! grep -q '{cdi_name(added)}' {SPEC}", timeout=60)
+    assert names(m) == ["0", cdi_name(before[0]), "1", cdi_name(before[1]), "all"]
+    got = container(m, engine, "all", [added, *before])
+    assert got["nodes"].split() == sorted([*groups(m, before), "vfio"])
+    assert [got[f"read {a}"] for a in before] == [EDU_ID_REGISTER] * 2
+    assert "readlink" in got[f"read {added}"] and "ENOENT" in got[f"read {added}"]  # gone
+
+
+def test_doctor_passes_the_engine_and_the_spec(vm: tuple[VM, Engine]) -> None:
+    m, engine = vm
+    out = m.run(["tpuboot", "doctor", "--json"], timeout=120).stdout
+    found = {v["name"]: v for v in json.loads(out)}
+    assert found["cdi-spec"]["status"] == "PASS", found["cdi-spec"]
+    assert found[f"cdi-{engine.name}"]["status"] == "PASS", found[f"cdi-{engine.name}"]
+    assert found["container-memlock"]["status"] == "PASS", found["container-memlock"]
+
+
+def test_stop_removes_the_spec_and_start_writes_it_again(vm: tuple[VM, Engine]) -> None:
+    m, _ = vm
+    m.run(["systemctl", "stop", "tpuboot"], check=True, timeout=60)
+    assert not m.run(["test", "-e", SPEC]).ok
+    m.run(["systemctl", "start", "tpuboot"], check=True, timeout=120)
+    m.wait_until(f"test -s {SPEC}", timeout=30)
