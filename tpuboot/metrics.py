@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -54,7 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tpuboot import __version__
 from tpuboot.atomicfile import write_file
-from tpuboot.config import MetricsConfig
+from tpuboot.config import Config, MetricsConfig
 from tpuboot.devices.chips import base_address
 from tpuboot.devices.health import AER_FILES, load_baselines, read_health
 from tpuboot.devices.pci import PciFunction, list_addresses
@@ -152,6 +153,7 @@ class Metrics:
             registry=reg,
         )
         self.pcie: Collector | None = None  # watch_pcie's collector, once the daemon has one
+        self.holders_collector: Collector | None = None  # watch_holders's
 
     def set_tpus(self, devices: Iterable[tuple[str, str]]) -> None:
         """(generation, state) of every TPU now; label sets no longer seen drop to 0."""
@@ -165,16 +167,11 @@ class Metrics:
     def set_holders(self, report: Report) -> None:
         """Holders per chip and state, and each lock file; label sets no longer seen drop to 0
         (a lock file removed since: its series goes)."""
-        counts: dict[tuple[str, str], int] = {}
-        for c in report.chips:
-            counts.setdefault((c.chip.address, "running"), 0)
-            for h in c.holders:
-                key = (c.chip.address, h.process.state)
-                counts[key] = counts.get(key, 0) + 1
+        counts = holder_counts(report)
         for labels in self._holder_labels | set(counts):
             self.chip_holders.labels(*labels).set(counts.get(labels, 0))
         self._holder_labels |= set(counts)
-        locks = {lock.path: lock.held for lock in report.locks}
+        locks = lock_states(report)
         for path in self._lock_labels - set(locks):
             self.libtpu_lock_held.remove(path)
         for path, held in locks.items():
@@ -183,6 +180,22 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def holder_counts(report: Report) -> dict[tuple[str, str], int]:
+    """(chip's base address, process state): holders; every chip has its ("running") series."""
+    counts: dict[tuple[str, str], int] = {}
+    for c in report.chips:
+        counts.setdefault((c.chip.address, "running"), 0)
+        for h in c.holders:
+            key = (c.chip.address, h.process.state)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def lock_states(report: Report) -> dict[str, bool]:
+    """Each libtpu lock file and whether a process holds it."""
+    return {lock.path: lock.held for lock in report.locks}
 
 
 _current = Metrics()
@@ -351,6 +364,65 @@ class PcieCollector:
                 if total is not None:
                     errors.add_metric([address, chip, severity], total)
         yield from (present, ratio, width, speed, errors)
+
+
+class HolderCollector:
+    """Who holds each chip and libtpu's locks, for the daemon's endpoint: one /proc scan when
+    Prometheus scrapes, at most every ``min_interval`` seconds (a scan of a busy host costs a
+    tenth of a second of CPU or more), never between scrapes."""
+
+    def __init__(self, root: Root, config: Config, min_interval: float = 30.0) -> None:
+        self.root = root
+        self.config = config
+        self.min_interval = min_interval
+        self._lock = threading.Lock()  # scrapes may run at once
+        self._report: Report | None = None
+        self._at = 0.0
+
+    def report(self) -> Report:
+        from tpuboot.holders.report import chips_of, gather
+
+        with self._lock:
+            now = time.monotonic()
+            if self._report is None or now - self._at >= self.min_interval:
+                self._report, self._at = gather(self.root, chips_of(self.root, self.config)), now
+            return self._report
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        chips = GaugeMetricFamily(
+            "tpuboot_chip_holders",
+            "Processes holding a TPU chip's device nodes open, by chip and process state.",
+            labels=["chip", "state"],
+        )
+        locks = GaugeMetricFamily(
+            "tpuboot_libtpu_lock_held",
+            "1 while a process holds the libtpu lock file, 0 while it exists unheld.",
+            labels=["path"],
+        )
+        try:
+            report = self.report()
+        except Exception as exc:  # deliberately total: a scrape never fails on a bad /proc entry
+            log.debug("metrics: holders not scanned: %s", exc)
+            yield from (chips, locks)
+            return
+        for (chip, state), count in holder_counts(report).items():
+            chips.add_metric([chip, state], count)
+        for path, held in lock_states(report).items():
+            locks.add_metric([path], 1 if held else 0)
+        yield from (chips, locks)
+
+
+def watch_holders(root: Root, config: Config) -> None:
+    """Serve the holders from scans at scrape time (the daemon), instead of what a one-shot
+    `tpuboot who` set (its textfile)."""
+    for gauge in (_current.chip_holders, _current.libtpu_lock_held):
+        with contextlib.suppress(KeyError):  # watched already: a daemon built again (tests)
+            _current.registry.unregister(gauge)
+    if _current.holders_collector is not None:
+        _current.registry.unregister(_current.holders_collector)
+    collector = cast("Collector", HolderCollector(root, config))
+    _current.registry.register(collector)
+    _current.holders_collector = collector
 
 
 def watch_pcie(root: Root, table: DeviceTable) -> None:

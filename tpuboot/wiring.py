@@ -105,6 +105,7 @@ def build(
         deadline = config.metadata.boot_deadline
         guest_attrs = Publisher(metadata, config.guest_attributes, check_deadline=deadline)
     metrics.watch_pcie(root, binder.table)  # read at each scrape, never between them
+    metrics.watch_holders(root, config)
     server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
     notifier = notifier or Notifier()
     parts = (env, containers, guest_attrs, metadata, server)

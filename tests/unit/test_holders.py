@@ -386,3 +386,22 @@ def test_memlock_of_a_job_unit_and_of_a_holder(tree):
     proc.add(100, {4: "/dev/vfio/12"})
     detail = checks(kernel, config).check_memlock().detail
     assert detail == "memlock unlimited or CAP_IPC_LOCK: train.service, holder PID 100"
+
+
+def test_the_daemons_endpoint_scans_holders_at_scrape_time_at_most_every_interval(tree):
+    from tpuboot import metrics
+
+    kernel, proc = tree
+    add_chips(kernel, ["4", "5"])
+    with metrics.use(metrics.Metrics()) as m:
+        metrics.watch_holders(kernel.root, Config())
+        value = m.registry.get_sample_value
+        assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "running"}) == 0
+        collector = m.holders_collector
+        assert isinstance(collector, metrics.HolderCollector)
+        proc.add(300, {5: "/dev/vfio/5"}, state="T")
+        assert value("tpuboot_chip_holders", {"chip": "0000:00:05", "state": "stopped"}) is None  # cached
+        collector._at -= collector.min_interval  # the interval has passed
+        assert value("tpuboot_chip_holders", {"chip": "0000:00:05", "state": "stopped"}) == 1
+        metrics.watch_holders(kernel.root, Config())  # a daemon built again: one collector
+        assert m.exposition().count(b"# TYPE tpuboot_chip_holders gauge") == 1
