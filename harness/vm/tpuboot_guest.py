@@ -124,6 +124,15 @@ def status_text(vm: VM) -> str:
     return vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"], check=True).stdout.strip()
 
 
+def wait_bound_with_tpu_env(vm: VM, count: int, timeout: float = 90.0) -> None:
+    """Until STATUS says ``count`` TPUs are bound and tpu-env has its part (the boot's sync ended)."""
+    vm.wait_until(
+        f"systemctl show -P StatusText tpuboot | grep -q '^{count} TPUs bound to vfio-pci; tpu-env: '",
+        timeout=timeout,
+        interval=1.0,
+    )
+
+
 def sourced(vm: VM, shell: str, path: str) -> dict[str, str]:
     """The variables ``set -a; . FILE`` gives ``shell``, NUL-separated so any value survives."""
     script = f"set -a; . {shlex.quote(path)}; env -0"

@@ -19,7 +19,7 @@ import pytest
 
 from harness.vm.artifacts import Artifacts
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import KERNEL_PARAMS
+from harness.vm.tpuboot_guest import KERNEL_PARAMS, wait_bound_with_tpu_env
 
 pytestmark = pytest.mark.vm
 
@@ -63,11 +63,7 @@ def vm(vm_artifacts: Artifacts, tpuboot_image: Path) -> Iterator[VM]:
         name="doctor",
     ) as machine:
         machine.wait_booted()
-        machine.wait_until(
-            "systemctl show -P StatusText tpuboot | grep -q '^2 TPUs bound to vfio-pci; tpu-env: '",
-            timeout=90,
-            interval=1.0,
-        )
+        wait_bound_with_tpu_env(machine, 2)
         yield machine
 
 
@@ -84,7 +80,9 @@ def doctor(vm: VM, *options: str) -> tuple[int, dict[str, dict[str, object]]]:
 
 
 def failing(report: dict[str, dict[str, object]]) -> set[str]:
-    return {name for name, r in report.items() if r["status"] == "FAIL"}
+    """The required checks that fail (an advisory one, such as Debian 12's Docker 20.10 reading no
+    CDI specs, is shown but leaves the exit status alone)."""
+    return {name for name, r in report.items() if r["status"] == "FAIL" and r["required"]}
 
 
 def tpus(vm: VM) -> list[dict[str, object]]:

@@ -21,7 +21,7 @@ import pytest
 
 from harness.vm.artifacts import Artifacts
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import KERNEL_PARAMS, STAND_INS, VFIO_READ, VIRTIO_RNG
+from harness.vm.tpuboot_guest import KERNEL_PARAMS, STAND_INS, VFIO_READ, VIRTIO_RNG, wait_bound_with_tpu_env
 
 pytestmark = pytest.mark.vm
 
@@ -50,11 +50,7 @@ def vm(vm_artifacts: Artifacts, tpuboot_image: Path) -> Iterator[VM]:
         name="health",
     ) as machine:
         machine.wait_booted()
-        machine.wait_until(
-            "systemctl show -P StatusText tpuboot | grep -q '^2 TPUs bound to vfio-pci; tpu-env: '",
-            timeout=90,
-            interval=1.0,
-        )
+        wait_bound_with_tpu_env(machine, 2)
         machine.write_file(RESET_CONFIG, RESET_CONFIG_TEXT.encode())
         yield machine
 
