@@ -100,30 +100,30 @@ class Health:
             return None
         return now - before if now >= before else now  # lower: the counters started again
 
+    def _own(self, severity: str) -> int | None:
+        """The function's own count of one severity: its TOTAL_ERR line, else the sum."""
+        counters = self.aer.get(severity)
+        if counters is None:
+            return None
+        total = next((v for k, v in counters.items() if k.startswith("TOTAL_ERR")), None)
+        return total if total is not None else sum(counters.values())
+
+    def _from_port(self, severity: str) -> bool:
+        """Whether the root port's count is the one to believe (larger, or the only one)."""
+        own, port = self._own(severity), self.port_errors.get(severity)
+        return port is not None and (own is None or port > own)
+
     def errors(self, severity: str) -> int | None:
         """The errors of one severity since boot, the function's own count or, when larger, what
         its root port received (from it alone); None when the kernel keeps neither."""
-        counters = self.aer.get(severity)
-        own = None
-        if counters is not None:
-            total = next((v for k, v in counters.items() if k.startswith("TOTAL_ERR")), None)
-            own = total if total is not None else sum(counters.values())
-        port = self.port_errors.get(severity)
-        if own is None or (port is not None and port > own):
-            return port
-        return own
+        return self.port_errors[severity] if self._from_port(severity) else self._own(severity)
 
     def since(self) -> str:
         return "since its last reset" if self.reset_baseline else "since boot"
 
     def origin(self, severity: str) -> str:
         """Where :meth:`errors` counted them, for a message: "" (the function's own counters)."""
-        counters = self.aer.get(severity)
-        own = None if counters is None else next((v for k, v in counters.items() if k.startswith("TOTAL")), 0)
-        port = self.port_errors.get(severity)
-        if port is not None and (own is None or port > own):
-            return f" (as its root port {self.port} received them)"
-        return ""
+        return f" (as its root port {self.port} received them)" if self._from_port(severity) else ""
 
     def as_dict(self) -> dict[str, object]:
         link = self.link

@@ -154,10 +154,14 @@ class Ladder:
             return ("default",)
         return methods
 
+    def _removed(self, chip: Chip) -> bool:
+        """The kernel has none of the chip's functions (a surprise link-down): only a rescan helps."""
+        return not any(PciFunction(self.root, fn.address).exists() for fn in chip.functions)
+
     def plan(self, chip: Chip) -> list[str]:
         """What each rung would do to ``chip``, for --dry-run."""
         addresses = " ".join(fn.address for fn in chip.functions)
-        if not any(PciFunction(self.root, fn.address).exists() for fn in chip.functions):
+        if self._removed(chip):
             return [f"remove-rescan: {addresses} is gone from sysfs: rescan the PCI bus, bind it again"]
         methods = {fn.address: self.reset_methods(fn.address) for fn in chip.functions}
         if all(methods.values()):
@@ -179,7 +183,7 @@ class Ladder:
         self.breaker.record(chip.address)
         steps = []
         ladder = list(zip(RUNGS, (self._function_reset, self._rebind, self._remove_rescan), strict=True))
-        if not any(PciFunction(self.root, fn.address).exists() for fn in chip.functions):
+        if self._removed(chip):
             ladder = ladder[-1:]  # the kernel removed it already: only a rescan can find it again
         for rung, action in ladder:
             try:
