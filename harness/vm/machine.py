@@ -49,6 +49,11 @@ HOTPLUG_PORT_PREFIX = "hp"
 WORKDIR_PREFIX = "tpuboot-vm-"
 _ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-~])")  # CSI sequences and two-byte escapes
 ROOT_DISK_ID = "rootdisk"
+# The guest kernel's words for a vCPU that did not run for many seconds: under TCG that is the
+# emulator starved by its host, and a boot that shows them and then times out is booted again once.
+_STALL = re.compile(
+    r"soft lockup - CPU#\d+ stuck for|rcu: INFO: rcu_\w+ (?:self-)?detected (?:expedited )?stall"
+)
 
 
 class VMError(RuntimeError):
@@ -99,6 +104,16 @@ print(json.dumps(out))
 _serials = itertools.count(1)
 _registry: list[weakref.ref[VM]] = []
 _registry_lock = threading.Lock()
+
+
+def guest_stalled(console: str) -> str | None:
+    """The first line of ``console`` in which the guest kernel reports a stalled vCPU, if any."""
+    match = _STALL.search(console)
+    if match is None:
+        return None
+    start = console.rfind("\n", 0, match.start()) + 1
+    end = console.find("\n", match.end())
+    return console[start : end if end >= 0 else len(console)].strip()
 
 
 def vms_started_since(serial: int) -> list[VM]:
@@ -338,12 +353,39 @@ class VM:
                 f"--- console tail ---\n{self.console_tail(40)}"
             )
 
-    def wait_booted(self, timeout: float = 240.0) -> BootStatus:
+    def wait_booted(self, timeout: float = 240.0, *, stall_retries: int = 1) -> BootStatus:
         """Wait for guestcmd, then for systemd to finish starting (running or degraded).
 
         Raises VMError with the console tail if QEMU dies or time runs out. A
         degraded boot is returned, not raised: ``failed_units`` says which failed.
+        A boot that ran out of time after the guest kernel reported a stalled vCPU
+        (:func:`guest_stalled`) starts again, up to ``stall_retries`` times: a
+        deterministic hang fails every time, a starved emulator does not.
         """
+        try:
+            return self._wait_booted(timeout)
+        except VMError:
+            console = self.console_log()
+            if stall_retries <= 0 or not guest_stalled(console):
+                raise
+            log.warning(
+                "%s: the guest's vCPUs stalled while booting (%s); booting it again",
+                self.name, guest_stalled(console),
+            )  # fmt: skip
+            self.restart()
+            return self.wait_booted(timeout, stall_retries=stall_retries - 1)
+
+    def restart(self) -> VM:
+        """Kill QEMU and start the same machine from its unchanged image (``snapshot=on``)."""
+        self.kill()
+        self.proc = self.guestcmd = self._qmp = None
+        self.workdir = None
+        self._console_text = None
+        self._ready_mark = 0
+        self.boot_status = None
+        return self.start()
+
+    def _wait_booted(self, timeout: float) -> BootStatus:
         if self.guestcmd is None:
             raise VMError(f"{self.name}: not started")
         deadline = time.monotonic() + timeout
