@@ -16,7 +16,8 @@ import pytest
 
 from tpuboot import cli
 from tpuboot.checks.doctor import Doctor
-from tpuboot.checks.image import CheckResult, run_checks
+from tpuboot.checks.image import run_checks
+from tpuboot.checks.registry import CheckResult
 from tpuboot.config import Config
 from tpuboot.paths import Root
 
