@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from tpuboot.atomicfile import read_file
 from tpuboot.checks.parsers.cmdline import CmdlineUnknown, Param, grub_linux_line, kernel_params
+from tpuboot.checks.parsers.files import MAX_FILE_BYTES
 from tpuboot.env.assignment import NAME, NAME_RE
 from tpuboot.errors import TpubootError
 from tpuboot.kernel_params import X86
@@ -44,7 +45,6 @@ GRUB_DEFAULT = "/etc/default/grub"
 GRUB_DROPIN_DIR = "/etc/default/grub.d"
 TPUBOOT_DROPIN = f"{GRUB_DROPIN_DIR}/tpuboot.cfg"
 CMDLINE_VARS = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")
-MAX_BYTES = 1 << 20
 
 # tpuboot's drop-in (conf/grub.d/tpuboot.cfg): the function and the architecture test, by their
 # text. A unit test keeps these in step with the shipped file.
@@ -397,7 +397,7 @@ def next_boot(root: Root, arch: str) -> NextBoot | None:
         return None
     env: dict[str, str | _Unknown] = {}
     for path in files:
-        data = read_file(root, path, limit=MAX_BYTES)
+        data = read_file(root, path, limit=MAX_FILE_BYTES)
         if data is None:
             continue
         try:
