@@ -58,8 +58,7 @@ Families and timing methods:
 3. cli -- ``tpuboot bind DBDF`` against ``bind_to_vfio_pci.sh DBDF`` on one edu device, the
    daemon stopped, the device unbound before each run, each command first in turn; guest
    monotonic clock around the command. tpuboot runs twice over: with the bench's config (a device
-   rule for edu; PyYAML read it once, in the warm-up run or the daemon at boot, and every timed
-   run takes it from /var/cache/tpuboot/config.json, as on a real host) and with the shipped,
+   rule for edu, which PyYAML reads) and with the shipped,
    all-comments one (``--force``, as edu is then no TPU), which is what an image without extra
    device rules runs. Then the
    interpreter's start-up and each import step of ``tpuboot run`` are timed (and their RSS
@@ -822,15 +821,6 @@ def run_cli(vm: VM, runs: int, report: Report) -> None:
     )
     report.note(
         "cli", "`tpuboot bind` stamped inside (median of 3): " + profile_segments(stamped, BIND_SEGMENTS)
-    )
-    report.note(
-        "cli",
-        "the bench config's parse was "
-        + (
-            "taken from /var/cache/tpuboot/config.json in the timed runs (PyYAML not imported)"
-            if data.get("config_cached")
-            else "NOT cached: every timed run imported PyYAML"
-        ),
     )
     usable = helper(vm, "usable", address, "--runs", str(runs), timeout=900)
     if usable["errors"]:

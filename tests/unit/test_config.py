@@ -1,3 +1,4 @@
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -63,11 +64,11 @@ def test_sections_are_frozen_records_equal_by_value():
     assert config == Config(vfio=VfioConfig(node_mode=0o600))
     assert config != Config()
     assert hash(config.vfio) == hash(VfioConfig(node_mode=0o600))
-    with pytest.raises(AttributeError, match="frozen"):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field 'node_mode'"):
         config.vfio.node_mode = 0o644  # type: ignore[misc]
     assert config.vfio.replace(retries=1) == VfioConfig(node_mode=0o600, retries=1)
     assert repr(VfioConfig()).startswith("VfioConfig(node_mode=438, allow_unsafe_interrupts='auto'")
-    with pytest.raises(TypeError, match="unexpected fields"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nodemode'"):
         VfioConfig(nodemode=1)
 
 
@@ -91,7 +92,7 @@ def test_a_file_of_comments_needs_no_yaml_parser():
 
 def test_a_device_rule_has_no_vendor_or_device_by_default():
     """Its annotations say int: a rule is never built without both, from the file or in code."""
-    with pytest.raises(TypeError, match="needs device"):
+    with pytest.raises(TypeError, match=r"missing 1 required .*'device'"):
         MatchRule(vendor=0x1234)
     rule = MatchRule(vendor=0x1234, device=0x11E8)
     assert (rule.vendor, rule.device, rule.subsystem_vendor) == (0x1234, 0x11E8, None)
