@@ -8,7 +8,7 @@ and the file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from tpuboot.configfields import (
     REQUIRED,
@@ -38,7 +38,7 @@ CONFIG_PATH = "/etc/tpuboot/tpuboot.yaml"
 #: A setting that is on, off, or decided from what the host says (``auto``): the strings the
 #: file gives, compared as such by what reads them.
 TriState = Literal["auto", "true", "false"]
-parse_tristate = parse_choice("auto", "true", "false")
+parse_tristate = parse_choice(*get_args(TriState))
 #: How the vBar agent runs: in its container, or the documented binary on the host.
 VbarRuntime = Literal["docker", "exec"]
 
@@ -209,7 +209,7 @@ class VbarConfig(_PrivilegedImage):
 
     name = "vbar"
     enabled: bool = option(True, parse_bool)
-    runtime: VbarRuntime = option("docker", parse_choice("docker", "exec"))
+    runtime: VbarRuntime = option("docker", parse_choice(*get_args(VbarRuntime)))
     # Used when tpu-env's VBARCONTROL_AGENT_DOCKER_URL is empty or absent.
     image: str = option("gcr.io/cloud-tpu-v2-images/vbar_control_agent:0.0.1", parse_str)
     container_name: str = option("tpuboot-vbar-control-agent", parse_str)

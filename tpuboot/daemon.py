@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from tpuboot import __version__, bootbudget, metrics
 from tpuboot import signals as meaning
-from tpuboot.component import Status
+from tpuboot.component import Component, Status
 from tpuboot.containers.service import VBAR
 from tpuboot.containers.supervisor import RUNNING
 from tpuboot.devices.manager import DeviceManager
@@ -184,13 +184,17 @@ class Daemon:
 
     # ------------------------------------------------------------------ derived from Status
 
-    def statuses(self) -> list[Status]:
-        parts = [self.devices.status()]
+    def components(self) -> list[Component]:
+        """What the daemon runs and shows the Status of, in STATUS's order."""
+        parts: list[Component] = [self.devices]
         if self.env is not None:
-            parts.append(self.env.status())
+            parts.append(self.env)
         if self.containers is not None and self.containers.enabled:
-            parts.append(self.containers.status())
+            parts.append(self.containers)
         return parts
+
+    def statuses(self) -> list[Status]:
+        return [part.status() for part in self.components()]
 
     def status_line(self) -> str:
         return "; ".join(s.detail for s in self.statuses())

@@ -1,11 +1,20 @@
 import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
-from tpuboot.config import Config, EnvConfig, MatchRule, VfioConfig, load_config, parse_config
+from tpuboot.config import (
+    Config,
+    EnvConfig,
+    MatchRule,
+    TriState,
+    VfioConfig,
+    load_config,
+    parse_config,
+)
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
 
@@ -215,3 +224,25 @@ def test_the_daemon_runs_on_defaults_after_a_bad_number(tmp_path, monkeypatch, c
     assert "/etc/tpuboot/tpuboot.yaml: metrics.port: 99999 is not a whole number" in err
     assert "running with built-in defaults" in err
     assert seen[0].vfio == VfioConfig()
+
+
+TRISTATES = ["vfio.allow_unsafe_interrupts", "guest_attributes.enabled", "gke"]
+
+
+def test_every_auto_true_false_key_is_a_tristate():
+    """One alias for the three-valued settings: each such key takes exactly its values, and a
+    YAML boolean as its word."""
+    hints = {
+        f"{name}.{key}" if name else key: hint
+        for name, cls in [("", Config), *((n, type(getattr(Config(), n))) for n in SECTIONS)]
+        for key, hint in typing.get_type_hints(cls).items()
+    }
+    assert sorted(k for k, hint in hints.items() if hint == TriState) == sorted(TRISTATES)
+    for dotted in TRISTATES:
+        section, _, key = dotted.rpartition(".")
+        for value, word in [*((v, v) for v in typing.get_args(TriState)), ("yes", "true"), ("off", "false")]:
+            text = f"{section}: {{{key}: {value}}}" if section else f"{key}: {value}"
+            config = parse_config(text, SOURCE)
+            assert getattr(getattr(config, section) if section else config, key) == word
+        with pytest.raises(ConfigError, match="is not one of auto, true, false"):
+            parse_config(f"{section}: {{{key}: maybe}}" if section else f"{key}: maybe", SOURCE)
