@@ -140,7 +140,7 @@ class Generation:
 _SHAPES_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 
 #: Every generation tpuboot knows, from public sources: GKE's TPU page (machine types, chips per VM,
-#: v5e topologies and VMs per slice: ../shared/reference/001_*.txt), Cloud TPU's v4, v5p, v6e and
+#: v5e topologies and VMs per slice), Cloud TPU's v4, v5p, v6e and
 #: TPU7x pages (TensorCores per chip, pod sizes, v6e's ct6e-standard-* and 3D topology rules), and
 #: GKE's Ironwood page (4 chips per tpu7x-standard-4t VM). The number in an accelerator type
 #: counts TensorCores for v2 to v5p and TPU7x (v5p-8 and tpu7x-8 are 4 chips), chips for v5e/v6e.
