@@ -30,8 +30,7 @@ The concurrency rule (one rule, kept everywhere):
 A loop and threads both stay: the device side is many short, overlapping waits (binds, retry
 timers, udev events) that a loop keeps in one thread without locks, while the other parts block
 in libraries that have no event-loop form (requests, the Docker socket's event stream, waitpid).
-The loop is our own (four things on ``selectors``), not asyncio: asyncio's 29 modules would be
-resident memory and start-up time for what the daemon does not use.
+The loop is our own, not asyncio (tpuboot/eventloop.py says why).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The TPU table: which PCI devices are TPUs, which generation, and which tpuboot binds; and for
 each generation, how its accelerator types count, its machine types and its slice shapes.
 
-Data, not code: built-in generations come from public sources (see the README), and
-the configuration file adds match rules without a new release.
+Data, not code: built-in generations come from public sources (doc/configuration.md names
+them), and the configuration file adds match rules without a new release.
 """
 
 from __future__ import annotations
