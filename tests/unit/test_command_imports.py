@@ -22,9 +22,9 @@ from tpuboot import cli
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARIES = {"yaml", "pyudev", "prometheus_client", "requests", "urllib3", "systemd"}
-#: Standard modules that cost start-up worth tracking (each from several M instructions to tens of M:
-#: dataclasses brings inspect, typing alone is 10 M). Tracked only for commands that load no library
-#: beyond yaml: requests and prometheus_client import some of them, differently by version.
+#: Standard modules heavy enough to track (dataclasses brings inspect). Tracked only for commands
+#: that load no library beyond yaml: requests and prometheus_client import some of them, differently
+#: by version.
 HEAVY_STDLIB = {"typing", "dataclasses", "inspect", "json", "subprocess", "asyncio", "concurrent",
                 "socket", "ssl", "http", "email", "platform"}  # fmt: skip
 
