@@ -59,7 +59,6 @@ TESTER = "tester"
 CONSOLE = "/dev/ttyS0"
 BASELINE_SCRIPT = "/lib/udev/bind_to_vfio_pci.sh"
 SHIPPED_CONFIG = "/usr/local/libexec/tpuboot-bench/tpuboot.yaml"  # conf/tpuboot.yaml, as packaged
-CONFIG_CACHE = "/var/cache/tpuboot/config.json"  # tpuboot/configcache.py
 SYS_CLOCK_NANOSLEEP = 230  # x86_64
 # x86_64 numbers of the calls an idle thread blocks in; the value says where its fd argument is.
 SYS_CALLS: dict[int, tuple[str, str | None]] = {
@@ -260,9 +259,7 @@ def cmd_cli(args: argparse.Namespace) -> int:
     for name, argv in floors.items():
         for _ in range(args.floor_runs):
             times[name].append(timed(argv)[0])
-    # The bench config's parse, kept by the warm-up run (or the daemon at boot): timed runs hit it.
-    cached = os.path.isfile(CONFIG_CACHE)
-    print(json.dumps({"times": times, "errors": errors, "config_cached": cached}))
+    print(json.dumps({"times": times, "errors": errors}))
     return 1 if errors else 0
 
 

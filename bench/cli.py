@@ -2,8 +2,8 @@
 
 The daemon stopped, the device unbound before each run, each command first in turn; guest
 monotonic clock around the command. tpuboot runs twice over: with the bench's config (a device
-rule for edu) and with the shipped, all-comments one (``--force``, as edu is then no TPU), which
-is what an image without extra device rules runs. Then the interpreter's start-up and each import
+rule for edu, which PyYAML reads) and with the shipped, all-comments one (``--force``, as edu is
+then no TPU), which is what an image without extra device rules runs. Then the interpreter's start-up and each import
 step of ``tpuboot run`` are timed (and their RSS taken) in a fresh python3, best of 2, and 3
 ``tpuboot bind`` runs stamp their own imports and functions: where the time goes. Then bind ->
 usable (``bind_guest.py usable``): ``tpuboot bind``, the script and ``driverctl set-override DBDF
@@ -70,15 +70,6 @@ def run_family(vm: VM, runs: int, report: Report) -> None:
     )
     report.note(
         "cli", "`tpuboot bind` stamped inside (median of 3): " + profile_segments(stamped, BIND_SEGMENTS)
-    )
-    report.note(
-        "cli",
-        "the bench config's parse was "
-        + (
-            "taken from /var/cache/tpuboot/config.json in the timed runs (PyYAML not imported)"
-            if data.get("config_cached")
-            else "NOT cached: every timed run imported PyYAML"
-        ),
     )
     usable = helper(vm, "usable", address, "--runs", str(runs), timeout=900)
     if usable["errors"]:

@@ -50,8 +50,17 @@ _TEMP_HEX = 8  # secrets.token_hex(4)
 STALE_TEMP_S = 60.0
 
 
-class FileWriteError(TpubootError):
-    """A file could not be read or replaced safely."""
+class FileError(TpubootError):
+    """A file under the Root could not be used safely (read, written or removed)."""
+
+
+class FileWriteError(FileError):
+    """A file could not be replaced, created or removed safely."""
+
+
+class FileReadError(FileError):
+    """A file could not be read safely: unreadable, not a regular file, too large, or behind a
+    link that is not followed."""
 
 
 #: ``sweep(dir_fd, name)``: remove what crashed writes of ``name`` left in the directory.
@@ -102,30 +111,30 @@ def write_file(
 def read_file(root: Root, path: str, *, limit: int | None = None) -> bytes | None:
     """The content of ``path`` (symlink-safe like write_file), or None if it does not exist.
 
-    ``limit`` bounds what is read: a longer file raises FileWriteError.
+    ``limit`` bounds what is read: a longer file raises FileReadError.
     """
     try:
-        parent, name = _resolve(root, path, create=False)
+        parent, name = _resolve(root, path, create=False, error=FileReadError)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise FileWriteError(f"cannot read {path}: {_why(exc)}") from None
+        raise FileReadError(f"cannot read {path}: {_why(exc)}") from None
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise FileWriteError(f"cannot read {path}: {_why(exc)}") from None
+        raise FileReadError(f"cannot read {path}: {_why(exc)}") from None
     finally:
         os.close(parent)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FileWriteError(f"cannot read {path}: not a regular file; remove it")
+            raise FileReadError(f"cannot read {path}: not a regular file; remove it")
         content = _read_all(fd, None if limit is None else limit + 1)
     finally:
         os.close(fd)
     if limit is not None and len(content) > limit:
-        raise FileWriteError(f"cannot read {path}: larger than {limit} bytes; remove it")
+        raise FileReadError(f"cannot read {path}: larger than {limit} bytes; remove it")
     return content
 
 
@@ -215,20 +224,26 @@ def _trusted(dir_fd: int) -> bool:
 
 
 def _resolve(
-    root: Root, path: str, *, create: bool, dir_mode: int = 0o755, follow_last: bool = True
+    root: Root,
+    path: str,
+    *,
+    create: bool,
+    dir_mode: int = 0o755,
+    follow_last: bool = True,
+    error: type[FileError] = FileWriteError,
 ) -> tuple[int, str]:
     """Walk ``path`` from the Root; return an fd of the directory holding its last component, and its name.
 
     Links resolve as :meth:`Root.path` resolves them (inside the root); ``follow_last=False``
     stops at a link that is the last component. Raises FileNotFoundError when a directory is
-    missing and ``create`` is false, and FileWriteError when a symlink would have to be followed
-    in an untrusted directory.
+    missing and ``create`` is false, and ``error`` (a reader passes FileReadError) when a
+    symlink would have to be followed in an untrusted directory.
     """
     if not path.startswith("/"):
         raise ValueError(f"tpuboot paths must be absolute, got {path!r}")
     queue = deque(split(path))
     if not queue or queue[-1] == "..":
-        raise FileWriteError(f"{path} does not name a file; give a file path")
+        raise error(f"{path} does not name a file; give a file path")
     stack = [os.open(root.prefix, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
     hops = 0
     try:
@@ -243,24 +258,24 @@ def _resolve(
                 return os.dup(stack[-1]), name  # a planted last component: replaced, never followed
             if link is not None:
                 if not _trusted(stack[-1]):
-                    raise FileWriteError(
+                    raise error(
                         f"{path}: {name} is a symbolic link in a directory others can write; "
                         "refusing to follow it (remove it)"
                     )
                 hops += 1
                 if hops > MAX_SYMLINK_HOPS:
-                    raise FileWriteError(f"{path}: too many levels of symbolic links; fix the links")
+                    raise error(f"{path}: too many levels of symbolic links; fix the links")
                 if link.startswith("/"):
                     while len(stack) > 1:
                         os.close(stack.pop())
                 queue.extendleft(reversed(split(link)))
                 if not queue or queue[-1] == "..":
-                    raise FileWriteError(f"{path}: symbolic link {name} does not lead to a file; fix it")
+                    raise error(f"{path}: symbolic link {name} does not lead to a file; fix it")
                 continue
             if not queue:
                 return os.dup(stack[-1]), name
-            stack.append(_open_dir(stack[-1], name, path, create, dir_mode))
-        raise FileWriteError(f"{path} does not name a file; give a file path")
+            stack.append(_open_dir(stack[-1], name, path, create, dir_mode, error))
+        raise error(f"{path} does not name a file; give a file path")
     finally:
         for fd in stack:
             os.close(fd)
@@ -278,19 +293,17 @@ def _symlink(dir_fd: int, name: str) -> str | None:
         raise
 
 
-def _open_dir(parent: int, name: str, path: str, create: bool, dir_mode: int) -> int:
+def _open_dir(parent: int, name: str, path: str, create: bool, dir_mode: int, error: type[FileError]) -> int:
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=parent)
     except FileNotFoundError:
         if not create:
             raise
     except NotADirectoryError:
-        raise FileWriteError(f"{path}: {name} is not a directory; remove it") from None
+        raise error(f"{path}: {name} is not a directory; remove it") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # a symlink appeared between readlink and open
-            raise FileWriteError(
-                f"{path}: {name} changed into a symbolic link; refusing to follow it"
-            ) from None
+            raise error(f"{path}: {name} changed into a symbolic link; refusing to follow it") from None
         raise
     made = True
     try:
@@ -301,7 +314,7 @@ def _open_dir(parent: int, name: str, path: str, create: bool, dir_mode: int) ->
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
     except OSError as exc:
-        raise FileWriteError(f"{path}: cannot open {name}: {_why(exc)}") from None
+        raise error(f"{path}: cannot open {name}: {_why(exc)}") from None
     if made:
         os.fchmod(fd, dir_mode)  # the mode asked for, not narrowed by the umask
     return fd

@@ -8,6 +8,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from tpuboot import __version__, logs
 from tpuboot.config import CONFIG_PATH, Config, load_config
@@ -17,10 +18,7 @@ from tpuboot.devices.vfio import Binder
 from tpuboot.errors import ConfigError, TpubootError, UsageError
 from tpuboot.paths import ROOT_ENV, Root
 
-TYPE_CHECKING = False  # as in tpuboot.config (it says what typing costs): typing stays out of `tpuboot bind`
 if TYPE_CHECKING:
-    from typing import NoReturn
-
     from tpuboot.checks.registry import CheckResult
     from tpuboot.devices.chips import Chip
 
@@ -72,7 +70,7 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def _print_json(items: Sequence[Mapping[str, object]]) -> None:
-    import json  # only for --json: 4.6 M instructions, 3% of `tpuboot bind`, which prints no JSON
+    import json
 
     print(json.dumps(items, indent=2))
 
@@ -393,30 +391,9 @@ def _report(results: Sequence[CheckResult], as_json: bool) -> int:
     return EXIT_FAILED if any(r.status == "FAIL" for r in results) else EXIT_OK
 
 
-class _Unused:
-    """Stands in for the parser of a command that ``build_parser(only=...)`` leaves out."""
-
-    def add_argument(self, *args: object, **kwargs: object) -> None:
-        """Nothing to add: the command is not built."""
-
-
-class _NotOnly(Exception):
-    """A narrowed parser met something it was not built for: parse again with every command."""
-
-
-class _NarrowParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _NotOnly(message)
-
-
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The command line's parser; with ``only``, that command's alone, and an error raises _NotOnly.
-
-    Every command's parser costs 22 M instructions to build (valgrind on the host), the named
-    command's alone 12 M (most of it argparse's first parser: gettext brings locale): `tpuboot
-    bind` saves 10 M of its 156 M (8-10 M in the bench's icount guest) on help it never prints.
-    """
-    parser = (argparse.ArgumentParser if only is None else _NarrowParser)(
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
+    parser = argparse.ArgumentParser(
         prog="tpuboot",
         description="Boot-time agent for Cloud TPU VMs.",
         epilog="Exit status: 0 ok, 1 failed, 2 usage error, 3 metadata key not set, 130 interrupted.",
@@ -431,9 +408,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     Handler = Callable[[Context, argparse.Namespace], int]
 
-    def command(name: str, func: Handler, help: str) -> argparse.ArgumentParser | _Unused:
-        if only not in (None, name):
-            return _Unused()
+    def command(name: str, func: Handler, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.set_defaults(func=func)
         return p
@@ -487,8 +462,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = command("env", cmd_env, "fetch tpu-env once and write it and /etc/environment")
     p.add_argument("--print", action="store_true", help="also print the tpu-env file written")
     p.add_argument("--deadline", type=_seconds, metavar="S", help="give up on the server after S seconds")
-    if only not in (None, "metadata"):
-        return parser
     meta = sub.add_parser(
         "metadata", help="read the GCE metadata server", description="read the GCE metadata server"
     )
@@ -504,33 +477,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _command_word(argv: Sequence[str]) -> str | None:
-    """The first word of ``argv`` that is not an option or the value of --root/--config (the
-    command, unless an abbreviated option took a value); None when help is asked before it."""
-    words = iter(argv)
-    for word in words:
-        if word.startswith(("-h", "--h")):
-            return None
-        if word in ("--root", "--config"):
-            next(words, None)
-        elif not word.startswith("-"):
-            return word
-    return None
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse with the named command's parser alone; with every command's where that does not do."""
-    only = _command_word(argv)
-    if only is not None:
-        try:
-            return build_parser(only).parse_args(argv)
-        except _NotOnly:
-            pass  # the full parser says what is wrong, as it would have
-    return build_parser().parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logs.setup(args.verbose)
     ctx: Context | None = None
     try:

@@ -30,8 +30,7 @@ The concurrency rule (one rule, kept everywhere):
 A loop and threads both stay: the device side is many short, overlapping waits (binds, retry
 timers, udev events) that a loop keeps in one thread without locks, while the other parts block
 in libraries that have no event-loop form (requests, the Docker socket's event stream, waitpid).
-The loop is our own (four things on ``selectors``), not asyncio: asyncio's 29 modules would be
-resident memory and start-up time for what the daemon does not use (issue 15).
+The loop is our own, not asyncio (tpuboot/eventloop.py says why).
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from tpuboot import __version__, bootbudget, metrics
 from tpuboot import signals as meaning
-from tpuboot.component import Status
+from tpuboot.component import Component, Status
 from tpuboot.containers.service import VBAR
 from tpuboot.containers.supervisor import RUNNING
 from tpuboot.devices.manager import DeviceManager
@@ -184,13 +183,17 @@ class Daemon:
 
     # ------------------------------------------------------------------ derived from Status
 
-    def statuses(self) -> list[Status]:
-        parts = [self.devices.status()]
+    def components(self) -> list[Component]:
+        """What the daemon runs and shows the Status of, in STATUS's order."""
+        parts: list[Component] = [self.devices]
         if self.env is not None:
-            parts.append(self.env.status())
+            parts.append(self.env)
         if self.containers is not None and self.containers.enabled:
-            parts.append(self.containers.status())
+            parts.append(self.containers)
         return parts
+
+    def statuses(self) -> list[Status]:
+        return [part.status() for part in self.components()]
 
     def status_line(self) -> str:
         return "; ".join(s.detail for s in self.statuses())

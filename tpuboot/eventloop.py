@@ -22,8 +22,9 @@ import signal
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-TYPE_CHECKING = False  # typing's own flag, without the import
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import FrameType
@@ -37,16 +38,14 @@ SLACK = 0.001
 _WAKE = b"\0"
 
 
+@dataclass(eq=False)
 class Timer:
     """A call at a monotonic time; :meth:`cancel` before it runs and it never does."""
 
-    __slots__ = ("args", "cancelled", "fn", "when")
-
-    def __init__(self, when: float, fn: Callable[..., object], args: tuple[object, ...]) -> None:
-        self.when = when
-        self.fn = fn
-        self.args = args
-        self.cancelled = False
+    when: float
+    fn: Callable[..., object]
+    args: tuple[object, ...]
+    cancelled: bool = False
 
     def cancel(self) -> None:
         self.cancelled = True

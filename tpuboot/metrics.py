@@ -34,12 +34,13 @@ break the daemon. :func:`use` swaps in a fresh :class:`Metrics` (tests, the one-
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, cast, get_args
 from wsgiref.simple_server import make_server
 
 from prometheus_client import (
@@ -71,9 +72,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tpuboot.metrics")
 T = TypeVar("T")
+P = ParamSpec("P")
 
 TEXTFILE_NAME = "tpuboot.prom"
-BIND_RESULTS = ("bound", "already_bound", "failed_transient", "failed")
+#: The ``result`` label of a bind attempt.
+BindOutcome = Literal["bound", "already_bound", "failed_transient", "failed"]
+BIND_RESULTS: tuple[BindOutcome, ...] = get_args(BindOutcome)
 METADATA_OUTCOMES = ("ok", "absent", "refused", "transient")
 BIND_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -216,28 +220,27 @@ def use(metrics: Metrics) -> Iterator[Metrics]:
         _current = previous
 
 
-def _safe(func: Any) -> Any:
+def _safe(func: Callable[P, None]) -> Callable[P, None]:
     """Metrics never break the caller: any exception is logged at debug level and dropped."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> None:
+    @functools.wraps(func)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
         try:
             func(*args, **kwargs)
         except Exception as exc:  # deliberately total
             log.debug("metric update %s failed: %s", func.__name__, exc)
 
-    wrapper.__name__ = func.__name__
-    wrapper.__doc__ = func.__doc__
     return wrapper
 
 
 @_safe
-def bind_attempt(result: str, seconds: float) -> None:
+def bind_attempt(result: BindOutcome, seconds: float) -> None:
     """One bind attempt ended with ``result`` (one of BIND_RESULTS) after ``seconds``."""
     _current.bind_attempts.labels(result).inc()
     _current.bind_duration.labels(result).observe(max(0.0, seconds))
 
 
-def bind_result(outcome: object) -> str:
+def bind_result(outcome: object) -> BindOutcome:
     """The ``result`` label for a bind attempt that returned or raised ``outcome``."""
     if isinstance(outcome, BaseException):
         return "failed_transient" if getattr(outcome, "transient", False) else "failed"

@@ -9,6 +9,7 @@ daemon here too, passing the seams below; production passes none.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from tpuboot.config import Config
 from tpuboot.devices.table import DeviceTable
@@ -16,7 +17,6 @@ from tpuboot.devices.vfio import Binder
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
 
-TYPE_CHECKING = False  # as in tpuboot.config: typing stays out of the path to the first bind
 if TYPE_CHECKING:
     from collections.abc import Callable
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.unit.conftest import audit_events
 from tpuboot import atomicfile
-from tpuboot.atomicfile import FileWriteError, read_file, write_file
+from tpuboot.atomicfile import FileError, FileReadError, FileWriteError, read_file, write_file
 from tpuboot.paths import Root
 
 IS_ROOT = os.geteuid() == 0
@@ -88,8 +88,27 @@ def test_read_file_returns_none_for_missing_files_and_directories(root: Root) ->
 def test_read_file_enforces_its_limit(root: Root) -> None:
     root.path("/etc/big").write_bytes(b"x" * 100)
     assert read_file(root, "/etc/big", limit=100) == b"x" * 100
-    with pytest.raises(FileWriteError, match="larger than 99 bytes"):
+    with pytest.raises(FileReadError, match="larger than 99 bytes"):
         read_file(root, "/etc/big", limit=99)
+
+
+@pytest.mark.parametrize("case", ["a directory", "a path through a file", "a link loop"])
+def test_a_read_fails_with_a_read_error_never_a_write_error(root: Root, case: str) -> None:
+    """Whoever reads catches FileReadError; a write's FileWriteError is another failure."""
+    path = "/etc/thing"
+    if case == "a directory":
+        root.path(path).mkdir()
+    elif case == "a path through a file":
+        root.path(path).write_text("x")
+        path += "/below"
+    else:
+        root.path("/etc/a").symlink_to("b")
+        root.path("/etc/b").symlink_to("a")
+        path = "/etc/a"
+    with pytest.raises(FileReadError, match=f"{path}") as caught:
+        read_file(root, path)
+    assert isinstance(caught.value, FileError) and not isinstance(caught.value, FileWriteError)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_directory_in_the_way_is_an_error_and_leaves_no_temp_file(root: Root) -> None:
@@ -159,7 +178,7 @@ def test_read_refuses_a_symlink_in_an_untrusted_directory(root: Root, outside: P
     home = root.path("/home/tpu-runtime")
     untrusted(home)
     (home / "tpu-env").symlink_to(outside)
-    with pytest.raises(FileWriteError, match="refusing to follow"):
+    with pytest.raises(FileReadError, match="refusing to follow"):
         read_file(root, "/home/tpu-runtime/tpu-env")
 
 

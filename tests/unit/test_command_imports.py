@@ -22,9 +22,9 @@ from tpuboot import cli
 
 REPO = Path(__file__).resolve().parents[2]
 LIBRARIES = {"yaml", "pyudev", "prometheus_client", "requests", "urllib3", "systemd"}
-#: Standard modules that cost start-up worth tracking (each from several M instructions to tens of M:
-#: dataclasses brings inspect, typing alone is 10 M). Tracked only for commands that load no library
-#: beyond yaml: requests and prometheus_client import some of them, differently by version.
+#: Standard modules heavy enough to track (dataclasses brings inspect). Tracked only for commands
+#: that load no library beyond yaml: requests and prometheus_client import some of them, differently
+#: by version.
 HEAVY_STDLIB = {"typing", "dataclasses", "inspect", "json", "subprocess", "asyncio", "concurrent",
                 "socket", "ssl", "http", "email", "platform"}  # fmt: skip
 
@@ -40,10 +40,12 @@ except SystemExit:
 print(" ".join(sorted(set(sys.modules) - before)))
 """
 
-# What `import tpuboot.cli` and the device commands load: sysfs, the device table, the config.
-CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.devices", "tpuboot.devices.pci",
-        "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.kernel_params",
-        "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc"}  # fmt: skip
+# What `import tpuboot.cli` and the device commands load: sysfs, the device table, the config
+# (its sections are dataclasses).
+CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.configfields", "tpuboot.devices",
+        "tpuboot.devices.pci", "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors",
+        "tpuboot.kernel_params", "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc", "dataclasses",
+        "inspect", "typing"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "tpuboot.devices.health", "json",
           "inspect", "typing"}  # fmt: skip
@@ -81,10 +83,8 @@ CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.registry", "
 
 CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", "json"}
 
-#: A config that sets something, read the first time: PyYAML, and the cache's record written
-#: (tpuboot/configcache.py); the same file unchanged later: the record alone (CACHED below).
-PARSED = {"yaml", "json", "tpuboot.configcache", "tpuboot.atomicfile"}
-CACHED = {"json", "tpuboot.configcache"}
+#: A config that sets something: PyYAML reads it.
+PARSED = {"yaml"}
 TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
@@ -163,16 +163,6 @@ def test_a_command_imports_only_what_its_list_says(case, tmp_path):
         argv[2:2] = ["--config", "/tpuboot.yaml"]
     heavy = not (allowed & (LIBRARIES - {"yaml"}))
     assert tracked(loaded(argv), heavy) == tracked(allowed, heavy)
-
-
-def test_bind_with_an_unchanged_config_loads_no_yaml(tmp_path):
-    """The recovery path's start-up with a config that sets something: PyYAML once, then the cache."""
-    (tmp_path / "tpuboot.yaml").write_text(SETS_SOMETHING)
-    argv = ["--root", str(tmp_path), "--config", "/tpuboot.yaml", "bind", "0000:00:04.0"]
-    assert tracked(loaded(argv), True) == tracked(CORE | PARSED, True)
-    assert tracked(loaded(argv), True) == tracked(CORE | CACHED, True)
-    (tmp_path / "tpuboot.yaml").write_text(SETS_SOMETHING.replace("0666", "0660"))
-    assert "yaml" in loaded(argv)  # changed: parsed again
 
 
 def test_every_command_has_a_case():

@@ -333,3 +333,24 @@ def test_a_textfile_that_cannot_be_written_changes_no_exit_status(fresh, kernel,
     argv = ["--root", str(kernel.top), "--config", "/tpuboot.yaml", "bind", "00:02.0"]
     assert cli.main(argv) == cli.EXIT_FAILED  # the refused bind's status, not the file's
     assert "metrics: /blocked/tpuboot.prom: blocked is not a directory" in capsys.readouterr().err
+
+
+def test_a_metric_update_keeps_its_signature_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_safe wraps each update without erasing what it takes (the type checker sees it too)."""
+    import inspect
+
+    assert list(inspect.signature(metrics.bind_attempt).parameters) == ["result", "seconds"]
+    assert list(inspect.signature(metrics.tpu_env_updated).parameters) == ["from_cache", "when"]
+    assert metrics.bind_attempt.__name__ == "bind_attempt"
+    assert "bind attempt" in (metrics.bind_attempt.__doc__ or "")
+    said: list[object] = []
+    monkeypatch.setattr(metrics.log, "debug", lambda *args: said.append(args))
+    with metrics.use(metrics.Metrics()):
+        metrics.bind_attempt("bound", "soon")  # type: ignore[arg-type]  # max(0.0, "soon") raises
+    assert [args[:2] for args in said] == [("metric update %s failed: %s", "bind_attempt")]
+
+
+def test_every_bind_result_label_is_a_bind_outcome() -> None:
+    assert {metrics.bind_result(outcome) for outcome in (object(), TimeoutError(), metrics)} <= set(
+        metrics.BIND_RESULTS
+    )

@@ -455,19 +455,14 @@ def test_install_enables_the_unit_and_purge_removes_everything(installed):
     (root / "var/lib/tpuboot").mkdir(parents=True)
     (root / "var/lib/tpuboot/tpu-env.json").write_text("{}")
     (root / "home/tpu-runtime/tpu-env").write_text('ZONE="z"\n')
-    (root / "var/cache/tpuboot").mkdir(parents=True)  # the parsed config (tpuboot/configcache.py)
-    (root / "var/cache/tpuboot/config.json").write_text("{}")
 
     maintscript(root, env, "prerm", "remove")
     maintscript(root, env, "postrm", "remove")
     assert (root / "var/lib/tpuboot/tpu-env.json").exists()  # remove keeps state; purge does not
-    assert (root / "var/cache/tpuboot/config.json").exists()
     for conffile in (root / "DEBIAN/conffiles").read_text().split():
         (root / conffile.lstrip("/")).unlink()  # dpkg deletes conffiles before postrm purge
     done = maintscript(root, env, "postrm", "purge")
     assert not (root / "var/lib/tpuboot").exists()
-    assert not (root / "var/cache/tpuboot").exists()
-    assert (root / "var/cache").is_dir()  # only tpuboot's own directory goes
     assert not (root / "home/tpu-runtime").exists()
     assert not wants.is_symlink()
     assert not (root / "var/lib/systemd/deb-systemd-helper-enabled/tpuboot.service.dsh-also").exists()

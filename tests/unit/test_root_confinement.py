@@ -18,7 +18,6 @@ from tpuboot.atomicfile import read_file, remove_file, write_file
 from tpuboot.checks.doctor import Doctor
 from tpuboot.checks.image import run_checks
 from tpuboot.config import Config, ConfigError, load_config
-from tpuboot.configcache import CACHE_PATH
 from tpuboot.env.sync import EnvSync
 from tpuboot.paths import MAX_SYMLINK_HOPS, LinkLoopError, Root, RootError
 from tpuboot.prepare import Preparer
@@ -38,7 +37,6 @@ def host(tmp_path: Path) -> Path:
         "etc/default/grub.d/90-host.cfg": 'GRUB_CMDLINE_LINUX="idle=poll"\n',
         "run/tpuboot/tpu-env.env": "HOST=1\n",
         "home/tpu-runtime/tpu-env": 'HOST="1"\n',
-        "var/cache/tpuboot/config.json": "{}\n",
     }.items():
         (top / path).parent.mkdir(parents=True, exist_ok=True)
         (top / path).write_text(text)
@@ -207,7 +205,6 @@ def test_an_image_config_link_inside_the_image_is_followed_there(image: Path, ho
     (image / "etc/tpuboot/real.yaml").write_text("vfio: {retries: 7}\n")
     link(image, "/etc/tpuboot/tpuboot.yaml", "/etc/tpuboot/real.yaml")
     assert load_config(Root(image)).vfio.retries == 7
-    assert (image / CACHE_PATH.lstrip("/")).is_file()  # the image's cache, in the image
 
 
 def test_a_config_link_loop_is_one_line_from_every_command(
@@ -223,15 +220,6 @@ def test_a_config_link_loop_is_one_line_from_every_command(
         assert "symbolic links" in err[0]
 
 
-def test_a_cache_directory_linked_to_the_host_is_not_written_there(image: Path, host: Path) -> None:
-    (image / "etc/tpuboot/tpuboot.yaml").write_text("vfio: {retries: 4}\n")
-    link(image, "/var", host / "var")
-    before = snapshot(host)
-    assert load_config(Root(image)).vfio.retries == 4
-    assert snapshot(host) == before
-    assert (image / str(host / "var/cache/tpuboot/config.json").lstrip("/")).is_file()
-
-
 # --- prepare-image ---------------------------------------------------------------------------------
 
 
@@ -244,7 +232,6 @@ def test_a_cache_directory_linked_to_the_host_is_not_written_there(image: Path, 
         {"/run": "../../../../../../../../../../HOST/run"},
         {"/home": "HOST/home", "/var": "HOST/var"},
         {"/home/tpu-runtime/tpu-env": "HOST/home/tpu-runtime/tpu-env"},
-        {"/var/cache/tpuboot": "HOST/var/cache/tpuboot"},
         {"/var/lib/tpuboot": "HOST/var/lib/tpuboot"},
         {"/var": "HOST/var", "/run/tpuboot": "../../../../HOST/run/tpuboot"},
     ],

@@ -26,7 +26,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 
-from tpuboot.atomicfile import FileWriteError, read_file
+from tpuboot.atomicfile import FileReadError, read_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Report, Status
 from tpuboot.config import Config, TelemetryConfig
@@ -73,7 +73,7 @@ def telemetry_spec(config: TelemetryConfig, root: Root) -> ContainerSpec:
     binds = ((config.config_path, target),)
     try:
         data = read_file(root, config.config_path, limit=MAX_TELEMETRY_CONFIG)
-    except FileWriteError as exc:
+    except FileReadError as exc:
         problem = f"telemetry.config_path: {exc}"
     else:
         if data is not None:

@@ -237,11 +237,11 @@ BASELINE_PATH = "/run/tpuboot/aer-baseline.json"
 
 def load_baselines(root: Root) -> dict[str, dict[str, int]]:
     """{address: {severity: count}}; {} when there is none or it is damaged (nothing is hidden)."""
-    from tpuboot.atomicfile import FileWriteError, read_file
+    from tpuboot.atomicfile import FileReadError, read_file
 
     try:
         data = json.loads(read_file(root, BASELINE_PATH, limit=1 << 20) or b"{}")
-    except (FileWriteError, ValueError):
+    except (FileReadError, ValueError):
         return {}
     if not isinstance(data, dict):
         return {}

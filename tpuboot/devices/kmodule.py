@@ -46,11 +46,6 @@ class ModuleState:
     evidence: str
 
     @property
-    def present(self) -> bool:
-        """The module's code is in the running kernel now: nothing to load."""
-        return self.origin in ("built-in", "loaded")
-
-    @property
     def kernel(self) -> str:
         return f"kernel {self.release}" if self.release else "this kernel"
 

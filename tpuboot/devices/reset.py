@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tpuboot.atomicfile import FileWriteError, read_file, write_file
+from tpuboot.atomicfile import FileReadError, read_file, write_file
 from tpuboot.devices.chips import Chip, ChipFunction, base_address
 from tpuboot.devices.health import is_present, read_health, save_baseline
 from tpuboot.devices.pci import PCI_DEVICES, PciFunction
@@ -91,7 +91,7 @@ class Breaker:
     def _load(self) -> dict[str, list[float]]:
         try:
             data = json.loads(read_file(self.root, BREAKER_PATH, limit=1 << 20) or b"{}")
-        except (FileWriteError, ValueError):  # a damaged record forgets, it does not block resets
+        except (FileReadError, ValueError):  # a damaged record forgets, it does not block resets
             return {}
         if not isinstance(data, dict):
             return {}

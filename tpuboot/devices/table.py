@@ -1,39 +1,29 @@
 """The TPU table: which PCI devices are TPUs, which generation, and which tpuboot binds; and for
 each generation, how its accelerator types count, its machine types and its slice shapes.
 
-Data, not code: built-in generations come from public sources (see the README), and
-the configuration file adds match rules without a new release.
+Data, not code: built-in generations come from public sources (doc/configuration.md names
+them), and the configuration file adds match rules without a new release.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
 
 from tpuboot.config import MatchRule
 
 GOOGLE = 0x1AE0
 
 
-# Plain slotted classes, not dataclasses: `tpuboot bind` imports this module, and dataclasses
-# would cost it tens of millions of instructions on every run (tpuboot.config.Section has the figures).
-
-
+@dataclass(frozen=True)
 class PciIds:
     """The identity a PCI function reports in sysfs."""
 
-    __slots__ = ("device", "subsystem_device", "subsystem_vendor", "vendor")
-
-    def __init__(
-        self,
-        vendor: int,
-        device: int,
-        subsystem_vendor: int | None = None,
-        subsystem_device: int | None = None,
-    ) -> None:
-        self.vendor = vendor
-        self.device = device
-        self.subsystem_vendor = subsystem_vendor
-        self.subsystem_device = subsystem_device
+    vendor: int
+    device: int
+    subsystem_vendor: int | None = None
+    subsystem_device: int | None = None
 
     def __str__(self) -> str:
         text = f"{self.vendor:04x}:{self.device:04x}"
@@ -44,47 +34,26 @@ class PciIds:
 
 # How a runtime reaches a chip: libtpu opens /dev/vfio/<group> (with /dev/vfio/vfio) for v5e and
 # later, the accel driver's /dev/accelN for v2 to v4 (tpu-info's chip_path, GKE's TPU device plugin).
-VFIO_ACCESS, ACCEL_ACCESS = "vfio", "accel"
+Access = Literal["vfio", "accel"]
+VFIO_ACCESS: Access = "vfio"
+ACCEL_ACCESS: Access = "accel"
 
 
+@dataclass(frozen=True, repr=False)
 class Kind:
     """One entry of the table. ``vfio`` says whether tpuboot binds it to vfio-pci; ``access`` how a
     runtime opens the chip; ``chip_functions`` how many PCI functions one chip is (2 for v2, v3 and
     TPU7x, as tpu-info counts them; they share a base address)."""
 
-    __slots__ = (
-        "access",
-        "chip_functions",
-        "device",
-        "generations",
-        "name",
-        "subsystem_device",
-        "subsystem_vendor",
-        "vendor",
-        "vfio",
-    )
-
-    def __init__(
-        self,
-        name: str,
-        vendor: int,
-        device: int,
-        subsystem_vendor: int | None = None,
-        subsystem_device: int | None = None,
-        vfio: bool = False,
-        generations: tuple[str, ...] = (),
-        access: str = VFIO_ACCESS,
-        chip_functions: int = 1,
-    ) -> None:
-        self.name = name
-        self.vendor = vendor
-        self.device = device
-        self.subsystem_vendor = subsystem_vendor
-        self.subsystem_device = subsystem_device
-        self.vfio = vfio
-        self.generations = generations  # keys of GENERATIONS this device can be (none: unknown)
-        self.access = access
-        self.chip_functions = chip_functions
+    name: str
+    vendor: int
+    device: int
+    subsystem_vendor: int | None = None
+    subsystem_device: int | None = None
+    vfio: bool = False
+    generations: tuple[str, ...] = ()  # keys of GENERATIONS this device can be (none: unknown)
+    access: Access = VFIO_ACCESS
+    chip_functions: int = 1
 
     def __repr__(self) -> str:
         return f"Kind({self.name!r})"
@@ -140,6 +109,7 @@ class DeviceTable:
         return next((kind for kind in self.kinds if kind.name == name), None)
 
 
+@dataclass(frozen=True, repr=False)
 class Generation:
     """One TPU generation, as its accelerator types (``v5p-1024``), machine types and slices are.
 
@@ -152,42 +122,16 @@ class Generation:
     give its chips.
     """
 
-    __slots__ = (
-        "dims",
-        "host_chips",
-        "host_max",
-        "key",
-        "kind",
-        "machine_types",
-        "max_chips",
-        "per_chip",
-        "prefixes",
-        "shapes",
-    )
-
-    def __init__(
-        self,
-        key: str,
-        kind: str,
-        prefixes: tuple[str, ...],
-        per_chip: int,
-        dims: int,
-        host_max: int,
-        machine_types: dict[str, int],
-        shapes: tuple[str, ...],
-        max_chips: int,
-        host_chips: int = 4,
-    ) -> None:
-        self.key = key
-        self.kind = kind
-        self.prefixes = prefixes
-        self.per_chip = per_chip
-        self.dims = dims
-        self.host_max = host_max
-        self.machine_types = machine_types
-        self.shapes = shapes
-        self.max_chips = max_chips
-        self.host_chips = host_chips
+    key: str
+    kind: str
+    prefixes: tuple[str, ...]
+    per_chip: int
+    dims: int
+    host_max: int
+    machine_types: dict[str, int] = field(hash=False)
+    shapes: tuple[str, ...]
+    max_chips: int
+    host_chips: int = 4
 
     def __repr__(self) -> str:
         return f"Generation({self.key!r})"
@@ -196,7 +140,7 @@ class Generation:
 _SHAPES_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 
 #: Every generation tpuboot knows, from public sources: GKE's TPU page (machine types, chips per VM,
-#: v5e topologies and VMs per slice: ../shared/reference/001_*.txt), Cloud TPU's v4, v5p, v6e and
+#: v5e topologies and VMs per slice), Cloud TPU's v4, v5p, v6e and
 #: TPU7x pages (TensorCores per chip, pod sizes, v6e's ct6e-standard-* and 3D topology rules), and
 #: GKE's Ironwood page (4 chips per tpu7x-standard-4t VM). The number in an accelerator type
 #: counts TensorCores for v2 to v5p and TPU7x (v5p-8 and tpu7x-8 are 4 chips), chips for v5e/v6e.

@@ -13,13 +13,14 @@ import errno
 import logging
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.vfio import Binder, BindResult
 
 log = logging.getLogger("tpuboot.devices.udev")
 
-TYPE_CHECKING = False  # typing's own flag, without the import
 if TYPE_CHECKING:
     import pyudev
 
@@ -90,13 +91,13 @@ def new_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=POOL_WORKERS, thread_name_prefix="tpuboot")
 
 
+@dataclass
 class Coldplug:
     """The PCI functions present at start, and the binds already running for the TPUs among them."""
 
-    def __init__(self, addresses: list[str], binds: dict[str, Future[BindResult]], started: float) -> None:
-        self.addresses = addresses
-        self.binds = binds
-        self.started = started  # monotonic, for the bind-duration metric
+    addresses: list[str]
+    binds: dict[str, Future[BindResult]]
+    started: float  # monotonic, for the bind-duration metric
 
 
 def start_coldplug(binder: Binder, executor: Executor) -> Coldplug:

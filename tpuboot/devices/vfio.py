@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tpuboot import subproc
@@ -113,20 +114,15 @@ def modprobe(module: str) -> None:
     subproc.run(["modprobe", module])
 
 
+@dataclass(frozen=True)
 class BindResult:
-    """What a bind did: the device, its generation, its group and node, and whether it changed.
+    """What a bind did: the device, its generation, its group and node, and whether it changed."""
 
-    A plain class for `tpuboot bind`'s start-up, as tpuboot.devices.table's records.
-    """
-
-    __slots__ = ("address", "changed", "group", "kind", "node")
-
-    def __init__(self, address: str, kind: str, group: str, node: str, changed: bool) -> None:
-        self.address = address
-        self.kind = kind
-        self.group = group
-        self.node = node
-        self.changed = changed
+    address: str
+    kind: str
+    group: str
+    node: str
+    changed: bool
 
 
 class Binder:
@@ -241,8 +237,6 @@ class Binder:
         driver = self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}")
         if driver.is_dir():
             return
-        # Rare (vfio-pci not registered), and kmodule brings dataclasses and typing: 57 M instructions,
-        # half again what importing tpuboot.cli costs (valgrind on the host).
         from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
 
         state = module_state(self.root, VFIO_PCI)

@@ -1,6 +1,6 @@
 """/etc/environment: add tpuboot's keys, never override or lose an admin's, leave every other byte alone.
 
-Decision (issue 12, item 8): **an admin's value wins.** A key tpuboot manages (config
+Decision: **an admin's value wins.** A key tpuboot manages (config
 ``env.environment``) that an admin has set stays as the admin wrote it, whatever its value:
 tpuboot only adds a key that is absent, as the documented configure-env-vars.sh does for
 CLOUDSDK_PYTHON. (The documented configure-gcs-timeouts.sh appends its GCS lines at every boot,

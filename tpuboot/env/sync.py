@@ -62,7 +62,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tpuboot import bootbudget, metrics
-from tpuboot.atomicfile import FileWriteError, read_file, write_file
+from tpuboot.atomicfile import FileReadError, FileWriteError, read_file, write_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config
 from tpuboot.env.etc_environment import ensure_environment
@@ -151,7 +151,7 @@ def read_cache(root: Root, config: Config) -> CacheState:
     path = cache_path(config)
     try:
         raw = read_file(root, path, limit=8 * max(config.metadata.max_body, 1 << 16))
-    except FileWriteError as exc:
+    except FileReadError as exc:
         return CacheState(None, f"tpu-env cache: {exc}")
     if raw is None:
         return CacheState(None)
