@@ -3,12 +3,12 @@
 The daemon stopped, the device unbound before each run, each command first in turn; guest
 monotonic clock around the command. tpuboot runs twice over: with the bench's config (a device
 rule for edu, which PyYAML reads) and with the shipped, all-comments one (``--force``, as edu is
-then no TPU), which is what an image without extra device rules runs. Then the interpreter's start-up and each import
-step of ``tpuboot run`` are timed (and their RSS taken) in a fresh python3, best of 2, and 3
-``tpuboot bind`` runs stamp their own imports and functions: where the time goes. Then bind ->
-usable (``bind_guest.py usable``): ``tpuboot bind``, the script and ``driverctl set-override DBDF
-vfio-pci`` run as root while a forked poller, already ``tester``, polls every 5 ms; until usable,
-and until the command returns.
+then no TPU), which is what an image without extra device rules runs. Then the interpreter's
+start-up and each import step of ``tpuboot run`` are timed (and their RSS taken) in a fresh
+python3, best of 2, and 3 ``tpuboot bind`` runs stamp their own imports and functions: where the
+time goes. Then bind -> usable (``bind_guest.py usable``): ``tpuboot bind``, the script and
+``driverctl set-override DBDF vfio-pci`` run as root while a forked poller, already ``tester``,
+polls every 5 ms; until usable, and until the command returns.
 """
 
 from __future__ import annotations
