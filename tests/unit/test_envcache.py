@@ -15,16 +15,11 @@ import pytest
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import INSTANCE_UUID, make_client, make_config
-from tpuboot.env.metadata import MetadataClient
-from tpuboot.env.sync import (
-    CACHE_FORMAT,
-    PRODUCT_UUID_PATH,
-    CacheState,
-    EnvSync,
-    instance_identity,
-    read_cache,
-)
+from tpuboot.env.cache import CACHE_FORMAT, CacheState, read_cache
+from tpuboot.env.identity import PRODUCT_UUID_PATH, instance_identity
+from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import render_env_file
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import make_client, make_config
 from tpuboot.config import ConfigError, parse_config
-from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import (
     DOCKER_MAX_LINE,
@@ -24,6 +23,7 @@ from tpuboot.env.tpuenv import (
     render_env_file,
     render_systemd_env_file,
 )
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 SYSTEMD = "/run/tpuboot/tpu-env.env"
