@@ -42,8 +42,8 @@ print(" ".join(sorted(set(sys.modules) - before)))
 
 # What `import tpuboot.cli` and the device commands load: sysfs, the device table, the config.
 CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.devices", "tpuboot.devices.pci",
-        "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.logs",
-        "tpuboot.paths", "tpuboot.subproc", "tpuboot.gce", "tpuboot.gce.keys"}  # fmt: skip
+        "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.kernel_params",
+        "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc", "tpuboot.gce", "tpuboot.gce.keys"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "tpuboot.devices.health", "json",
           "inspect", "typing"}  # fmt: skip
@@ -52,8 +52,8 @@ METADATA = {"tpuboot.backoff", "tpuboot.gce.client", "tpuboot.gce.failures", "tp
             "tpuboot.gce.replies", "tpuboot.gce.settings", "tpuboot.gce.transport", "tpuboot.gce.watch",
             "tpuboot.netio", "tpuboot.wiring", "requests", "urllib3"}  # fmt: skip
 #: What reads tpu-env, its cache and /etc/environment (doctor); ENV also writes them (`tpuboot env`).
-ENV_READ = {"tpuboot.env", "tpuboot.env.cache", "tpuboot.env.identity", "tpuboot.env.etc_environment",
-            "tpuboot.env.tpuenv", "yaml", "json"}  # fmt: skip
+ENV_READ = {"tpuboot.env", "tpuboot.env.assignment", "tpuboot.env.cache", "tpuboot.env.identity",
+            "tpuboot.env.etc_environment", "tpuboot.env.tpuenv", "yaml", "json"}  # fmt: skip
 ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync", "tpuboot.env.writers"}
 # The daemon's PCIe collector lives with the metrics: its sysfs readers come along.
 METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "tpuboot.metrics_server", "tpuboot.netio",
@@ -68,7 +68,12 @@ HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", 
            "tpuboot.holders.report", "tpuboot.holders.scan"}  # fmt: skip
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
            "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
-CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.checks.cmdline",
+CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.registry", "tpuboot.checks.kernel",
+          "tpuboot.checks.limits", "tpuboot.checks.udev", "tpuboot.checks.leftovers",
+          "tpuboot.checks.parsers", "tpuboot.checks.parsers.boot_runners", "tpuboot.checks.parsers.cmdline",
+          "tpuboot.checks.parsers.files", "tpuboot.checks.parsers.grub", "tpuboot.checks.parsers.pam",
+          "tpuboot.checks.parsers.rlimits", "tpuboot.checks.parsers.systemd", "tpuboot.checks.parsers.udev",
+          "tpuboot.env", "tpuboot.env.assignment",
           "tpuboot.devices.kmodule", "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
 CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", "json"}
@@ -83,8 +88,8 @@ DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | METRICS | CONTAINERS | H
     "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
 
 #: Against another tree (as here) no metadata client: only the tpu-env cache's path is read.
-PREPARE = CORE | CHECKS | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot", "tpuboot.env",
-                                                   "tpuboot.env.cache", "tpuboot.env.identity"}  # fmt: skip
+PREPARE = CORE | CHECKS | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.env", "tpuboot.env.cache",
+                                                   "tpuboot.env.identity"}  # fmt: skip
 
 SETS_SOMETHING = "vfio: {node_mode: '0666'}\n"  # any key: the file is then read with PyYAML
 TEXTFILE = "metrics: {textfile_dir: /metrics}\n"
