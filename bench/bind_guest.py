@@ -272,7 +272,7 @@ IMPORT_STEPS = (
     ("systemd.daemon", "systemd.daemon"),
     ("pyudev", "pyudev"),
     ("requests", "requests"),
-    ("rest of tpuboot.daemon/env/metadata", "tpuboot.daemon, tpuboot.env.sync, tpuboot.env.metadata"),
+    ("rest of tpuboot.daemon/env/gce", "tpuboot.daemon, tpuboot.env.sync, tpuboot.gce.client"),
 )
 _IMPORT_SCRIPT = """
 import json, sys, time

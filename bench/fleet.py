@@ -38,9 +38,10 @@ sys.path.insert(0, str(REPO))
 from bench.table import Report, Row, safe_ratio  # noqa: E402
 from harness.mds_emulator import SAMPLE_TPU_ENV, tpu_env_yaml  # noqa: E402
 from tpuboot.config import Config, EnvConfig, MetadataConfig  # noqa: E402
-from tpuboot.env.metadata import MetadataClient  # noqa: E402
 from tpuboot.env.sync import EnvSync  # noqa: E402
+from tpuboot.gce.client import MetadataClient  # noqa: E402
 from tpuboot.paths import Root  # noqa: E402
+from tpuboot.wiring import metadata_settings  # noqa: E402
 
 GOAL_PER_HOST = 2.0  # requests per second
 AGENT_DEADLINE_S = 12.0
@@ -110,7 +111,7 @@ def tpuboot_agent(host: str, work: Path, index: int) -> Callable[[float], bool]:
     root_dir = work / f"host{index}"
     root_dir.mkdir()
     config = Config(metadata=MetadataConfig(host=host), env=EnvConfig())
-    client = MetadataClient.from_config(config.metadata, environ={})
+    client = MetadataClient.from_settings(metadata_settings(config.metadata), environ={})
     sync = EnvSync(Root(root_dir), config, client)
 
     def boot(deadline_s: float) -> bool:

@@ -1,24 +1,63 @@
-"""The restart policy of a supervised container: capped exponential backoff, reset after a stable run.
+"""tpuboot's one backoff policy: a wait that doubles from ``initial`` up to ``maximum``.
 
-Pure: time is passed in, so the policy is tested without sleeping.
+Every retry in tpuboot waits by it: the metadata client's tries and watch (with full jitter above a
+floor, so a fleet booting together does not ask in lockstep), the tpu-env watch's restart after a
+bug, a failed bind's next try (tpuboot/devices/manager.py) and a supervised container's restart
+(:class:`RestartPolicy`, reset after a stable run). Pure: time and randomness are passed in, so
+the policies are tested without sleeping.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
-
-from tpuboot.config import SupervisorConfig
+from typing import Protocol
 
 #: Exits in a row (each after a run shorter than ``stable_after``) that make a crash loop.
 CRASH_LOOP_EXITS = 3
+#: The exponent is capped before the power: 2.0 ** 1100 would overflow a float.
+_MAX_EXPONENT = 64
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff: wait n is at most ``ceiling(n)`` = min(maximum, initial * 2**n).
+
+    ``delay`` draws with full jitter above a floor, floor + U(0, ceiling(n)): the jitter spreads a
+    fleet's retries; the floor caps one host at 1/floor requests a second (2/s by default)
+    whatever the jitter draws; the maximum bounds the wait once the other side is back.
+    """
+
+    initial: float = 1.0
+    maximum: float = 4.0
+    floor: float = 0.5
+
+    def ceiling(self, attempt: int) -> float:
+        """The wait after ``attempt`` failures before (0: the first retry), without jitter or floor."""
+        return min(self.maximum, self.initial * 2.0 ** min(max(attempt, 0), _MAX_EXPONENT))
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        return self.floor + rng.uniform(0.0, self.ceiling(attempt))
+
+
+class RestartSettings(Protocol):
+    """What :meth:`RestartPolicy.from_config` reads (the config's ``supervisor`` section)."""
+
+    @property
+    def backoff_initial(self) -> float: ...
+    @property
+    def backoff_max(self) -> float: ...
+    @property
+    def stable_after(self) -> float: ...
 
 
 @dataclass
 class RestartPolicy:
     """``delay_after(ran_for)``: how long to wait before the next start, after a run of ``ran_for`` s.
 
-    The first exit waits ``initial``, each further exit in a row doubles it up to ``maximum``;
-    a run of at least ``stable_after`` seconds starts the sequence again.
+    The first exit waits ``initial``, each further exit in a row doubles it up to ``maximum``
+    (:class:`Backoff` without jitter); a run of at least ``stable_after`` seconds starts the
+    sequence again.
     """
 
     initial: float = 1.0
@@ -27,13 +66,13 @@ class RestartPolicy:
     exits: int = 0  # exits in a row, each after a short run
 
     @classmethod
-    def from_config(cls, config: SupervisorConfig) -> RestartPolicy:
+    def from_config(cls, config: RestartSettings) -> RestartPolicy:
         return cls(config.backoff_initial, config.backoff_max, config.stable_after)
 
     def delay_after(self, ran_for: float) -> float:
         if ran_for >= self.stable_after:
             self.exits = 0
-        delay = min(self.maximum, self.initial * 2.0 ** min(self.exits, 64))
+        delay = Backoff(self.initial, self.maximum, floor=0.0).ceiling(self.exits)
         self.exits += 1
         return delay
 

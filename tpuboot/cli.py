@@ -16,6 +16,7 @@ from tpuboot.devices.pci import parse_dbdf
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
 from tpuboot.errors import ConfigError, TpubootError, UsageError
+from tpuboot.gce.keys import KINDS as METADATA_KINDS
 from tpuboot.paths import ROOT_ENV, Root
 
 if TYPE_CHECKING:
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), 128 + 2 as a shell reports a command it killed
-METADATA_KINDS = ("attributes", "project-attributes", "instance")  # tpuboot.env.metadata.KINDS
 log = logging.getLogger("tpuboot.cli")
 
 
@@ -299,9 +299,12 @@ def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:
 
 
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.env.metadata import MetadataAbsent, MetadataClient, metadata_get
+    from tpuboot.gce.client import MetadataClient
+    from tpuboot.gce.lookup import metadata_get
+    from tpuboot.gce.replies import MetadataAbsent
+    from tpuboot.wiring import metadata_settings
 
-    client = MetadataClient.from_config(ctx.config.metadata)
+    client = MetadataClient.from_settings(metadata_settings(ctx.config.metadata))
     try:
         value = metadata_get(client, args.type, args.key, deadline_s=args.deadline)
     except MetadataAbsent:
@@ -318,11 +321,13 @@ def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
 
 def cmd_env(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot import metrics  # its requests go to metrics.textfile_dir, like bind's
-    from tpuboot.env.metadata import MetadataClient
     from tpuboot.env.sync import EnvSync
+    from tpuboot.gce.client import MetadataClient
+    from tpuboot.wiring import metadata_settings
 
     config = ctx.config
-    client = MetadataClient.from_config(config.metadata, on_request=metrics.metadata_request)
+    settings = metadata_settings(config.metadata)
+    client = MetadataClient.from_settings(settings, on_request=metrics.metadata_request)
     result = EnvSync(ctx.root, config, client).sync_once(args.deadline or config.metadata.boot_deadline)
     print(result.status)
     if args.print and result.source in ("metadata", "cache"):
@@ -472,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_metadata_get)
     p.add_argument("key", metavar="KEY", help="attribute name (or path, with --type instance)")
     p.add_argument("--default", metavar="VALUE", help="print VALUE when the key is not set (exit 0)")
-    p.add_argument("--type", choices=METADATA_KINDS, default="attributes", help="where KEY lives")
+    p.add_argument("--type", choices=tuple(METADATA_KINDS), default="attributes", help="where KEY lives")
     p.add_argument("--deadline", type=_seconds, default=15.0, metavar="S", help="retry for at most S seconds")
     return parser
 

@@ -271,7 +271,7 @@ class MetricsConfig(Section):
 
 
 #: The server's guest-attribute quota is 10 queries a minute per VM; 5 keys at most once per 30 s
-#: each stay within it (tpuboot/guestattrs.py).
+#: each stay within it (tpuboot/gce/guestattrs.py).
 GUEST_ATTRIBUTES_MIN_INTERVAL = 30.0
 
 

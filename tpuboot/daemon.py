@@ -49,15 +49,15 @@ from tpuboot.component import Component, Status
 from tpuboot.containers.service import VBAR
 from tpuboot.containers.supervisor import RUNNING
 from tpuboot.devices.manager import DeviceManager
-from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.service import PENDING, EnvService
 from tpuboot.eventloop import EventLoop, Timer
+from tpuboot.gce.client import MetadataClient
 from tpuboot.notify import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
     from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
-    from tpuboot.guestattrs import Publisher
+    from tpuboot.gce.guestattrs import Publisher
     from tpuboot.metrics_server import MetricsServer
 
 log = logging.getLogger("tpuboot.daemon")
@@ -199,7 +199,7 @@ class Daemon:
         return "; ".join(s.detail for s in self.statuses())
 
     def guest_attribute_values(self) -> dict[str, str]:
-        """This host's state as the guest attributes tpuboot/<key> show it (tpuboot/guestattrs.py)."""
+        """This host's state as the guest attributes tpuboot/<key> show it (tpuboot/gce/guestattrs.py)."""
         bound, present, failed = self.devices.counts()
         vbar = None if self.containers is None else self.containers.statuses().get(VBAR)
         return {

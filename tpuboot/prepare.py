@@ -39,7 +39,7 @@ from tpuboot.containers.docker import MANAGED_LABEL, split_image
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
 from tpuboot.containers.imageref import ImageRefused, RegistryAllowlist
 from tpuboot.containers.service import vbar_spec
-from tpuboot.env.sync import cache_path
+from tpuboot.env.cache import cache_path
 from tpuboot.errors import TpubootError
 from tpuboot.metrics import TEXTFILE_NAME
 from tpuboot.paths import Root
@@ -229,10 +229,11 @@ def prepare(root: Root, config: Config) -> list[CheckResult]:
     to the registries that take it, as the daemon's do."""
     if not root.is_host:
         return Preparer(root, config).run()
-    from tpuboot.env.metadata import MetadataClient
+    from tpuboot.gce.client import MetadataClient
+    from tpuboot.wiring import metadata_settings
 
     try:
-        client = MetadataClient.from_config(config.metadata)
+        client = MetadataClient.from_settings(metadata_settings(config.metadata))
     except TpubootError as exc:  # a bad $GCE_METADATA_HOST: anonymous pulls, the rest as ever
         log.warning("metadata: %s; pulling without the VM's credentials", exc)
         return Preparer(root, config).run()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from tpuboot.config import Config
+from tpuboot.config import Config, GuestAttributesConfig, MetadataConfig
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
 from tpuboot.errors import ConfigError
@@ -23,8 +23,10 @@ if TYPE_CHECKING:
     from tpuboot.containers.dockerapi import DockerAPI
     from tpuboot.daemon import Daemon
     from tpuboot.devices.manager import Monitor
-    from tpuboot.env.metadata import MetadataClient
     from tpuboot.eventloop import EventLoop
+    from tpuboot.gce.client import MetadataClient
+    from tpuboot.gce.guestattrs import PublisherSettings
+    from tpuboot.gce.settings import MetadataSettings
     from tpuboot.notify import Notifier
 
 log = logging.getLogger("tpuboot.wiring")
@@ -67,11 +69,11 @@ def build(
     from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
     from tpuboot.devices.manager import DeviceManager
-    from tpuboot.env.metadata import MetadataClient
     from tpuboot.env.service import EnvService
     from tpuboot.env.sync import EnvSync
     from tpuboot.eventloop import EventLoop
-    from tpuboot.guestattrs import Publisher
+    from tpuboot.gce.client import MetadataClient
+    from tpuboot.gce.guestattrs import Publisher
     from tpuboot.notify import Notifier
 
     loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
@@ -81,7 +83,8 @@ def build(
     containers_on = config.vbar.enabled or config.telemetry.enabled
     if metadata is None and (config.env.enabled or containers_on or publish):
         try:
-            metadata = MetadataClient.from_config(config.metadata, on_request=metrics.metadata_request)
+            settings = metadata_settings(config.metadata)
+            metadata = MetadataClient.from_settings(settings, on_request=metrics.metadata_request)
         except ConfigError as exc:  # a bad $GCE_METADATA_HOST: tpu-env and the GKE check need it
             if config.env.enabled or (containers_on and config.gke == "auto"):
                 raise
@@ -103,10 +106,26 @@ def build(
     guest_attrs = None
     if publish and metadata is not None:
         deadline = config.metadata.boot_deadline
-        guest_attrs = Publisher(metadata, config.guest_attributes, check_deadline=deadline)
+        publishing = publisher_settings(config.guest_attributes)
+        guest_attrs = Publisher(metadata, publishing, check_deadline=deadline)
     metrics.watch_pcie(root, binder.table)  # read at each scrape, never between them
     metrics.watch_holders(root, config)
     server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
     notifier = notifier or Notifier()
     parts = (env, containers, guest_attrs, metadata, server)
     return Daemon(loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi)
+
+
+def metadata_settings(config: MetadataConfig) -> MetadataSettings:
+    """The metadata client's settings from the config's ``metadata`` section (every caller's one way)."""
+    from tpuboot.gce.settings import MetadataSettings
+
+    return MetadataSettings(host=config.host, timeout=config.timeout, max_body=config.max_body)
+
+
+def publisher_settings(config: GuestAttributesConfig) -> PublisherSettings:
+    """The guest-attribute publisher's settings from the ``guest_attributes`` section."""
+    from tpuboot.gce.guestattrs import PublisherSettings
+
+    enabled = {"auto": None, "true": True, "false": False}[config.enabled]
+    return PublisherSettings(enabled=enabled, min_interval=config.min_interval)

@@ -30,8 +30,9 @@ from pathlib import Path
 import pytest
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
+from tpuboot.backoff import Backoff
 from tpuboot.config import Config, EnvConfig, MetadataConfig
-from tpuboot.env.metadata import Backoff, MetadataClient
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 

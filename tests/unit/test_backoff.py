@@ -1,5 +1,11 @@
-from tpuboot.backoff import CRASH_LOOP_EXITS, RestartPolicy
+import dataclasses
+import random
+
+import pytest
+
+from tpuboot.backoff import CRASH_LOOP_EXITS, Backoff, RestartPolicy
 from tpuboot.config import SupervisorConfig
+from tpuboot.devices import manager
 
 
 def test_delays_double_from_initial_up_to_the_cap() -> None:
@@ -39,3 +45,46 @@ def test_from_config_uses_the_supervisor_section() -> None:
         SupervisorConfig(backoff_initial=0.5, backoff_max=4.0, stable_after=9.0)
     )
     assert (policy.initial, policy.maximum, policy.stable_after) == (0.5, 4.0, 9.0)
+
+
+# --- the one policy: every retry in tpuboot waits by Backoff ---------------------------------------
+
+
+def test_backoff_ceiling_doubles_from_initial_to_the_maximum_without_overflow() -> None:
+    policy = Backoff(initial=0.5, maximum=4.0, floor=0.0)
+    assert [policy.ceiling(n) for n in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert policy.ceiling(10_000) == 4.0  # 2.0 ** 10000 would overflow: the exponent is capped first
+    assert policy.ceiling(-1) == 0.5  # no attempt before the first
+
+
+def test_backoff_delay_is_the_floor_plus_full_jitter_under_the_ceiling() -> None:
+    policy = Backoff(initial=1.0, maximum=8.0, floor=0.5)
+    rng = random.Random(7)
+    for attempt in range(6):
+        delays = [policy.delay(attempt, rng) for _ in range(200)]
+        assert all(0.5 <= d <= 0.5 + policy.ceiling(attempt) for d in delays)
+        assert max(delays) - min(delays) > policy.ceiling(attempt) / 2  # spread, not lockstep
+
+
+@pytest.mark.parametrize("failures", [1, 2, 3, 6, 7, 40, 5000])
+def test_a_binds_retry_and_a_restart_wait_by_the_same_ceiling(failures: int) -> None:
+    """tpuboot/devices/manager.py and RestartPolicy (containers, the tpu-env watch) are that policy."""
+    bind = Backoff(manager.BACKOFF_FIRST, manager.BACKOFF_CAP, floor=0.0)
+    assert manager.retry_delay(failures) == bind.ceiling(failures - 1)
+    restart = RestartPolicy(initial=1.0, maximum=300.0, stable_after=600.0)
+    delays = [restart.delay_after(0.0) for _ in range(failures)]
+    assert delays[-1] == Backoff(1.0, 300.0, floor=0.0).ceiling(failures - 1)
+
+
+def test_from_config_reads_any_section_with_the_three_settings() -> None:
+    """backoff.py imports no config (the metadata client uses it, and the config's validators use
+    the client's neighbours): the supervisor section is read by its fields."""
+
+    @dataclasses.dataclass
+    class Section:
+        backoff_initial: float = 2.0
+        backoff_max: float = 16.0
+        stable_after: float = 30.0
+
+    policy = RestartPolicy.from_config(Section())
+    assert [policy.delay_after(1.0) for _ in range(5)] == [2.0, 4.0, 8.0, 16.0, 16.0]

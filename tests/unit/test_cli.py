@@ -12,7 +12,6 @@ from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli
 from tpuboot.devices import vfio
-from tpuboot.env import metadata
 
 
 @pytest.fixture
@@ -90,10 +89,6 @@ def test_status_says_first_how_vfio_pci_is_in_the_kernel(kernel, capsys):
     run(kernel, "status")
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("vfio-pci: ") and first.endswith("driver registered"), first
-
-
-def test_metadata_kinds_match_the_client():
-    assert set(cli.METADATA_KINDS) == set(metadata.KINDS)
 
 
 def test_metadata_get_prints_the_raw_value(emulator: MetadataEmulator, monkeypatch, capsys):

@@ -44,29 +44,26 @@ print(" ".join(sorted(set(sys.modules) - before)))
 # (its sections are dataclasses).
 CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.configfields", "tpuboot.devices",
         "tpuboot.devices.pci", "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors",
-        "tpuboot.kernel_params", "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc", "dataclasses",
-        "inspect", "typing"}  # fmt: skip
+        "tpuboot.kernel_params", "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc", "tpuboot.gce",
+        "tpuboot.gce.keys", "dataclasses", "inspect", "typing"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "tpuboot.devices.health", "json",
           "inspect", "typing"}  # fmt: skip
-METADATA = {"tpuboot.env", "tpuboot.env.metadata", "tpuboot.netio", "requests", "urllib3"}
-ENV = {
-    "tpuboot.backoff",
-    "tpuboot.bootbudget",
-    "tpuboot.env.assignment",
-    "tpuboot.env.etc_environment",
-    "tpuboot.env.sync",
-    "tpuboot.env.tpuenv",
-    "yaml",
-    "json",
-}
+# The metadata client, built from the config's section by tpuboot.wiring.metadata_settings.
+METADATA = {"tpuboot.backoff", "tpuboot.gce.client", "tpuboot.gce.failures", "tpuboot.gce.framing",
+            "tpuboot.gce.replies", "tpuboot.gce.settings", "tpuboot.gce.transport", "tpuboot.gce.watch",
+            "tpuboot.netio", "tpuboot.wiring", "requests", "urllib3"}  # fmt: skip
+#: What reads tpu-env, its cache and /etc/environment (doctor); ENV also writes them (`tpuboot env`).
+ENV_READ = {"tpuboot.env", "tpuboot.env.assignment", "tpuboot.env.cache", "tpuboot.env.identity",
+            "tpuboot.env.etc_environment", "tpuboot.env.tpuenv", "yaml", "json"}  # fmt: skip
+ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync", "tpuboot.env.writers"}
 # The daemon's PCIe collector lives with the metrics: its sysfs readers come along.
 METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "tpuboot.metrics_server", "tpuboot.netio",
            "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
-              "tpuboot.component"}  # fmt: skip
+              "tpuboot.component", "tpuboot.gce.replies", "tpuboot.backoff"}  # fmt: skip
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
 CHIPS = SURVEY - {"tpuboot.devices.health", "json"}
 HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
@@ -86,11 +83,13 @@ CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", 
 #: A config that sets something: PyYAML reads it.
 PARSED = {"yaml"}
 TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
-DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | CONTAINERS | HOLDERS | CDI | {
+DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | METRICS | CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
     "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
 
-PREPARE = CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare"}
+#: Against another tree (as here) no metadata client: only the tpu-env cache's path is read.
+PREPARE = CORE | CHECKS | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.env", "tpuboot.env.cache",
+                                                   "tpuboot.env.identity"}  # fmt: skip
 
 SETS_SOMETHING = "vfio: {node_mode: '0666'}\n"  # any key: the file is then read with PyYAML
 TEXTFILE = "metrics: {textfile_dir: /metrics}\n"
@@ -120,7 +119,11 @@ CASES = {
     ),
     "image-check": (["image-check"], None, CORE | CHECKS),
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
-    "metadata get": (["metadata", "get", "x", "--deadline", "0.2"], None, CORE | METADATA),
+    "metadata get": (
+        ["metadata", "get", "x", "--deadline", "0.2"],
+        None,
+        CORE | METADATA | {"tpuboot.gce.lookup"},
+    ),
     "doctor": (["doctor"], None, DOCTOR),
     "cdi": (["cdi"], None, CORE | CDI | {"tpuboot.atomicfile", "dataclasses", "inspect", "typing"}),
     "prepare-image": (["prepare-image"], None, PREPARE),

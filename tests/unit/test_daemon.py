@@ -42,12 +42,16 @@ from tpuboot.config import (
 )
 from tpuboot.daemon import Daemon
 from tpuboot.devices import manager
+from tpuboot.env import service as envservice
 from tpuboot.env import sync as envsync
-from tpuboot.env.metadata import MetadataClient
-from tpuboot.env.service import EnvService, run_watch
-from tpuboot.env.sync import EnvSync, SyncResult
+from tpuboot.env.results import Bugs, SyncResult
+from tpuboot.env.service import EnvService
+from tpuboot.env.sync import EnvSync
+from tpuboot.env.watch import watch_tpu_env
 from tpuboot.errors import MetadataError
 from tpuboot.eventloop import EventLoop
+from tpuboot.gce.client import MetadataClient
+from tpuboot.gce.replies import Change
 from tpuboot.notify import Notifier
 from tpuboot.paths import Root
 from tpuboot.wiring import build
@@ -522,7 +526,7 @@ def test_even_a_sync_that_raises_reaches_ready_and_starts_the_watch(kernel, emul
     assert daemon.env is not None
     watched = threading.Event()
     monkeypatch.setattr(daemon.env.sync, "sync_once", lambda deadline: 1 / 0)
-    monkeypatch.setattr(daemon.env.sync, "watch", lambda stop, report: watched.set())
+    monkeypatch.setattr(envservice, "watch_tpu_env", lambda sync, stop, report: watched.set())
     with serving(daemon) as running:
         until(lambda: daemon.ready)
         assert daemon.notifier.sent[0].endswith("; tpu-env: failed (ZeroDivisionError); see the log")
@@ -531,20 +535,34 @@ def test_even_a_sync_that_raises_reaches_ready_and_starts_the_watch(kernel, emul
 
 
 def test_the_watch_thread_starts_a_watch_again_that_raised(monkeypatch, caplog):
+    """The env service's watch (tpuboot/env/watch.py, its one restart): a watch that raised is
+    started again after 1 s, then 2 s, each new bug logged with its traceback."""
     calls: list[float] = []
     stop = threading.Event()
 
     class Sync:
-        def watch(self, stop_: threading.Event, report) -> None:
+        bugs = Bugs("/tpu-env")
+        etag = None
+        tpu_env_path = "/tpu-env"
+
+        def changes(self, stop_: threading.Event) -> Iterator[Change]:
             calls.append(time.monotonic())
             if len(calls) < 3:
-                raise RuntimeError("a bug")
+                raise RuntimeError(f"bug {len(calls)}")
             stop.set()
+            return iter(())
+
+        def apply(self, change: Change) -> SyncResult:
+            raise AssertionError("no change comes")
+
+        def report(self, result: SyncResult) -> None:
+            pass
 
     waits: list[float] = []
     monkeypatch.setattr(stop, "wait", lambda delay: waits.append(delay) or stop.is_set())
+    assert envservice.watch_tpu_env is watch_tpu_env  # the one the service runs
     with caplog.at_level("ERROR", logger="tpuboot"):
-        run_watch(Sync(), stop, lambda result: None)
+        watch_tpu_env(Sync(), stop, lambda result: None)
     assert len(calls) == 3 and waits == [1.0, 2.0]
     assert len([r for r in caplog.records if r.exc_info]) == 2
 

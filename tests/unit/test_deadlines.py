@@ -18,9 +18,9 @@ import pytest
 from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import make_client, make_config
 from tpuboot import cli
-from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.sync import EnvSync
 from tpuboot.errors import MetadataError
+from tpuboot.gce.client import MetadataClient
 from tpuboot.netio import ascii_int
 from tpuboot.paths import Root
 

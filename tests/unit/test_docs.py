@@ -400,7 +400,7 @@ def test_the_architecture_page_names_only_modules_and_classes_that_exist():
         "tpuboot.devices.manager": "DeviceManager", "tpuboot.devices.vfio": "Binder",
         "tpuboot.env.service": "EnvService", "tpuboot.env.sync": "EnvSync",
         "tpuboot.containers.service": "Containers", "tpuboot.containers.supervisor": "Supervisor",
-        "tpuboot.guestattrs": "Publisher", "tpuboot.env.metadata": "MetadataClient",
+        "tpuboot.gce.guestattrs": "Publisher", "tpuboot.gce.client": "MetadataClient",
     }  # fmt: skip
     for module, name in classes.items():
         assert name in text and hasattr(importlib.import_module(module), name), (module, name)

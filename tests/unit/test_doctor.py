@@ -23,10 +23,10 @@ from tpuboot.containers import cdi
 from tpuboot.containers.dockerapi import Unreachable
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
-from tpuboot.env.metadata import MetadataAbsent, Reply
-from tpuboot.env.sync import PRODUCT_UUID_PATH
+from tpuboot.env.identity import PRODUCT_UUID_PATH
 from tpuboot.env.tpuenv import parse_env_file, render_env_file
 from tpuboot.errors import MetadataError
+from tpuboot.gce.replies import MetadataAbsent, Reply
 from tpuboot.paths import Root
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,16 +15,11 @@ import pytest
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import INSTANCE_UUID, make_client, make_config
-from tpuboot.env.metadata import MetadataClient
-from tpuboot.env.sync import (
-    CACHE_FORMAT,
-    PRODUCT_UUID_PATH,
-    CacheState,
-    EnvSync,
-    instance_identity,
-    read_cache,
-)
+from tpuboot.env.cache import CACHE_FORMAT, CacheState, read_cache
+from tpuboot.env.identity import PRODUCT_UUID_PATH, instance_identity
+from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import render_env_file
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"
@@ -82,7 +77,7 @@ def boot_offline(
 ) -> tuple[str, str, list[str]]:
     """One boot sync with the server silent: its source, status and the cache warnings logged."""
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tpuboot.env.sync"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env"):
         result = EnvSync(root, make_config(), client).sync_once(deadline_s=0.3)
     unused = [r.getMessage() for r in caplog.records if "not using it" in r.getMessage()]
     return result.source, result.status, unused
@@ -109,7 +104,7 @@ def test_a_clone_does_not_use_its_parents_cache_and_the_next_fetch_replaces_it(
 ) -> None:
     set_uuid(cached, OTHER_UUID + "\n")  # the same disk, booted as another instance
     sync = EnvSync(cached, make_config(), offline)
-    with caplog.at_level(logging.WARNING, logger="tpuboot.env.sync"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env"):
         result = sync.sync_once(deadline_s=0.3)
         assert sync.parsed_values() is None  # nor is vBar's image taken from it
         assert sync.sync_once(deadline_s=0.3).source == "failed"

@@ -337,7 +337,7 @@ def test_sync_writes_every_file_its_consumer_takes_whole_and_names_each_left_out
 ) -> None:
     client = make_client(noncharacter_emulator, timeout=0.3)
     try:
-        with caplog.at_level(logging.WARNING, logger="tpuboot.env.sync"):
+        with caplog.at_level(logging.WARNING, logger="tpuboot.env"):
             result = EnvSync(root, make_config(noncharacter_emulator), client).sync_once(deadline_s=5)
     finally:
         client.close()

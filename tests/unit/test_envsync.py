@@ -23,9 +23,11 @@ from harness.mds_emulator import (
 from tests.unit.conftest import make_client, make_config, wait_until
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.env import sync as envsync
-from tpuboot.env.metadata import MetadataClient
-from tpuboot.env.sync import EnvSync, SyncResult
+from tpuboot.env.results import SyncResult
+from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import TpuEnv, render_env_file
+from tpuboot.env.watch import WATCH_RETRY_FIRST, WATCH_RETRY_MAX, watch_tpu_env
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"
@@ -206,13 +208,19 @@ def test_fault_leaves_a_clear_log_line_and_an_intact_tpu_env(
 
 
 def run_watch(
-    sync: EnvSync, stop: threading.Event, results: list[SyncResult], seen: threading.Event
+    sync: EnvSync,
+    stop: threading.Event,
+    results: list[SyncResult],
+    seen: threading.Event,
+    retry: tuple[float, float] = (WATCH_RETRY_FIRST, WATCH_RETRY_MAX),
 ) -> threading.Thread:
     def on_result(result: SyncResult) -> None:
         results.append(result)
         seen.set()
 
-    worker = threading.Thread(target=sync.watch, args=(stop, on_result), name="watch")
+    worker = threading.Thread(
+        target=watch_tpu_env, args=(sync, stop, on_result), kwargs={"retry": retry}, name="watch"
+    )
     worker.start()
     return worker
 
@@ -280,7 +288,7 @@ def test_an_attribute_still_unset_is_logged_once_not_again_by_the_watch(
         stop.set()
         sync_client.close()
         worker.join(timeout=5)
-    said = [r.getMessage() for r in caplog.records if r.name == "tpuboot.env.sync"]
+    said = [r.getMessage() for r in caplog.records if r.name == "tpuboot.env.results"]
     assert [s.split(";")[0] for s in said] == [
         "tpu-env: no tpu-env attribute in metadata",
         "tpu-env: 1 key from metadata",
@@ -397,11 +405,10 @@ def test_the_watch_survives_an_unexpected_exception_logs_it_once_and_resumes(
 ) -> None:
     """Before: the exception ended the watch thread for good; later values were never written."""
     sync.sync_once(deadline_s=5)
-    sync.watch_retry = (0.05, 0.2)
     fail_on(monkeypatch, b"BOOM")
     stop, seen, results = threading.Event(), threading.Event(), []
     with caplog.at_level(logging.INFO, logger="tpuboot"):
-        worker = run_watch(sync, stop, results, seen)
+        worker = run_watch(sync, stop, results, seen, retry=(0.05, 0.2))
         assert emulator.wait_for_pollers(1)
         emulator.set_attribute("tpu-env", "BOOM: 1\n")
         assert until_len(results, 1)

@@ -11,9 +11,11 @@ import pytest
 
 from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import make_client
+from tpuboot.component import Component, Status
 from tpuboot.config import GuestAttributesConfig, parse_config
 from tpuboot.errors import ConfigError
-from tpuboot.guestattrs import RETRIES, SPACING, Publisher, parse_enabled
+from tpuboot.gce.guestattrs import RETRIES, SPACING, Publisher, PublisherSettings, parse_enabled
+from tpuboot.wiring import publisher_settings
 
 FAST = GuestAttributesConfig(min_interval=0.3)  # built directly: the file's floor is 30 s
 
@@ -30,7 +32,7 @@ def publishers(emulator: MetadataEmulator) -> Iterator[Callable[..., Publisher]]
     made: list[Publisher] = []
 
     def make(config: GuestAttributesConfig = FAST) -> Publisher:
-        publisher = Publisher(make_client(emulator), config, check_deadline=5.0)
+        publisher = Publisher(make_client(emulator), publisher_settings(config), check_deadline=5.0)
         made.append(publisher)
         return publisher
 
@@ -38,6 +40,31 @@ def publishers(emulator: MetadataEmulator) -> Iterator[Callable[..., Publisher]]
     for publisher in made:
         publisher.stop()
         publisher.client.close()  # the owner's (the daemon closes its shared client after stop)
+
+
+def test_the_config_section_becomes_the_publishers_plain_settings() -> None:
+    """tpuboot/gce/ takes no config: the caller maps auto/true/false to None/True/False."""
+    assert [
+        publisher_settings(GuestAttributesConfig(enabled=e)).enabled for e in ("auto", "true", "false")
+    ] == [
+        None,
+        True,
+        False,
+    ]
+    assert publisher_settings(GuestAttributesConfig(min_interval=45.0)) == PublisherSettings(None, 45.0)
+
+
+def test_the_publisher_is_a_component_whose_status_follows_the_check(emulator, publishers) -> None:
+    """A Component (tpuboot/component.py): started with a report, told when its state changes."""
+    emulator.set_attribute("enable-guest-attributes", "TRUE")
+    publisher = publishers()
+    component: Component = publisher
+    assert component.status().state == "checking"
+    reported: list[Status] = []
+    component.start(lambda: reported.append(publisher.status()))
+    wait_for(lambda: bool(reported))
+    assert [status.state for status in reported] == ["publishing"]
+    assert publishers(GuestAttributesConfig(enabled="false")).status().state == "off"
 
 
 @pytest.mark.parametrize(
@@ -76,7 +103,7 @@ def test_nothing_is_written_when_disabled(emulator, publishers, caplog, instance
     emulator.set("project/attributes/enable-guest-attributes", "TRUE" if instance else None)
     publisher = publishers()
     publisher.update({"state": "ready"})
-    with caplog.at_level(logging.INFO, logger="tpuboot.guestattrs"):
+    with caplog.at_level(logging.INFO, logger="tpuboot.gce.guestattrs"):
         publisher.start()
         wait_for(lambda: publisher.enabled is False)
         publisher.update({"state": "stopping"})
@@ -143,7 +170,7 @@ def test_failed_writes_are_retried_a_bounded_number_of_times_and_logged_once(
 ) -> None:
     emulator.set_attribute("enable-guest-attributes", "TRUE")
     publisher = publishers()
-    with caplog.at_level(logging.WARNING, logger="tpuboot.guestattrs"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.gce.guestattrs"):
         publisher.start()
         wait_for(lambda: publisher.enabled is True)
         emulator.set_faults(status=503)
@@ -162,8 +189,9 @@ def test_failed_writes_are_retried_a_bounded_number_of_times_and_logged_once(
 def test_a_403_from_the_server_stops_publishing_with_one_warning(emulator, publishers, caplog) -> None:
     publisher = publishers(GuestAttributesConfig(enabled="true", min_interval=0.3))  # the server says no
     publisher.update({"state": "ready", "tpus": "bound=1 expected=1 failed=0"})
-    with caplog.at_level(logging.WARNING, logger="tpuboot.guestattrs"):
-        publisher.start()
+    with caplog.at_level(logging.WARNING, logger="tpuboot.gce.guestattrs"):
+        reported: list[str] = []
+        publisher.start(lambda: reported.append(publisher.status().state))
         wait_for(lambda: publisher.enabled is False)
         publisher.update({"state": "stopping"})
         time.sleep(0.8)
@@ -171,6 +199,7 @@ def test_a_403_from_the_server_stops_publishing_with_one_warning(emulator, publi
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "Guest attributes endpoint access is disabled." in warning
     assert "set enable-guest-attributes=TRUE" in warning
+    assert reported == ["off"]  # the component said so
 
 
 def test_stop_writes_the_final_state(emulator, publishers) -> None:
@@ -185,7 +214,7 @@ def test_stop_writes_the_final_state(emulator, publishers) -> None:
 
 def test_an_unanswered_check_is_asked_again_and_stop_ends_it(emulator: MetadataEmulator) -> None:
     emulator.stop()  # connection refused
-    publisher = Publisher(make_client(emulator, timeout=0.2), FAST, check_deadline=0.3)
+    publisher = Publisher(make_client(emulator, timeout=0.2), publisher_settings(FAST), check_deadline=0.3)
     publisher.start()
     time.sleep(0.5)
     started = time.monotonic()

@@ -20,9 +20,9 @@ from tests.unit.test_supervisor import wait_until
 from tpuboot.config import Config, EnvConfig
 from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.containers.service import Containers
-from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import render_env_file
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 TPU_ENV = "/home/tpu-runtime/tpu-env"

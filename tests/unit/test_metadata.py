@@ -20,19 +20,15 @@ import requests
 from harness import mds_emulator
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, etag_of, tpu_env_yaml
 from tests.unit.conftest import make_client
+from tpuboot.backoff import Backoff
 from tpuboot.config import MetadataConfig
-from tpuboot.env.metadata import (
-    MIN_POLL_INTERVAL,
-    Backoff,
-    Change,
-    MetadataAbsent,
-    MetadataClient,
-    MetadataRefused,
-    metadata_base_url,
-    metadata_get,
-)
 from tpuboot.env.tpuenv import parse_tpu_env
 from tpuboot.errors import ConfigError, MetadataError, UsageError
+from tpuboot.gce.client import MetadataClient
+from tpuboot.gce.lookup import metadata_get
+from tpuboot.gce.replies import Change, MetadataAbsent, MetadataRefused
+from tpuboot.gce.settings import MIN_POLL_INTERVAL, metadata_base_url
+from tpuboot.wiring import metadata_settings
 
 TPU_ENV = "instance/attributes/tpu-env"
 
@@ -59,8 +55,9 @@ def test_malformed_host_is_a_config_error(host: str) -> None:
         metadata_base_url(None, {"GCE_METADATA_HOST": host})
 
 
-def test_from_config_uses_timeout_and_body_cap() -> None:
-    client = MetadataClient.from_config(MetadataConfig(host="127.0.0.1:1", timeout=3.0, max_body=99), {})
+def test_from_settings_uses_timeout_and_body_cap() -> None:
+    settings = metadata_settings(MetadataConfig(host="127.0.0.1:1", timeout=3.0, max_body=99))
+    client = MetadataClient.from_settings(settings, {})
     assert (client.base_url, client.timeout, client.max_body) == (
         "http://127.0.0.1:1/computeMetadata/v1/",
         3.0,
@@ -131,7 +128,7 @@ def test_failures_end_at_the_deadline_logged_once(
     client = make_client(emulator, timeout=1.0)
     emulator.set_faults(**faults)
     with (
-        caplog.at_level(logging.WARNING, logger="tpuboot.env.metadata"),
+        caplog.at_level(logging.WARNING, logger="tpuboot.gce"),
         pytest.raises(MetadataError, match=kind),
     ):
         client.get(TPU_ENV, deadline_s=2.0)
@@ -154,7 +151,7 @@ def test_connection_refused(emulator: MetadataEmulator) -> None:
 def test_recovery_is_logged_and_a_new_failure_logged_again(
     client: MetadataClient, emulator: MetadataEmulator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="tpuboot.env.metadata"):
+    with caplog.at_level(logging.INFO, logger="tpuboot.gce"):
         emulator.fail_next(5)
         client.get(TPU_ENV, deadline_s=10)
         emulator.fail_next(2)
@@ -474,10 +471,10 @@ def test_emulator_runs_standalone_for_vm_guests(tmp_path: Path) -> None:
 
 
 def test_a_flapping_server_costs_one_line_per_kind(caplog: pytest.LogCaptureFixture) -> None:
-    from tpuboot.env.metadata import _FailureLog
+    from tpuboot.gce.failures import FailureLog
 
-    failures = _FailureLog()
-    with caplog.at_level(logging.INFO, logger="tpuboot.env.metadata"):
+    failures = FailureLog()
+    with caplog.at_level(logging.INFO, logger="tpuboot.gce"):
         for kind in ("connection dropped", "timed out", "connection dropped", "timed out"):
             failures.failed(kind, "http://127.0.0.1:1/", retrying=True)
         failures.recovered("http://127.0.0.1:1/")
@@ -626,7 +623,7 @@ def test_an_answer_on_one_url_is_no_recovery_for_another(
     """One client serves tpu-env, the guest attributes and the GKE check: a guest-attribute write
     that works while tpu-env fails must not say tpu-env's server is "answering again"."""
     enable_guest_attributes(emulator)
-    with caplog.at_level(logging.INFO, logger="tpuboot.env.metadata"):
+    with caplog.at_level(logging.INFO, logger="tpuboot.gce"):
         for _ in range(2):  # tpu-env fails, the others answer in between, tpu-env fails again
             emulator.set_faults(status=503)
             with pytest.raises(MetadataError, match="HTTP 503"):
@@ -644,14 +641,14 @@ def test_an_answer_on_one_url_is_no_recovery_for_another(
 
 
 def test_failure_kinds_are_kept_per_url() -> None:
-    from tpuboot.env.metadata import _FailureLog
+    from tpuboot.gce.failures import FailureLog
 
-    failures = _FailureLog()
+    failures = FailureLog()
     a, b = "http://127.0.0.1:1/a", "http://127.0.0.1:1/b"
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("tpuboot.env.metadata")
+    logger = logging.getLogger("tpuboot.gce")
     logger.addHandler(handler)
     previous = logger.level
     logger.setLevel(logging.INFO)
@@ -687,7 +684,7 @@ def test_a_malformed_head_is_reported_as_what_it_is(
     client = make_client(emulator, timeout=1.0)
     emulator.set_faults(**faults)
     with (
-        caplog.at_level(logging.WARNING, logger="tpuboot.env.metadata"),
+        caplog.at_level(logging.WARNING, logger="tpuboot.gce"),
         pytest.raises(MetadataError) as raised,
     ):
         client.get(TPU_ENV, deadline_s=0.5)
@@ -704,7 +701,7 @@ def test_a_watch_reports_a_malformed_head_as_what_it_is(
     client = make_client(emulator, timeout=1.0)
     emulator.set_faults(extra_headers=5000)
     stop = threading.Event()
-    with caplog.at_level(logging.WARNING, logger="tpuboot.env.metadata"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.gce"):
         worker = threading.Thread(target=drain, args=(client.changes(TPU_ENV, stop=stop),))
         worker.start()
         assert emulator.wait_for_requests(emulator.request_count + 3)

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tpuboot.env.metadata import MetadataClient
 from tpuboot.errors import MetadataError
+from tpuboot.gce.client import MetadataClient
 
 HEAD = b"HTTP/1.1 200 OK\r\nMetadata-Flavor: Google\r\nETag: abc\r\n"
 CHUNKED = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"

@@ -26,8 +26,8 @@ from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import __version__, cli, metrics
 from tpuboot.config import MetricsConfig
 from tpuboot.devices import manager
-from tpuboot.env.metadata import MetadataAbsent
 from tpuboot.env.sync import EnvSync
+from tpuboot.gce.replies import MetadataAbsent
 from tpuboot.paths import Root
 
 PROMTOOL = shutil.which("promtool")

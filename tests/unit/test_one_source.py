@@ -19,9 +19,10 @@ from tpuboot.config import Config, VfioConfig
 from tpuboot.containers.gke import gke_node
 from tpuboot.devices.survey import survey
 from tpuboot.devices.vfio import IOMMU_OFF_FIX, UNSAFE_INTERRUPTS
-from tpuboot.env.metadata import MetadataClient
-from tpuboot.env.sync import EnvSync, cache_path, read_cache
+from tpuboot.env.cache import cache_path, read_cache
+from tpuboot.env.sync import EnvSync
 from tpuboot.errors import IommuOffError
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,17 +146,6 @@ def test_doctor_checks_unsafe_interrupts_exactly_where_bind_sets_them(
     check = Doctor(kernel.root, config).check_unsafe_interrupts()
     assert check.status == ("PASS" if set_by_bind else "SKIP"), check
     assert set_by_bind == (setting == "true" or (setting == "auto" and machine == "x86_64"))
-
-
-# --- metadata kinds -------------------------------------------------------------------------------------
-
-
-def test_the_cli_offers_the_metadata_kinds_the_client_knows() -> None:
-    """cli.py keeps its own copy so that parsing arguments does not import requests."""
-    from tpuboot import cli
-    from tpuboot.env.metadata import KINDS
-
-    assert tuple(KINDS) == cli.METADATA_KINDS
 
 
 # --- the tpu-env cache ------------------------------------------------------------------------------------

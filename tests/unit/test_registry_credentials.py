@@ -17,6 +17,7 @@ import pytest
 from harness.mds_emulator import MetadataEmulator
 from tests.unit.fakedockerd import FakeDockerd, decode_registry_auth, fake_dockerd
 from tests.unit.test_supervisor import wait_until
+from tpuboot.backoff import Backoff
 from tpuboot.config import DEFAULT_TOKEN_REGISTRIES, Config, RegistryAuthConfig, TelemetryConfig, parse_config
 from tpuboot.containers.credentials import (
     EARLY_EXPIRY,
@@ -31,8 +32,8 @@ from tpuboot.containers.dockerapi import DockerAPI, RegistryAuth
 from tpuboot.containers.imageref import RegistryAllowlist
 from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import RUNNING, CannotStart
-from tpuboot.env.metadata import Backoff, MetadataClient
 from tpuboot.errors import ConfigError
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 TOKEN = "ya29.c.b0AXv0zTP-test_token.~-" + "A" * 180

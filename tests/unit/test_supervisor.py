@@ -231,7 +231,7 @@ class FakeMetadata:
         self.asked: list[str] = []
 
     def get(self, path: str, *, deadline_s: float) -> object:
-        from tpuboot.env.metadata import MetadataAbsent
+        from tpuboot.gce.replies import MetadataAbsent
 
         self.asked.append(path)
         if path.rsplit("/", 1)[-1] not in self.present:

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.conftest import make_client, make_config
 from tpuboot.config import ConfigError, parse_config
-from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import (
     DOCKER_MAX_LINE,
@@ -24,6 +23,7 @@ from tpuboot.env.tpuenv import (
     render_env_file,
     render_systemd_env_file,
 )
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 SYSTEMD = "/run/tpuboot/tpu-env.env"
@@ -218,7 +218,7 @@ def test_sync_writes_both_files_root_only_writable_and_names_what_docker_cannot_
     root: Root, hostile_emulator: MetadataEmulator, client: MetadataClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     sync = EnvSync(root, make_config(hostile_emulator), client)
-    with caplog.at_level(logging.WARNING, logger="tpuboot.env.sync"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env"):
         result = sync.sync_once(deadline_s=5)
     assert result.status == "tpu-env: 32 keys from metadata"
     wanted = parse_tpu_env(tpu_env_yaml({**SAMPLE_TPU_ENV, **HOSTILE_VALUES})).values
@@ -235,7 +235,7 @@ def test_sync_writes_both_files_root_only_writable_and_names_what_docker_cannot_
 
     inodes = [root.path(p).stat().st_ino for p in (SYSTEMD, DOCKER)]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tpuboot.env.sync"):
+    with caplog.at_level(logging.WARNING, logger="tpuboot.env"):
         sync.sync_once(deadline_s=5)
     assert [root.path(p).stat().st_ino for p in (SYSTEMD, DOCKER)] == inodes  # idempotent
     assert not [r for r in caplog.records if "left out of" in r.getMessage()]  # said once per value

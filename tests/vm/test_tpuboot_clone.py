@@ -27,8 +27,10 @@ from harness.vm.artifacts import Artifacts, in_tree
 from harness.vm.machine import VM
 from harness.vm.tpuboot_guest import MDS_PORT, guest_config, install_emulator, package_install_hook
 from tpuboot.config import Config, EnvConfig, MetadataConfig
-from tpuboot.env.metadata import MetadataClient
-from tpuboot.env.sync import PRODUCT_UUID_PATH, EnvSync, cache_path
+from tpuboot.env.cache import cache_path
+from tpuboot.env.identity import PRODUCT_UUID_PATH
+from tpuboot.env.sync import EnvSync
+from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
 from .conftest import ImageFactory

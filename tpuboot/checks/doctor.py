@@ -10,10 +10,10 @@ transparent huge pages, limits for logins and the container runtimes, the accel 
 :mod:`tpuboot.checks.image`'s checks, run as they are.
 
 Everything goes through the injectable :class:`~tpuboot.paths.Root`; the metadata server through a
-client (:class:`~tpuboot.env.metadata.MetadataClient` or a test's), the docker socket through a
+client (:class:`~tpuboot.gce.client.MetadataClient` or a test's), the docker socket through a
 callable a test replaces. Each fact comes from the module that owns it: GKE detection from
 :mod:`tpuboot.containers.gke` (the daemon's rule), the tpu-env cache from
-:func:`tpuboot.env.sync.read_cache`, sysfs paths and fixes from :mod:`tpuboot.devices`. A check
+:func:`tpuboot.env.cache.read_cache`, sysfs paths and fixes from :mod:`tpuboot.devices`. A check
 that cannot be judged here is SKIP with the reason; WARN is a doubt that fails nothing (a TPU
 generation tpuboot's table does not know).
 Every check is required (a FAIL makes the exit status non-zero) except those in
@@ -57,12 +57,14 @@ from tpuboot.devices.pci import PCI_DEVICES, PCI_DRIVERS
 from tpuboot.devices.survey import TpuStatus, survey
 from tpuboot.devices.table import DeviceTable, generations_of_kind
 from tpuboot.devices.vfio import IOMMU_OFF_FIX, UNSAFE_INTERRUPTS, VFIO_PCI, Binder, unsafe_interrupts_wanted
+from tpuboot.env.cache import cache_path, read_cache
 from tpuboot.env.etc_environment import plan_environment
-from tpuboot.env.metadata import MetadataAbsent, MetadataClient, Reply
-from tpuboot.env.sync import cache_path, read_cache
 from tpuboot.env.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.errors import MetadataError
+from tpuboot.gce.client import MetadataClient
+from tpuboot.gce.replies import MetadataAbsent, Reply
 from tpuboot.paths import Root
+from tpuboot.wiring import metadata_settings
 
 #: A FAIL of these is reported but does not make `tpuboot doctor` fail.
 # A host whose engines cannot give a container the chips without --privileged is still ready for
@@ -121,7 +123,7 @@ def docker_container_state(root: Root, name: str) -> str:
 
 def metadata_lookup(config: MetadataConfig) -> MetadataClient:
     """The metadata client doctor asks on the host (:class:`Doctor` bounds and shares its waits)."""
-    return MetadataClient.from_config(config)
+    return MetadataClient.from_settings(metadata_settings(config))
 
 
 class NoServer:
@@ -144,7 +146,7 @@ class AskedOnce:
     def get(self, path: str, *, deadline_s: float) -> Reply:
         if self.down is not None:
             raise self.down
-        quiet = logging.getLogger("tpuboot.env.metadata")
+        quiet = logging.getLogger("tpuboot.gce")
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # a server that does not answer is the check's SKIP, not a warning
         try:

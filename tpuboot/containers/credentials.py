@@ -151,7 +151,7 @@ class Reply(Protocol):
 
 
 class TokenSource(Protocol):
-    """The metadata client's ``get`` (tpuboot.env.metadata.MetadataClient)."""
+    """The metadata client's ``get`` (tpuboot.gce.client.MetadataClient)."""
 
     def get(self, path: str, *, deadline_s: float) -> Reply: ...
 
@@ -220,7 +220,7 @@ class ServiceAccountCredentials:
             try:
                 reply = self.metadata.get(TOKEN_PATH, deadline_s=self.deadline_s)
             except TpubootError as exc:
-                from tpuboot.env.metadata import MetadataAbsent  # loaded already: the client's module
+                from tpuboot.gce.replies import MetadataAbsent  # loaded already: the client's module
 
                 if isinstance(exc, MetadataAbsent):
                     raise TokenUnavailable(

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from tpuboot.env.metadata import INSTANCE_ATTRIBUTES, MetadataAbsent
 from tpuboot.errors import MetadataError
+from tpuboot.gce.keys import INSTANCE_ATTRIBUTES
+from tpuboot.gce.replies import MetadataAbsent
 
 log = logging.getLogger("tpuboot.containers.gke")
 

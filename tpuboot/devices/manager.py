@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tpuboot import bootbudget, metrics
+from tpuboot.backoff import Backoff
 from tpuboot.component import Report, Status
 from tpuboot.config import ReadyConfig
 from tpuboot.devices.pci import PciFunction, list_addresses
@@ -31,8 +32,7 @@ BACKOFF_CAP = 60.0
 def retry_delay(failures: int) -> float:
     """Seconds before the next try of a bind that failed ``failures`` times in a row: doubling
     from BACKOFF_FIRST, at most BACKOFF_CAP (the README and the man page quote the schedule)."""
-    # The exponent is capped before the power: 2.0 ** 1100 would overflow a float.
-    return min(BACKOFF_CAP, BACKOFF_FIRST * 2.0 ** min(failures - 1, 32))
+    return Backoff(BACKOFF_FIRST, BACKOFF_CAP, floor=0.0).ceiling(failures - 1)
 
 
 #: A function whose PCI ids could not be read: maybe a TPU; STATUS lists it apart from the TPUs.

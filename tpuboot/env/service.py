@@ -10,14 +10,14 @@ read or a container's reconfiguring never holds it.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
 
-from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Report, Status
-from tpuboot.env.sync import EnvSync, SyncResult
+from tpuboot.env.results import SyncResult
+from tpuboot.env.sync import EnvSync
+from tpuboot.env.watch import watch_tpu_env
 
 log = logging.getLogger("tpuboot.env.service")
 
@@ -25,7 +25,6 @@ log = logging.getLogger("tpuboot.env.service")
 PENDING = "pending"
 #: The sources after which the tpu-env file holds values (a later failure leaves them there).
 HELD = ("metadata", "cache")
-WATCH_RESTART_MAX = 300.0
 
 
 class EnvService:
@@ -81,7 +80,8 @@ class EnvService:
 
     def _run(self) -> None:
         """Nothing here can keep the daemon from READY: sync_once never raises, and if it did the
-        status would say so and the watch would still start."""
+        status would say so and the watch would still start (it starts itself again after a bug:
+        tpuboot/env/watch.py)."""
         try:
             result = self.sync.sync_once(self.deadline)
         except Exception as exc:
@@ -90,7 +90,7 @@ class EnvService:
         else:
             self.result(result)
         if self.watch:
-            run_watch(self.sync, self.stopping, self.result)
+            watch_tpu_env(self.sync, self.stopping, self.result)
 
     def result(self, result: SyncResult) -> None:
         """Take one sync's result: the status, the guest attribute, the containers told."""
@@ -114,21 +114,6 @@ class EnvService:
         with self._lock:
             self._status = status
         self._report()
-
-
-def run_watch(sync: EnvSync, stop: threading.Event, report: Callable[[SyncResult], None]) -> None:
-    """The watch: EnvSync.watch never raises, and should a bug make it, the watch is started again
-    (after 1 s, doubling to 5 min) instead of ending for good."""
-    backoff = RestartPolicy(1.0, WATCH_RESTART_MAX, stable_after=math.inf)
-    while not stop.is_set():
-        try:
-            sync.watch(stop, report)
-            return
-        except Exception:
-            delay = backoff.delay_after(0.0)
-            log.exception("tpu-env: the watch ended unexpectedly; starting it again in %g s", delay)
-        if stop.wait(delay):
-            return
 
 
 def _nothing() -> None:

@@ -27,12 +27,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-from tpuboot.config import GuestAttributesConfig
-from tpuboot.env.metadata import MetadataAbsent, MetadataClient, MetadataRefused
+from tpuboot.component import Report, Status
 from tpuboot.errors import MetadataError
+from tpuboot.gce.client import MetadataClient
+from tpuboot.gce.keys import GUEST_ATTRIBUTES, INSTANCE_ATTRIBUTES, PROJECT_ATTRIBUTES
+from tpuboot.gce.replies import MetadataAbsent, MetadataRefused
 
-log = logging.getLogger("tpuboot.guestattrs")
+log = logging.getLogger("tpuboot.gce.guestattrs")
 
 NAMESPACE = "tpuboot"
 ENABLE_KEY = "enable-guest-attributes"
@@ -48,6 +51,15 @@ FINAL_DEADLINE = 2.0
 _TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
 
 
+@dataclass(frozen=True)
+class PublisherSettings:
+    """The config's ``guest_attributes`` section as plain values: ``enabled`` None to follow
+    enable-guest-attributes (``auto``), and the least seconds between two writes of one key."""
+
+    enabled: bool | None = None
+    min_interval: float = 60.0
+
+
 def parse_enabled(text: str) -> bool:
     """``enable-guest-attributes`` as Go's strconv.ParseBool reads it; a value it refuses is off."""
     return text in _TRUE
@@ -58,7 +70,7 @@ def enabled_in_metadata(client: MetadataClient, deadline_s: float) -> tuple[bool
 
     Raises MetadataError when the server does not answer within ``deadline_s``.
     """
-    for scope, path in (("instance", "instance/attributes/"), ("project", "project/attributes/")):
+    for scope, path in (("instance", INSTANCE_ATTRIBUTES), ("project", PROJECT_ATTRIBUTES)):
         try:
             value = client.get(path + ENABLE_KEY, deadline_s=deadline_s).text.strip()
         except MetadataAbsent:
@@ -67,22 +79,31 @@ def enabled_in_metadata(client: MetadataClient, deadline_s: float) -> tuple[bool
     return False, f"{ENABLE_KEY} is set on neither the instance nor the project"
 
 
+def _nothing() -> None:
+    """The default ``report``: nobody listens."""
+
+
 class Publisher:
-    """Writes ``tpuboot/<key>`` guest attributes from its own thread; ``update`` from any thread."""
+    """Writes ``tpuboot/<key>`` guest attributes from its own thread; ``update`` from any thread.
+
+    A component (tpuboot/component.py): its state is ``checking`` (asking the server whether
+    guest attributes are on), ``publishing`` or ``off``.
+    """
 
     def __init__(
         self,
         client: MetadataClient,
-        config: GuestAttributesConfig,
+        settings: PublisherSettings,
         *,
         check_deadline: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
-        self.config = config
+        self.settings = settings
         self.check_deadline = check_deadline
         self.clock = clock
-        self.enabled: bool | None = None if config.enabled == "auto" else config.enabled == "true"
+        self.enabled: bool | None = settings.enabled
+        self._report: Report = _nothing
         self._cond = threading.Condition()
         self._wanted: dict[str, str] = {}
         self._sent: dict[str, str] = {}
@@ -107,7 +128,18 @@ class Publisher:
                     self._given_up.pop(key, None)
             self._cond.notify()
 
-    def start(self) -> None:
+    def status(self) -> Status:
+        with self._cond:
+            enabled = self.enabled
+        if enabled is None:
+            return Status("checking", f"guest attributes: asking whether {ENABLE_KEY} is on")
+        if enabled:
+            return Status("publishing", f"guest attributes: publishing under {NAMESPACE}/")
+        return Status("off", "guest attributes: not published")
+
+    def start(self, report: Report = _nothing) -> None:
+        """Begin publishing from a thread of its own; ``report`` is told when ``status()`` changes."""
+        self._report = report
         if self.enabled is False:  # before the thread: no other reader yet
             return
         self._thread = threading.Thread(target=self._run, name="tpuboot-guest-attributes", daemon=True)
@@ -152,13 +184,14 @@ class Publisher:
             try:
                 enabled, why = enabled_in_metadata(self.client, self.check_deadline)
             except MetadataError as exc:
-                again = f"asking again in {self.config.min_interval:g} s"
+                again = f"asking again in {self.settings.min_interval:g} s"
                 self._once("check", f"guest attributes: cannot tell whether they are on ({exc}); {again}")
-                if self._stop.wait(self.config.min_interval):
+                if self._stop.wait(self.settings.min_interval):
                     return False
                 continue
             with self._cond:
                 self.enabled = enabled
+            self._report()
             if enabled:
                 log.info("guest attributes: publishing this host's state under %s/ (%s)", NAMESPACE, why)
             else:
@@ -177,7 +210,7 @@ class Publisher:
             for key, value in self._wanted.items():
                 if self._sent.get(key) == value or self._given_up.get(key) == value:
                     continue
-                at = self._last_try.get(key, -float("inf")) + self.config.min_interval
+                at = self._last_try.get(key, -float("inf")) + self.settings.min_interval
                 at = max(at, self._last_write + SPACING)
                 if at <= now:
                     self._last_try[key] = self._last_write = now
@@ -202,6 +235,7 @@ class Publisher:
                     error,
                     ENABLE_KEY,
                 )
+                self._report()  # the condition's lock is re-entrant: status() may be read at once
                 return
             tries = self._tries[key] = self._tries.get(key, 0) + 1
             if tries >= RETRIES:
@@ -212,13 +246,13 @@ class Publisher:
                 NAMESPACE, key, tries, error)  # fmt: skip
         else:
             kind = type(error).__name__ + (f" {error.status}" if isinstance(error, MetadataRefused) else "")
-            again = f"trying again in {self.config.min_interval:g} s (logged once until a write succeeds)"
+            again = f"trying again in {self.settings.min_interval:g} s (logged once until a write succeeds)"
             self._once(kind, f"guest attributes: writing {NAMESPACE}/{key} failed ({error}); {again}")
 
     def _write(self, key: str, value: str, deadline: float) -> MetadataError | None:
         """One PUT (one try: the pacing above is the retry policy); the error, or None when written."""
         try:
-            path = f"instance/guest-attributes/{NAMESPACE}/{key}"
+            path = f"{GUEST_ATTRIBUTES}{NAMESPACE}/{key}"
             self.client.put(path, value, deadline_s=deadline, max_tries=1)
         except MetadataError as exc:
             return exc
