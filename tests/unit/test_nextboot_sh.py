@@ -170,6 +170,31 @@ def test_many_continuation_lines_are_read_without_recursion(tmp_path: Path, grub
     assert read_both(root) == dash_sources(tmp_path) == ("idle=poll", "")
 
 
+@pytest.mark.parametrize(
+    "dropin",
+    [
+        "GRUB_CMDLINE_LINUX=$GRUB_CMDLINE_LINUX\\\nGRUB_CMDLINE_LINUX=\n",  # found by hypothesis
+        'GRUB_CMDLINE_LINUX="$GRUB_CMDLINE_LINUX\\\nX idle=poll"\n',
+        "GRUB_CMDLINE_LINUX=$GRUB_CMDLINE_LINUX\\\n\\\n_DEFAULT\n",
+        "GRUB_CMDLINE_LINUX=${GRUB_CMDLINE\\\n_LINUX}\n",
+    ],
+)
+def test_a_backslash_newline_inside_a_name_is_never_read_as_its_end(tmp_path: Path, dropin: str) -> None:
+    """sh joins the lines before it reads a name: ``$A\\<newline>B`` is ``$AB``, not ``$A`` then B."""
+    root = write_tree(tmp_path, "GRUB_CMDLINE_LINUX=idle=poll\n", {b"a.cfg": dropin})
+    assert dash_sources(tmp_path) is not None
+    assert read_both(root) is None  # cannot tell: never a value dash would not give
+
+
+def test_a_backslash_newline_after_a_name_ends_it(tmp_path: Path) -> None:
+    root = write_tree(
+        tmp_path,
+        "GRUB_CMDLINE_LINUX=idle=poll\n",
+        {b"a.cfg": 'GRUB_CMDLINE_LINUX="$GRUB_CMDLINE_LINUX\\\n x"\n'},
+    )
+    assert read_both(root) == dash_sources(tmp_path) == ("idle=poll x", "")
+
+
 def test_a_file_name_that_is_not_utf8_is_named_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -109,6 +109,7 @@ _NAME_EQ = re.compile(f"({NAME})=")
 _EXPORT = re.compile(r"export(?:[ \t]|\\\n)+")
 _SUBST_BODY = re.compile(r"[^'\"\\$`()\n]*")
 _COMMAND = re.compile(r"[^ \t\n;]{1,40}")
+_NAME_GOES_ON = re.compile(r"(?:\\\n)+[A-Za-z0-9_]")
 
 
 class _Reader:
@@ -296,6 +297,8 @@ class _Reader:
                 raise self.fail("a $ that is not $NAME or ${NAME}")
             name = match.group()
             self.pos = match.end()
+            if _NAME_GOES_ON.match(text, self.pos):  # sh joins the lines first: a longer name
+                raise self.fail(f"${name} goes on after a backslash-newline")
         value = self.env.get(name)
         if value is None:
             if not name.startswith("GRUB_"):  # update-grub's environment, or the shell's own
