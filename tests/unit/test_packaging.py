@@ -19,7 +19,7 @@ import pytest
 
 import tpuboot
 from tpuboot.checks.image import run_checks
-from tpuboot.containers.docker import MANAGED_LABEL
+from tpuboot.containers.engine import MANAGED_LABEL
 from tpuboot.paths import Root
 
 pytestmark = pytest.mark.packaging
