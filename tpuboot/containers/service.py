@@ -23,6 +23,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Final
 
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Report, Status
@@ -48,8 +49,9 @@ def _no_tpu_env() -> Mapping[str, str] | None:
     return None
 
 
-#: A container's state before its supervisor starts, when it never will (GKE) or not yet (no TPU VM).
-NOT_STARTED = "not started"
+#: An agent's state (beside its supervisor's SupervisedState) before its supervisor starts, when it
+#: never will (GKE) or not yet (no TPU VM).
+NOT_STARTED: Final = "not started"
 
 
 def agents_enabled(config: Config, agents: Sequence[Agent] = AGENTS) -> list[Agent]:
