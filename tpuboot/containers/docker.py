@@ -120,11 +120,6 @@ class DockerEngine:
         return [container_of(item) for item in found]
 
 
-def docker_engine(root_socket: str) -> DockerEngine:
-    """The engine at dockerd's socket path ``root_socket`` (already under tpuboot's root)."""
-    return DockerEngine(DockerAPI(root_socket))
-
-
 class DockerRuntime(EngineRuntime):
     """The supervision policy over dockerd: what STATUS says while dockerd does not answer."""
 
@@ -151,6 +146,7 @@ class DockerRuntime(EngineRuntime):
             pause=pause,
             credentials=credentials,
             engine_name=ENGINE_NAME,
+            load_hint="load it with `docker load`",
         )
 
     def _unreachable_reason(self) -> str:

@@ -68,9 +68,11 @@ class EngineRuntime:
         pause: Callable[[float], object] | None = None,
         credentials: ServiceAccountCredentials | None = None,
         engine_name: str = "the container engine",
+        load_hint: str = "load it into the engine",
     ) -> None:
         """``unreachable()``: what STATUS says while the engine does not answer (not started, not
-        installed); ``engine_name``: the engine in the other messages ("dockerd")."""
+        installed); ``engine_name``: the engine in the other messages ("dockerd"); ``load_hint``:
+        how to give it an image by hand, for a pull that failed."""
         self.spec = spec
         self.engine_factory = engine_factory
         self.allowlist = allowlist
@@ -78,6 +80,7 @@ class EngineRuntime:
         self.pull_retries = pull_retries
         self.credentials = credentials
         self.engine_name = engine_name
+        self.load_hint = load_hint
         self.engine: ContainerEngine | None = None
         self.container_id: str | None = None
         self._running: ContainerSpec | None = None  # the spec of the container being followed
@@ -257,5 +260,5 @@ class EngineRuntime:
                     return
         raise CannotStart(
             f"cannot pull image {image} ({tries} tries: {reason}){sent.advice(reason)}; "
-            "make it reachable, load it with `docker load`, or set another image"
+            f"make it reachable, {self.load_hint}, or set another image"
         )
