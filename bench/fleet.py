@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import requests
@@ -35,6 +35,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.table import Report, Row, safe_ratio  # noqa: E402
 from harness.mds_emulator import SAMPLE_TPU_ENV, tpu_env_yaml  # noqa: E402
 from tpuboot.config import Config, EnvConfig, MetadataConfig  # noqa: E402
 from tpuboot.env.metadata import MetadataClient  # noqa: E402
@@ -236,6 +237,62 @@ def main() -> int:
         failed |= ours.ok != args.agents
     print(f"total {time.monotonic() - began:.1f} s")
     return 1 if failed else 0
+
+
+FLEET_AGENTS, FLEET_ERROR_RATE, FLEET_OUTAGE_S = 64, 0.2, 5.0
+
+
+def run_family(report: Report) -> None:
+    """bench/fleet.py's two scenarios, tpuboot and the documented retry loop each, as table rows."""
+    logging.getLogger("tpuboot").setLevel(logging.CRITICAL)  # 64 hosts would each log their retries
+    goal = GOAL_PER_HOST * FLEET_AGENTS
+    for label, outage in (("", 0.0), (f", after a {FLEET_OUTAGE_S:g} s outage", FLEET_OUTAGE_S)):
+        ours = run_fleet("tpuboot", tpuboot_agent, FLEET_AGENTS, FLEET_ERROR_RATE, outage)
+        base = run_fleet("documented", documented_agent, FLEET_AGENTS, FLEET_ERROR_RATE, outage)
+        title = f"fleet of {FLEET_AGENTS}, {FLEET_ERROR_RATE:.0%} of requests fail{label}"
+        verdict = "PASS" if ours.peak <= goal and ours.ok == FLEET_AGENTS else "FAIL"
+        report.add(
+            "fleet",
+            Row(
+                f"{title}: peak requests/s (1 s windows)",
+                f"{ours.peak:.0f}/s",
+                f"{base.peak:.0f}/s",
+                safe_ratio(ours.peak, base.peak),
+                f"<= {goal:.0f}/s",
+                verdict,
+            ),
+        )
+        report.add(
+            "fleet", Row("  hosts that got tpu-env", f"{ours.ok}/{ours.agents}", f"{base.ok}/{base.agents}")
+        )
+        report.add(
+            "fleet",
+            Row(
+                "  requests in all",
+                str(ours.requests),
+                str(base.requests),
+                safe_ratio(ours.requests, base.requests),
+            ),
+        )
+        for q in (0.5, 0.99):
+            mine, theirs = ours.percentile(q), base.percentile(q)
+            report.add(
+                "fleet",
+                Row(
+                    f"  time to tpu-env, p{q * 100:g}",
+                    f"{mine:.2f} s",
+                    f"{theirs:.2f} s",
+                    safe_ratio(mine, theirs),
+                ),
+            )
+        report.raw.setdefault("fleet", []).append(
+            {"outage_s": outage, "tpuboot": asdict(ours), "documented": asdict(base)}
+        )
+    report.note(
+        "fleet",
+        "baseline: the documented fetch retried every 1 s (no backoff, no jitter); "
+        "tpuboot: MetadataClient + EnvSync, one thread per simulated host, emulator in its own process",
+    )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.table import Report, Row, safe_ratio
+
 REPO = Path(__file__).resolve().parent.parent
 GROUP = "9009"
 NODE = f"/dev/vfio/{GROUP}"
@@ -244,6 +246,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print("\n".join(report(timings, holders, args.processes, args.files)))
     return 0
+
+
+def run_family(report: Report) -> None:
+    """bench/holders.py: `tpuboot who` against fuser (the baseline) and lsof (the peer)."""
+    timings, named = in_namespace()
+    ours, fuser, lsof = (timings[name] for name in ("tpuboot who", "fuser -v", "lsof"))
+    for what, pick in (("wall", lambda t: t.median), ("cpu", lambda t: t.cpu_median)):
+        ratio = safe_ratio(pick(ours), pick(fuser))
+        verdict = "PASS" if ratio is not None and ratio <= GOAL else "FAIL"
+        row = Row(
+            f"who on 2000 processes x 50 files: {what} time (baseline fuser -v)",
+            f"{pick(ours) * 1000:.0f} ms",
+            f"{pick(fuser) * 1000:.0f} ms",
+            ratio,
+            f"<= {GOAL:g}x",
+            verdict,
+        )
+        peer = f"{pick(lsof) * 1000:.0f} ms"
+        report.add("holders", row.against("lsof", peer, safe_ratio(pick(ours), pick(lsof))))
+    missing = {t.name: sorted(named - t.pids) for t in timings.values() if not t.pids >= named}
+    said = f"every tool named the {len(named)} holders" if not missing else f"missed: {missing}"
+    report.note("holders", said)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ TYPE_CHECKING = False  # as in tpuboot.config (it says what typing costs): typin
 if TYPE_CHECKING:
     from typing import NoReturn
 
-    from tpuboot.checks.image import CheckResult
+    from tpuboot.checks.registry import CheckResult
     from tpuboot.devices.chips import Chip
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

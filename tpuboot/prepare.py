@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 
 from tpuboot import subproc
 from tpuboot.atomicfile import remove_file, remove_files_in
-from tpuboot.checks.image import CheckResult, failed, passed, run_checks, skipped, warned
+from tpuboot.checks.image import run_checks
+from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.credentials import ANONYMOUS, ServiceAccountCredentials

@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, tpu_env_yaml
+from tpuboot.kernel_params import needed
 
 from .artifacts import GUEST_LIBEXEC, TESTER, in_tree, install_debs
 from .hostenv import BUSYBOX, run
@@ -34,9 +35,10 @@ EDU_ID_REGISTER = "0x010000ed"  # BAR0 offset 0 of the edu device
 VFIO_READ = f"{GUEST_LIBEXEC}/vfio_read.py"
 MDS_PORT = 8080
 MDS_CONTROL = f"http://127.0.0.1:{MDS_PORT}/_emulator/v1/instance/attributes"
-# The kernel parameters the package's GRUB drop-in asks for. The harness boots its kernel
-# directly, not through GRUB: a guest that must look complete gets them on its command line.
-KERNEL_PARAMS = ("idle=poll", "transparent_hugepage=always", "intel_iommu=on,sm_on")
+# The kernel parameters the package's GRUB drop-in asks for on the guests' x86_64. The harness
+# boots its kernel directly, not through GRUB: a guest that must look complete gets them on its
+# command line.
+KERNEL_PARAMS = tuple(needed("x86_64"))
 # StatusText of a guest with the four stand-ins of ``guest_config()`` and SAMPLE_TPU_ENV served.
 READY_STATUS = "4 TPUs bound to vfio-pci; tpu-env: 14 keys from metadata"
 

@@ -42,8 +42,8 @@ print(" ".join(sorted(set(sys.modules) - before)))
 
 # What `import tpuboot.cli` and the device commands load: sysfs, the device table, the config.
 CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.devices", "tpuboot.devices.pci",
-        "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.logs",
-        "tpuboot.paths", "tpuboot.subproc"}  # fmt: skip
+        "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors", "tpuboot.kernel_params",
+        "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "tpuboot.devices.health", "json",
           "inspect", "typing"}  # fmt: skip
@@ -51,6 +51,7 @@ METADATA = {"tpuboot.env", "tpuboot.env.metadata", "tpuboot.netio", "requests", 
 ENV = {
     "tpuboot.backoff",
     "tpuboot.bootbudget",
+    "tpuboot.env.assignment",
     "tpuboot.env.etc_environment",
     "tpuboot.env.sync",
     "tpuboot.env.tpuenv",
@@ -77,7 +78,12 @@ HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", 
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
            "tpuboot.containers.engine",
            "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
-CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.nextboot", "tpuboot.checks.cmdline",
+CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.registry", "tpuboot.checks.kernel",
+          "tpuboot.checks.limits", "tpuboot.checks.udev", "tpuboot.checks.leftovers",
+          "tpuboot.checks.parsers", "tpuboot.checks.parsers.boot_runners", "tpuboot.checks.parsers.cmdline",
+          "tpuboot.checks.parsers.files", "tpuboot.checks.parsers.grub", "tpuboot.checks.parsers.pam",
+          "tpuboot.checks.parsers.rlimits", "tpuboot.checks.parsers.systemd", "tpuboot.checks.parsers.udev",
+          "tpuboot.env", "tpuboot.env.assignment",
           "tpuboot.devices.kmodule", "tpuboot.atomicfile", "dataclasses", "inspect", "typing"}  # fmt: skip
 
 CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", "json"}
@@ -91,9 +97,7 @@ DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV | METRICS | DOCTOR_CONTAINERS |
     "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
     "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
 
-PREPARE = (
-    CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.checks.nextboot"}
-)
+PREPARE = CORE | CHECKS | METADATA | ENV | METRICS | CONTAINERS | {"tpuboot.prepare"}
 
 SETS_SOMETHING = "vfio: {node_mode: '0666'}\n"  # any key: the file is then read with PyYAML
 TEXTFILE = "metrics: {textfile_dir: /metrics}\n"

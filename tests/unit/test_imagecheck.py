@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tpuboot.checks import image as imagecheck
-from tpuboot.checks.image import CheckResult, Checks, Systemd, run_checks
+from tpuboot.checks import registry
+from tpuboot.checks.image import run_checks
+from tpuboot.checks.parsers.rlimits import UNLIMITED, Limit
+from tpuboot.checks.parsers.systemd import Systemd, parse_rlimit
+from tpuboot.checks.registry import CheckResult, Checks
 from tpuboot.paths import Root
 
 GOOD_CMDLINE = (
@@ -280,21 +283,21 @@ def test_manager_settings_outside_manager_section_are_ignored(tree):
 @pytest.mark.parametrize(
     ("text", "soft", "hard"),
     [
-        ("infinity", imagecheck.UNLIMITED, imagecheck.UNLIMITED),
+        ("infinity", UNLIMITED, UNLIMITED),
         ("64M", 64 << 20, 64 << 20),
-        ("8K:infinity", 8192, imagecheck.UNLIMITED),
+        ("8K:infinity", 8192, UNLIMITED),
         ("1024:524288", 1024, 524288),
         ("100000", 100000, 100000),
     ],
 )
 def test_parse_rlimit(text, soft, hard):
-    assert imagecheck.parse_rlimit(text, "x") == imagecheck.Limit(soft, hard, "x")
+    assert parse_rlimit(text, "x") == Limit(soft, hard, "x")
 
 
 @pytest.mark.parametrize("text", ["lots", "-1", "1:2:3", ""])
 def test_parse_rlimit_refuses_junk(text):
     with pytest.raises(ValueError):
-        imagecheck.parse_rlimit(text, "x")
+        parse_rlimit(text, "x")
 
 
 def test_unreadable_limit_fails_and_says_where(tree):
@@ -534,26 +537,22 @@ def test_results_are_frozen_and_serialisable():
 
 
 def test_registry_names_results_and_isolates_a_failing_check(tree):
-    checks = Checks()
-
-    @checks.add("first")
     def first(root: Root) -> CheckResult:
-        return imagecheck.passed("ok")
+        return registry.passed("ok")
 
-    @checks.add("broken")
     def broken(root: Root) -> CheckResult:
-        return imagecheck.passed(root.path("/etc/secret").read_text())
+        return registry.passed(root.path("/etc/secret").read_text())
 
-    @checks.add("last")
     def last(root: Root) -> CheckResult:
-        return imagecheck.skipped("n/a")
+        return registry.skipped("n/a")
 
+    checks = Checks([("first", first), ("broken", broken), ("last", last)])
     results = checks.run(Root(tree))
     assert [(r.name, r.status) for r in results] == [("first", "PASS"), ("broken", "FAIL"), ("last", "SKIP")]
     assert results[1].detail.startswith("cannot read: ")
     assert checks.names == ["first", "broken", "last"]
     with pytest.raises(ValueError, match="registered twice"):
-        checks.add("first")(first)
+        Checks([("first", first), ("last", last), ("first", first)])
 
 
 # --- vfio-pci in the kernel -------------------------------------------------------------------

@@ -16,7 +16,8 @@ import pytest
 
 from tpuboot import cli
 from tpuboot.checks.doctor import Doctor
-from tpuboot.checks.image import CheckResult, run_checks
+from tpuboot.checks.image import run_checks
+from tpuboot.checks.registry import CheckResult
 from tpuboot.config import Config
 from tpuboot.paths import Root
 
@@ -408,6 +409,19 @@ def test_grub_lines(tmp_path, text, status):
     write(tmp_path, "/etc/default/grub", text)
     write(tmp_path, "/etc/default/grub.d/tpuboot.cfg", "")
     assert check(tmp_path, "leftover-grub-cmdline").status == status
+
+
+@pytest.mark.parametrize(
+    "typed", ['"$GRUB_CMDLINE_LINUX idle=halt"', "'idle=halt;reboot'", '"#idle=halt"', "'a\\ b'"]
+)
+def test_a_line_grub_would_reinterpret_is_cannot_tell(tmp_path, typed):
+    """The typed line is split as GRUB splits it (the next-boot checks' one reading): where GRUB
+    or the shell would make something else of it, the check says it cannot tell, never PASS."""
+    write(tmp_path, "/etc/default/grub", f"GRUB_CMDLINE_LINUX={typed}\n")
+    write(tmp_path, "/etc/default/grub.d/tpuboot.cfg", "")
+    found = check(tmp_path, "leftover-grub-cmdline")
+    assert found.status == "WARN", found
+    assert found.detail.startswith("cannot tell which parameters /etc/default/grub sets: ")
 
 
 def test_right_values_without_tpuboots_dropin_are_needed(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tpuboot.checks.image import run_checks
-from tpuboot.checks.nextboot import TPUBOOT_FUNCTION, Unreadable, grub_files, next_boot
+from tpuboot.checks.parsers.grub import TPUBOOT_FUNCTION, Unreadable, grub_files, next_boot
 from tpuboot.paths import Root
 
 REPO = Path(__file__).resolve().parents[2]

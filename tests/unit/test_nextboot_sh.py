@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tpuboot import cli
-from tpuboot.checks.cmdline import Param, grub_linux_line, kernel_params
 from tpuboot.checks.image import run_checks
-from tpuboot.checks.nextboot import Unreadable, next_boot
+from tpuboot.checks.parsers.cmdline import Param, grub_linux_line, kernel_params
+from tpuboot.checks.parsers.grub import Unreadable, next_boot
 from tpuboot.env.tpuenv import shell_quote
 from tpuboot.paths import Root
 

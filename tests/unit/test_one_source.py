@@ -14,12 +14,11 @@ from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import FAST_BACKOFF, INSTANCE_UUID, make_config
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.test_vfio import V5P, add_tpu, binder
-from tpuboot.checks import image
 from tpuboot.checks.doctor import Doctor
 from tpuboot.config import Config, VfioConfig
 from tpuboot.containers.gke import gke_node
 from tpuboot.devices.survey import survey
-from tpuboot.devices.vfio import IOMMU_OFF_FIX, IOMMU_PARAM, UNSAFE_INTERRUPTS
+from tpuboot.devices.vfio import IOMMU_OFF_FIX, UNSAFE_INTERRUPTS
 from tpuboot.env.metadata import MetadataClient
 from tpuboot.env.sync import EnvSync, cache_path, read_cache
 from tpuboot.errors import IommuOffError
@@ -124,18 +123,6 @@ def test_bind_status_and_doctor_give_the_same_iommu_fix(tmp_path: Path) -> None:
         v.result for v in Doctor(kernel.root, Config()).run() if v.result.name == "iommu-groups-viable"
     ]
     assert (groups.status, groups.fix) == ("FAIL", IOMMU_OFF_FIX)
-
-
-def test_the_iommu_parameter_is_the_one_the_image_check_and_grub_drop_in_use(tmp_path: Path) -> None:
-    name, _, value = IOMMU_PARAM.partition("=")
-    assert image.TPU_PARAMS[name] == value
-    assert f"tpuboot_cmdline_add {IOMMU_PARAM} " in (REPO / "conf/grub.d/tpuboot.cfg").read_text()
-    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
-    (tmp_path / "proc/cmdline").write_text("ro\n")
-    (tmp_path / "proc/sys/kernel/arch").write_text("x86_64\n")
-    (found,) = image.run_checks(Root(tmp_path), ["cmdline-intel-iommu"])
-    assert found.status == "FAIL" and found.detail.startswith(f"kernel command line lacks {IOMMU_PARAM} ")
-    assert IOMMU_PARAM in IOMMU_OFF_FIX
 
 
 # --- vfio_iommu_type1 allow_unsafe_interrupts ----------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tpuboot import cli
-from tpuboot.checks.image import CheckResult
+from tpuboot.checks.registry import CheckResult
 from tpuboot.config import Config, EnvConfig, MetricsConfig, TelemetryConfig, VbarConfig
 from tpuboot.containers.docker import DockerEngine
 from tpuboot.containers.dockerapi import DockerAPI

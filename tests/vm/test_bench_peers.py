@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from bench import peers
-from bench.run import Report, Row, markdown_table, requests_per_minute, table_cells
+from bench.idle import requests_per_minute
+from bench.table import Report, Row, markdown_table, table_cells
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -134,7 +134,7 @@ GRUB_SOURCE = (
     "echo $GRUB_CMDLINE_LINUX $GRUB_CMDLINE_LINUX_DEFAULT"
 )
 NEXT_BOOT = (
-    "from tpuboot.checks.nextboot import next_boot; from tpuboot.paths import Root; "
+    "from tpuboot.checks.parsers.grub import next_boot; from tpuboot.paths import Root; "
     "print(' '.join(next_boot(Root('/'), 'amd64').words))"
 )
 TPU_ENV = {**SAMPLE_TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": VBAR_IMAGE}

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tpuboot.atomicfile import read_file
-from tpuboot.checks.image import CheckResult, failed, passed, skipped, warned
+from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.containers.cdi import SPEC_DIR, SPEC_PATH, current_chips, render
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.vfio import Binder

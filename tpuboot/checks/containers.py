@@ -10,10 +10,10 @@ replaces (Docker's: :func:`docker_container_state`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from tpuboot.checks.image import CheckResult, failed, passed, skipped
+from tpuboot.checks.registry import CheckResult, failed, passed, skipped
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable, dockerd_installed
@@ -63,7 +63,7 @@ def _dockerd_fix(root: Root) -> str:
 
 
 class ContainerChecks:
-    """The agents' checks for one system, named for :class:`tpuboot.checks.image.Checks`."""
+    """The agents' checks for one system, named for :class:`tpuboot.checks.registry.Checks`."""
 
     def __init__(
         self,
@@ -80,9 +80,9 @@ class ContainerChecks:
         self.agents = tuple(agents)
         self._gke_answer: GkeAnswer | None = None
 
-    def named(self) -> Iterator[tuple[str, Callable[[], CheckResult]]]:
-        for agent in self.agents:
-            yield f"{agent.section}-running", functools.partial(self.check, agent)
+    def named(self) -> list[tuple[str, Callable[[], CheckResult]]]:
+        """The checks by name, in run order, for the doctor's table."""
+        return [(f"{agent.section}-running", functools.partial(self.check, agent)) for agent in self.agents]
 
     def _gke(self) -> GkeAnswer:
         """The daemon's answer to "a GKE node?", asked once, within doctor's deadline."""

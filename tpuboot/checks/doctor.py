@@ -35,19 +35,11 @@ from tpuboot.atomicfile import read_file
 from tpuboot.checks.cdi import CdiChecks
 from tpuboot.checks.containers import ContainerChecks, ContainerProbe, docker_container_state
 from tpuboot.checks.holders import HolderChecks
-from tpuboot.checks.image import (
-    Check,
-    CheckResult,
-    Checks,
-    Systemd,
-    failed,
-    kernel_arch,
-    passed,
-    run_checks,
-    skipped,
-    warned,
-)
+from tpuboot.checks.image import run_checks
+from tpuboot.checks.kernel import kernel_arch
+from tpuboot.checks.parsers.systemd import Systemd
 from tpuboot.checks.pcie import check_pcie_health
+from tpuboot.checks.registry import CheckResult, Checks, failed, holding_root, passed, skipped, warned
 from tpuboot.checks.slices import Reading, read_slice
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.devices.chips import chips_present
@@ -130,11 +122,6 @@ class AskedOnce:
             quiet.setLevel(level)
 
 
-def _ignoring_root(check: Callable[[], CheckResult]) -> Check:
-    """A doctor check as the check table wants it: doctor's checks hold their root already."""
-    return lambda root: check()
-
-
 class Doctor:
     """The doctor's own checks for one system; :meth:`run` adds imagecheck's."""
 
@@ -158,28 +145,29 @@ class Doctor:
         self.binder = Binder(root, DeviceTable(config.devices), config.vfio)
         self._tpus: list[TpuStatus] | None = None
         self._slice: Reading | None = None
-        self.checks = Checks()
-        for name, check in (
-            ("tpus-bound", self.check_tpus_bound),
-            ("vfio-pci-loaded", self.check_vfio_loaded),
-            ("vfio-node-mode", self.check_node_mode),
-            ("unsafe-interrupts", self.check_unsafe_interrupts),
-            ("iommu-groups-viable", self.check_groups_viable),
-            ("pcie-health", lambda: check_pcie_health(self.root, self.tpus)),
-            ("chip-count", self.check_chip_count),
-            ("slice", self.check_slice),
-            ("tpu-env", self.check_tpu_env),
-            ("tpu-env-fresh", self.check_tpu_env_fresh),
-            ("environment", self.check_environment),
-        ):
-            self.checks.add(name)(_ignoring_root(check))
-        for name, check in ContainerChecks(root, config, self.metadata, container_state).named():
-            self.checks.add(name)(_ignoring_root(check))
-        HolderChecks(
+        holders = HolderChecks(
             root, config, lambda: chips_present(root, self.binder.table, self.tpus), systemd
-        ).register(self.checks)
-        for name, check in CdiChecks(root, self.binder).named():  # containers without --privileged
-            self.checks.add(name)(_ignoring_root(check))
+        )
+        self.checks = Checks(
+            holding_root(
+                [
+                    ("tpus-bound", self.check_tpus_bound),
+                    ("vfio-pci-loaded", self.check_vfio_loaded),
+                    ("vfio-node-mode", self.check_node_mode),
+                    ("unsafe-interrupts", self.check_unsafe_interrupts),
+                    ("iommu-groups-viable", self.check_groups_viable),
+                    ("pcie-health", lambda: check_pcie_health(self.root, self.tpus)),
+                    ("chip-count", self.check_chip_count),
+                    ("slice", self.check_slice),
+                    ("tpu-env", self.check_tpu_env),
+                    ("tpu-env-fresh", self.check_tpu_env_fresh),
+                    ("environment", self.check_environment),
+                    *ContainerChecks(root, config, self.metadata, container_state).named(),
+                    *holders.named(),
+                    *CdiChecks(root, self.binder).named(),  # containers without --privileged
+                ]
+            )
+        )
 
     def run(self) -> list[Verdict]:
         """The device checks, then imagecheck's, then the rest; each result named."""
@@ -458,11 +446,6 @@ class Doctor:
         return failed(
             f"{path} lacks or differs on {', '.join(wrong)}", f"tpuboot env (it sets them in {path})"
         )
-
-
-def summary(verdicts: list[Verdict]) -> str:
-    counts = {s: sum(1 for v in verdicts if v.result.status == s) for s in ("PASS", "FAIL", "WARN", "SKIP")}
-    return ", ".join(f"{n} {s}" for s, n in counts.items())
 
 
 def failed_required(verdicts: list[Verdict]) -> bool:

@@ -18,7 +18,8 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
-from tpuboot.checks.image import CheckResult, Checks, Systemd, failed, passed, skipped, warned
+from tpuboot.checks.parsers.systemd import Systemd
+from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.config import Config
 from tpuboot.devices.chips import Chip
 from tpuboot.holders.locks import LockFile
@@ -62,13 +63,13 @@ class HolderChecks:
         self.chips = chips
         self.systemd = systemd or Systemd()
 
-    def register(self, checks: Checks) -> None:
-        for name, check in (
+    def named(self) -> list[tuple[str, Callable[[], CheckResult]]]:
+        """The checks by name, in run order, for the doctor's table."""
+        return [
             ("chip-holders", self.check_chip_holders),
             ("libtpu-locks", self.check_locks),
             ("memlock", self.check_memlock),
-        ):
-            checks.add(name)(_ignoring_root(check))
+        ]
 
     @functools.cached_property
     def report(self) -> Report:
@@ -176,7 +177,3 @@ def _lock_state(lock: LockFile) -> str:
         if lock.held
         else f"{lock.path} not held (owner {lock.owner})"
     )
-
-
-def _ignoring_root(check: Callable[[], CheckResult]) -> Callable[[Root], CheckResult]:
-    return lambda root: check()

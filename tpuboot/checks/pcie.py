@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tpuboot.checks.image import CheckResult, failed, passed, skipped, warned
+from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.devices.health import judge, load_baselines, read_health
 from tpuboot.devices.survey import TpuStatus
 from tpuboot.paths import Root

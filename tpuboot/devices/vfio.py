@@ -21,14 +21,13 @@ from tpuboot.config import VfioConfig
 from tpuboot.devices.pci import DRIVERS_PROBE, PCI_DRIVERS, PciFunction, group_members
 from tpuboot.devices.table import DeviceTable, Kind
 from tpuboot.errors import DeviceError, IommuOffError, TpubootError, TransientDeviceError
+from tpuboot.kernel_params import IOMMU_PARAM
 from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.devices.vfio")
 
 VFIO_PCI = "vfio-pci"
 UNSAFE_INTERRUPTS = "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts"
-#: The kernel parameter that turns the IOMMU on, in the scalable mode vfio-pci needs (x86_64).
-IOMMU_PARAM = "intel_iommu=on,sm_on"
 #: What to do when a TPU has no IOMMU group (the IOMMU is off): every message that says so ends so.
 IOMMU_OFF_FIX = (
     f"add {IOMMU_PARAM} to the kernel command line (tpuboot's GRUB drop-in does on x86_64), "

@@ -5,7 +5,7 @@ Decision (issue 12, item 8): **an admin's value wins.** A key tpuboot manages (c
 tpuboot only adds a key that is absent, as the documented configure-env-vars.sh does for
 CLOUDSDK_PYTHON. (The documented configure-gcs-timeouts.sh appends its GCS lines at every boot,
 so its last line overrides an admin's; tpuboot deliberately does not.) An admin who set a GCS
-timeout meant it: tpuboot logs once that it kept it, and ``admin_values`` lets doctor show it.
+timeout meant it: tpuboot logs once that it kept it, and doctor shows it (the plan's ``admin``).
 Recording and restoring replaced values was rejected: the admin may edit the file between boot
 and purge, and a restore would put back a value the admin has since changed. With this rule
 there is nothing to restore: tpuboot never rewrites a line it did not write, so purge only
@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tpuboot.atomicfile import read_file, write_file
+from tpuboot.env.assignment import PAM_ASSIGNMENT, WHOLE_NAME
 from tpuboot.env.tpuenv import systemd_problem
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
@@ -59,8 +60,6 @@ MAX_ENVIRONMENT_BYTES = 1 << 20
 ENVIRONMENT_RECORD = "/var/lib/tpuboot/environment.lines"
 RECORD_MODE = 0o600
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_ASSIGNMENT = re.compile(r"[ \t]*(?:export[ \t]+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)\Z", re.DOTALL)
 _BARE = re.compile(r"[A-Za-z0-9_./:,@%+=-]+\Z")
 # pam_env ends a line's value at its first "#", quoted or not (Linux-PAM 1.5's _parse_env_file, as
 # tests/unit/test_envfile_consumers.py finds): a value holding one cannot be carried either.
@@ -73,7 +72,7 @@ _reported_lock = threading.Lock()
 
 def format_assignment(key: str, value: str) -> str:
     """``KEY=value``, quoted only when the value needs it; ConfigError if it cannot be written."""
-    if not _NAME.match(key):
+    if not WHOLE_NAME.match(key):
         raise ConfigError(f"env.environment: {key!r} is not a variable name; use letters, digits and _")
     bad = sorted(_UNREPRESENTABLE.intersection(value))
     if bad:
@@ -96,7 +95,7 @@ def _value_of(text: str) -> str:
 
 def _read_value(assignment: str) -> str:
     """The value pam_env reads from a (joined) assignment line."""
-    match = _ASSIGNMENT.match(assignment)
+    match = PAM_ASSIGNMENT.match(assignment)
     return _value_of(match.group(2)) if match else ""
 
 
@@ -146,7 +145,7 @@ def plan_environment(
     lines = _logical_lines(text)
     by_key: dict[str, list[int]] = {}
     for index, line in enumerate(lines):
-        match = _ASSIGNMENT.match(_joined(line))
+        match = PAM_ASSIGNMENT.match(_joined(line))
         if match and match.group(1) in wanted:
             by_key.setdefault(match.group(1), []).append(index)
 
@@ -205,25 +204,12 @@ def plan_environment(
     return EnvironmentPlan("".join(out) if changed else text, changed, written, owned, released, admin)
 
 
-def merge_environment(
-    text: str, wanted: Mapping[str, str], recorded: Mapping[str, frozenset[str]] | None = None
-) -> tuple[str, list[str]]:
-    """The file text with ``wanted`` set, and the keys whose lines changed (empty: text unchanged)."""
-    plan = plan_environment(text, wanted, recorded)
-    return plan.text, plan.changed
-
-
-def admin_values(text: str, wanted: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """key -> (the value an admin set, tpuboot's value) where they differ: for doctor and status."""
-    return plan_environment(text, wanted).admin
-
-
 def read_record(root: Root, record: str = ENVIRONMENT_RECORD) -> dict[str, list[str]]:
     """key -> the lines recorded for it, in file order (a missing record: empty)."""
     raw = read_file(root, record, limit=MAX_ENVIRONMENT_BYTES)
     lines: dict[str, list[str]] = {}
     for line in (raw or b"").decode("utf-8", "surrogateescape").splitlines():
-        match = _ASSIGNMENT.match(line)
+        match = PAM_ASSIGNMENT.match(line)
         if match and line not in lines.get(match.group(1), []):
             lines.setdefault(match.group(1), []).append(line)
     return lines

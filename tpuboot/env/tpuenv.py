@@ -36,6 +36,7 @@ from types import MappingProxyType
 
 import yaml
 
+from tpuboot.env.assignment import NAME, WHOLE_NAME
 from tpuboot.errors import TpubootError
 
 log = logging.getLogger("tpuboot.env.tpuenv")
@@ -54,7 +55,6 @@ MAX_ENV_STRING = 32 * 4096
 MAX_ENV_TOTAL = 512 * 1024
 _POINTER = 8
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 # Every name a shell or the loader gives a meaning, by exact name (no prefix rule: LC_PAPER,
 # BASHFUL or HISTORY_DAYS mean nothing to them and are kept). The shells read such a name to
@@ -234,7 +234,7 @@ def _convert(root: yaml.MappingNode) -> TpuEnv:
     pairs: dict[str, tuple[str | None, yaml.Node]] = {}
     for key_node, value_node in root.value:
         name = _text(key_node)
-        if name is not None and _NAME.match(name):
+        if name is not None and WHOLE_NAME.match(name):
             pairs[name] = (key_problem(name), value_node)
         else:
             pairs[_label(key_node)] = ("not a shell variable name", value_node)
@@ -311,7 +311,7 @@ def render_env_file(values: Mapping[str, str]) -> str:
     return "".join(f"{key}={shell_quote(value)}\n" for key, value in values.items())
 
 
-_ASSIGNMENT = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\[\\"$`])*)"\n')
+_ASSIGNMENT = re.compile(rf'({NAME})="((?:[^"\\]|\\[\\"$`])*)"\n')
 
 
 def parse_env_file(text: str) -> dict[str, str] | None:

@@ -20,7 +20,7 @@ in practice and refuses the rest, naming the file and line:
 - anything else (a command, ``if``, ``.``, ``eval``, a function, ``${X:-y}``, a syntax error)
   is refused: :class:`Unreadable`, which the checks turn into "cannot tell", never a PASS.
 
-The two variables are then read as GRUB and the kernel read them (:mod:`tpuboot.checks.cmdline`):
+The two variables are then read as GRUB and the kernel read them (:mod:`tpuboot.checks.parsers.cmdline`):
 a no-break space is not a separator to either.
 """
 
@@ -34,15 +34,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tpuboot.atomicfile import read_file
-from tpuboot.checks.cmdline import CmdlineUnknown, Param, grub_linux_line, kernel_params
+from tpuboot.checks.parsers.cmdline import CmdlineUnknown, Param, grub_linux_line, kernel_params
+from tpuboot.checks.parsers.files import MAX_FILE_BYTES
+from tpuboot.env.assignment import NAME, NAME_RE
 from tpuboot.errors import TpubootError
+from tpuboot.kernel_params import X86
 from tpuboot.paths import Root
 
 GRUB_DEFAULT = "/etc/default/grub"
 GRUB_DROPIN_DIR = "/etc/default/grub.d"
-TPUBOOT_DROPIN = "/etc/default/grub.d/tpuboot.cfg"
+TPUBOOT_DROPIN = f"{GRUB_DROPIN_DIR}/tpuboot.cfg"
 CMDLINE_VARS = ("GRUB_CMDLINE_LINUX", "GRUB_CMDLINE_LINUX_DEFAULT")
-MAX_BYTES = 1 << 20
 
 # tpuboot's drop-in (conf/grub.d/tpuboot.cfg): the function and the architecture test, by their
 # text. A unit test keeps these in step with the shipped file.
@@ -61,8 +63,6 @@ TPUBOOT_ARCH_CASE = re.compile(
 )
 TPUBOOT_UNSET = "unset -f tpuboot_cmdline_add"
 _CALL = re.compile(r"tpuboot_cmdline_add ([A-Za-z0-9_.,=:/+-]+)")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-X86 = ("x86_64", "amd64")
 
 
 class Unreadable(TpubootError):
@@ -105,7 +105,7 @@ class _Unknown:
 _PLAIN = re.compile(r"[^ \t\n;'\"\\$`|&<>()~]+")
 _DQ_PLAIN = re.compile(r'[^"\\$`]+')
 _BLANKS = re.compile(r"(?:[ \t]|\\\n)*")
-_NAME_EQ = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=")
+_NAME_EQ = re.compile(f"({NAME})=")
 _EXPORT = re.compile(r"export(?:[ \t]|\\\n)+")
 _SUBST_BODY = re.compile(r"[^'\"\\$`()\n]*")
 _COMMAND = re.compile(r"[^ \t\n;]{1,40}")
@@ -287,11 +287,11 @@ class _Reader:
         if after == "{":
             end = text.find("}", self.pos + 2)
             name = text[self.pos + 2 : end] if end > 0 else ""
-            if not _NAME.fullmatch(name):
+            if not NAME_RE.fullmatch(name):
                 raise self.fail(f"${{{name[:40] or '...'}}} is more than a plain variable")
             self.pos = end + 1
         else:
-            match = _NAME.match(text, self.pos + 1)
+            match = NAME_RE.match(text, self.pos + 1)
             if not match:
                 raise self.fail("a $ that is not $NAME or ${NAME}")
             name = match.group()
@@ -397,7 +397,7 @@ def next_boot(root: Root, arch: str) -> NextBoot | None:
         return None
     env: dict[str, str | _Unknown] = {}
     for path in files:
-        data = read_file(root, path, limit=MAX_BYTES)
+        data = read_file(root, path, limit=MAX_FILE_BYTES)
         if data is None:
             continue
         try:
