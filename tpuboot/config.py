@@ -173,7 +173,7 @@ DEFAULT_REGISTRIES = ("gcr.io", "us-docker.pkg.dev")
 
 def parse_registries(value: Any, where: str) -> tuple[str, ...]:
     """A non-empty list of registry hosts (``host[:port]``), each optionally with a path prefix."""
-    from tpuboot.containers.imageref import parse_entry
+    from tpuboot.references import parse_entry
 
     if not isinstance(value, list) or not value:
         raise fail(where, "expected a non-empty list of registry hosts, like [gcr.io, us-docker.pkg.dev]")
@@ -194,7 +194,7 @@ class _PrivilegedImage(Section):
 
     def check(self, where: str) -> None:
         """An image of the file's own that its allowlist refuses is a mistake: say so at load."""
-        from tpuboot.containers.imageref import ImageRefused, RegistryAllowlist
+        from tpuboot.references import ImageRefused, RegistryAllowlist
 
         allowlist = RegistryAllowlist(self.registries, f"{self.name}.registries")
         try:
@@ -240,7 +240,7 @@ DEFAULT_TOKEN_REGISTRIES = ("gcr.io", "*.gcr.io", "*-docker.pkg.dev")
 
 def parse_token_registries(value: Any, where: str) -> tuple[str, ...]:
     """A list (maybe empty) of registry hosts, each ``host[:port]`` or ``*`` and the rest of a host."""
-    from tpuboot.containers.credentials import parse_host_pattern
+    from tpuboot.references import parse_host_pattern
 
     if not isinstance(value, list):
         raise fail(where, "expected a list of registry hosts, like [gcr.io, '*-docker.pkg.dev'], or []")

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from tpuboot import __version__, bootbudget, metrics
 from tpuboot import signals as meaning
 from tpuboot.component import Component, Status
-from tpuboot.containers.service import VBAR
+from tpuboot.containers.agents import VBAR
 from tpuboot.containers.supervisor import RUNNING
 from tpuboot.devices.manager import DeviceManager
 from tpuboot.env.service import PENDING, EnvService

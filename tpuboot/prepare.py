@@ -11,9 +11,10 @@ Steps, in order, each one result line (PASS / FAIL / SKIP / WARN, a fix for FAIL
    starts it. Decided: stopped, not left running: nothing of this VM's may run on into capture;
 3. ``containers``: the containers tpuboot started (label ``io.tpuboot.managed=1``) removed:
    a captured container would be another instance's, privileged;
-4. ``pull-vbar`` / ``pull-telemetry``: the images the first boot will run pulled into dockerd,
-   so the first boot starts them without a registry round trip. vBar's is ``vbar.image``: on a
-   TPU VM tpu-env may name another (``VBARCONTROL_AGENT_DOCKER_URL``), pulled then;
+4. ``pull-vbar`` / ``pull-telemetry`` (``pull-SECTION`` for each agent of
+   :data:`tpuboot.containers.agents.AGENTS`): the images the first boot will run pulled into
+   dockerd, so the first boot starts them without a registry round trip. vBar's is
+   ``vbar.image``: on a TPU VM tpu-env may name another (``VBARCONTROL_AGENT_DOCKER_URL``), pulled then;
 5. ``instance-state``: what belongs to this VM removed: the tpu-env cache (its record names this
    instance), the tpu-env files tpuboot wrote, ``/run/tpuboot``, tpuboot's node_exporter
    textfile. Kept, as image settings: /etc/environment and tpuboot's record of its lines there
@@ -26,23 +27,31 @@ Exit status 1 when any step FAILs: the pipeline stops before capturing a broken 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tpuboot import subproc
 from tpuboot.atomicfile import remove_file, remove_files_in
 from tpuboot.checks.image import run_checks
 from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.config import Config
+from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.credentials import ANONYMOUS, ServiceAccountCredentials
-from tpuboot.containers.docker import MANAGED_LABEL, split_image
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound, Unreachable
-from tpuboot.containers.imageref import ImageRefused, RegistryAllowlist
-from tpuboot.containers.service import vbar_spec
+from tpuboot.containers.docker import DockerEngine
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
+from tpuboot.containers.engine import (
+    MANAGED_LABEL,
+    ContainerEngine,
+    EngineError,
+    EngineNotFound,
+    EngineUnreachable,
+)
 from tpuboot.env.cache import cache_path
 from tpuboot.errors import TpubootError
 from tpuboot.metrics import TEXTFILE_NAME
 from tpuboot.paths import Root
+from tpuboot.references import ImageRefused, RegistryAllowlist
 
 log = logging.getLogger("tpuboot.prepare")
 
@@ -52,7 +61,7 @@ SYSTEMD_RUNNING = "/run/systemd/system"  # sd_booted(): systemd is PID 1
 NOT_RUNNING = "an image tree, not the running system"
 
 Systemctl = Callable[..., str]
-DockerFactory = Callable[[], DockerAPI]
+EngineFactory = Callable[[], ContainerEngine]
 
 
 def _systemctl(*args: str) -> str:
@@ -60,7 +69,7 @@ def _systemctl(*args: str) -> str:
 
 
 class Preparer:
-    """The steps of prepare-image against ``root``; ``systemctl`` and ``docker`` are seams for
+    """The steps of prepare-image against ``root``; ``systemctl`` and ``engine`` are seams for
     tests (the real ones run systemctl and talk to dockerd's socket under the root)."""
 
     def __init__(
@@ -69,9 +78,10 @@ class Preparer:
         config: Config,
         *,
         systemctl: Systemctl = _systemctl,
-        docker: DockerFactory | None = None,
+        engine: EngineFactory | None = None,
         live: bool | None = None,
         credentials: ServiceAccountCredentials | None = None,
+        agents: Sequence[Agent] = AGENTS,
     ) -> None:
         """``live``: act on the running system (systemd, dockerd); default: when root is /.
         ``credentials``: the registry token for pulls, as the daemon sends it (none: anonymous)."""
@@ -79,23 +89,25 @@ class Preparer:
         self.live = root.is_host if live is None else live
         self.config = config
         self.systemctl = systemctl
-        self.docker = docker or (lambda: DockerAPI(str(root.path(DOCKER_SOCKET))))
+        self.engine = engine or (lambda: DockerEngine(DockerAPI(str(root.path(DOCKER_SOCKET)))))
         self.credentials = credentials
-        self._client: DockerAPI | None = None
-        self._docker_problem: str | None = None
+        self.agents = tuple(agents)
+        self._client: ContainerEngine | None = None
+        self._engine_problem: str | None = None
 
     def run(self) -> list[CheckResult]:
         results = list(run_checks(self.root, next_boot=True))
-        for name, step in (
+        pulls = [(f"pull-{agent.section}", functools.partial(self.pull, agent)) for agent in self.agents]
+        steps: list[tuple[str, Callable[[], CheckResult]]] = [
             ("service", self.service),
             ("containers", self.containers),
-            ("pull-vbar", self.pull_vbar),
-            ("pull-telemetry", self.pull_telemetry),
+            *pulls,
             ("instance-state", self.instance_state),
-        ):
+        ]
+        for name, step in steps:
             try:
                 result = step()
-            except (OSError, TpubootError, DockerError) as exc:
+            except (OSError, TpubootError) as exc:
                 result = failed(f"{exc}", "fix the cause above and run tpuboot prepare-image again")
             results.append(CheckResult(name, result.status, result.detail, result.fix))
         return results
@@ -119,79 +131,66 @@ class Preparer:
         self.systemctl("stop", UNIT)
         return passed(f"{UNIT} stopped (was {active}); {state}: it starts at the image's first boot")
 
-    # ------------------------------------------------------------------ docker
+    # ------------------------------------------------------------------ the container engine
 
-    def _dockerd(self) -> DockerAPI | None:
-        """The connected client, or None with the reason in ``_docker_problem``."""
-        if self._client is None and self._docker_problem is None:
-            client = self.docker()
+    def _engine(self) -> ContainerEngine | None:
+        """The connected engine, or None with the reason in ``_engine_problem``."""
+        if self._client is None and self._engine_problem is None:
+            engine = self.engine()
             try:
-                client.ping()
-            except Unreachable as exc:
-                self._docker_problem = f"dockerd does not answer ({exc})"
-            except DockerError as exc:
-                self._docker_problem = f"dockerd: {exc}"
+                engine.connect()
+            except EngineUnreachable as exc:
+                self._engine_problem = f"dockerd does not answer ({exc})"
+            except EngineError as exc:
+                self._engine_problem = f"dockerd: {exc}"
             else:
-                self._client = client
+                self._client = engine
         return self._client
 
     def containers(self) -> CheckResult:
         if not self.live:
             return skipped(NOT_RUNNING)
-        client = self._dockerd()
-        if client is None:
-            return skipped(f"no container to remove: {self._docker_problem}")
-        found = client.list_containers({"label": [f"{MANAGED_LABEL}=1"]})
+        engine = self._engine()
+        if engine is None:
+            return skipped(f"no container to remove: {self._engine_problem}")
         names = []
-        for container in found:
-            ident = str(container.get("Id", ""))
-            shown = ",".join(n.lstrip("/") for n in container.get("Names") or []) or ident[:12]
-            with contextlib.suppress(NotFound):  # gone meanwhile
-                client.remove_container(ident, force=True)
-            names.append(shown)
+        for container in engine.list_managed():
+            with contextlib.suppress(EngineNotFound):  # gone meanwhile
+                engine.remove(container.ident)
+            names.append(",".join(container.names) or container.ident[:12])
         if names:
             return passed(f"removed {', '.join(names)} (label {MANAGED_LABEL}=1; their images stay)")
         return passed(f"no container labelled {MANAGED_LABEL}=1")
 
-    def pull_vbar(self) -> CheckResult:
-        vbar = self.config.vbar
-        if not vbar.enabled:
-            return skipped("vbar.enabled is false")
-        if vbar.runtime != "docker":
-            return skipped(f"vbar.runtime is {vbar.runtime}: no image")
-        return self._pull("vbar", vbar_spec(self.config, None).image, vbar.registries)
-
-    def pull_telemetry(self) -> CheckResult:
-        telemetry = self.config.telemetry
-        if not telemetry.enabled:
-            return skipped("telemetry.enabled is false")
-        return self._pull("telemetry", telemetry.image, telemetry.registries)
-
-    def _pull(self, section: str, image: str, registries: tuple[str, ...]) -> CheckResult:
-        if self.config.gke == "true":
+    def pull(self, agent: Agent) -> CheckResult:
+        """Pull the image the agent's first start will run (the configuration's: tpu-env is not
+        this VM's to read for the image's)."""
+        section, key = agent.settings(self.config), agent.section
+        if not section.enabled:
+            return skipped(f"{key}.enabled is false")
+        runtime = agent.runtime_key(self.config)
+        if runtime is not None:
+            return skipped(f"{runtime}: no image")
+        image = agent.container(self.config, self.root, None).image
+        if self.config.gke == "true" and agent.gke_runs:
             return skipped("gke is true: GKE runs the agents itself")
         if not self.live:
             return skipped(f"{NOT_RUNNING}: pull {image} on the build VM (or docker load it)")
         try:
-            RegistryAllowlist(registries, f"{section}.registries").check(image, f"{section}.image")
+            RegistryAllowlist(section.registries, f"{key}.registries").check(image, f"{key}.image")
         except ImageRefused as exc:
+            return failed(str(exc), f"set {key}.image to an allowed image, or extend {key}.registries")
+        engine = self._engine()
+        if engine is None:
             return failed(
-                str(exc), f"set {section}.image to an allowed image, or extend {section}.registries"
+                f"cannot pull {image}: {self._engine_problem}",
+                f"install docker.io and start dockerd before prepare-image, or set {key}.enabled: false",
             )
-        client = self._dockerd()
-        if client is None:
-            return failed(
-                f"cannot pull {image}: {self._docker_problem}",
-                f"install docker.io and start dockerd before prepare-image, or set {section}.enabled: false",
-            )
-        repository, tag = split_image(image)
         creds = ANONYMOUS if self.credentials is None else self.credentials.for_image(image)
         try:
-            client.pull_image(repository, tag, creds.auth)
-        except DockerError as exc:
-            try:
-                client.inspect_image(image)
-            except NotFound:
+            engine.pull(image, creds.auth)
+        except EngineError as exc:
+            if not engine.has_image(image):
                 return failed(
                     f"cannot pull {image}: {exc}{creds.advice(str(exc))}",
                     "make the registry reachable from the build VM (and its credentials), or "

@@ -67,7 +67,7 @@ def build(
     budget.mark(bootbudget.MONITOR_OPEN, at=monitor_open)
     budget.mark(bootbudget.COLDPLUG, f"{len(coldplug.addresses)} PCI functions", at=enumerated)
     from tpuboot.containers.cdi import SpecWriter
-    from tpuboot.containers.service import Containers
+    from tpuboot.containers.service import Containers, agents_enabled
     from tpuboot.devices.manager import DeviceManager
     from tpuboot.env.service import EnvService
     from tpuboot.env.sync import EnvSync
@@ -80,7 +80,7 @@ def build(
     devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready)
     cdi = SpecWriter(binder, executor, loop.call_soon_threadsafe)
     publish = config.guest_attributes.enabled != "false"
-    containers_on = config.vbar.enabled or config.telemetry.enabled
+    containers_on = bool(agents_enabled(config))
     if metadata is None and (config.env.enabled or containers_on or publish):
         try:
             settings = metadata_settings(config.metadata)

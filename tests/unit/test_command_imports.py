@@ -60,15 +60,22 @@ ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync
 # The daemon's PCIe collector lives with the metrics: its sysfs readers come along.
 METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "tpuboot.metrics_server", "tpuboot.netio",
            "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
+# prepare-image's: its pull step over the Docker engine.
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
-              "tpuboot.containers.gke", "tpuboot.containers.imageref", "tpuboot.containers.service",
+              "tpuboot.references", "tpuboot.containers.agents",
+              "tpuboot.containers.engine", "tpuboot.containers.runtime",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
               "tpuboot.component", "tpuboot.gce.replies", "tpuboot.backoff"}  # fmt: skip
+# doctor's container checks: the agents and dockerd's client, not the supervision (nor its metrics).
+DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot.containers.engine",
+                     "tpuboot.containers.dockerapi", "tpuboot.containers.gke",
+                     "tpuboot.checks.containers"}  # fmt: skip
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
 CHIPS = SURVEY - {"tpuboot.devices.health", "json"}
 HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
            "tpuboot.holders.report", "tpuboot.holders.scan"}  # fmt: skip
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
+           "tpuboot.containers.engine",
            "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
 CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.registry", "tpuboot.checks.kernel",
           "tpuboot.checks.limits", "tpuboot.checks.udev", "tpuboot.checks.leftovers",
@@ -83,7 +90,7 @@ CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", 
 #: A config that sets something: PyYAML reads it.
 PARSED = {"yaml"}
 TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
-DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | METRICS | CONTAINERS | HOLDERS | CDI | {
+DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | METRICS | DOCTOR_CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
     "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
 

@@ -13,25 +13,25 @@ import pytest
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_supervisor import Statuses, wait_until
 from tpuboot.backoff import RestartPolicy
-from tpuboot.checks.doctor import docker_container_state
+from tpuboot.checks.containers import docker_container_state
 from tpuboot.component import Status
 from tpuboot.config import Config, TelemetryConfig
-from tpuboot.containers.docker import (
-    CONFIG_LABEL,
-    DOCKER_SOCKET,
-    MANAGED_LABEL,
-    ContainerSpec,
-    DockerRuntime,
-    split_image,
-)
-from tpuboot.containers.dockerapi import DockerAPI, Unreachable
-from tpuboot.containers.imageref import RegistryAllowlist
-from tpuboot.containers.service import Containers, telemetry_spec
+from tpuboot.containers.agents import TELEMETRY_AGENT
+from tpuboot.containers.docker import DockerRuntime, split_image
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable
+from tpuboot.containers.engine import CONFIG_LABEL, MANAGED_LABEL, ContainerSpec
+from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import CannotStart, RuntimeUnavailable, Supervisor
 from tpuboot.paths import Root
+from tpuboot.references import RegistryAllowlist
 
 IMAGE = "example.invalid/vbar:1"
 ALLOW_TEST = RegistryAllowlist(["example.invalid"], "vbar.registries")
+
+
+def telemetry_spec(config: TelemetryConfig, root: Root) -> ContainerSpec:
+    """The collector's container for a configuration whose telemetry section is ``config``."""
+    return TELEMETRY_AGENT.container(Config(telemetry=config), root, None)
 
 
 @pytest.fixture
@@ -227,7 +227,7 @@ def test_wait_raises_unavailable_when_the_event_stream_ends(dockerd: FakeDockerd
     thread.join(5)
     assert result == [] and len(error) == 1
     assert isinstance(error[0], RuntimeUnavailable) and str(error[0]) == "dockerd went away"
-    assert runtime.client is None  # the next start asks dockerd's version again
+    assert runtime.engine is None  # the next start asks dockerd's version again
 
 
 def test_interrupt_and_close_cut_a_blocked_wait_promptly(dockerd: FakeDockerd) -> None:

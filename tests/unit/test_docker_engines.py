@@ -14,11 +14,12 @@ from tests.unit.test_containers import IMAGE, docker_runtime
 from tests.unit.test_registry_credentials import GCR_IMAGE, TOKEN, credentials, runtime, token_answer
 from tests.unit.test_supervisor import Statuses, wait_until
 from tpuboot.backoff import RestartPolicy
-from tpuboot.checks.doctor import Doctor, docker_container_state
+from tpuboot.checks.containers import docker_container_state
+from tpuboot.checks.doctor import Doctor
 from tpuboot.config import Config
 from tpuboot.containers.credentials import TOKEN_USERNAME
-from tpuboot.containers.docker import ContainerSpec
 from tpuboot.containers.dockerapi import DockerError
+from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.supervisor import StartFailed, Supervisor
 from tpuboot.paths import Root
 

@@ -19,11 +19,12 @@ from tpuboot.containers.dockerapi import (
     DockerAPI,
     DockerError,
     NotFound,
-    RegistryAuth,
     Unreachable,
     _UnixConnection,
+    auth_header,
     negotiate,
 )
+from tpuboot.containers.engine import RegistryAuth
 
 
 @pytest.fixture
@@ -279,7 +280,7 @@ def test_a_pull_with_credentials_sends_them_in_x_registry_auth_only(dockerd: Fak
     client.pull_image("registry:5000/img", "2", auth)
     client.pull_image("other:5000/img", "2")
     first, second = dockerd.calls("POST", "/images/create")
-    assert first.headers["X-Registry-Auth"] == auth.header()
+    assert first.headers["X-Registry-Auth"] == auth_header(auth)
     assert "X-Registry-Auth" not in second.headers
     assert dockerd.pull_auths == [
         {"username": "oauth2accesstoken", "password": "ya29.token", "serveraddress": "registry:5000"},

@@ -20,7 +20,7 @@ import pytest
 from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_deadlines import MARGIN, TRICKLE, timed
 from tpuboot.backoff import RestartPolicy
-from tpuboot.containers.docker import ContainerSpec, DockerRuntime
+from tpuboot.containers.docker import DockerRuntime
 from tpuboot.containers.dockerapi import (
     MAX_BODY,
     MAX_LINE,
@@ -29,8 +29,9 @@ from tpuboot.containers.dockerapi import (
     ProtocolError,
     Unreachable,
 )
-from tpuboot.containers.imageref import RegistryAllowlist
+from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.supervisor import Supervisor
+from tpuboot.references import RegistryAllowlist
 
 
 @pytest.fixture

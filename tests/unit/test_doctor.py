@@ -17,7 +17,8 @@ from tests.unit.test_imagecheck import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, NoS
 from tests.unit.test_vfio import V5P, add_tpu
 from tpuboot import cli
 from tpuboot.checks import image as imagecheck
-from tpuboot.checks.doctor import Doctor, Verdict, docker_container_state
+from tpuboot.checks.containers import docker_container_state
+from tpuboot.checks.doctor import Doctor, Verdict
 from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig, VfioConfig
 from tpuboot.containers import cdi
 from tpuboot.containers.dockerapi import Unreachable

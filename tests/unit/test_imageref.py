@@ -15,19 +15,20 @@ from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tests.unit.test_supervisor import Statuses, wait_until
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import DEFAULT_REGISTRIES, Config, TelemetryConfig, VbarConfig, parse_config
-from tpuboot.containers.docker import ContainerSpec, DockerRuntime
+from tpuboot.containers.docker import DockerRuntime
 from tpuboot.containers.dockerapi import DockerAPI
-from tpuboot.containers.imageref import (
+from tpuboot.containers.engine import ContainerSpec
+from tpuboot.containers.service import Containers
+from tpuboot.containers.supervisor import Refused, Supervisor
+from tpuboot.errors import ConfigError
+from tpuboot.paths import Root
+from tpuboot.references import (
     ImageRefused,
     InvalidReference,
     RegistryAllowlist,
     parse_entry,
     parse_image,
 )
-from tpuboot.containers.service import Containers
-from tpuboot.containers.supervisor import Refused, Supervisor
-from tpuboot.errors import ConfigError
-from tpuboot.paths import Root
 
 TOP = Path(__file__).parents[2]
 DEFAULT = RegistryAllowlist(DEFAULT_REGISTRIES, "vbar.registries")

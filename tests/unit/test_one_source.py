@@ -104,7 +104,8 @@ def test_without_a_server_to_ask_auto_is_no_answer_for_both(tmp_path: Path) -> N
     stop.set()
     thread.join(10)
     assert found == [None]
-    vbar = Doctor(FakeKernel(tmp_path / "root").root, Config()).check_vbar()
+    root = FakeKernel(tmp_path / "root").root
+    (vbar,) = Doctor(root, Config()).checks.run(root, ["vbar-running"])
     assert vbar.detail.startswith("cannot tell whether this is a GKE node: ")
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import tpuboot
 from tpuboot.checks.image import run_checks
-from tpuboot.containers.docker import MANAGED_LABEL
+from tpuboot.containers.engine import MANAGED_LABEL
 from tpuboot.paths import Root
 
 pytestmark = pytest.mark.packaging
@@ -606,7 +606,7 @@ def docker_calls(log: Path) -> list[str]:
 
 
 def test_postrm_removes_the_containers_labelled_as_tpuboots():
-    """The label the postrm selects is the one tpuboot/containers/docker.py puts on its containers."""
+    """The label the postrm selects is the one tpuboot/containers/engine.py puts on its containers."""
     postrm = (TOP / "debian/tpuboot.postrm").read_text()
     assert f"TPUBOOT_LABEL={MANAGED_LABEL}=1\n" in postrm
 

@@ -16,6 +16,7 @@ from tests.unit.fakedockerd import FakeDockerd, fake_dockerd
 from tpuboot import cli
 from tpuboot.checks.registry import CheckResult
 from tpuboot.config import Config, EnvConfig, MetricsConfig, TelemetryConfig, VbarConfig
+from tpuboot.containers.docker import DockerEngine
 from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.paths import Root
 from tpuboot.prepare import Preparer
@@ -71,7 +72,7 @@ def preparer(fake: FakeDockerd, systemctl: Systemctl, config: Config | None = No
         Root(fake.root),
         config or Config(),
         systemctl=systemctl,
-        docker=lambda: DockerAPI(str(fake.socket_path)),
+        engine=lambda: DockerEngine(DockerAPI(str(fake.socket_path))),
         live=True,
     )
 

@@ -27,14 +27,15 @@ from tpuboot.containers.credentials import (
     TokenRegistries,
     parse_host_pattern,
 )
-from tpuboot.containers.docker import ContainerSpec, DockerRuntime
-from tpuboot.containers.dockerapi import DockerAPI, RegistryAuth
-from tpuboot.containers.imageref import RegistryAllowlist
+from tpuboot.containers.docker import DockerRuntime
+from tpuboot.containers.dockerapi import DockerAPI, auth_header
+from tpuboot.containers.engine import ContainerSpec, RegistryAuth
 from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import RUNNING, CannotStart
 from tpuboot.errors import ConfigError
 from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
+from tpuboot.references import RegistryAllowlist
 
 TOKEN = "ya29.c.b0AXv0zTP-test_token.~-" + "A" * 180
 #: A value the tests put where the token would be, to see it is never repeated in a message.
@@ -310,7 +311,7 @@ def test_a_token_type_in_lower_case_and_no_expiry_are_taken(emulator: MetadataEm
 
 @pytest.mark.parametrize("password", [TOKEN, "a", "ab", "abc", "\u00ff\u00fe>>>???", "p+/=&"])
 def test_x_registry_auth_is_padded_base64url_json_as_dockerd_decodes_it(password: str) -> None:
-    header = RegistryAuth(TOKEN_USERNAME, password, "gcr.io").header()
+    header = auth_header(RegistryAuth(TOKEN_USERNAME, password, "gcr.io"))
     assert "+" not in header and "/" not in header and len(header) % 4 == 0
     assert decode_registry_auth(header) == {
         "username": TOKEN_USERNAME,

@@ -21,11 +21,12 @@ from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Status
 from tpuboot.config import Config, MetadataConfig, TelemetryConfig, VbarConfig
+from tpuboot.containers.agents import VBAR_AGENT
 from tpuboot.containers.exec import ExecRuntime, describe_exit
 from tpuboot.containers.gke import gke_node
-from tpuboot.containers.service import vbar_spec
 from tpuboot.containers.supervisor import Supervisor
 from tpuboot.env.tpuenv import parse_env_file, render_env_file
+from tpuboot.paths import Root
 
 
 class Statuses:
@@ -262,11 +263,11 @@ def test_exec_runtime_from_config_and_stop_ends_the_child(kernel: Any, root: Any
     assert runtime.proc.returncode == -signal.SIGTERM
 
 
-def test_vbar_image_comes_from_tpu_env_else_the_config() -> None:
-    config = Config()
-    assert vbar_spec(config, None).image == config.vbar.image
-    assert vbar_spec(config, {"VBARCONTROL_AGENT_DOCKER_URL": ""}).image == config.vbar.image
-    wanted = vbar_spec(config, {"A": "1", "VBARCONTROL_AGENT_DOCKER_URL": "local/vbar:2"})
+def test_vbar_image_comes_from_tpu_env_else_the_config(tmp_path: Path) -> None:
+    config, root = Config(), Root(tmp_path)
+    assert VBAR_AGENT.container(config, root, None).image == config.vbar.image
+    assert VBAR_AGENT.container(config, root, {"VBARCONTROL_AGENT_DOCKER_URL": ""}).image == config.vbar.image
+    wanted = VBAR_AGENT.container(config, root, {"A": "1", "VBARCONTROL_AGENT_DOCKER_URL": "local/vbar:2"})
     assert (wanted.name, wanted.image) == (config.vbar.container_name, "local/vbar:2")
     assert wanted.origin == "tpu-env's VBARCONTROL_AGENT_DOCKER_URL"
 
@@ -329,5 +330,5 @@ def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any, emulator: An
         else:
             until(lambda: "vBar: not started, not a TPU VM" in daemon.status_line())
             time.sleep(0.2)  # a moment in which the gate may not open
-        assert daemon.containers.is_tpu_vm is held
+        assert ("vBar" in daemon.containers.supervisors) is held  # the gate opened, or stayed shut
         running.stop()

@@ -33,6 +33,7 @@ from typing import Protocol
 
 from tpuboot.atomicfile import read_file
 from tpuboot.checks.cdi import CdiChecks
+from tpuboot.checks.containers import ContainerChecks, ContainerProbe, docker_container_state
 from tpuboot.checks.holders import HolderChecks
 from tpuboot.checks.image import run_checks
 from tpuboot.checks.kernel import kernel_arch
@@ -41,16 +42,6 @@ from tpuboot.checks.pcie import check_pcie_health
 from tpuboot.checks.registry import CheckResult, Checks, failed, holding_root, passed, skipped, warned
 from tpuboot.checks.slices import Reading, read_slice
 from tpuboot.config import Config, MetadataConfig
-from tpuboot.containers.dockerapi import (
-    DOCKER_SOCKET,
-    DockerAPI,
-    DockerError,
-    NotFound,
-    Unreachable,
-    dockerd_installed,
-)
-from tpuboot.containers.gke import GkeAnswer, ask_gke
-from tpuboot.containers.service import TELEMETRY, VBAR
 from tpuboot.devices.chips import chips_present
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
 from tpuboot.devices.pci import PCI_DEVICES, PCI_DRIVERS
@@ -72,7 +63,6 @@ from tpuboot.wiring import metadata_settings
 ADVISORY = frozenset({"tpu-env-fresh", "cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"})
 
 MAX_FILE = 1 << 20
-RUNNING, ABSENT = "running", "absent"
 
 #: How long doctor waits for the metadata server, per key.
 METADATA_DEADLINE = 2.0
@@ -84,12 +74,6 @@ class MetadataReader(Protocol):
     def get(self, path: str, *, deadline_s: float) -> Reply: ...
 
 
-#: ``state(root, name)``: "running", "absent", or how the container stands ("exited (code 1)");
-#: raises :class:`Unreachable` when dockerd does not answer, another DockerError when it answers
-#: unusably.
-ContainerProbe = Callable[[Root, str], str]
-
-
 @dataclass(frozen=True)
 class Verdict:
     """A check's result and whether a FAIL of it fails the doctor."""
@@ -99,26 +83,6 @@ class Verdict:
 
     def as_dict(self) -> dict[str, object]:
         return {**self.result.as_dict(), "required": self.required}
-
-
-def docker_container_state(root: Root, name: str) -> str:
-    """How container ``name`` stands, asked of dockerd over its socket (see :data:`ContainerProbe`)."""
-    path = root.path(DOCKER_SOCKET)
-    if not path.exists():
-        raise Unreachable(f"no socket {DOCKER_SOCKET}")
-    try:
-        data = DockerAPI(str(path), timeout=5).inspect_container(name)
-    except NotFound:
-        return ABSENT
-    state = data.get("State") if isinstance(data, dict) else None
-    if not isinstance(state, dict):
-        return "in no state dockerd reports"
-    if state.get("Restarting"):
-        return "restarting"
-    if state.get("Running"):
-        return RUNNING
-    status, code = state.get("Status") or "stopped", state.get("ExitCode")
-    return f"{status} (exit code {code})" if isinstance(code, int) and status == "exited" else str(status)
 
 
 def metadata_lookup(config: MetadataConfig) -> MetadataClient:
@@ -160,13 +124,6 @@ class AskedOnce:
             quiet.setLevel(level)
 
 
-def _dockerd_fix(root: Root) -> str:
-    """Start dockerd where it is installed, else install it."""
-    if dockerd_installed(root):
-        return "systemctl enable --now docker; journalctl -u docker says why it stopped"
-    return "apt install docker.io (then systemctl restart tpuboot)"
-
-
 class Doctor:
     """The doctor's own checks for one system; :meth:`run` adds imagecheck's."""
 
@@ -190,7 +147,6 @@ class Doctor:
         self.binder = Binder(root, DeviceTable(config.devices), config.vfio)
         self._tpus: list[TpuStatus] | None = None
         self._slice: Reading | None = None
-        self._gke_answer: GkeAnswer | None = None
         holders = HolderChecks(
             root, config, lambda: chips_present(root, self.binder.table, self.tpus), systemd
         )
@@ -208,8 +164,7 @@ class Doctor:
                     ("tpu-env", self.check_tpu_env),
                     ("tpu-env-fresh", self.check_tpu_env_fresh),
                     ("environment", self.check_environment),
-                    ("vbar-running", self.check_vbar),
-                    ("telemetry-running", self.check_telemetry),
+                    *ContainerChecks(root, config, self.metadata, container_state).named(),
                     *holders.named(),
                     *CdiChecks(root, self.binder).named(),  # containers without --privileged
                 ]
@@ -492,65 +447,6 @@ class Doctor:
             return passed(f"{path} sets {len(wanted)} variables ({listed}, ...){kept}")
         return failed(
             f"{path} lacks or differs on {', '.join(wrong)}", f"tpuboot env (it sets them in {path})"
-        )
-
-    # --- vBar ---------------------------------------------------------------------------------------
-
-    def _gke(self) -> GkeAnswer:
-        """The daemon's answer to "a GKE node?", asked once, within doctor's deadline."""
-        if self._gke_answer is None:
-            self._gke_answer = ask_gke(self.config.gke, self.metadata, self.metadata.deadline_s)
-        return self._gke_answer
-
-    def _container(self, label: str, name: str, fix: str) -> CheckResult:
-        """A supervised container: dockerd answers, and the container exists and runs."""
-        try:
-            state = self.container_state(self.root, name)
-        except Unreachable as exc:
-            return failed(f"dockerd does not answer ({exc}): {label} cannot run", _dockerd_fix(self.root))
-        except DockerError as exc:  # dockerd answered, unusably: its message says what to upgrade
-            return failed(f"dockerd: {exc}", "do what dockerd's answer says; journalctl -u docker has more")
-        if state == RUNNING:
-            return passed(f"container {name} is running")
-        if state == ABSENT:
-            return failed(f"container {name} does not exist", fix)
-        return failed(f"container {name} is {state}", fix)
-
-    def _agent_needed(self, enabled: bool, key: str, what: str) -> CheckResult | None:
-        """SKIP when the agent is off or GKE runs it; None when tpuboot must run it here."""
-        if not enabled:
-            return skipped(f"{key} is false in the configuration")
-        gke = self._gke()
-        if gke.node:
-            return skipped(f"a GKE node ({gke.why}): GKE runs {what}")
-        if gke.node is None:
-            return skipped(f"cannot tell whether this is a GKE node: {gke.why}; set gke: true or false")
-        return None
-
-    def check_vbar(self) -> CheckResult:
-        vbar = self.config.vbar
-        not_here = self._agent_needed(vbar.enabled, "vbar.enabled", "vBar (its device plugin)")
-        if not_here is not None:
-            return not_here
-        if vbar.runtime != "docker":
-            return skipped(f"vbar.runtime is {vbar.runtime}: no container to ask about")
-        return self._container(
-            "vBar",
-            vbar.container_name,
-            "systemctl restart tpuboot (it supervises vBar); "
-            f"journalctl -u tpuboot AGENT={VBAR} says why it stopped",
-        )
-
-    def check_telemetry(self) -> CheckResult:
-        telemetry = self.config.telemetry
-        not_here = self._agent_needed(telemetry.enabled, "telemetry.enabled", "the telemetry collector")
-        if not_here is not None:
-            return not_here
-        return self._container(
-            "the telemetry collector",
-            telemetry.container_name,
-            "systemctl restart tpuboot (it supervises the collector); "
-            f"journalctl -u tpuboot AGENT={TELEMETRY} says why it stopped",
         )
 
 

@@ -3,12 +3,13 @@
 The documented procedure runs ``gcloud auth configure-docker``, which makes docker ask a
 credential helper for Google's registries; the helper hands over the VM's service-account
 access token from the metadata server as the password of user ``oauth2accesstoken``. tpuboot
-pulls through the Engine API, where no helper is asked: it sends the same pair itself, in the
-pull's ``X-Registry-Auth`` header (:class:`tpuboot.containers.dockerapi.RegistryAuth`).
+pulls through the engine's API, where no helper is asked: it sends the same pair itself with the
+pull (:class:`tpuboot.containers.engine.RegistryAuth`; Docker's client puts it in the pull's
+``X-Registry-Auth`` header).
 
 - Only to the registries of ``registry_auth.token_registries`` (default: gcr.io, its regional
   hosts ``*.gcr.io``, and Artifact Registry's ``*-docker.pkg.dev``). The registry is the one
-  dockerd will contact, parsed by :mod:`tpuboot.containers.imageref`'s grammar and compared as
+  dockerd will contact, parsed by :mod:`tpuboot.references`' grammar and compared as
   written: an entry is a ``host[:port]``, or ``*`` standing for the start of the first label
   (one label, letters, digits and ``-``: ``*.gcr.io`` takes ``us.gcr.io``, never
   ``a.b.gcr.io``, ``gcr.io.evil.example`` or ``us.gcr.io:444``). An image named by tpu-env
@@ -35,9 +36,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from tpuboot.containers.dockerapi import RegistryAuth
-from tpuboot.containers.imageref import InvalidReference, parse_entry, parse_image
+from tpuboot.containers.engine import RegistryAuth
 from tpuboot.errors import TpubootError
+from tpuboot.references import InvalidReference, parse_host_pattern, parse_image
 
 log = logging.getLogger("tpuboot.containers.credentials")
 
@@ -58,27 +59,6 @@ _TOKEN = re.compile(r"[\x21-\x7e]+")
 _REFUSAL = re.compile(r"unauthori[sz]ed|denied|forbidden|authentication required|\b40[13]\b", re.IGNORECASE)
 
 
-def parse_host_pattern(text: str) -> tuple[bool, str]:
-    """A ``registry_auth.token_registries`` entry as (wildcard, host or suffix).
-
-    Raises ValueError with the fix: an entry that could match more than meant is refused.
-    """
-    wildcard = text.startswith("*")
-    rest = text[1:] if wildcard else text
-    sample = "x" + rest if wildcard else text
-    if "*" in rest:
-        raise ValueError(f"{text!r}: '*' may only start the entry, like *.gcr.io")
-    registry, prefix = parse_entry(sample)  # ValueError: not a lowercase host[:port]
-    if prefix is not None:
-        raise ValueError(f"{text!r}: give the registry host alone, without a path")
-    if wildcard and (rest[:1] not in (".", "-") or registry.split(":")[0].count(".") < 2):
-        raise ValueError(
-            f"{text!r}: '*' must stand for the start of the first label of a host under a domain "
-            "of two labels or more, like *.gcr.io or *-docker.pkg.dev"
-        )
-    return wildcard, rest if wildcard else registry
-
-
 class TokenRegistries:
     """The registries that get the service-account token (``registry_auth.token_registries``)."""
 
@@ -96,7 +76,7 @@ class TokenRegistries:
         return False
 
 
-class TokenUnavailable(Exception):
+class TokenUnavailable(TpubootError):
     """No usable token now; the message says why in one line (never quoting the answer)."""
 
 

@@ -39,10 +39,16 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
+from tpuboot.containers.engine import (
+    EngineError,
+    EngineNotFound,
+    EngineProtocolError,
+    EngineUnreachable,
+    RegistryAuth,
+)
 from tpuboot.netio import DeadlineSocket, ascii_int
 
 if TYPE_CHECKING:
@@ -90,31 +96,24 @@ MAX_ERROR_BODY = 64 << 10
 AUTH_HEADER = "X-Registry-Auth"
 
 
-@dataclass(frozen=True)
-class RegistryAuth:
-    """Credentials for one pull, as ``docker login`` would give them; the password is never shown."""
-
-    username: str
-    password: str = field(repr=False)
-    serveraddress: str
-
-    def header(self) -> str:
-        """The ``X-Registry-Auth`` value: base64url of the JSON, padded, as Docker's client sends
-        it. Debian 12's dockerd (20.10) reads a header it cannot decode as no credentials at all,
-        without a word, so the encoding is the one its decoder takes (``base64.URLEncoding``)."""
-        data = {"username": self.username, "password": self.password, "serveraddress": self.serveraddress}
-        return base64.urlsafe_b64encode(json.dumps(data).encode()).decode("ascii")
+def auth_header(auth: RegistryAuth) -> str:
+    """The ``X-Registry-Auth`` value (the Engine API's ``AuthConfig``): base64url of the JSON,
+    padded, as Docker's client sends it. Debian 12's dockerd (20.10) reads a header it cannot
+    decode as no credentials at all, without a word, so the encoding is the one its decoder takes
+    (``base64.URLEncoding``)."""
+    data = {"username": auth.username, "password": auth.password, "serveraddress": auth.registry}
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).decode("ascii")
 
 
-class DockerError(Exception):
+class DockerError(EngineError):
     """Anything this client raises."""
 
 
-class Unreachable(DockerError):
+class Unreachable(DockerError, EngineUnreachable):
     """dockerd is not there: no socket, connection refused, dropped or timed out."""
 
 
-class ProtocolError(Unreachable):
+class ProtocolError(Unreachable, EngineProtocolError):
     """dockerd's answer broke the Engine API or HTTP: treated as dockerd not there (reconnect later)."""
 
 
@@ -127,7 +126,7 @@ class APIError(DockerError):
         self.explanation = explanation
 
 
-class NotFound(APIError):
+class NotFound(APIError, EngineNotFound):
     """404: no such container or image."""
 
 
@@ -396,7 +395,7 @@ class DockerAPI:
         dockerd answers 200 before it knows; a failure is an ``error`` object in the stream.
         """
         query = {"fromImage": repository, "tag": tag}
-        headers = {AUTH_HEADER: auth.header()} if auth is not None else None
+        headers = {AUTH_HEADER: auth_header(auth)} if auth is not None else None
         conn, response = self._open("POST", "/images/create", query, total=self.pull_timeout, headers=headers)
         try:
             for message in _json_objects(response, "pull progress"):

@@ -1,102 +1,66 @@
-"""The daemon's supervised containers: the vBar control agent and the AI telemetry collector.
+"""The daemon's supervised agents (:data:`tpuboot.containers.agents.AGENTS`: the vBar control
+agent and the AI telemetry collector).
 
-A component (tpuboot/component.py). Each enabled container gets a
+A component (tpuboot/component.py). Each enabled agent gets a
 :class:`~tpuboot.containers.supervisor.Supervisor` in its own thread, unless this VM is a GKE node
-(GKE runs both itself), and only once it is known to be a TPU VM: a TPU is present or tpu-env is
+(GKE runs them itself), and only once it is known to be a TPU VM: a TPU is present or tpu-env is
 held (the daemon calls :meth:`Containers.tpu_vm_seen`). An image-building VM has neither, so
 installing the package there runs no privileged container and pulls nothing into the image.
-Nothing here blocks the daemon's loop or READY: the GKE check and dockerd's arrival are waited for
-in threads; each container's Status is kept here under a lock and ``report()`` says it changed.
+Nothing here blocks the daemon's loop or READY: the GKE check and the engine's arrival are waited
+for in threads; each agent's Status is kept here under a lock and ``report()`` says it changed.
 
-vBar's image is tpu-env's ``VBARCONTROL_AGENT_DOCKER_URL`` when set and not empty, else
-``vbar.image``. tpu-env is taken from ``tpu_env()``, the values tpuboot itself parsed (in memory
-after a sync, else from its root-only cache: :meth:`tpuboot.env.sync.EnvSync.parsed_values`), never
-from the tpu-env file: that file's directory may belong to the runtime user, and whoever chooses
-the image of a privileged container owns the VM. A tpu-env change (the runtime-environment side
-calls ``reconfigure`` from its thread: it reads files, never on the loop) recreates the container
-with the new image. Each image must also come from a registry in ``vbar.registries`` /
-``telemetry.registries``; another is refused, not run.
+What each agent's container is comes from its :class:`~tpuboot.containers.agents.Agent`; tpu-env
+is taken from ``tpu_env()``, the values tpuboot itself parsed (in memory after a sync, else from
+its root-only cache: :meth:`tpuboot.env.sync.EnvSync.parsed_values`), never from the tpu-env file.
+A tpu-env change (the runtime-environment side calls ``reconfigure`` from its thread: it reads
+files, never on the loop) recreates a container whose image it chose. Each image must also come
+from a registry in its section's ``registries``; another is refused, not run.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final
 
-from tpuboot.atomicfile import FileReadError, read_file
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Report, Status
-from tpuboot.config import Config, TelemetryConfig
+from tpuboot.config import Config
+from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.credentials import ServiceAccountCredentials, TokenSource
-from tpuboot.containers.docker import ContainerSpec, DockerRuntime
+from tpuboot.containers.docker import DockerRuntime
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, dockerd_installed
+from tpuboot.containers.engine import ContainerSpec
+from tpuboot.containers.exec import ExecRuntime
 from tpuboot.containers.gke import gke_node
-from tpuboot.containers.imageref import RegistryAllowlist
 from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, Supervisor
 from tpuboot.paths import Root
+from tpuboot.references import RegistryAllowlist
 
 log = logging.getLogger("tpuboot.containers.service")
 
-VBAR = "vBar"
-TELEMETRY = "telemetry"
-IMAGE_KEY = "VBARCONTROL_AGENT_DOCKER_URL"
-
-
 #: Where tpuboot found tpu-env's values: a function returning them, or None when it has none.
 TpuEnvSource = Callable[[], "Mapping[str, str] | None"]
-
-
-def vbar_spec(config: Config, tpu_env: Mapping[str, str] | None) -> ContainerSpec:
-    """The vBar container wanted: tpu-env's image when it names one, else the configuration's."""
-    image = (tpu_env or {}).get(IMAGE_KEY)
-    if image:
-        return ContainerSpec(config.vbar.container_name, image, origin=f"tpu-env's {IMAGE_KEY}")
-    return ContainerSpec(config.vbar.container_name, config.vbar.image, origin="vbar.image")
-
-
-#: A collector configuration is a few KiB; this bounds what is read to hash it.
-MAX_TELEMETRY_CONFIG = 1 << 20
-
-
-def telemetry_spec(config: TelemetryConfig, root: Root) -> ContainerSpec:
-    """The collector's container: ``config_path`` bound read-only at ``config_target`` (default:
-    the same path), its content's digest in the container's label so an edited file makes a new
-    container at the next start. A missing file is a problem, not a bind: dockerd would create a
-    directory in its place, and the collector would run on its defaults unnoticed."""
-    name, image = config.container_name, config.image
-    if not config.config_path:
-        return ContainerSpec(name, image, origin="telemetry.image")
-    target = config.config_target or config.config_path
-    binds = ((config.config_path, target),)
-    try:
-        data = read_file(root, config.config_path, limit=MAX_TELEMETRY_CONFIG)
-    except FileReadError as exc:
-        problem = f"telemetry.config_path: {exc}"
-    else:
-        if data is not None:
-            digest = hashlib.sha256(data).hexdigest()[:16]
-            return ContainerSpec(name, image, binds, origin="telemetry.image", content=digest)
-        problem = (
-            f"telemetry.config_path {config.config_path}: no such file; "
-            "create it or unset telemetry.config_path"
-        )
-    return ContainerSpec(name, image, binds, origin="telemetry.image", problem=problem)
 
 
 def _no_tpu_env() -> Mapping[str, str] | None:
     return None
 
 
-#: A container's state before its supervisor starts, when it never will (GKE) or not yet (no TPU VM).
-NOT_STARTED = "not started"
+#: An agent's state (beside its supervisor's SupervisedState) before its supervisor starts, when it
+#: never will (GKE) or not yet (no TPU VM).
+NOT_STARTED: Final = "not started"
+
+
+def agents_enabled(config: Config, agents: Sequence[Agent] = AGENTS) -> list[Agent]:
+    """The agents the configuration turns on."""
+    return [agent for agent in agents if agent.settings(config).enabled]
 
 
 class Containers:
-    """vBar and the telemetry collector, as enabled; ``status()`` joins theirs (state ``running``
-    when every one runs)."""
+    """The enabled agents; ``status()`` joins theirs (state ``running`` when every one runs)."""
 
     def __init__(
         self,
@@ -105,11 +69,12 @@ class Containers:
         metadata: TokenSource | None,
         docker_factory: Callable[[], DockerAPI] | None = None,
         tpu_env: TpuEnvSource = _no_tpu_env,
+        agents: Sequence[Agent] = AGENTS,
     ) -> None:
         """``metadata``: for the GKE check (``gke: auto``) and the registry token; shared: the daemon
         closes it.
         ``tpu_env``: the tpu-env values tpuboot parsed (EnvSync.parsed_values); without it, vBar
-        runs ``vbar.image``."""
+        runs ``vbar.image``. ``agents``: the agents to supervise (those enabled)."""
         self.config = config
         self.root = root
         self.metadata = metadata
@@ -121,19 +86,19 @@ class Containers:
         self._statuses: dict[str, Status] = {}
         self._report: Report = _nothing
         self._thread: threading.Thread | None = None
-        self._credentials: ServiceAccountCredentials | None = None  # one token cache for both agents
+        self._credentials: ServiceAccountCredentials | None = None  # one token cache for every agent
         self._tpu_vm = threading.Event()  # a TPU present or tpu-env held: the supervisors may start
         self._gate = threading.Event()  # set by the first of tpu_vm_seen() and stop()
-        for label, enabled in ((VBAR, config.vbar.enabled), (TELEMETRY, config.telemetry.enabled)):
-            if enabled:
-                self._statuses[label] = Status(STARTING, "starting")
+        self.agents = {agent.label: agent for agent in agents_enabled(config, agents)}
+        for label in self.agents:
+            self._statuses[label] = Status(STARTING, "starting")
 
     @property
     def enabled(self) -> bool:
         return bool(self._statuses)
 
     def statuses(self) -> dict[str, Status]:
-        """Each enabled container's Status, by label (vBar, telemetry); from any thread."""
+        """Each enabled agent's Status, by label (vBar, telemetry); from any thread."""
         with self._lock:
             return dict(self._statuses)
 
@@ -150,10 +115,6 @@ class Containers:
         self._report = report
         self._thread = threading.Thread(target=self._begin, name="tpuboot-containers", daemon=True)
         self._thread.start()
-
-    @property
-    def is_tpu_vm(self) -> bool:
-        return self._tpu_vm.is_set()
 
     def tpu_vm_seen(self, why: str) -> None:
         """This VM is a TPU VM (``why``: a TPU present, tpu-env held); from any thread, once."""
@@ -209,11 +170,16 @@ class Containers:
             return
         if gke:
             for label in labels:
-                what = "it" if label == VBAR else "the telemetry collector"
+                agent = self.agents[label]
+                if not agent.gke_runs:
+                    continue
+                what = "it" if agent.called == label else agent.called  # "vBar: ... GKE runs it"
                 detail = f"not started, GKE node (GKE runs {what})"
                 log.info("%s: %s", label, detail, extra={"AGENT": label})
                 self._set(label, Status(NOT_STARTED, detail))
-            return
+            labels = [label for label in labels if not self.agents[label].gke_runs]
+            if not labels:
+                return
         if not self._tpu_vm.is_set():
             for label in labels:
                 detail = "not started, not a TPU VM (no TPU present, no tpu-env)"
@@ -224,7 +190,7 @@ class Containers:
             if self.stopping.is_set():
                 return
             for label in labels:
-                runtime = self._runtime(label)
+                runtime = self._runtime(self.agents[label])
                 policy = RestartPolicy.from_config(self.config.supervisor)
                 supervisor = Supervisor(label, runtime, policy, self._set)
                 self.supervisors[label] = supervisor
@@ -232,38 +198,27 @@ class Containers:
 
     def _registry_credentials(self) -> ServiceAccountCredentials | None:
         """The VM's service-account token for pulls from ``registry_auth.token_registries``: one
-        token cache for both containers, through the daemon's metadata client; none without one."""
+        token cache for every agent, through the daemon's metadata client; none without one."""
         if self._credentials is None and self.metadata is not None:
             registries = self.config.registry_auth.token_registries
             self._credentials = ServiceAccountCredentials(self.metadata, registries)
         return self._credentials
 
-    def _runtime(self, label: str) -> Runtime:
+    def _runtime(self, agent: Agent) -> Runtime:
         config = self.config
-        retries = config.supervisor.pull_retries
-        if label == VBAR:
-            if config.vbar.runtime == "exec":
-                from tpuboot.containers.exec import ExecRuntime
+        argv = agent.exec_argv(config)
+        if argv is not None:
+            return ExecRuntime(argv)
+        section = agent.settings(config)
 
-                return ExecRuntime(config.vbar.exec_argv)
+        def wanted() -> ContainerSpec:
+            return agent.container(config, self.root, self.tpu_env())
 
-            allowlist = RegistryAllowlist(config.vbar.registries, "vbar.registries")
-
-            def wanted() -> ContainerSpec:
-                return vbar_spec(config, self.tpu_env())
-
-            credentials = self._registry_credentials()
-            return DockerRuntime(
-                wanted, retries, self.docker_factory, allowlist=allowlist, credentials=credentials,
-                installed=self._dockerd_installed,
-            )  # fmt: skip
-        telemetry = config.telemetry
-        allowlist = RegistryAllowlist(telemetry.registries, "telemetry.registries")
         return DockerRuntime(
-            lambda: telemetry_spec(telemetry, self.root),
-            retries,
+            wanted,
+            config.supervisor.pull_retries,
             self.docker_factory,
-            allowlist=allowlist,
+            allowlist=RegistryAllowlist(section.registries, f"{agent.section}.registries"),
             credentials=self._registry_credentials(),
             installed=self._dockerd_installed,
         )

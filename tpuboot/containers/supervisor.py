@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Literal, Protocol
 
 from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
@@ -28,9 +28,14 @@ UNAVAILABLE_RETRY_MAX = 10.0
 #: A runtime that stayed usable this long before failing again starts its backoff afresh.
 UNAVAILABLE_STABLE_AFTER = 60.0
 
-# A supervised container's states (Status.state); only RUNNING counts as up (tpuboot_container_up).
-STARTING, RUNNING, WAITING, REFUSED, FAILED, RESTARTING = (
-    "starting", "running", "waiting", "refused", "failed", "restarting")  # fmt: skip
+#: A supervised container's states (Status.state); only RUNNING counts as up (tpuboot_container_up).
+SupervisedState = Literal["starting", "running", "waiting", "refused", "failed", "restarting"]
+STARTING: Final = "starting"
+RUNNING: Final = "running"
+WAITING: Final = "waiting"
+REFUSED: Final = "refused"
+FAILED: Final = "failed"
+RESTARTING: Final = "restarting"
 
 
 class RuntimeUnavailable(TpubootError):
@@ -126,7 +131,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the loop (own thread)
 
-    def _set(self, state: str, detail: str) -> None:
+    def _set(self, state: SupervisedState, detail: str) -> None:
         status = Status(state, detail)
         with self._status_lock:
             self._status = status

@@ -1,4 +1,9 @@
-"""Which registry a container image comes from, and whether tpuboot may run it privileged.
+"""The grammar of registry hosts and image references: which registry an image comes from, and
+whether tpuboot may run it privileged.
+
+Imported by the configuration's validators and by the containers alike, so it imports nothing of
+tpuboot's but :mod:`tpuboot.errors` (which imports nothing): loading a config that names an image
+or a token registry pulls in no container engine.
 
 The vBar and telemetry containers run privileged on the host network: whoever controls their
 image controls the VM. tpuboot runs an image only if its registry is in the configured
@@ -19,6 +24,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tpuboot.errors import TpubootError
 
 DOCKER_HUB = "docker.io"
 #: Other spellings of Docker Hub that dockerd maps to it.
@@ -42,28 +50,20 @@ _DOMAIN_RE = re.compile(_DOMAIN)
 _PATH_RE = re.compile(_PATH)
 
 
-class InvalidReference(ValueError):
-    """Not an image reference dockerd would read as tpuboot does."""
+class InvalidReference(TpubootError, ValueError):
+    """Not an image reference dockerd would read as tpuboot does (a ValueError too: a validator's
+    ``except ValueError`` takes it as any other malformed value)."""
 
 
+@dataclass(frozen=True)
 class ImageRef:
-    """A parsed image reference: ``registry`` (host[:port], docker.io for Docker Hub) and ``path``.
+    """A parsed image reference: ``registry`` (host[:port], docker.io for Docker Hub) and ``path``."""
 
-    A plain class: loading a config file that names an image (vbar.image) imports this module on
-    `tpuboot bind`'s path, where dataclasses cost what tpuboot.config.Section says.
-    """
-
-    __slots__ = ("digest", "path", "registry", "tag", "text")
-
-    def __init__(self, text: str, registry: str, path: str, tag: str | None, digest: str | None) -> None:
-        self.text = text
-        self.registry = registry
-        self.path = path
-        self.tag = tag
-        self.digest = digest
-
-    def __repr__(self) -> str:
-        return f"ImageRef({self.text!r}: registry={self.registry!r}, path={self.path!r})"
+    text: str
+    registry: str
+    path: str
+    tag: str | None
+    digest: str | None
 
 
 def _split_registry(name: str) -> tuple[str, str]:
@@ -105,7 +105,28 @@ def parse_entry(text: str) -> tuple[str, str | None]:
     return registry, prefix if slash else None
 
 
-class ImageRefused(Exception):
+def parse_host_pattern(text: str) -> tuple[bool, str]:
+    """A ``registry_auth.token_registries`` entry as (wildcard, host or suffix).
+
+    Raises ValueError with the fix: an entry that could match more than meant is refused.
+    """
+    wildcard = text.startswith("*")
+    rest = text[1:] if wildcard else text
+    sample = "x" + rest if wildcard else text
+    if "*" in rest:
+        raise ValueError(f"{text!r}: '*' may only start the entry, like *.gcr.io")
+    registry, prefix = parse_entry(sample)  # ValueError: not a lowercase host[:port]
+    if prefix is not None:
+        raise ValueError(f"{text!r}: give the registry host alone, without a path")
+    if wildcard and (rest[:1] not in (".", "-") or registry.split(":")[0].count(".") < 2):
+        raise ValueError(
+            f"{text!r}: '*' must stand for the start of the first label of a host under a domain "
+            "of two labels or more, like *.gcr.io or *-docker.pkg.dev"
+        )
+    return wildcard, rest if wildcard else registry
+
+
+class ImageRefused(TpubootError):
     """The image may not be run privileged; the message is one line with the fix."""
 
 

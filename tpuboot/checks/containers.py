@@ -1,0 +1,128 @@
+"""Doctor's checks of the supervised agents: one ``SECTION-running`` check per agent of
+:data:`tpuboot.containers.agents.AGENTS` (``vbar-running``, ``telemetry-running``).
+
+Each one is SKIP when the agent is off, when GKE runs it (:mod:`tpuboot.containers.gke`, the
+daemon's rule, asked once) or when it runs as a child process; otherwise the engine must answer and
+the agent's container exist and run. The engine is asked through a :data:`ContainerProbe` a test
+replaces (Docker's: :func:`docker_container_state`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from tpuboot.checks.registry import CheckResult, failed, passed, skipped
+from tpuboot.config import Config
+from tpuboot.containers.agents import AGENTS, Agent
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable, dockerd_installed
+from tpuboot.containers.engine import EngineError, EngineNotFound, EngineUnreachable
+from tpuboot.containers.gke import GkeAnswer, Metadata, ask_gke
+from tpuboot.paths import Root
+
+RUNNING, ABSENT = "running", "absent"
+
+#: ``state(root, name)``: "running", "absent", or how the container stands ("exited (code 1)");
+#: raises :class:`EngineUnreachable` when the engine does not answer, another EngineError when it
+#: answers unusably.
+ContainerProbe = Callable[[Root, str], str]
+
+
+class DeadlineMetadata(Metadata, Protocol):
+    """Doctor's metadata server (its ``AskedOnce``): answers within ``deadline_s``."""
+
+    deadline_s: float
+
+
+def docker_container_state(root: Root, name: str) -> str:
+    """How container ``name`` stands, asked of dockerd over its socket (see :data:`ContainerProbe`)."""
+    path = root.path(DOCKER_SOCKET)
+    if not path.exists():
+        raise Unreachable(f"no socket {DOCKER_SOCKET}")
+    try:
+        data = DockerAPI(str(path), timeout=5).inspect_container(name)
+    except EngineNotFound:
+        return ABSENT
+    state = data.get("State") if isinstance(data, dict) else None
+    if not isinstance(state, dict):
+        return "in no state dockerd reports"
+    if state.get("Restarting"):
+        return "restarting"
+    if state.get("Running"):
+        return RUNNING
+    status, code = state.get("Status") or "stopped", state.get("ExitCode")
+    return f"{status} (exit code {code})" if isinstance(code, int) and status == "exited" else str(status)
+
+
+def _dockerd_fix(root: Root) -> str:
+    """Start dockerd where it is installed, else install it."""
+    if dockerd_installed(root):
+        return "systemctl enable --now docker; journalctl -u docker says why it stopped"
+    return "apt install docker.io (then systemctl restart tpuboot)"
+
+
+class ContainerChecks:
+    """The agents' checks for one system, named for :class:`tpuboot.checks.registry.Checks`."""
+
+    def __init__(
+        self,
+        root: Root,
+        config: Config,
+        metadata: DeadlineMetadata,
+        container_state: ContainerProbe = docker_container_state,
+        agents: Sequence[Agent] = AGENTS,
+    ) -> None:
+        self.root = root
+        self.config = config
+        self.metadata = metadata
+        self.container_state = container_state
+        self.agents = tuple(agents)
+        self._gke_answer: GkeAnswer | None = None
+
+    def named(self) -> list[tuple[str, Callable[[], CheckResult]]]:
+        """The checks by name, in run order, for the doctor's table."""
+        return [(f"{agent.section}-running", functools.partial(self.check, agent)) for agent in self.agents]
+
+    def _gke(self) -> GkeAnswer:
+        """The daemon's answer to "a GKE node?", asked once, within doctor's deadline."""
+        if self._gke_answer is None:
+            self._gke_answer = ask_gke(self.config.gke, self.metadata, self.metadata.deadline_s)
+        return self._gke_answer
+
+    def check(self, agent: Agent) -> CheckResult:
+        """SKIP when tpuboot does not run it here; else its container exists and runs."""
+        if not agent.settings(self.config).enabled:
+            return skipped(f"{agent.section}.enabled is false in the configuration")
+        if agent.gke_runs:
+            gke = self._gke()
+            what = f"{agent.called} ({agent.role})" if agent.role else agent.called
+            if gke.node:
+                return skipped(f"a GKE node ({gke.why}): GKE runs {what}")
+            if gke.node is None:
+                return skipped(f"cannot tell whether this is a GKE node: {gke.why}; set gke: true or false")
+        runtime = agent.runtime_key(self.config)
+        if runtime is not None:
+            return skipped(f"{runtime}: no container to ask about")
+        return self._container(agent)
+
+    def _container(self, agent: Agent) -> CheckResult:
+        """The engine answers, and the agent's container exists and runs."""
+        name = agent.settings(self.config).container_name
+        fix = (
+            f"systemctl restart tpuboot (it supervises {agent.called}); "
+            f"journalctl -u tpuboot AGENT={agent.label} says why it stopped"
+        )
+        try:
+            state = self.container_state(self.root, name)
+        except EngineUnreachable as exc:
+            return failed(
+                f"dockerd does not answer ({exc}): {agent.called} cannot run", _dockerd_fix(self.root)
+            )
+        except EngineError as exc:  # the engine answered, unusably: its message says what to upgrade
+            return failed(f"dockerd: {exc}", "do what dockerd's answer says; journalctl -u docker has more")
+        if state == RUNNING:
+            return passed(f"container {name} is running")
+        if state == ABSENT:
+            return failed(f"container {name} does not exist", fix)
+        return failed(f"container {name} is {state}", fix)
