@@ -108,7 +108,7 @@ def _for_each(texts: Sequence[str], act: Callable[[str], str]) -> int:
 def cmd_bind(ctx: Context, args: argparse.Namespace) -> int:
     binder = ctx.binder()
     do_bind = binder.bind
-    if ctx.config.metrics.textfile_dir is not None:  # prometheus_client costs a second of start-up
+    if ctx.config.metrics.textfile_dir is not None:
         from tpuboot import metrics
 
         do_bind = functools.partial(metrics.timed_bind, binder.bind)
@@ -206,7 +206,7 @@ def cmd_who(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.holders.report import chips_of, gather, render
 
     report = gather(ctx.root, chips_of(ctx.root, ctx.config))
-    if ctx.config.metrics.textfile_dir is not None:  # prometheus_client costs a second of start-up
+    if ctx.config.metrics.textfile_dir is not None:
         from tpuboot import metrics
 
         metrics.holders(report)
@@ -515,7 +515,7 @@ def _write_metrics_textfile(ctx: Context) -> None:
     try:
         if config.metrics.textfile_dir is None:
             return
-        from tpuboot import metrics
+        from tpuboot import metrics, metrics_export
         from tpuboot.devices.survey import survey
 
         tpus = survey(ctx.binder())
@@ -523,4 +523,4 @@ def _write_metrics_textfile(ctx: Context) -> None:
         log.warning("metrics: %s", exc)
         return
     metrics.tpus((t.kind, "bound" if t.driver == "vfio-pci" else "unbound") for t in tpus if t.managed)
-    metrics.write_textfile(ctx.root, config.metrics)
+    metrics_export.write_textfile(ctx.root, config.metrics)

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
     from tpuboot.gce.guestattrs import Publisher
-    from tpuboot.metrics_server import MetricsServer
+    from tpuboot.metrics_endpoint import MetricsEndpoint
 
 log = logging.getLogger("tpuboot.daemon")
 
@@ -74,7 +74,7 @@ class Daemon:
         containers: Containers | None = None,
         guest_attrs: Publisher | None = None,
         metadata: MetadataClient | None = None,
-        metrics_server: MetricsServer | None = None,
+        metrics_endpoint: MetricsEndpoint | None = None,
         budget: bootbudget.Budget | None = None,
         cdi: SpecWriter | None = None,
     ) -> None:
@@ -86,7 +86,7 @@ class Daemon:
         self.containers = containers  # vBar and telemetry: started at once, never waited for
         self.guest_attrs = guest_attrs  # publishes the state below; never waited for
         self.metadata = metadata  # shared by env, containers and guest_attrs; closed at the end
-        self.metrics_server = metrics_server
+        self.metrics_endpoint = metrics_endpoint  # opened in its own thread: READY never waits for it
         self.budget = budget  # the boot's phases, shown at READY and when vBar first runs
         self.cdi = cdi  # the CDI spec: refreshed in the turn of every device change
         self.ready = False
@@ -148,7 +148,8 @@ class Daemon:
         for part in self.statuses():
             log.info("SIGUSR1: %s: %s", part.state, part.detail, extra=fields)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        connections = "off" if self.metrics_server is None else str(self.metrics_server.connections)
+        server = None if self.metrics_endpoint is None else self.metrics_endpoint.server
+        connections = "off" if server is None else str(server.connections)
         log.info(
             "SIGUSR1: threads %d, peak RSS %d KiB, metrics connections %s",
             threading.active_count(), peak, connections, extra=fields)  # fmt: skip
@@ -274,6 +275,8 @@ class Daemon:
         if self.guest_attrs is not None:
             self.guest_attrs.update(self.guest_attribute_values())
             self.guest_attrs.start()  # its own thread: READY never waits for it
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.start()  # its own thread: READY never waits for it
         interval = watchdog_interval()
         if interval:
             self._watchdog(interval)
@@ -353,9 +356,8 @@ class Daemon:
             self.metadata.close()
         if self.containers is not None:
             self.containers.stop()  # containers keep running; an exec child is ended
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -1,13 +1,15 @@
 """The one place that makes the daemon of `tpuboot run` from a root and a configuration.
 
 Coldplug first (tpuboot/devices/udev.py says why): the udev monitor is opened and the binds of the
-TPUs present are submitted before the rest of the daemon (its event loop, requests,
-prometheus_client) is imported; the device manager adopts them on the loop. The tests build the
-daemon here too, passing the seams below; production passes none.
+TPUs present are submitted before the rest of the daemon (its event loop, requests) is imported;
+the device manager adopts them on the loop. The metrics endpoint (prometheus_client, its port)
+opens in a thread of its own once the daemon runs, so READY never waits for it. The tests build
+the daemon here too, passing the seams below; production passes none.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from tpuboot.gce.client import MetadataClient
     from tpuboot.gce.guestattrs import PublisherSettings
     from tpuboot.gce.settings import MetadataSettings
+    from tpuboot.metrics_server import MetricsServer
     from tpuboot.notify import Notifier
 
 log = logging.getLogger("tpuboot.wiring")
@@ -74,6 +77,7 @@ def build(
     from tpuboot.eventloop import EventLoop
     from tpuboot.gce.client import MetadataClient
     from tpuboot.gce.guestattrs import Publisher
+    from tpuboot.metrics_endpoint import MetricsEndpoint
     from tpuboot.notify import Notifier
 
     loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
@@ -108,12 +112,22 @@ def build(
         deadline = config.metadata.boot_deadline
         publishing = publisher_settings(config.guest_attributes)
         guest_attrs = Publisher(metadata, publishing, check_deadline=deadline)
-    metrics.watch_pcie(root, binder.table)  # read at each scrape, never between them
-    metrics.watch_holders(root, config)
-    server = metrics.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
+    endpoint = None
+    if config.metrics.enabled:
+        endpoint = MetricsEndpoint(functools.partial(open_metrics, root, binder.table, config))
     notifier = notifier or Notifier()
-    parts = (env, containers, guest_attrs, metadata, server)
+    parts = (env, containers, guest_attrs, metadata, endpoint)
     return Daemon(loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi)
+
+
+def open_metrics(root: Root, table: DeviceTable, config: Config) -> MetricsServer | None:
+    """The daemon's /metrics, with what is read at each scrape (PCIe health, the chips' holders),
+    never between scrapes; in the endpoint's own thread, so prometheus_client loads beside the boot."""
+    from tpuboot import metrics_export
+
+    metrics_export.watch_pcie(root, table)
+    metrics_export.watch_holders(root, config)
+    return metrics_export.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
 
 
 def metadata_settings(config: MetadataConfig) -> MetadataSettings:

@@ -56,16 +56,21 @@ METADATA = {"tpuboot.backoff", "tpuboot.gce.client", "tpuboot.gce.failures", "tp
 #: What reads tpu-env, its cache and /etc/environment (doctor); ENV also writes them (`tpuboot env`).
 ENV_READ = {"tpuboot.env", "tpuboot.env.assignment", "tpuboot.env.cache", "tpuboot.env.identity",
             "tpuboot.env.etc_environment", "tpuboot.env.tpuenv", "yaml", "json"}  # fmt: skip
-ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync", "tpuboot.env.writers"}
-# The daemon's PCIe collector lives with the metrics: its sysfs readers come along.
-METRICS = {"tpuboot.atomicfile", "tpuboot.metrics", "tpuboot.metrics_server", "tpuboot.netio",
-           "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
+ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync", "tpuboot.env.writers",
+                  "tpuboot.atomicfile"}  # fmt: skip
+#: What records metrics: plain Python, no prometheus_client.
+METRICS = {"tpuboot.metrics"}
+#: What shows them in Prometheus' format (a textfile, the daemon's endpoint): prometheus_client,
+#: and the PCIe collector's sysfs readers.
+EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.metrics_server", "tpuboot.netio",
+                    "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
 # prepare-image's: its pull step over the Docker engine.
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.references", "tpuboot.containers.agents",
               "tpuboot.containers.engine", "tpuboot.containers.runtime",
               "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
-              "tpuboot.component", "tpuboot.gce.replies", "tpuboot.backoff"}  # fmt: skip
+              "tpuboot.component", "tpuboot.backoff", "tpuboot.netio", "json", "socket", "ssl", "http",
+              "email"}  # fmt: skip
 # doctor's container checks: the agents and dockerd's client, not the supervision (nor its metrics).
 DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot.containers.engine",
                      "tpuboot.containers.dockerapi", "tpuboot.containers.gke",
@@ -89,8 +94,8 @@ CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", 
 
 #: A config that sets something: PyYAML reads it.
 PARSED = {"yaml"}
-TEXTFILE_BIND = CORE | PARSED | METRICS | SURVEY
-DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | METRICS | DOCTOR_CONTAINERS | HOLDERS | CDI | {
+TEXTFILE_BIND = CORE | PARSED | EXPORT | SURVEY
+DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
     "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
 
@@ -112,7 +117,7 @@ CASES = {
     "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
     "who": (["who"], None, CORE | CHIPS | HOLDERS),
     "who --json": (["who", "--json"], None, CORE | CHIPS | HOLDERS | {"json"}),
-    "who, metrics.textfile_dir set": (["who"], TEXTFILE, CORE | PARSED | SURVEY | HOLDERS | METRICS),
+    "who, metrics.textfile_dir set": (["who"], TEXTFILE, CORE | PARSED | SURVEY | HOLDERS | EXPORT),
     "release": (["release", "--dry-run"], None, CORE | CHIPS | HOLDERS | RELEASE),
     "wait-free": (
         ["wait-free", "--timeout", "0.1"],

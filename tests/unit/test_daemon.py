@@ -693,10 +693,12 @@ def test_one_metadata_client_is_shared_and_closed_at_stop(kernel, emulator, root
     assert daemon.metadata is client and daemon.containers is not None
     assert daemon.containers.metadata is client and daemon.guest_attrs is not None
     assert daemon.env is not None and daemon.env.sync.parsed_values == daemon.containers.tpu_env
-    server = daemon.metrics_server
-    assert server is not None
+    assert daemon.metrics_endpoint is not None
     with serving(daemon) as running:
         until(lambda: daemon.ready)
+        until(lambda: daemon.metrics_endpoint.server is not None)  # opened in its own thread
+        server = daemon.metrics_endpoint.server
+        assert server is not None
         assert running.stop() == 0
     with pytest.raises(MetadataError):
         client.get("instance/attributes/tpu-env", deadline_s=1.0)  # closed

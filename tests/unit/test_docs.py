@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tpuboot import cli, metrics
+from tpuboot import cli, metrics, metrics_export
 from tpuboot.config import Config, MatchRule, Section, parse_config
 from tpuboot.devices.table import DeviceTable
 from tpuboot.metrics import Metrics
@@ -239,8 +239,8 @@ def test_man_page_lists_every_configuration_key():
 
 def test_man_page_and_the_monitoring_page_list_every_metric(tmp_path):
     with metrics.use(Metrics()) as fresh:
-        metrics.watch_pcie(Root(tmp_path), DeviceTable())  # the daemon's collector, names and all
-        exposition = fresh.exposition()
+        metrics_export.watch_pcie(Root(tmp_path), DeviceTable())  # the daemon's collector, names and all
+        exposition = metrics_export.exposition(fresh)
     families = [
         line.split()[2]
         for line in exposition.decode().splitlines()

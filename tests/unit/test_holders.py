@@ -14,7 +14,7 @@ import pytest
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.fakeproc import BOOT, TICKS, FakeProc, device
 from tests.unit.test_imagecheck import NoSystemctl
-from tpuboot import cli
+from tpuboot import cli, metrics_export
 from tpuboot.checks import holders as holder_checks
 from tpuboot.checks.holders import HolderChecks
 from tpuboot.config import Config, DoctorConfig
@@ -394,14 +394,14 @@ def test_the_daemons_endpoint_scans_holders_at_scrape_time_at_most_every_interva
     kernel, proc = tree
     add_chips(kernel, ["4", "5"])
     with metrics.use(metrics.Metrics()) as m:
-        metrics.watch_holders(kernel.root, Config())
-        value = m.registry.get_sample_value
+        metrics_export.watch_holders(kernel.root, Config())
+        value = metrics_export.registry_of(m).get_sample_value
         assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "running"}) == 0
-        collector = m.holders_collector
-        assert isinstance(collector, metrics.HolderCollector)
+        collector = metrics_export.exported(m).holders
+        assert isinstance(collector, metrics_export.HolderCollector)
         proc.add(300, {5: "/dev/vfio/5"}, state="T")
         assert value("tpuboot_chip_holders", {"chip": "0000:00:05", "state": "stopped"}) is None  # cached
         collector._at -= collector.min_interval  # the interval has passed
         assert value("tpuboot_chip_holders", {"chip": "0000:00:05", "state": "stopped"}) == 1
-        metrics.watch_holders(kernel.root, Config())  # a daemon built again: one collector
-        assert m.exposition().count(b"# TYPE tpuboot_chip_holders gauge") == 1
+        metrics_export.watch_holders(kernel.root, Config())  # a daemon built again: one collector
+        assert metrics_export.exposition(m).count(b"# TYPE tpuboot_chip_holders gauge") == 1

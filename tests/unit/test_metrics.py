@@ -23,7 +23,7 @@ from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port
 from tests.unit.test_daemon import make, serving, until
 from tests.unit.test_vfio import V5P, add_tpu
-from tpuboot import __version__, cli, metrics
+from tpuboot import __version__, cli, metrics, metrics_export
 from tpuboot.config import MetricsConfig
 from tpuboot.devices import manager
 from tpuboot.env.sync import EnvSync
@@ -52,7 +52,7 @@ def samples(data: bytes | str) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
 
 
 def value(m: metrics.Metrics, name: str, **labels: str) -> float | None:
-    return samples(m.exposition()).get((name, tuple(sorted(labels.items()))))
+    return samples(metrics_export.exposition(m)).get((name, tuple(sorted(labels.items()))))
 
 
 def scrape(port: int) -> bytes:
@@ -67,7 +67,7 @@ def test_every_metric_is_named_by_convention(fresh):
     metrics.container_up("vbar", True)
     metrics.container_restarted("vbar")
     metrics.tpu_env_updated(from_cache=False, when=1_700_000_000.0)
-    families = text_string_to_metric_families(fresh.exposition().decode())
+    families = text_string_to_metric_families(metrics_export.exposition(fresh).decode())
     # prometheus_client 0.16 adds a _created gauge to each counter and histogram: left alone.
     names = {f.name: f.type for f in families if not f.name.endswith("_created")}
     assert names == {
@@ -96,13 +96,16 @@ def test_every_metric_is_named_by_convention(fresh):
 def test_a_dedicated_registry_not_the_global_one(fresh):
     from prometheus_client import REGISTRY
 
-    assert fresh.registry is not REGISTRY
+    assert metrics_export.registry_of(fresh) is not REGISTRY
     assert b"tpuboot_" not in __import__("prometheus_client").generate_latest(REGISTRY)
 
 
 def test_metric_updates_never_raise(fresh, caplog):
-    class Broken:
-        def labels(self, *args):
+    class Broken(dict):
+        def __getitem__(self, key):
+            raise RuntimeError("broken collector")
+
+        def setdefault(self, key, default=None):
             raise RuntimeError("broken collector")
 
     fresh.bind_attempts = Broken()  # type: ignore[assignment]
@@ -193,8 +196,8 @@ def test_tpu_env_update_time_and_cache_flag(fresh, emulator: MetadataEmulator, r
 
 def test_served_on_loopback_and_disabled_by_config(fresh):
     metrics.bind_attempt("bound", 0.2)
-    assert metrics.serve(MetricsConfig(enabled=False)) is None
-    server = metrics.serve(MetricsConfig(address="127.0.0.1", port=0))
+    assert metrics_export.serve(MetricsConfig(enabled=False)) is None
+    server = metrics_export.serve(MetricsConfig(address="127.0.0.1", port=0))
     assert server is not None
     try:
         body = scrape(server.server_port)
@@ -209,7 +212,7 @@ def test_a_port_in_use_is_one_warning_line(fresh, caplog):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert metrics.serve(MetricsConfig(port=port)) is None
+        assert metrics_export.serve(MetricsConfig(port=port)) is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0].getMessage()
     assert "\n" not in warnings[0].getMessage()
@@ -253,7 +256,7 @@ def test_promtool_finds_nothing_to_report_in_the_scraped_output(fresh, kernel):
     body: list[bytes] = []
 
     def scrape_once() -> None:
-        server = metrics.serve(MetricsConfig(port=0))
+        server = metrics_export.serve(MetricsConfig(port=0))
         assert server is not None
         try:
             body.append(scrape(server.server_port))
@@ -285,7 +288,7 @@ def test_a_real_prometheus_scrapes_the_daemons_endpoint(fresh, kernel, tmp_path)
     found: list[dict] = []
 
     def with_prometheus() -> None:
-        server = metrics.serve(MetricsConfig(port=0))
+        server = metrics_export.serve(MetricsConfig(port=0))
         assert server is not None
         (tmp_path / "prometheus.yml").write_text(PROMETHEUS_CONFIG.format(port=server.server_port))
         argv = [

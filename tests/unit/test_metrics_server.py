@@ -27,7 +27,7 @@ from harness.mds_emulator import MetadataEmulator
 from tests.unit.conftest import audit_events, wait_until
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port, tpuboot_run
-from tpuboot import metrics, metrics_server
+from tpuboot import metrics, metrics_export, metrics_server
 from tpuboot.config import MetricsConfig
 from tpuboot.metrics_server import MetricsServer
 
@@ -41,7 +41,7 @@ def fresh() -> Iterator[metrics.Metrics]:
 @pytest.fixture
 def server() -> Iterator[MetricsServer]:
     """The endpoint on 127.0.0.1, a short deadline per connection; shut down at the end."""
-    served = metrics.serve(MetricsConfig(address="127.0.0.1", port=0))
+    served = metrics_export.serve(MetricsConfig(address="127.0.0.1", port=0))
     assert served is not None
     served.deadline = 0.5
     try:
@@ -80,7 +80,7 @@ def _scrape(server: object, host: str) -> str:
 )
 def test_served_on_the_configured_loopback_address(address: str, url_host: str, family: int) -> None:
     metrics.bind_attempt("bound", 0.1)
-    server = metrics.serve(MetricsConfig(address=address, port=0))
+    server = metrics_export.serve(MetricsConfig(address=address, port=0))
     assert server is not None
     try:
         assert server.socket.family == family
@@ -92,7 +92,7 @@ def test_served_on_the_configured_loopback_address(address: str, url_host: str, 
 
 
 def test_a_scrape_writes_no_access_log_line(capfd: pytest.CaptureFixture[str]) -> None:
-    server = metrics.serve(MetricsConfig(address="127.0.0.1", port=0))
+    server = metrics_export.serve(MetricsConfig(address="127.0.0.1", port=0))
     assert server is not None
     try:
         _scrape(server, "127.0.0.1")
@@ -119,7 +119,7 @@ def test_an_address_that_does_not_resolve_is_one_warning_line(
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", no_such_name)  # no resolver asked, whatever the host
-    assert metrics.serve(MetricsConfig(address="no-such-host.invalid", port=0)) is None
+    assert metrics_export.serve(MetricsConfig(address="no-such-host.invalid", port=0)) is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "no-such-host.invalid" in warnings[0].getMessage()

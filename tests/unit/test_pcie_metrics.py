@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.fakekernel import FakeKernel
-from tpuboot import metrics
+from tpuboot import metrics, metrics_export
 from tpuboot.devices.table import GOOGLE, DeviceTable
 
 PROMTOOL = shutil.which("promtool")
@@ -36,13 +36,13 @@ def sysfs(tmp_path: Path) -> FakeKernel:
 def exposed(tmp_path: Path):
     kernel = sysfs(tmp_path)
     with metrics.use(metrics.Metrics()) as m:
-        metrics.watch_pcie(kernel.root, DeviceTable())
+        metrics_export.watch_pcie(kernel.root, DeviceTable())
         yield kernel, m
 
 
 def test_each_tpu_function_is_exported_with_its_chip_and_nothing_else(exposed) -> None:
     _kernel, m = exposed
-    value = m.registry.get_sample_value
+    value = metrics_export.registry_of(m).get_sample_value
     for address in TPUS:
         labels = {"address": address, "chip": address[:-2]}
         assert value("tpuboot_pcie_present", labels) == 1
@@ -52,22 +52,22 @@ def test_each_tpu_function_is_exported_with_its_chip_and_nothing_else(exposed) -
     assert (
         value("tpuboot_pcie_errors_total", {"address": TPUS[1], "chip": "0000:00:05", "kind": "fatal"}) == 1
     )
-    assert b"0000:00:02.0" not in m.exposition()
+    assert b"0000:00:02.0" not in metrics_export.exposition(m)
 
 
 def test_a_scrape_reads_sysfs_now(exposed) -> None:
     kernel, m = exposed
     (kernel.p(f"/sys/bus/pci/devices/{TPUS[0]}") / "config").write_bytes(b"\xff" * 64)
     kernel.remove_device(TPUS[1])
-    text = m.exposition().decode()
+    text = metrics_export.exposition(m).decode()
     assert f'tpuboot_pcie_present{{address="{TPUS[0]}",chip="0000:00:04"}} 0.0' in text
     assert TPUS[1] not in text
 
 
 def test_watching_again_replaces_the_collector(exposed) -> None:
     kernel, m = exposed
-    metrics.watch_pcie(kernel.root, DeviceTable())  # a second daemon built on the same metrics
-    assert m.exposition().count(b"# TYPE tpuboot_pcie_present gauge") == 1
+    metrics_export.watch_pcie(kernel.root, DeviceTable())  # a second daemon built on the same metrics
+    assert metrics_export.exposition(m).count(b"# TYPE tpuboot_pcie_present gauge") == 1
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")
@@ -75,7 +75,7 @@ def test_promtool_finds_nothing_to_report(exposed) -> None:
     _, m = exposed
     checked = subprocess.run(
         [str(PROMTOOL), "check", "metrics"],
-        input=m.exposition(),
+        input=metrics_export.exposition(m),
         capture_output=True,
         timeout=60,
         check=False,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tpuboot import metrics
+from tpuboot import metrics, metrics_export
 from tpuboot.devices.table import DeviceTable
 from tpuboot.paths import Root
 
@@ -50,8 +50,8 @@ def exported_names() -> set[str]:
     labelled metric not yet set has no sample line, but has its TYPE line)."""
     names = set()
     with tempfile.TemporaryDirectory() as top, metrics.use(metrics.Metrics()) as fresh:
-        metrics.watch_pcie(Root(top), DeviceTable())  # the daemon's collector: its TYPE lines too
-        exposition = fresh.exposition()
+        metrics_export.watch_pcie(Root(top), DeviceTable())  # the daemon's collector: its TYPE lines too
+        exposition = metrics_export.exposition(fresh)
     for line in exposition.decode().splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split()

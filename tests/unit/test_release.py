@@ -16,7 +16,7 @@ import pytest
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.fakeproc import FakeProc
 from tests.unit.test_holders import DOCKER_ID, add_chips, chips
-from tpuboot import cli, metrics
+from tpuboot import cli, metrics, metrics_export
 from tpuboot.config import Config, DoctorConfig, VbarConfig, parse_config
 from tpuboot.errors import ConfigError
 from tpuboot.holders.procfs import Process, ProcReader
@@ -266,7 +266,7 @@ def test_holder_metrics_per_chip_and_state_and_lock(tree):
     proc.lock(101, lock)
     with metrics.use(metrics.Metrics()) as m:
         metrics.holders(gather(kernel.root, chips(kernel)))
-        value = m.registry.get_sample_value
+        value = metrics_export.registry_of(m).get_sample_value
         assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "stopped"}) == 1
         assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "sleeping"}) == 1
         assert value("tpuboot_chip_holders", {"chip": "0000:00:05", "state": "running"}) == 0

@@ -8,13 +8,23 @@ prometheus_client it once ended at the metrics import, before READY.
 from __future__ import annotations
 
 import signal
+import socket
 import urllib.request
 from pathlib import Path
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator
+from tests.unit.conftest import wait_until
 from tests.unit.fakekernel import FakeKernel
 from tests.unit.runproc import free_port, tpuboot_run
 from tpuboot.env.tpuenv import render_env_file
+
+
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def test_run_starts_reports_ready_serves_metrics_and_stops_on_sigterm(
@@ -31,6 +41,7 @@ def test_run_starts_reports_ready_serves_metrics_and_stops_on_sigterm(
     )
     with tpuboot_run(kernel.top, config, emulator.host, tmp_path) as daemon:
         seen = daemon.receive("READY=1")
+        wait_until(lambda: port_open(port))  # the endpoint opens in its own thread: READY never waits
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             scraped = response.read().decode()
         daemon.process.send_signal(signal.SIGTERM)

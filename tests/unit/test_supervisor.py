@@ -17,7 +17,7 @@ import pytest
 
 from tests.unit.conftest import wait_until
 from tests.unit.test_daemon import serving, until
-from tpuboot import metrics
+from tpuboot import metrics, metrics_export
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Status
 from tpuboot.config import Config, MetadataConfig, TelemetryConfig, VbarConfig
@@ -81,7 +81,7 @@ def test_a_crashing_child_is_restarted_with_growing_delays(tmp_path: Path) -> No
     status = Statuses()
     supervisor = Supervisor("vBar", ExecRuntime(argv), FAST, status)
     with metrics.use(metrics.Metrics()) as counted:
-        registry = counted.registry
+        registry = metrics_export.registry_of(counted)
         supervisor.start()
         wait_until(lambda: len((tmp_path / "runs").read_text() if (tmp_path / "runs").exists() else "") >= 5)
         # The fifth child wrote before it exited: its exit, and the delay after it, come later
@@ -256,7 +256,10 @@ def test_exec_runtime_from_config_and_stop_ends_the_child(kernel: Any, root: Any
 
     with metrics.use(metrics.Metrics()) as fresh, serving(daemon) as running:
         until(lambda: daemon.status_line().endswith("vBar: running"))
-        assert fresh.registry.get_sample_value("tpuboot_container_up", {"container": "vBar"}) == 1.0
+        assert (
+            metrics_export.registry_of(fresh).get_sample_value("tpuboot_container_up", {"container": "vBar"})
+            == 1.0
+        )
         running.stop()
     runtime = daemon.containers.supervisors["vBar"].runtime
     assert isinstance(runtime, ExecRuntime) and runtime.proc is not None

@@ -1,10 +1,11 @@
 """Coldplug first: start binding the TPUs already present before the daemon's heavy parts load.
 
-The binds need only sysfs and the device table; the rest of the daemon (requests and
-prometheus_client above all: the metadata client, the metrics) takes several times longer to
-import than eight binds take to run, and far longer on a slow or emulated CPU. So `tpuboot run` opens the udev
-monitor, enumerates, hands every TPU's bind to the worker pool, and only then imports the rest;
-the daemon adopts the binds in flight and handles their results like any other.
+The binds need only sysfs and the device table; the rest of the daemon (requests above all: the
+metadata client) takes several times longer to import than eight binds take to run, and far
+longer on a slow or emulated CPU. So `tpuboot run` opens the udev monitor, enumerates, hands every
+TPU's bind to the worker pool, and only then imports the rest; the daemon adopts the binds in
+flight and handles their results like any other. (prometheus_client loads later still, in the
+metrics endpoint's own thread: tpuboot/metrics_endpoint.py.)
 """
 
 from __future__ import annotations

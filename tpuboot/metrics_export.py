@@ -1,0 +1,357 @@
+"""tpuboot's metrics in Prometheus' format: the one module that imports prometheus_client.
+
+A registry per :class:`~tpuboot.metrics.Metrics` (never the global one) shows its recorded values,
+plus what is read when Prometheus scrapes (:class:`PcieCollector`, :class:`HolderCollector`); the
+daemon serves it on loopback (:func:`serve`, from the endpoint's own thread: tpuboot/daemon.py) and
+the one-shot commands write it as a node_exporter textfile (:func:`write_textfile`). The names and
+what each means: tpuboot/metrics.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+from wsgiref.simple_server import make_server
+
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+
+from tpuboot import __version__
+from tpuboot.atomicfile import write_file
+from tpuboot.config import Config, MetricsConfig
+from tpuboot.devices.chips import base_address
+from tpuboot.devices.health import AER_FILES, load_baselines, read_health
+from tpuboot.devices.pci import PciFunction, list_addresses
+from tpuboot.devices.table import DeviceTable
+from tpuboot.metrics import BIND_BUCKETS, TEXTFILE_NAME, Metrics, current, holder_counts, lock_states
+from tpuboot.metrics_server import MetricsServer, QuietHandler
+from tpuboot.paths import Root
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
+    from tpuboot.holders.report import Report
+
+log = logging.getLogger("tpuboot.metrics")
+
+Family = CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily | InfoMetricFamily
+
+
+class Recorded:
+    """The values a :class:`~tpuboot.metrics.Metrics` recorded, as metric families, read at each
+    scrape from one snapshot; the holders apart (:class:`RecordedHolders`)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Family]:
+        m = self.metrics.snapshot()
+        yield InfoMetricFamily("tpuboot_build", "tpuboot build information.", value={"version": __version__})
+        tpus = GaugeMetricFamily(
+            "tpuboot_tpus", "TPUs seen, by generation and state.", labels=["generation", "state"]
+        )
+        for (generation, state), count in m.tpus.items():
+            tpus.add_metric([generation, state], count)
+        yield tpus
+        attempts = CounterMetricFamily(
+            "tpuboot_bind_attempts", "Attempts to bind a TPU to vfio-pci, by result.", labels=["result"]
+        )
+        for result, counted in m.bind_attempts.items():
+            attempts.add_metric([result], counted.value, created=counted.created)
+        yield attempts
+        durations = HistogramMetricFamily(
+            "tpuboot_bind_duration_seconds", "Time one bind attempt took, by result.", labels=["result"]
+        )
+        bounds = [str(float(bound)) for bound in BIND_BUCKETS] + ["+Inf"]  # as prometheus_client writes le
+        for result, seen in m.bind_duration.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, seen.counts, strict=True):
+                cumulative += count
+                buckets.append((bound, float(cumulative)))
+            durations.add_metric([result], buckets, seen.total)
+        yield durations
+        requests = CounterMetricFamily(
+            "tpuboot_metadata_requests",
+            "HTTP requests to the metadata server, by outcome.",
+            labels=["outcome"],
+        )
+        for outcome, counted in m.metadata_requests.items():
+            requests.add_metric([outcome], counted.value, created=counted.created)
+        yield requests
+        yield GaugeMetricFamily(
+            "tpuboot_tpu_env_last_update_timestamp_seconds",
+            "When tpu-env was last written or confirmed (unix seconds).",
+            value=m.tpu_env_updated,
+        )
+        yield GaugeMetricFamily(
+            "tpuboot_tpu_env_from_cache",
+            "1 if the last tpu-env update came from the local cache, not the metadata server.",
+            value=m.tpu_env_from_cache,
+        )
+        up = GaugeMetricFamily(
+            "tpuboot_container_up", "1 while the supervised container runs.", labels=["container"]
+        )
+        for container, value in m.container_up.items():
+            up.add_metric([container], value)
+        yield up
+        restarts = CounterMetricFamily(
+            "tpuboot_container_restarts",
+            "Restarts of a supervised container by tpuboot.",
+            labels=["container"],
+        )
+        for container, counted in m.container_restarts.items():
+            restarts.add_metric([container], counted.value, created=counted.created)
+        yield restarts
+        phases = GaugeMetricFamily(
+            "tpuboot_boot_phase_seconds",
+            "When each phase of this boot ended, in seconds since tpuboot started (bind: the last TPU's).",
+            labels=["phase"],
+        )
+        for phase, seconds in m.boot_phase.items():
+            phases.add_metric([phase], seconds)
+        yield phases
+
+
+class RecordedHolders:
+    """What a one-shot `tpuboot who` recorded of the holders (its textfile); the daemon shows its
+    own scans instead (:class:`HolderCollector`)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        m = self.metrics.snapshot()
+        yield from holder_families(m.chip_holders, m.libtpu_lock_held)
+
+
+def holder_families(
+    holders: dict[tuple[str, str], int], locks: dict[str, float]
+) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    """The holder gauges, from a one-shot `tpuboot who` or the daemon's scan."""
+    chips = GaugeMetricFamily(
+        "tpuboot_chip_holders",
+        "Processes holding a TPU chip's device nodes open, by chip and process state.",
+        labels=["chip", "state"],
+    )
+    held = GaugeMetricFamily(
+        "tpuboot_libtpu_lock_held",
+        "1 while a process holds the libtpu lock file, 0 while it exists unheld.",
+        labels=["path"],
+    )
+    for (chip, state), count in holders.items():
+        chips.add_metric([chip, state], count)
+    for path, value in locks.items():
+        held.add_metric([path], value)
+    return chips, held
+
+
+@dataclass
+class Exported:
+    """One Metrics' registry and the collectors the daemon added to it."""
+
+    registry: CollectorRegistry
+    holders: Collector  # RecordedHolders, until the daemon's HolderCollector replaces it
+    pcie: Collector | None = None
+
+
+_exported: weakref.WeakKeyDictionary[Metrics, Exported] = weakref.WeakKeyDictionary()
+_exported_lock = threading.Lock()
+
+
+def exported(metrics: Metrics) -> Exported:
+    """``metrics``' registry, made at its first exposition."""
+    with _exported_lock:
+        found = _exported.get(metrics)
+        if found is None:
+            registry = CollectorRegistry(auto_describe=True)
+            registry.register(cast("Collector", Recorded(metrics)))  # the ABC exists from 0.14 only
+            holders = cast("Collector", RecordedHolders(metrics))
+            registry.register(holders)
+            found = _exported[metrics] = Exported(registry, holders)
+        return found
+
+
+def registry_of(metrics: Metrics) -> CollectorRegistry:
+    return exported(metrics).registry
+
+
+def exposition(metrics: Metrics) -> bytes:
+    """``metrics`` in Prometheus' text format."""
+    return generate_latest(registry_of(metrics))
+
+
+class PcieCollector:
+    """The PCIe health of every TPU function, read from sysfs when Prometheus scrapes: nothing is
+    sampled between scrapes (an idle daemon stays asleep) and nothing goes stale."""
+
+    def __init__(self, root: Root, table: DeviceTable) -> None:
+        self.root = root
+        self.table = table
+
+    def _tpu_addresses(self) -> list[str]:
+        found = []
+        for address in list_addresses(self.root):
+            try:
+                if self.table.classify(PciFunction(self.root, address).ids()) is not None:
+                    found.append(address)
+            except OSError:  # removed while we looked, or unreadable: not vouched for here
+                continue
+        return found
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["address", "chip"]
+        present = GaugeMetricFamily(
+            "tpuboot_pcie_present", "1 while the TPU function answers config reads.", labels=labels
+        )
+        ratio = GaugeMetricFamily(
+            "tpuboot_pcie_link_bandwidth_ratio",
+            "PCIe link bandwidth now over the most the link can do (1: full).",
+            labels=labels,
+        )
+        width = GaugeMetricFamily(
+            "tpuboot_pcie_link_width", "PCIe link lanes, current or max.", labels=[*labels, "link"]
+        )
+        speed = GaugeMetricFamily(
+            "tpuboot_pcie_link_speed_gigatransfers_per_second",
+            "PCIe link speed per lane, current or max.",
+            labels=[*labels, "link"],
+        )
+        errors = CounterMetricFamily(
+            "tpuboot_pcie_errors", "AER errors since boot, by kind (severity).", labels=[*labels, "kind"]
+        )
+        baselines = load_baselines(self.root)
+        for address in self._tpu_addresses():
+            health = read_health(self.root, address, baselines)
+            chip = base_address(address)
+            present.add_metric([address, chip], 1 if health.present else 0)
+            link = health.link
+            if link is not None:
+                if link.fraction is not None:
+                    ratio.add_metric([address, chip], link.fraction)
+                for name, lanes, gts in (
+                    ("current", link.width, link.speed),
+                    ("max", link.max_width, link.max_speed),
+                ):
+                    if lanes is not None:
+                        width.add_metric([address, chip, name], lanes)
+                    if gts is not None:
+                        speed.add_metric([address, chip, name], gts)
+            for severity in AER_FILES:
+                total = health.errors(severity)
+                if total is not None:
+                    errors.add_metric([address, chip, severity], total)
+        yield from (present, ratio, width, speed, errors)
+
+
+class HolderCollector:
+    """Who holds each chip and libtpu's locks, for the daemon's endpoint: one /proc scan when
+    Prometheus scrapes, at most every ``min_interval`` seconds (a scan of a busy host costs a
+    tenth of a second of CPU or more), never between scrapes."""
+
+    def __init__(self, root: Root, config: Config, min_interval: float = 30.0) -> None:
+        self.root = root
+        self.config = config
+        self.min_interval = min_interval
+        self._lock = threading.Lock()  # scrapes may run at once
+        self._report: Report | None = None
+        self._at = 0.0
+
+    def report(self) -> Report:
+        from tpuboot.holders.report import chips_of, gather
+
+        with self._lock:
+            now = time.monotonic()
+            if self._report is None or now - self._at >= self.min_interval:
+                self._report, self._at = gather(self.root, chips_of(self.root, self.config)), now
+            return self._report
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            report = self.report()
+        except Exception as exc:  # deliberately total: a scrape never fails on a bad /proc entry
+            log.debug("metrics: holders not scanned: %s", exc)
+            yield from holder_families({}, {})
+            return
+        locks = {path: 1.0 if held else 0.0 for path, held in lock_states(report).items()}
+        yield from holder_families(holder_counts(report), locks)
+
+
+def watch_holders(root: Root, config: Config) -> None:
+    """Serve the holders from scans at scrape time (the daemon), instead of what a one-shot
+    `tpuboot who` recorded (its textfile)."""
+    target = exported(current())
+    target.registry.unregister(target.holders)  # the recorded ones, or a daemon's built before (tests)
+    target.holders = cast("Collector", HolderCollector(root, config))
+    target.registry.register(target.holders)
+
+
+def watch_pcie(root: Root, table: DeviceTable) -> None:
+    """Export the PCIe health of ``root``'s TPU functions with the current metrics (the daemon)."""
+    target = exported(current())
+    if target.pcie is not None:  # a daemon built again with the same metrics (tests)
+        target.registry.unregister(target.pcie)
+    target.pcie = cast("Collector", PcieCollector(root, table))
+    target.registry.register(target.pcie)
+
+
+def _server_class(address: str, port: int) -> tuple[type[MetricsServer], str]:
+    """A server class whose address family suits ``address`` (an IPv6 literal needs AF_INET6),
+    and the address to bind; raises OSError (socket.gaierror) for an unresolvable name."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+
+    class Server(MetricsServer):
+        address_family = family
+
+    return Server, str(sockaddr[0])
+
+
+def serve(config: MetricsConfig) -> MetricsServer | None:
+    """Serve the current metrics on ``config.address:port`` in a daemon thread; None if disabled
+    or the port cannot be had (one warning line: the daemon runs on without metrics).
+    ``server.server_port`` is the port (for port 0); ``server.shutdown()`` stops it. What a client
+    can make it hold is bounded (tpuboot/metrics_server.py)."""
+    if not config.enabled:
+        return None
+    try:
+        server_class, addr = _server_class(config.address, config.port)
+        server = make_server(
+            addr, config.port, make_wsgi_app(registry_of(current())), server_class, handler_class=QuietHandler
+        )
+    except OSError as exc:
+        log.warning(
+            "metrics: cannot listen on %s:%d (%s); running without metrics (set metrics.port)",
+            config.address,
+            config.port,
+            exc.strerror or exc,
+        )
+        return None
+    server.start()
+    log.info("metrics: serving http://%s:%d/metrics", config.address, server.server_port)
+    return server
+
+
+def write_textfile(root: Root, config: MetricsConfig) -> str | None:
+    """Write the current metrics to ``<textfile_dir>/tpuboot.prom`` atomically, for node_exporter's
+    textfile collector; returns the path, None when no directory is configured or on failure (warned)."""
+    if not config.textfile_dir:
+        return None
+    path = config.textfile_dir.rstrip("/") + "/" + TEXTFILE_NAME
+    try:
+        write_file(root, path, exposition(current()), mode=0o644)
+    except Exception as exc:  # a metrics file never fails a command
+        log.warning("metrics: %s", exc)
+        return None
+    return path
