@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 from wsgiref.simple_server import make_server
@@ -34,7 +34,7 @@ from tpuboot.devices.chips import base_address
 from tpuboot.devices.health import AER_FILES, load_baselines, read_health
 from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.table import DeviceTable
-from tpuboot.metrics import BIND_BUCKETS, TEXTFILE_NAME, Metrics, current, holder_counts, lock_states
+from tpuboot.metrics import BIND_BUCKETS, TEXTFILE_NAME, Count, Metrics, current, holder_counts, lock_states
 from tpuboot.metrics_server import MetricsServer, QuietHandler
 from tpuboot.paths import Root
 
@@ -58,18 +58,15 @@ class Recorded:
     def collect(self) -> Iterator[Family]:
         m = self.metrics.snapshot()
         yield InfoMetricFamily("tpuboot_build", "tpuboot build information.", value={"version": __version__})
-        tpus = GaugeMetricFamily(
-            "tpuboot_tpus", "TPUs seen, by generation and state.", labels=["generation", "state"]
+        yield gauges(
+            "tpuboot_tpus", "TPUs seen, by generation and state.", ["generation", "state"], m.tpus.items()
         )
-        for (generation, state), count in m.tpus.items():
-            tpus.add_metric([generation, state], count)
-        yield tpus
-        attempts = CounterMetricFamily(
-            "tpuboot_bind_attempts", "Attempts to bind a TPU to vfio-pci, by result.", labels=["result"]
+        yield counters(
+            "tpuboot_bind_attempts",
+            "Attempts to bind a TPU to vfio-pci, by result.",
+            "result",
+            m.bind_attempts,
         )
-        for result, counted in m.bind_attempts.items():
-            attempts.add_metric([result], counted.value, created=counted.created)
-        yield attempts
         durations = HistogramMetricFamily(
             "tpuboot_bind_duration_seconds", "Time one bind attempt took, by result.", labels=["result"]
         )
@@ -81,14 +78,12 @@ class Recorded:
                 buckets.append((bound, float(cumulative)))
             durations.add_metric([result], buckets, seen.total)
         yield durations
-        requests = CounterMetricFamily(
+        yield counters(
             "tpuboot_metadata_requests",
             "HTTP requests to the metadata server, by outcome.",
-            labels=["outcome"],
+            "outcome",
+            m.metadata_requests,
         )
-        for outcome, counted in m.metadata_requests.items():
-            requests.add_metric([outcome], counted.value, created=counted.created)
-        yield requests
         yield GaugeMetricFamily(
             "tpuboot_tpu_env_last_update_timestamp_seconds",
             "When tpu-env was last written or confirmed (unix seconds).",
@@ -99,28 +94,39 @@ class Recorded:
             "1 if the last tpu-env update came from the local cache, not the metadata server.",
             value=m.tpu_env_from_cache,
         )
-        up = GaugeMetricFamily(
-            "tpuboot_container_up", "1 while the supervised container runs.", labels=["container"]
-        )
-        for container, value in m.container_up.items():
-            up.add_metric([container], value)
-        yield up
-        restarts = CounterMetricFamily(
+        up = [((container,), value) for container, value in m.container_up.items()]
+        yield gauges("tpuboot_container_up", "1 while the supervised container runs.", ["container"], up)
+        yield counters(
             "tpuboot_container_restarts",
             "Restarts of a supervised container by tpuboot.",
-            labels=["container"],
+            "container",
+            m.container_restarts,
         )
-        for container, counted in m.container_restarts.items():
-            restarts.add_metric([container], counted.value, created=counted.created)
-        yield restarts
-        phases = GaugeMetricFamily(
+        phases = [((phase,), seconds) for phase, seconds in m.boot_phase.items()]
+        yield gauges(
             "tpuboot_boot_phase_seconds",
             "When each phase of this boot ended, in seconds since tpuboot started (bind: the last TPU's).",
-            labels=["phase"],
+            ["phase"],
+            phases,
         )
-        for phase, seconds in m.boot_phase.items():
-            phases.add_metric([phase], seconds)
-        yield phases
+
+
+def counters(name: str, doc: str, label: str, counts: Mapping[str, Count]) -> CounterMetricFamily:
+    """A counter family with one label; each series with its ``_created``."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, counted in counts.items():
+        family.add_metric([value], counted.value, created=counted.created)
+    return family
+
+
+def gauges(
+    name: str, doc: str, labels: list[str], series: Iterable[tuple[Sequence[str], float]]
+) -> GaugeMetricFamily:
+    """A gauge family: one series per (label values, value)."""
+    family = GaugeMetricFamily(name, doc, labels=labels)
+    for key, value in series:
+        family.add_metric(list(key), value)
+    return family
 
 
 class RecordedHolders:
@@ -136,23 +142,21 @@ class RecordedHolders:
 
 
 def holder_families(
-    holders: dict[tuple[str, str], int], locks: dict[str, float]
+    holders: Mapping[tuple[str, str], int], locks: Mapping[str, float]
 ) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
     """The holder gauges, from a one-shot `tpuboot who` or the daemon's scan."""
-    chips = GaugeMetricFamily(
+    chips = gauges(
         "tpuboot_chip_holders",
         "Processes holding a TPU chip's device nodes open, by chip and process state.",
-        labels=["chip", "state"],
+        ["chip", "state"],
+        holders.items(),
     )
-    held = GaugeMetricFamily(
+    held = gauges(
         "tpuboot_libtpu_lock_held",
         "1 while a process holds the libtpu lock file, 0 while it exists unheld.",
-        labels=["path"],
+        ["path"],
+        [((path,), value) for path, value in locks.items()],
     )
-    for (chip, state), count in holders.items():
-        chips.add_metric([chip, state], count)
-    for path, value in locks.items():
-        held.add_metric([path], value)
     return chips, held
 
 
