@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import pytest
 
 from tests.unit.conftest import make_client, make_config, wait_until
-from tests.unit.fakekernel import FakeKernel
-from tests.unit.runproc import free_port
+from tests.unit.devices.test_vfio import V5P, add_tpu, binder
+from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.runproc import free_port
 from tests.unit.test_eventloop import CountingSelector
-from tests.unit.test_vfio import V5P, add_tpu, binder
 from tpuboot import bootbudget, cli
 from tpuboot.component import Status
 from tpuboot.config import (
