@@ -11,9 +11,9 @@ import logging
 
 import pytest
 
-from tests.unit.devices.test_vfio import V5P, add_tpu, binder
 from tests.unit.fakes.kernel import FakeKernel
-from tests.unit.test_daemon import make, on_loop, serving, until
+from tests.unit.helpers.daemon import make, on_loop, serving, until
+from tests.unit.helpers.devices import V5P, add_tpu, binder
 from tpuboot import cli
 from tpuboot.daemon import Daemon
 from tpuboot.devices import manager

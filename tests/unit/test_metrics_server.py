@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.conftest import audit_events, wait_until
+from harness.polling import wait_until
 from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.audit import audit_events
 from tests.unit.helpers.runproc import free_port, tpuboot_run
 from tpuboot import metrics, metrics_server
 from tpuboot.config import MetricsConfig

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.containers.test_supervisor import Statuses, wait_until
+from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
+from tests.unit.helpers.containers import Statuses
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import DEFAULT_REGISTRIES, Config, TelemetryConfig, VbarConfig, parse_config
 from tpuboot.containers.docker import DockerRuntime

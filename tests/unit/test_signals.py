@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.conftest import wait_until
+from harness.polling import wait_until
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.runproc import RunningDaemon, free_port, tpuboot_run
 from tpuboot import signals

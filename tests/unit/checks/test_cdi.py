@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tests.unit.devices.test_vfio import V5P, add_tpu, binder
 from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.devices import V5P, add_tpu, binder
 from tpuboot.checks.cdi import CdiChecks, parse_version, toml_values
 from tpuboot.containers import cdi
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.checks.test_image import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, NoSystemctl, write
-from tests.unit.conftest import make_config
-from tests.unit.devices.test_vfio import V5P, add_tpu
 from tests.unit.fakes.dockerd import fake_dockerd
 from tests.unit.fakes.kernel import FakeKernel, VfioShape
+from tests.unit.helpers.devices import V5P, add_tpu
+from tests.unit.helpers.images import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, NoSystemctl, write
+from tests.unit.helpers.metadata import make_config
 from tpuboot import cli
 from tpuboot.checks import image as imagecheck
 from tpuboot.checks.containers import docker_container_state
@@ -514,7 +514,7 @@ def test_a_cache_record_of_another_instance_fails_freshness_with_the_reason(kern
 def test_doctor_asks_the_image_checks_systemd_it_was_given(kernel):
     """On the host, systemctl's answer (what is in force) wins over the files: doctor passes its
     systemd to the image checks."""
-    from tests.unit.checks.test_image import Answering
+    from tests.unit.helpers.images import Answering
 
     low = {"DefaultLimitMEMLOCK": "65536", "DefaultLimitMEMLOCKSoft": "65536"}
     systemd = Answering({None: low})
@@ -526,7 +526,7 @@ def test_doctor_asks_the_image_checks_systemd_it_was_given(kernel):
 
 def test_the_chip_count_counts_chips_not_functions(tmp_path):
     """A TPU7x chip is two PCI functions: 8 functions of a tpu7x-standard-4t VM are its 4 chips."""
-    from tests.unit.holders.test_holders import TPU7X, add_chips
+    from tests.unit.helpers.devices import TPU7X, add_chips
 
     kernel = healthy(tmp_path / "root")
     for address in ADDRESSES:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.helpers.images import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, Answering, NoSystemctl, write
 from tpuboot.checks import registry
 from tpuboot.checks.image import run_checks
 from tpuboot.checks.parsers.rlimits import UNLIMITED, Limit
@@ -15,16 +16,6 @@ from tpuboot.checks.parsers.systemd import Systemd, parse_rlimit
 from tpuboot.checks.registry import CheckResult, Checks
 from tpuboot.paths import Root
 
-GOOD_CMDLINE = (
-    "BOOT_IMAGE=/vmlinuz root=UUID=1 ro idle=poll transparent_hugepage=always intel_iommu=on,sm_on\n"
-)
-PAM_GOOD = """\
-*     -    memlock  unlimited
-root  -    memlock  unlimited
-*     -    nofile   100000
-root  -    nofile   100000
-"""
-MANAGER_GOOD = "[Manager]\nDefaultLimitMEMLOCK=infinity\nDefaultLimitNOFILE=100000\n"
 DOCKER_UNIT = "[Unit]\nDescription=Docker\n\n[Service]\nExecStart=/usr/bin/dockerd\nLimitNPROC=infinity\n"
 
 
@@ -33,40 +24,10 @@ def tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def write(tree: Path, path: str, text: str) -> Path:
-    real = tree / path.lstrip("/")
-    real.parent.mkdir(parents=True, exist_ok=True)
-    real.write_text(text)
-    return real
-
-
 def mask(tree: Path, path: str) -> None:
     real = tree / path.lstrip("/")
     real.parent.mkdir(parents=True, exist_ok=True)
     real.symlink_to("/dev/null")
-
-
-class NoSystemctl(Systemd):
-    """Tests read files only (a temporary tree is never live); a test that wants systemctl's
-    answer passes an :class:`Answering`."""
-
-    def show(self, unit: str | None, properties: list[str]) -> dict[str, str] | None:
-        raise AssertionError("a test ran systemctl")
-
-
-class Answering(Systemd):
-    """A running systemd whose ``systemctl show`` answers ``answers[unit]`` (None: cannot answer)."""
-
-    def __init__(self, answers: dict[str | None, dict[str, str]] | None) -> None:
-        self.answers = answers
-        self.asked: list[str | None] = []
-
-    def live(self, root: Root) -> bool:
-        return True
-
-    def show(self, unit: str | None, properties: list[str]) -> dict[str, str] | None:
-        self.asked.append(unit)
-        return None if self.answers is None else self.answers.get(unit, {"LoadState": "not-found"})
 
 
 def result(tree: Path, name: str, systemd: Systemd | None = None) -> CheckResult:

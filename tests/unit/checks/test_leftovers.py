@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.helpers.images import BASELINE, BIND_SCRIPT, REPO, VFIO_RULES
 from tpuboot import cli
 from tpuboot.checks.doctor import Doctor
 from tpuboot.checks.image import run_checks
@@ -21,11 +22,7 @@ from tpuboot.checks.registry import CheckResult
 from tpuboot.config import Config
 from tpuboot.paths import Root
 
-REPO = Path(__file__).resolve().parents[3]
-BASELINE = REPO / "bench/baseline"
 TPUBOOT_RULE = (REPO / "udev/tpuboot.rules").read_text()
-VFIO_RULES = (BASELINE / "99-tpu-vfiopci.rules").read_text()
-BIND_SCRIPT = (BASELINE / "bind_to_vfio_pci.sh").read_text()
 ENV_VARS_SCRIPT = (BASELINE / "configure-env-vars.sh").read_text()
 GCS_SCRIPT = "".join(
     f'echo "{line}" >> /etc/environment\n'

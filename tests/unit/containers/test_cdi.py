@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.unit.devices.test_chips import V4, V5P, add, surveyed
-from tests.unit.devices.test_vfio import add_tpu, binder
 from tests.unit.fakes.kernel import FakeKernel
-from tests.unit.test_daemon import make, serving, until
+from tests.unit.helpers.daemon import make, serving, until
+from tests.unit.helpers.devices import V4, V5P, add, add_tpu, binder, surveyed
 from tpuboot import cli
 from tpuboot.containers import cdi
 from tpuboot.devices.chips import ChipFunction, chips_present, group_chips
@@ -224,7 +223,7 @@ def test_tpuboot_cdi_without_a_bound_chip_is_a_one_line_error(kernel, capsys) ->
 def test_a_driver_change_reports_only_when_no_bind_of_ours_runs(kernel) -> None:
     """Our own bind's udev ``bind`` event would refresh the spec before the node is ready (its
     end reports itself); a driver changed by anyone else (`tpuboot unbind`) reports at once."""
-    from tests.unit.test_daemon import Event
+    from tests.unit.helpers.daemon import Event
     from tpuboot.devices.manager import DeviceManager, DeviceState
 
     manager = DeviceManager(None, binder(kernel), None, None, None)  # type: ignore[arg-type]

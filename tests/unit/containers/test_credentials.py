@@ -15,61 +15,40 @@ from collections.abc import Iterator
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.containers.test_supervisor import wait_until
+from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, decode_registry_auth, fake_dockerd
-from tpuboot.backoff import Backoff
+from tests.unit.helpers.containers import (
+    GCR_IMAGE,
+    TOKEN,
+    Clock,
+    client_of,
+    credentials,
+    runtime,
+    token_answer,
+)
 from tpuboot.config import DEFAULT_TOKEN_REGISTRIES, Config, RegistryAuthConfig, TelemetryConfig, parse_config
 from tpuboot.containers.credentials import (
     EARLY_EXPIRY,
     TOKEN_PATH,
     TOKEN_USERNAME,
-    ServiceAccountCredentials,
     TokenRegistries,
     parse_host_pattern,
 )
-from tpuboot.containers.docker import DockerRuntime
-from tpuboot.containers.dockerapi import DockerAPI, auth_header
-from tpuboot.containers.engine import ContainerSpec, RegistryAuth
+from tpuboot.containers.dockerapi import auth_header
+from tpuboot.containers.engine import RegistryAuth
 from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import RUNNING, CannotStart
 from tpuboot.errors import ConfigError
-from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
-from tpuboot.references import RegistryAllowlist
 
-TOKEN = "ya29.c.b0AXv0zTP-test_token.~-" + "A" * 180
 #: A value the tests put where the token would be, to see it is never repeated in a message.
 SECRET = "ya29.secret-never-shown"
-
-
-def token_answer(token: str = TOKEN, expires_in: object = 3599, token_type: str = "Bearer") -> str:
-    return json.dumps({"access_token": token, "expires_in": expires_in, "token_type": token_type})
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
 def emulator() -> Iterator[MetadataEmulator]:
     with MetadataEmulator(instance={"service-accounts/default/token": token_answer()}) as mds:
         yield mds
-
-
-def client_of(emulator: MetadataEmulator) -> MetadataClient:
-    return MetadataClient(emulator.url, timeout=0.5, backoff=Backoff(initial=0.01, maximum=0.02, floor=0.01))
-
-
-def credentials(
-    emulator: MetadataEmulator,
-    registries: tuple[str, ...] = DEFAULT_TOKEN_REGISTRIES,
-    clock: Clock | None = None,
-) -> ServiceAccountCredentials:
-    return ServiceAccountCredentials(client_of(emulator), registries, deadline_s=0.5, clock=clock or Clock())
 
 
 def token_requests(emulator: MetadataEmulator) -> int:
@@ -333,9 +312,7 @@ def test_the_fake_reads_what_dockerd_cannot_decode_as_no_credentials() -> None:
 
 # --- pulls through the docker runtime ---------------------------------------------------------
 
-GCR_IMAGE = "gcr.io/cloud-tpu-v2-images/vbar_control_agent:0.0.1"
 OTHER_IMAGE = "registry.example:5000/vbar:1"
-ALLOW = RegistryAllowlist(["gcr.io", "registry.example:5000"], "vbar.registries")
 
 
 @pytest.fixture
@@ -343,17 +320,6 @@ def dockerd() -> Iterator[FakeDockerd]:
     with fake_dockerd() as fake:
         fake.registry_credentials["gcr.io"] = (TOKEN_USERNAME, TOKEN)
         yield fake
-
-
-def runtime(dockerd: FakeDockerd, image: str, source: ServiceAccountCredentials | None) -> DockerRuntime:
-    return DockerRuntime(
-        lambda: ContainerSpec("vbar", image),
-        pull_retries=1,
-        client_factory=lambda: DockerAPI(str(dockerd.socket_path)),
-        pause=lambda s: None,
-        allowlist=ALLOW,
-        credentials=source,
-    )
 
 
 def test_a_pull_from_gcr_sends_the_token_and_the_container_starts(

@@ -9,10 +9,18 @@ import re
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.containers.test_credentials import GCR_IMAGE, TOKEN, credentials, runtime, token_answer
-from tests.unit.containers.test_service import IMAGE, docker_runtime
-from tests.unit.containers.test_supervisor import Statuses, wait_until
+from harness.polling import wait_until
 from tests.unit.fakes.dockerd import ENGINES, FakeDockerd, fake_dockerd
+from tests.unit.helpers.containers import (
+    GCR_IMAGE,
+    IMAGE,
+    TOKEN,
+    Statuses,
+    credentials,
+    docker_runtime,
+    runtime,
+    token_answer,
+)
 from tpuboot.backoff import RestartPolicy
 from tpuboot.checks.containers import docker_container_state
 from tpuboot.checks.doctor import Doctor

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from harness.polling import wait_until
 from tests.unit.fakes.dockerd import ENGINES, FakeDockerd, fake_dockerd
 from tpuboot.containers.dockerapi import (
     NEWEST_API,
@@ -329,13 +330,6 @@ def follow(stream: Any, into: list[dict[str, Any]], done: threading.Event) -> th
     return thread
 
 
-def wait_for(predicate: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def test_events_are_filtered_and_arrive_as_sent_until_dockerd_ends_the_stream(dockerd: FakeDockerd) -> None:
     client = client_of(dockerd)
     ident = dockerd.add_container("vbar", "img:1")
@@ -344,12 +338,12 @@ def test_events_are_filtered_and_arrive_as_sent_until_dockerd_ends_the_stream(do
     done = threading.Event()
     filters = {"type": ["container"], "container": [ident], "event": ["die"]}
     follow(client.events(filters), events, done)
-    wait_for(lambda: len(dockerd.subscribers) == 1)
+    wait_until(lambda: len(dockerd.subscribers) == 1)
     (request,) = dockerd.calls("GET", "/events")
     assert json.loads(request.query["filters"]) == filters
     dockerd.die("other", 1)  # not this container
     dockerd.die("vbar", 137)
-    wait_for(lambda: len(events) == 1)
+    wait_until(lambda: len(events) == 1)
     assert events[0]["Action"] == "die" and events[0]["Actor"]["Attributes"]["exitCode"] == "137"
     assert other not in json.dumps(events)
     dockerd.end_event_streams()
@@ -361,7 +355,7 @@ def test_events_end_when_dockerd_goes_away(dockerd: FakeDockerd) -> None:
     events: list[dict[str, Any]] = []
     done = threading.Event()
     follow(stream, events, done)
-    wait_for(lambda: len(dockerd.subscribers) == 1)
+    wait_until(lambda: len(dockerd.subscribers) == 1)
     dockerd.stop()
     assert done.wait(5) and events == []
 
@@ -371,7 +365,7 @@ def test_closing_the_stream_from_another_thread_ends_a_blocked_read_at_once(dock
     events: list[dict[str, Any]] = []
     done = threading.Event()
     thread = follow(stream, events, done)
-    wait_for(lambda: len(dockerd.subscribers) == 1)
+    wait_until(lambda: len(dockerd.subscribers) == 1)
     time.sleep(0.1)  # blocked in the read
     started = time.monotonic()
     stream.close()

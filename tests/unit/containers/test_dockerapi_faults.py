@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
-from tests.unit.test_deadlines import MARGIN, TRICKLE, timed
+from tests.unit.helpers.deadlines import MARGIN, TRICKLE, timed
 from tpuboot.backoff import RestartPolicy
 from tpuboot.containers.docker import DockerRuntime
 from tpuboot.containers.dockerapi import (

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
-from tests.unit.conftest import make_client, make_config
-from tests.unit.containers.test_supervisor import wait_until
+from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
+from tests.unit.helpers.metadata import make_client, make_config
 from tpuboot.config import Config, EnvConfig
 from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.containers.service import Containers
@@ -216,7 +216,7 @@ def test_the_daemon_wires_the_sync_into_the_containers(
 ) -> None:
     """The wiring (tpuboot.wiring.build): the containers read tpu-env from the EnvSync the daemon
     runs, or not at all."""
-    from tests.unit.test_daemon import QueueMonitor
+    from tests.unit.helpers.daemon import QueueMonitor
     from tpuboot.config import GuestAttributesConfig, MetricsConfig
     from tpuboot.wiring import build
 

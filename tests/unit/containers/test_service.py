@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.unit.containers.test_supervisor import Statuses, wait_until
+from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
+from tests.unit.helpers.containers import ALLOW_TEST, IMAGE, Statuses, docker_runtime
 from tpuboot.backoff import RestartPolicy
 from tpuboot.checks.containers import docker_container_state
 from tpuboot.component import Status
@@ -23,10 +24,6 @@ from tpuboot.containers.engine import CONFIG_LABEL, MANAGED_LABEL, ContainerSpec
 from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import CannotStart, RuntimeUnavailable, Supervisor
 from tpuboot.paths import Root
-from tpuboot.references import RegistryAllowlist
-
-IMAGE = "example.invalid/vbar:1"
-ALLOW_TEST = RegistryAllowlist(["example.invalid"], "vbar.registries")
 
 
 def telemetry_spec(config: TelemetryConfig, root: Root) -> ContainerSpec:
@@ -38,16 +35,6 @@ def telemetry_spec(config: TelemetryConfig, root: Root) -> ContainerSpec:
 def dockerd() -> Iterator[FakeDockerd]:
     with fake_dockerd() as fake:
         yield fake
-
-
-def docker_runtime(fake: FakeDockerd, spec: Callable[[], ContainerSpec] | None = None) -> DockerRuntime:
-    return DockerRuntime(
-        spec or (lambda: ContainerSpec("vbar", IMAGE)),
-        pull_retries=2,
-        client_factory=lambda: DockerAPI(str(fake.socket_path)),
-        pause=lambda s: None,
-        allowlist=ALLOW_TEST,
-    )
 
 
 def waiting(runtime: DockerRuntime) -> tuple[threading.Thread, list[str | None], list[BaseException]]:

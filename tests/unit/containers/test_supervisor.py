@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from tests.unit.conftest import wait_until
-from tests.unit.test_daemon import serving, until
+from harness.polling import wait_until
+from tests.unit.helpers.containers import Statuses
+from tests.unit.helpers.daemon import serving, until
 from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
-from tpuboot.component import Status
 from tpuboot.config import Config, MetadataConfig, TelemetryConfig, VbarConfig
 from tpuboot.containers.agents import VBAR_AGENT
 from tpuboot.containers.exec import ExecRuntime, describe_exit
@@ -27,21 +27,6 @@ from tpuboot.containers.gke import gke_node
 from tpuboot.containers.supervisor import Supervisor
 from tpuboot.env.tpuenv import parse_env_file, render_env_file
 from tpuboot.paths import Root
-
-
-class Statuses:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, label: str, status: Status) -> None:
-        with self.lock:
-            self.lines.append(f"{label}: {status.detail}")
-
-    @property
-    def last(self) -> str:
-        with self.lock:
-            return self.lines[-1] if self.lines else ""
 
 
 def stand_in(tmp_path: Path, body: str) -> list[str]:
@@ -139,7 +124,7 @@ def test_the_tpu_env_file_reads_back_every_value() -> None:
 
 def daemon_with(kernel: Any, root: Any, docker: Callable[[], Any] | None = None, **config: Any) -> Any:
     """The daemon as `tpuboot run` builds it, with the containers of ``config`` (Config fields)."""
-    from tests.unit.test_daemon import DEVICES_ONLY, make
+    from tests.unit.helpers.daemon import DEVICES_ONLY, make
 
     daemon, _, _ = make(
         kernel, config=DEVICES_ONLY.replace(**{"vbar": VbarConfig(), **config}), root=root, docker=docker
@@ -149,8 +134,8 @@ def daemon_with(kernel: Any, root: Any, docker: Callable[[], Any] | None = None,
 
 @pytest.fixture
 def kernel(tmp_path: Path) -> Any:
-    from tests.unit.devices.test_vfio import V5P, add_tpu
     from tests.unit.fakes.kernel import FakeKernel
+    from tests.unit.helpers.devices import V5P, add_tpu
 
     k = FakeKernel(tmp_path / "kernel")
     add_tpu(k, "0000:00:04.0", V5P, driver=None, group="4")
@@ -189,8 +174,8 @@ def test_while_the_gke_question_is_unanswered_status_says_so(kernel: Any, root: 
     """gke: auto asks until the metadata server answers (vBar must not start on a GKE node): the
     question shows in STATUS, then why it is asked again, and vBar starts once it is answered."""
     from harness.mds_emulator import MetadataEmulator
-    from tests.unit.conftest import make_client
-    from tests.unit.test_daemon import DEVICES_ONLY, make
+    from tests.unit.helpers.daemon import DEVICES_ONLY, make
+    from tests.unit.helpers.metadata import make_client
 
     with MetadataEmulator({}) as emu:
         emu.set_faults(status=503)
@@ -277,8 +262,8 @@ def test_on_an_image_building_vm_nothing_privileged_starts_until_a_tpu_appears(
 ) -> None:
     """No TPU and no tpu-env (a VM building an image): vBar is not started and dockerd is never
     asked, so nothing is pulled into the image; a TPU hot-added later starts it."""
-    from tests.unit.devices.test_vfio import V5P, add_tpu
     from tests.unit.fakes.kernel import FakeKernel
+    from tests.unit.helpers.devices import V5P, add_tpu
 
     asked = threading.Event()
 
@@ -308,9 +293,9 @@ def test_on_an_image_building_vm_nothing_privileged_starts_until_a_tpu_appears(
 def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any, emulator: Any, held: bool) -> None:
     """tpu-env held (from metadata or the cache) counts as a TPU VM before any TPU shows; an absent
     tpu-env does not."""
-    from tests.unit.conftest import make_client
     from tests.unit.fakes.kernel import FakeKernel
-    from tests.unit.test_daemon import make, with_env
+    from tests.unit.helpers.daemon import make, with_env
+    from tests.unit.helpers.metadata import make_client
 
     if not held:
         emulator.set_attribute("tpu-env", None)

@@ -8,28 +8,13 @@ from pathlib import Path
 import pytest
 
 from tests.unit.fakes.kernel import FakeKernel
-from tpuboot.config import MatchRule, VfioConfig
+from tests.unit.helpers.devices import TPU7X, V4, V5P, add, surveyed
+from tpuboot.config import MatchRule
 from tpuboot.devices.chips import ChipFunction, accel_nodes, base_address, chips_present, group_chips
-from tpuboot.devices.survey import survey
 from tpuboot.devices.table import GOOGLE, DeviceTable
-from tpuboot.devices.vfio import Binder
 
-V5P = (GOOGLE, 0x0062, (GOOGLE, 0x00AD))
 VFIO = "vfio-pci"
-TPU7X = (GOOGLE, 0x0076, (GOOGLE, 0x00F2))
-V4 = (GOOGLE, 0x005E, (0, 0))
 V3 = (GOOGLE, 0x0027, (GOOGLE, 0x004F))
-
-
-def surveyed(kernel: FakeKernel, table: DeviceTable) -> list:
-    return survey(Binder(kernel.root, table, VfioConfig(node_timeout=0.05), write=kernel.write))
-
-
-def add(
-    kernel: FakeKernel, address: str, ids: tuple, group: str | None, driver: str | None = "vfio-pci"
-) -> None:
-    vendor, device, subsystem = ids
-    kernel.add_device(address, vendor, device, subsystem, driver=driver, group=group)
 
 
 def test_base_address_drops_the_function_only() -> None:

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from tests.unit.devices.test_vfio import add_tpu, binder
 from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.devices import add_tpu, binder
 from tpuboot.devices.survey import driver_summary, survey
 
 

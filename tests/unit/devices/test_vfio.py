@@ -7,12 +7,11 @@ import os
 import pytest
 
 from tests.unit.fakes.kernel import FakeKernel
-from tpuboot.config import MatchRule, VfioConfig
-from tpuboot.devices.table import DeviceTable
-from tpuboot.devices.vfio import UNSAFE_INTERRUPTS, Binder
+from tests.unit.helpers.devices import add_tpu, binder
+from tpuboot.config import MatchRule
+from tpuboot.devices.vfio import UNSAFE_INTERRUPTS
 from tpuboot.errors import DeviceError, IommuOffError, TransientDeviceError
 
-V5P = (0x1AE0, 0x0062, (0x1AE0, 0x00AD))
 V6E = (0x1AE0, 0x006F, (0x1AE0, 0x00D1))
 EDU = (0x1234, 0x11E8)
 
@@ -20,23 +19,6 @@ EDU = (0x1234, 0x11E8)
 @pytest.fixture
 def kernel(tmp_path):
     return FakeKernel(tmp_path)
-
-
-def binder(kernel: FakeKernel, machine: str = "x86_64", rules=(), **vfio) -> Binder:
-    config = VfioConfig(**{"node_timeout": 0.05, **vfio})
-    return Binder(
-        kernel.root,
-        DeviceTable(rules),
-        config,
-        write=kernel.write,
-        load_module=kernel.load_module,
-        machine=machine,
-    )
-
-
-def add_tpu(kernel: FakeKernel, address="0000:00:04.0", ids=V5P, driver=None, group="4"):
-    vendor, device, subsystem = ids
-    kernel.add_device(address, vendor, device, subsystem, driver=driver, group=group)
 
 
 def node_mode(kernel: FakeKernel, group: str) -> int:

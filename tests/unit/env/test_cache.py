@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
-from tests.unit.conftest import INSTANCE_UUID, make_client, make_config
+from tests.unit.helpers.metadata import INSTANCE_UUID, make_client, make_config
 from tpuboot.env.cache import CACHE_FORMAT, CacheState, read_cache
 from tpuboot.env.identity import PRODUCT_UUID_PATH, instance_identity
 from tpuboot.env.sync import EnvSync

@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
-from tests.unit.conftest import make_client, make_config
 from tests.unit.fakes.dockerd import FakeDockerd
+from tests.unit.helpers.metadata import make_client, make_config
 from tpuboot.env.etc_environment import ensure_environment
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import (

@@ -11,7 +11,7 @@ import json
 import re
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.conftest import make_client, make_config
+from tests.unit.helpers.metadata import make_client, make_config
 from tpuboot.env.sync import EnvSync
 from tpuboot.paths import Root
 

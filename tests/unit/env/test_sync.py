@@ -20,7 +20,8 @@ from harness.mds_emulator import (
     MetadataEmulator,
     tpu_env_yaml,
 )
-from tests.unit.conftest import make_client, make_config, wait_until
+from harness.polling import wait_until
+from tests.unit.helpers.metadata import make_client, make_config
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.env import sync as envsync
 from tpuboot.env.results import SyncResult

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
-from tests.unit.conftest import make_client, make_config
+from tests.unit.helpers.metadata import make_client, make_config
 from tpuboot.config import ConfigError, parse_config
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import (

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.conftest import make_client
+from harness.polling import wait_until
+from tests.unit.helpers.metadata import make_client
 from tpuboot.component import Component, Status
 from tpuboot.config import GuestAttributesConfig, parse_config
 from tpuboot.errors import ConfigError
@@ -18,13 +19,6 @@ from tpuboot.gce.guestattrs import RETRIES, SPACING, Publisher, PublisherSetting
 from tpuboot.wiring import publisher_settings
 
 FAST = GuestAttributesConfig(min_interval=0.3)  # built directly: the file's floor is 30 s
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -62,7 +56,7 @@ def test_the_publisher_is_a_component_whose_status_follows_the_check(emulator, p
     assert component.status().state == "checking"
     reported: list[Status] = []
     component.start(lambda: reported.append(publisher.status()))
-    wait_for(lambda: bool(reported))
+    wait_until(lambda: bool(reported))
     assert [status.state for status in reported] == ["publishing"]
     assert publishers(GuestAttributesConfig(enabled="false")).status().state == "off"
 
@@ -81,7 +75,7 @@ def test_enabled_instance_gets_every_key_read_back(emulator, publishers) -> None
     publisher = publishers()
     publisher.update({"state": "ready", "tpus": "bound=4 expected=4 failed=0", "version": "0.1.0"})
     publisher.start()
-    wait_for(lambda: len(emulator.guest_attributes("tpuboot")) == 3)
+    wait_until(lambda: len(emulator.guest_attributes("tpuboot")) == 3)
     assert emulator.guest_attributes("tpuboot") == {
         "tpuboot/state": "ready",
         "tpuboot/tpus": "bound=4 expected=4 failed=0",
@@ -94,7 +88,7 @@ def test_the_project_value_counts_when_the_instance_has_none(emulator, publisher
     publisher = publishers()
     publisher.update({"state": "ready"})
     publisher.start()
-    wait_for(lambda: emulator.guest_attributes() == {"tpuboot/state": "ready"})
+    wait_until(lambda: emulator.guest_attributes() == {"tpuboot/state": "ready"})
 
 
 @pytest.mark.parametrize("instance", [None, "FALSE"])
@@ -105,7 +99,7 @@ def test_nothing_is_written_when_disabled(emulator, publishers, caplog, instance
     publisher.update({"state": "ready"})
     with caplog.at_level(logging.INFO, logger="tpuboot.gce.guestattrs"):
         publisher.start()
-        wait_for(lambda: publisher.enabled is False)
+        wait_until(lambda: publisher.enabled is False)
         publisher.update({"state": "stopping"})
         time.sleep(0.5)
     assert emulator.guest_attribute_writes == 0
@@ -125,12 +119,12 @@ def test_changes_within_the_interval_are_coalesced_into_one_write_of_the_latest(
     publisher = publishers(GuestAttributesConfig(min_interval=1.0))
     publisher.update({"state": "starting"})
     publisher.start()
-    wait_for(lambda: emulator.guest_attribute_writes == 1)
+    wait_until(lambda: emulator.guest_attribute_writes == 1)
     for state in ("a", "b", "ready"):
         publisher.update({"state": state})
     time.sleep(0.5)
     assert emulator.guest_attribute_writes == 1  # not before the interval is over
-    wait_for(lambda: emulator.guest_attributes() == {"tpuboot/state": "ready"})
+    wait_until(lambda: emulator.guest_attributes() == {"tpuboot/state": "ready"})
     time.sleep(0.3)
     assert emulator.guest_attribute_writes == 2
     publisher.update({"state": "ready"})  # unchanged: not written again
@@ -143,7 +137,7 @@ def test_writes_are_spaced_under_the_servers_burst_limit(emulator, publishers) -
     publisher = publishers()
     publisher.update({f"k{i}": "v" for i in range(5)})
     publisher.start()
-    wait_for(lambda: len(emulator.guest_attributes()) == 5)
+    wait_until(lambda: len(emulator.guest_attributes()) == 5)
     times = emulator.request_times[-5:]  # as they arrived: a loaded machine may delay one a little
     assert times[-1] - times[0] >= 4 * SPACING - 0.2, times
     assert all(b - a >= SPACING / 2 for a, b in itertools.pairwise(times)), times
@@ -153,10 +147,10 @@ def test_update_returns_at_once_while_the_server_hangs(emulator, publishers) -> 
     emulator.set_attribute("enable-guest-attributes", "TRUE")
     publisher = publishers()
     publisher.start()
-    wait_for(lambda: publisher.enabled is True)
+    wait_until(lambda: publisher.enabled is True)
     emulator.set_faults(delay=3.0)
     publisher.update({"state": "starting"})
-    wait_for(lambda: emulator.guest_attribute_writes == 1)  # in flight: the server holds it 3 s
+    wait_until(lambda: emulator.guest_attribute_writes == 1)  # in flight: the server holds it 3 s
     started = time.monotonic()
     for i in range(100):
         publisher.update({"state": f"s{i}"})
@@ -172,10 +166,10 @@ def test_failed_writes_are_retried_a_bounded_number_of_times_and_logged_once(
     publisher = publishers()
     with caplog.at_level(logging.WARNING, logger="tpuboot.gce.guestattrs"):
         publisher.start()
-        wait_for(lambda: publisher.enabled is True)
+        wait_until(lambda: publisher.enabled is True)
         emulator.set_faults(status=503)
         publisher.update({"state": "ready"})
-        wait_for(lambda: emulator.guest_attribute_writes == RETRIES)
+        wait_until(lambda: emulator.guest_attribute_writes == RETRIES)
         time.sleep(FAST.min_interval * 3)
         assert emulator.guest_attribute_writes == RETRIES
         messages = [r.getMessage() for r in caplog.records]
@@ -183,7 +177,7 @@ def test_failed_writes_are_retried_a_bounded_number_of_times_and_logged_once(
         assert any(f"not written after {RETRIES} tries" in m for m in messages), messages
         emulator.set_faults()
         publisher.update({"state": "stopping"})  # a new value earns a new series
-        wait_for(lambda: emulator.guest_attributes() == {"tpuboot/state": "stopping"})
+        wait_until(lambda: emulator.guest_attributes() == {"tpuboot/state": "stopping"})
 
 
 def test_a_403_from_the_server_stops_publishing_with_one_warning(emulator, publishers, caplog) -> None:
@@ -192,7 +186,7 @@ def test_a_403_from_the_server_stops_publishing_with_one_warning(emulator, publi
     with caplog.at_level(logging.WARNING, logger="tpuboot.gce.guestattrs"):
         reported: list[str] = []
         publisher.start(lambda: reported.append(publisher.status().state))
-        wait_for(lambda: publisher.enabled is False)
+        wait_until(lambda: publisher.enabled is False)
         publisher.update({"state": "stopping"})
         time.sleep(0.8)
     assert emulator.guest_attribute_writes == 1
@@ -207,7 +201,7 @@ def test_stop_writes_the_final_state(emulator, publishers) -> None:
     publisher = publishers()
     publisher.update({"state": "ready"})
     publisher.start()
-    wait_for(lambda: emulator.guest_attributes() == {"tpuboot/state": "ready"})
+    wait_until(lambda: emulator.guest_attributes() == {"tpuboot/state": "ready"})
     publisher.stop(final={"state": "stopped"})
     assert emulator.guest_attributes() == {"tpuboot/state": "stopped"}
 
@@ -252,7 +246,7 @@ def test_tpuboot_run_publishes_its_state_and_the_last_word_at_stop(
     config = f"vbar: {{enabled: false}}\nmetrics: {{port: {free_port()}}}\nmetadata: {{watch: false}}\n"
     with tpuboot_run(kernel.top, config, emulator.host, tmp_path) as daemon:
         daemon.receive("READY=1")
-        wait_for(lambda: len(emulator.guest_attributes("tpuboot")) == 5, timeout=20)
+        wait_until(lambda: len(emulator.guest_attributes("tpuboot")) == 5, timeout=20)
         daemon.process.send_signal(signal.SIGTERM)
         daemon.process.wait(timeout=20)
     assert daemon.process.returncode == 0, daemon.stderr

@@ -19,7 +19,7 @@ import requests
 
 from harness import mds_emulator
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, etag_of, tpu_env_yaml
-from tests.unit.conftest import make_client
+from tests.unit.helpers.metadata import make_client
 from tpuboot.backoff import Backoff
 from tpuboot.config import MetadataConfig
 from tpuboot.env.tpuenv import parse_tpu_env

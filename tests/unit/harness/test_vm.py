@@ -1,6 +1,7 @@
-"""Unit tests of the bench's pure parts: no root, no QEMU, no network.
+"""Unit tests of the VM harness's pure parts (harness/vm/: artifacts, kernel images, the guest
+command channel, the QEMU command line): no root, no QEMU, no network.
 
-They run with ``-m "not vm"`` too, so a broken parser shows up before a slow boot.
+They run with ``-m "not vm"``, so a broken parser shows up before a slow boot.
 """
 
 from __future__ import annotations

@@ -11,24 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.checks.test_image import NoSystemctl
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.fakes.proc import BOOT, TICKS, FakeProc, device
+from tests.unit.helpers.devices import TPU7X, add_chips
+from tests.unit.helpers.holders import DOCKER_ID, chips
+from tests.unit.helpers.images import NoSystemctl
 from tpuboot import cli
 from tpuboot.checks import holders as holder_checks
 from tpuboot.checks.holders import HolderChecks
 from tpuboot.config import Config, DoctorConfig
 from tpuboot.devices.chips import ChipFunction, group_chips
-from tpuboot.devices.table import GOOGLE, DeviceTable
+from tpuboot.devices.table import DeviceTable
 from tpuboot.holders import scan as scan_module
 from tpuboot.holders.locks import LIBTPU_LOCKFILE, lock_paths, lock_table
 from tpuboot.holders.procfs import ProcReader, where_from_cgroup
 from tpuboot.holders.report import gather, render, summary
 from tpuboot.holders.scan import scan
-
-V5P = (GOOGLE, 0x0062, (GOOGLE, 0x00AD))
-TPU7X = (GOOGLE, 0x0076, (GOOGLE, 0x00F2))
-DOCKER_ID = "ab" * 32
 
 
 @pytest.fixture
@@ -36,20 +34,6 @@ def tree(tmp_path: Path) -> tuple[FakeKernel, FakeProc]:
     kernel = FakeKernel(tmp_path)
     (tmp_path / "tmp").mkdir()
     return kernel, FakeProc(tmp_path)
-
-
-def add_chips(kernel: FakeKernel, groups: list[str], ids: tuple = V5P, per_chip: int = 1) -> None:
-    vendor, device, subsystem = ids
-    for n, group in enumerate(groups):
-        chip, fn = divmod(n, per_chip)
-        address = f"0000:00:{4 + chip:02x}.{fn}"
-        kernel.add_device(address, vendor, device, subsystem, driver="vfio-pci", group=group)
-
-
-def chips(kernel: FakeKernel) -> list:
-    from tpuboot.holders.report import chips_of
-
-    return chips_of(kernel.root, Config())
 
 
 def holder_pids(report) -> list[list[int]]:

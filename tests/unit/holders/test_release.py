@@ -15,7 +15,8 @@ import pytest
 
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.fakes.proc import FakeProc
-from tests.unit.holders.test_holders import DOCKER_ID, add_chips, chips
+from tests.unit.helpers.devices import add_chips
+from tests.unit.helpers.holders import DOCKER_ID, chips
 from tpuboot import cli, metrics
 from tpuboot.config import Config, DoctorConfig, VbarConfig, parse_config
 from tpuboot.errors import ConfigError
@@ -224,8 +225,7 @@ class Clock:
 
 
 def held(free: bool) -> Report:
-    from tests.unit.holders.test_holders import LIBTPU_LOCKFILE
-    from tpuboot.holders.locks import LockFile
+    from tpuboot.holders.locks import LIBTPU_LOCKFILE, LockFile
 
     return Report([], (), [] if free else [LockFile(LIBTPU_LOCKFILE, 0, "root", "0600", True, 9, None)])
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.unit.helpers.cli import commands
 from tpuboot import cli, metrics
 from tpuboot.config import Config, MatchRule, Section, parse_config
 from tpuboot.devices.table import DeviceTable
@@ -134,20 +135,6 @@ def items(section: str) -> list[tuple[str, str]]:
         tag, _, body = chunk.partition("\n")
         found.append((plain(tag).strip(), plain(tag + "\n" + body)))
     return found
-
-
-def commands(
-    parser: argparse.ArgumentParser, prefix: str = ""
-) -> Iterator[tuple[str, argparse.ArgumentParser]]:
-    """(``metadata get``, its parser) for every command that runs something."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                path = f"{prefix}{name}"
-                if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
-                    yield from commands(sub, path + " ")
-                else:
-                    yield path, sub
 
 
 def options(parser: argparse.ArgumentParser) -> Iterator[str]:
@@ -555,7 +542,7 @@ def test_the_readme_status_line_is_what_a_default_install_shows(kernel_with_tpus
     """A daemon of the default configuration (env, vBar, GKE check on; the metadata server and a
     dockerd answering) says the README's STATUS line, numbers aside."""
     from tests.unit.fakes.dockerd import fake_dockerd
-    from tests.unit.test_daemon import make, serving, until
+    from tests.unit.helpers.daemon import make, serving, until
     from tpuboot.config import MetadataConfig, MetricsConfig, VbarConfig
     from tpuboot.containers.dockerapi import DockerAPI
 
@@ -582,8 +569,8 @@ def test_the_readme_status_line_is_what_a_default_install_shows(kernel_with_tpus
 
 @pytest.fixture
 def kernel_with_tpus(tmp_path: Path):
-    from tests.unit.devices.test_vfio import V5P, add_tpu
     from tests.unit.fakes.kernel import FakeKernel
+    from tests.unit.helpers.devices import V5P, add_tpu
 
     k = FakeKernel(tmp_path / "kernel")
     for i in range(4):

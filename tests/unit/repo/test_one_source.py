@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.conftest import FAST_BACKOFF, INSTANCE_UUID, make_config
-from tests.unit.devices.test_vfio import V5P, add_tpu, binder
 from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.devices import V5P, add_tpu, binder
+from tests.unit.helpers.metadata import FAST_BACKOFF, INSTANCE_UUID, make_config
 from tpuboot.checks.doctor import Doctor
 from tpuboot.config import Config, VfioConfig
 from tpuboot.containers.gke import gke_node
