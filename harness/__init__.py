@@ -4,6 +4,8 @@
   long-polls, guest attributes); also a script the VM guests run.
 * :mod:`harness.matrix` -- the library-matrix rows: each system's Python minor version and its
   requirement file (scripts/matrix/).
+* :mod:`harness.polling` -- the one polling helper (wait until a condition holds, within a bound)
+  of the unit tests, the VM tests and the harness.
 * :mod:`harness.pythons` -- another CPython found by minor version (pyenv's, then PATH), copied so
   that any user can run it, from any place.
 * :mod:`harness.vm` -- the real-kernel harness: Debian guests in QEMU, their kernel, images and

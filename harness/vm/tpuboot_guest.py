@@ -13,13 +13,13 @@ import os
 import shlex
 import shutil
 import tarfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import yaml
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, tpu_env_yaml
+from harness.polling import wait_until
 from tpuboot.kernel_params import needed
 
 from .artifacts import GUEST_LIBEXEC, TESTER, in_tree, install_debs
@@ -160,13 +160,6 @@ def vfio_read(vm: VM, address: str, python: str = "python3") -> str:
     return result.stdout.strip()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
-
-
 def hotplug_edu(vm: VM, id: str, port: int) -> PciDevice:
     """Hot-add an edu as ``id`` into hotplug port ``port``; wait until tpuboot has bound it."""
     before = {d.address for d in vm.pci_devices(*EDU)}
@@ -176,7 +169,7 @@ def hotplug_edu(vm: VM, id: str, port: int) -> PciDevice:
         new = [d for d in vm.pci_devices(*EDU) if d.address not in before]
         return len(new) == 1 and new[0].driver == "vfio-pci"
 
-    wait_for(new_and_bound, timeout=20)
+    wait_until(new_and_bound, timeout=20, interval=0.1)
     (new,) = [d for d in vm.pci_devices(*EDU) if d.address not in before]
     return new
 

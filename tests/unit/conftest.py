@@ -7,7 +7,8 @@ autouse fixture :func:`loopback_only`: nothing in tpuboot or the libraries is pa
 cannot lift it by accident (``monkeypatch.undo()``, a patch of ``socket`` of its own, a library
 that keeps a reference to the real ``connect``: audit hooks cannot be removed and see every
 connect, through whichever name it is called). The same hook lets a test watch the events of a
-block of code (:func:`audit_events`), where it would otherwise patch ``os`` to spy on calls.
+block of code (``audit_events``, tests/unit/helpers/audit.py), where it would otherwise patch
+``os`` to spy on calls.
 Another fixture puts the ``tpuboot`` logger back after each test: `cli.main` points it at the
 stderr of the moment, which pytest closes when the test ends, and a thread still stopping would
 otherwise print "--- Logging error ---".
@@ -17,72 +18,17 @@ and these libraries is gone on a newer one (3.12, 3.13, urllib3 2.x), which does
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import logging
-import random
-import socket
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
-from tpuboot.backoff import Backoff
-from tpuboot.config import Config, EnvConfig, MetadataConfig
+from tests.unit.helpers.audit import AUDIT
+from tests.unit.helpers.metadata import INSTANCE_UUID, make_client
 from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> None:
-    """Wait, in the test's thread, until ``predicate()`` holds (another thread makes it so)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
-def _is_loopback(address: object) -> bool:
-    host = str(address[0]) if isinstance(address, tuple) and address else str(address)
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-class _Audit:
-    """The test process's one audit hook: the loopback guard, and the recorders of audit_events."""
-
-    def __init__(self) -> None:
-        self.guard = False
-        self.recorders: list[list[tuple[str, tuple[object, ...]]]] = []
-
-    def __call__(self, event: str, args: tuple[object, ...]) -> None:
-        if self.guard and event == "socket.connect":
-            sock, address = args
-            inet = isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6)
-            if inet and not _is_loopback(address):
-                raise AssertionError(f"test tried to connect to {address!r}; tests may only reach 127.0.0.1")
-        for recorder in list(self.recorders):
-            recorder.append((event, args))
-
-
-AUDIT = _Audit()
-sys.addaudithook(AUDIT)
-
-
-@contextlib.contextmanager
-def audit_events() -> Iterator[list[tuple[str, tuple[object, ...]]]]:
-    """The audit events (``os.listdir``, ``open``, ...) raised in the block, by any thread."""
-    seen: list[tuple[str, tuple[object, ...]]] = []
-    AUDIT.recorders.append(seen)
-    try:
-        yield seen
-    finally:
-        AUDIT.recorders.remove(seen)
-
 
 _OVERRIDES = ("GCE_METADATA_HOST", "GCE_METADATA_ROOT", "http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY")
 
@@ -129,30 +75,11 @@ def emulator() -> Iterator[MetadataEmulator]:
         yield emu
 
 
-FAST_BACKOFF = Backoff(initial=0.01, maximum=0.05, floor=0.01)
-
-
-def make_client(emu: MetadataEmulator, *, timeout: float = 2.0, max_body: int = 1 << 20) -> MetadataClient:
-    """A client for ``emu`` with quick backoff (tests wait on deadlines, not on real boot pacing)."""
-    return MetadataClient(
-        emu.url,
-        timeout=timeout,
-        max_body=max_body,
-        backoff=FAST_BACKOFF,
-        rng=random.Random(7),
-        min_poll_interval=0.05,
-    )
-
-
 @pytest.fixture
 def client(emulator: MetadataEmulator) -> Iterator[MetadataClient]:
     c = make_client(emulator)
     yield c
     c.close()
-
-
-#: The SMBIOS system UUID of the ``root`` tree's instance.
-INSTANCE_UUID = "5d1c3a7e-0b6f-4e2a-9c41-7f3e2d1b0a98"
 
 
 @pytest.fixture
@@ -164,9 +91,3 @@ def root(tmp_path: Path) -> Root:
     dmi.mkdir(parents=True)
     (dmi / "product_uuid").write_text(INSTANCE_UUID + "\n")
     return Root(tmp_path / "root")
-
-
-def make_config(emu: MetadataEmulator | None = None, **env: object) -> Config:
-    """A Config pointing at ``emu``, with EnvConfig fields overridden by ``env``."""
-    metadata = MetadataConfig(host=emu.host if emu else None, timeout=2.0)
-    return Config(metadata=metadata, env=EnvConfig(**env))  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.conftest import audit_events
+from tests.unit.helpers.audit import audit_events
 from tpuboot import atomicfile
 from tpuboot.atomicfile import FileError, FileReadError, FileWriteError, read_file, write_file
 from tpuboot.paths import Root

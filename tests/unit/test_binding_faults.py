@@ -1,6 +1,6 @@
 """Every OSError of every bind step is that device's failure: one line, transient by errno, contained.
 
-A table of errnos is injected at each step (tests/unit/fakekernel.Faults); the same faults then
+A table of errnos is injected at each step (tests/unit/fakes/kernel.Faults); the same faults then
 go through the daemon's coldplug and event paths and the CLI, which must each survive them.
 """
 
@@ -11,9 +11,9 @@ import logging
 
 import pytest
 
-from tests.unit.fakekernel import FakeKernel
-from tests.unit.test_daemon import make, on_loop, serving, until
-from tests.unit.test_vfio import V5P, add_tpu, binder
+from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.daemon import make, on_loop, serving, until
+from tests.unit.helpers.devices import V5P, add_tpu, binder
 from tpuboot import cli
 from tpuboot.daemon import Daemon
 from tpuboot.devices import manager

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.fakekernel import FakeKernel
-from tests.unit.test_vfio import V5P, add_tpu
+from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.devices import V5P, add_tpu
 from tpuboot import cli
 from tpuboot.devices import vfio
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_docs import commands
+from tests.unit.helpers.cli import commands
 from tpuboot import cli
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,15 +8,13 @@ loaded machine keeps (1.5 s), instead of asserting tight timings.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.conftest import make_client, make_config
+from tests.unit.helpers.deadlines import MARGIN, TRICKLE, timed
+from tests.unit.helpers.metadata import make_client, make_config
 from tpuboot import cli
 from tpuboot.env.sync import EnvSync
 from tpuboot.errors import MetadataError
@@ -25,27 +23,6 @@ from tpuboot.netio import ascii_int
 from tpuboot.paths import Root
 
 TPU_ENV = "instance/attributes/tpu-env"
-TRICKLE = 0.3  # seconds between bytes: far inside every per-receive timeout below
-MARGIN = 1.5
-
-
-def timed(work: Callable[[], Any], bound: float) -> Any:
-    """Run ``work`` in a thread: its result or exception; fails (not hangs) if it runs past ``bound``."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append(work())
-        except BaseException as exc:  # handed to the test
-            outcome.append(exc)
-
-    started = time.monotonic()
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(bound)
-    elapsed = time.monotonic() - started
-    assert not worker.is_alive(), f"still running after {elapsed:.1f} s (bound {bound:g} s)"
-    return outcome[0]
 
 
 @pytest.mark.parametrize("part", ["trickle_headers", "trickle_body"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import selectors
 import signal
 import socket
 import subprocess
@@ -16,22 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.helpers.eventloop import CountingSelector
 from tpuboot.eventloop import EventLoop
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class CountingSelector(selectors.DefaultSelector):
-    """The default selector, counting how often the loop came out of it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wakeups = 0
-
-    def select(self, timeout: float | None = None):
-        events = super().select(timeout)
-        self.wakeups += 1
-        return events
 
 
 @pytest.fixture

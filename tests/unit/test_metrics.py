@@ -18,11 +18,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.conftest import make_client, make_config
-from tests.unit.fakekernel import FakeKernel
-from tests.unit.runproc import free_port
-from tests.unit.test_daemon import make, serving, until
-from tests.unit.test_vfio import V5P, add_tpu
+from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.daemon import make, serving, until
+from tests.unit.helpers.devices import V5P, add_tpu
+from tests.unit.helpers.metadata import make_client, make_config
+from tests.unit.helpers.runproc import free_port
 from tpuboot import __version__, cli, metrics, metrics_export
 from tpuboot.config import MetricsConfig
 from tpuboot.devices import manager

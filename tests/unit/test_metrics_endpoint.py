@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.conftest import wait_until
+from harness.polling import wait_until
 from tpuboot.metrics_endpoint import MetricsEndpoint
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.conftest import audit_events, wait_until
-from tests.unit.fakekernel import FakeKernel
-from tests.unit.runproc import free_port, tpuboot_run
+from harness.polling import wait_until
+from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.audit import audit_events
+from tests.unit.helpers.runproc import free_port, tpuboot_run
 from tpuboot import metrics, metrics_export, metrics_server
 from tpuboot.config import MetricsConfig
 from tpuboot.metrics_server import MetricsServer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.fakekernel import FakeKernel
+from tests.unit.fakes.kernel import FakeKernel
 from tpuboot import metrics, metrics_export
 from tpuboot.devices.table import GOOGLE, DeviceTable
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.fakekernel import FakeKernel
+from tests.unit.fakes.kernel import FakeKernel
 from tpuboot import atomicfile, cli
 from tpuboot.atomicfile import read_file, remove_file, write_file
 from tpuboot.checks.doctor import Doctor
@@ -340,7 +340,7 @@ def test_doctor_on_a_hostile_image_reads_nothing_of_the_host(image: Path, host: 
 @pytest.mark.parametrize("how", ["file", "directory", "relative"])
 def test_image_check_judges_the_image_not_the_host_its_links_name(image: Path, host: Path, how: str) -> None:
     """The host has the documented binder rule and script; the image only links to them."""
-    from tests.unit.test_leftovers import BIND_SCRIPT, VFIO_RULES
+    from tests.unit.helpers.images import BIND_SCRIPT, VFIO_RULES
 
     (host / "etc/udev/rules.d").mkdir(parents=True)
     (host / "etc/udev/rules.d/99-tpu-vfiopci.rules").write_text(VFIO_RULES)

@@ -13,9 +13,9 @@ import urllib.request
 from pathlib import Path
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator
-from tests.unit.conftest import wait_until
-from tests.unit.fakekernel import FakeKernel
-from tests.unit.runproc import free_port, tpuboot_run
+from harness.polling import wait_until
+from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.runproc import free_port, tpuboot_run
 from tpuboot.env.tpuenv import render_env_file
 
 

@@ -2,7 +2,7 @@
 tpuboot(8) give it: none ends it without its stop, a second SIGTERM during the stop is logged and
 ignored while the stop finishes, and a storm costs a line, not the journal.
 
-`tpuboot run` runs in a subprocess as systemd starts it (tests/unit/runproc.py), so a signal with
+`tpuboot run` runs in a subprocess as systemd starts it (tests/unit/helpers/runproc.py), so a signal with
 no meaning ends that process, never the test run.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from harness.mds_emulator import MetadataEmulator
-from tests.unit.conftest import wait_until
-from tests.unit.fakekernel import FakeKernel
-from tests.unit.runproc import RunningDaemon, free_port, tpuboot_run
+from harness.polling import wait_until
+from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.runproc import RunningDaemon, free_port, tpuboot_run
 from tpuboot import signals
 
 #: Signals that must leave the daemon running, each with what its line says (None: no line).

@@ -86,7 +86,7 @@ class VMFactory(Protocol):
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A test that boots anything needs vm_artifacts (directly or through another
-    # fixture). The bench's own unit tests (test_bench_units.py) need no VM and stay unmarked.
+    # fixture). The pure tests of the bench and the harness need no VM: tests/unit/bench, tests/unit/harness.
     for item in items:
         names = getattr(item, "fixturenames", ())
         if HERE in item.path.resolve().parents and ("vm_artifacts" in names or "vm_bench" in names):

@@ -2,7 +2,9 @@
 used without root, and PCI hotplug through QMP.
 
 tpuboot's scenario tests build on exactly these steps; if this module fails,
-look at the bench before looking at tpuboot.
+look at the bench before looking at tpuboot. It lives here, not with the pure tests of the bench
+and the harness (tests/unit/bench/, tests/unit/harness/), because it boots guests from this
+folder's fixtures.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ hostile tpu-env documents, dockerd and vBar kills and tpuboot restarts, with no 
 left unbound, no moment the tpu-env file was missing, garbled or wrong, and vBar up at the end.
 
 ``TPUBOOT_SOAK_MINUTES`` (default 3) and ``TPUBOOT_SOAK_SEED`` (default: the clock) set it.
-The README's figures come from ``python -m bench.soak --minutes 30``.
+The README's figures come from ``python -m bench.soak --minutes 30``. It lives here, not with the
+bench's other tests (tests/unit/bench/), because it boots a guest from this folder's fixtures.
 """
 
 from __future__ import annotations

@@ -25,7 +25,13 @@ import pytest
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from harness.vm.artifacts import Artifacts, in_tree
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import MDS_PORT, guest_config, install_emulator, package_install_hook
+from harness.vm.tpuboot_guest import (
+    MDS_PORT,
+    guest_config,
+    install_emulator,
+    package_install_hook,
+    status_text,
+)
 from tpuboot.config import Config, EnvConfig, MetadataConfig
 from tpuboot.env.cache import cache_path
 from tpuboot.env.identity import PRODUCT_UUID_PATH
@@ -100,10 +106,6 @@ def vm(
         yield m
 
 
-def status(vm: VM) -> str:
-    return vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"], check=True).stdout.strip()
-
-
 def record(vm: VM) -> dict[str, object]:
     data: dict[str, object] = json.loads(vm.read_file(CACHE))
     return data
@@ -112,7 +114,10 @@ def record(vm: VM) -> dict[str, object]:
 def test_a_clone_booting_with_the_metadata_server_silent_does_not_use_its_parents_cache(vm: VM) -> None:
     assert vm.read_file(PRODUCT_UUID_PATH).decode().strip().lower() == CLONE_UUID  # -uuid reached the guest
     vm.wait_until("systemctl show -P StatusText tpuboot | grep -q 'tpu-env: metadata server'", timeout=180)
-    assert f"tpu-env: metadata server unreachable and no cached copy; left {TPU_ENV} as it was" in status(vm)
+    assert (
+        f"tpu-env: metadata server unreachable and no cached copy; left {TPU_ENV} as it was"
+        in status_text(vm)
+    )
     assert vm.run(["test", "-e", TPU_ENV]).rc == 1  # the parent's WORKER_ID was not written
     journal = vm.journal("tpuboot")
     reason = f"belongs to another instance (system UUID {PARENT_UUID}, this one is {CLONE_UUID}"
@@ -128,7 +133,7 @@ def good_fetch(vm: VM) -> None:
 
 def test_the_next_good_fetch_replaces_the_parents_record(vm: VM) -> None:
     good_fetch(vm)
-    assert "keys from metadata" in status(vm)
+    assert "keys from metadata" in status_text(vm)
     assert 'WORKER_ID="5"' in vm.read_file(TPU_ENV).decode().splitlines()
     written = record(vm)
     assert written["product_uuid"] == CLONE_UUID
@@ -141,6 +146,6 @@ def test_the_same_instance_uses_its_own_cache_when_the_server_is_silent(vm: VM) 
     vm.run(["systemctl", "stop", "tpuboot", MDS], check=True, timeout=60)
     vm.run(["rm", "-f", TPU_ENV], check=True)
     vm.run(["systemctl", "start", "tpuboot"], check=True, timeout=120)
-    assert "tpu-env: metadata server unreachable, " in status(vm)
-    assert " keys from cache of " in status(vm)
+    assert "tpu-env: metadata server unreachable, " in status_text(vm)
+    assert " keys from cache of " in status_text(vm)
     assert 'WORKER_ID="5"' in vm.read_file(TPU_ENV).decode().splitlines()

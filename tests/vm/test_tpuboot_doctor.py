@@ -174,7 +174,7 @@ def test_each_broken_setting_fails_exactly_its_check(
 def test_no_dockerd_where_the_agents_are_needed_fails_with_the_fix(vm: VM) -> None:
     """vBar and the collector on, not GKE, the guest's dockerd stopped (its socket unit too): each
     is a FAIL naming how to start dockerd, which is installed. (Containers that are absent or
-    stopped under a dockerd that answers: tests/unit/test_doctor.py, against the fake dockerd.)"""
+    stopped under a dockerd that answers: tests/unit/checks/test_doctor.py, against the fake dockerd.)"""
     agents = "{gke: 'false', vbar: {enabled: true}, telemetry: {enabled: true}}\n"
     vm.run(f"printf %s {shlex.quote(agents)} > /run/doctor-agents.yaml", check=True)
     vm.run(["systemctl", "stop", "docker.socket", "docker.service"], check=True, timeout=120)

@@ -18,7 +18,7 @@ import pytest
 from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV
 from harness.vm.artifacts import Artifacts
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import COLLECTOR_CONFIG, guest_config, stand_in_install_hook
+from harness.vm.tpuboot_guest import COLLECTOR_CONFIG, guest_config, stand_in_install_hook, status_text
 
 from .conftest import ImageFactory
 
@@ -149,7 +149,7 @@ def test_a_missing_config_is_never_bound_and_the_status_says_so(vm: VM, collecto
     vm.run(["rm", COLLECTOR_YAML], check=True)
     vm.run(["docker", "kill", COLLECTOR], check=True, timeout=60)
     vm.wait_until("systemctl show -P StatusText tpuboot | grep -q 'no such file'", timeout=60)
-    status = vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"], check=True).stdout.strip()
+    status = status_text(vm)
     assert status.endswith(
         f"telemetry: failed: telemetry.config_path {COLLECTOR_YAML}: no such file; create it or unset "
         "telemetry.config_path"

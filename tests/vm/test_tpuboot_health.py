@@ -6,7 +6,7 @@ What QEMU can stand in for, and what not: a virtio-rng stand-in on a ``pcie-root
 reset methods); ``pcie_aer_inject_error`` makes the kernel's AER driver count a real non-fatal or
 fatal error. QEMU 7.2's endpoints always train at their own maximum (2.5 GT/s x1), whatever the
 root port's ``x-speed``/``x-width``, so a degraded link cannot be emulated: its judgement is tested
-on sysfs trees (tests/unit/test_health.py), the real files' format here.
+on sysfs trees (tests/unit/devices/test_health.py), the real files' format here.
 """
 
 from __future__ import annotations

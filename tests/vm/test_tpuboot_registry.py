@@ -29,6 +29,7 @@ from harness.vm.tpuboot_guest import (
     VBAR_ROOTFS,
     guest_config,
     stand_in_install_hook,
+    status_text,
     wait_vbar_running,
 )
 
@@ -108,10 +109,6 @@ def serve_token(vm: VM, token: str | None) -> None:
         return
     answer = json.dumps({"access_token": token, "expires_in": 3599, "token_type": "Bearer"})
     vm.run(["python3", "-c", HTTP_SCRIPT, "PUT", TOKEN_URL, answer], check=True)
-
-
-def status_text(vm: VM) -> str:
-    return vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"], check=True).stdout.strip()
 
 
 def registry_log(vm: VM) -> str:

@@ -18,7 +18,7 @@ container started under dockerd by the supervisor, a clean stop, and no restart 
 
 What it does not: the userland around Python is still Debian 12's. Ubuntu 22.04's systemd 249
 (this guest has 252: the unit's directives are checked against 249 statically, in
-tests/unit/test_systemd_directives.py), Ubuntu's kernels (5.15 and 6.8, vfio-pci built in: this
+tests/unit/repo/test_systemd_directives.py), Ubuntu's kernels (5.15 and 6.8, vfio-pci built in: this
 kernel is Debian's 6.1 with vfio-pci a module; the built-in path is tested on sysfs trees only),
 Ubuntu's docker.io 29 (this is 20.10), Ubuntu's glibc 2.35 and its patched python3.10 (3.10.12;
 this is upstream 3.10.13), and Ubuntu's packaging tools (apt with Ubuntu's archive, debhelper

@@ -62,7 +62,7 @@ RECORD_MODE = 0o600
 
 _BARE = re.compile(r"[A-Za-z0-9_./:,@%+=-]+\Z")
 # pam_env ends a line's value at its first "#", quoted or not (Linux-PAM 1.5's _parse_env_file, as
-# tests/unit/test_envfile_consumers.py finds): a value holding one cannot be carried either.
+# tests/unit/env/test_envfile_consumers.py finds): a value holding one cannot be carried either.
 _UNREPRESENTABLE = frozenset('"\\$`#\n\r\0')
 
 # (path, key, admin's value, tpuboot's value) already logged: said once per process, not per sync.

@@ -1,0 +1,36 @@
+"""Servers that trickle: what the deadline tests of the metadata client and the Docker client share.
+
+The bound each case gets is its deadline plus MARGIN, a margin a loaded machine keeps; no test
+asserts tight timings.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+TRICKLE = 0.3  # seconds between bytes: far inside every per-receive timeout of the tests
+
+
+MARGIN = 1.5
+
+
+def timed(work: Callable[[], Any], bound: float) -> Any:
+    """Run ``work`` in a thread: its result or exception; fails (not hangs) if it runs past ``bound``."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+
+    started = time.monotonic()
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(bound)
+    elapsed = time.monotonic() - started
+    assert not worker.is_alive(), f"still running after {elapsed:.1f} s (bound {bound:g} s)"
+    return outcome[0]

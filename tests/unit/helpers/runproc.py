@@ -1,0 +1,135 @@
+"""`tpuboot run` in a subprocess as systemd starts it: a notify socket, the metadata emulator's
+address, the config in a fake root. For the tests that take the daemon's whole start-up path."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+START_TIMEOUT = 60.0  # imports and the first metadata fetch on a loaded 2-core machine
+
+
+_HELD: list[int] = []  # descriptors of the port locks this process holds, until it exits
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port() -> int:
+    """A loopback TCP port for a server the test cannot ask to bind port 0 (``tpuboot run``'s
+    metrics, which refuses 0; a Prometheus server), reserved for this process's life.
+
+    A port freed after ``bind(0)`` can be taken again by any socket of a test running at the same
+    time (pytest-xdist workers, the library-matrix rows): ``bind(0)`` and ``connect()`` both draw
+    from the ephemeral range. So the port comes from below that range, where the kernel never
+    assigns one, and a lock file taken with ``flock`` keeps any other test process off it.
+    """
+    low = _ephemeral_range()[0]
+    first = max(1024, low - 12000)
+    locks = Path(tempfile.gettempdir()) / "tpuboot-test-ports"
+    try:
+        locks.mkdir()
+        locks.chmod(0o1777)  # shared like /tmp: the tests of root and of a user lock the same ports
+    except FileExistsError:
+        pass
+    for port in random.sample(range(first, low), k=min(500, low - first)):
+        fd = os.open(locks / str(port), os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write access
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:  # some other program's fixed port
+                os.close(fd)
+                continue
+        _HELD.append(fd)
+        return port
+    raise RuntimeError(f"no free loopback port in {first}..{low - 1}")
+
+
+class RunningDaemon:
+    """The subprocess and its notify socket; ``stderr`` is filled in once it has ended."""
+
+    def __init__(self, process: subprocess.Popen[str], notify: socket.socket) -> None:
+        self.process = process
+        self.notify = notify
+        self.stderr = ""
+
+    def receive(self, wanted: str, within: float = START_TIMEOUT) -> list[str]:
+        """Notifications until one holding ``wanted``; fails when the daemon exits or time runs out."""
+        deadline = time.monotonic() + within
+        self.notify.settimeout(0.2)
+        seen: list[str] = []
+        while not any(wanted in message for message in seen):
+            try:
+                seen.append(self.notify.recv(4096).decode())
+                continue
+            except TimeoutError:
+                pass
+            ended = self.process.poll()
+            if ended is not None and "STOPPING" not in wanted:
+                raise AssertionError(f"tpuboot run exited ({ended}) before {wanted!r}: {seen}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {wanted!r} from tpuboot run within {within:.0f} s; got {seen}")
+        return seen
+
+
+@contextmanager
+def tpuboot_run(
+    top: Path,
+    config: str,
+    metadata_host: str,
+    work: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    nofile: int | None = None,
+) -> Iterator[RunningDaemon]:
+    """Start ``tpuboot --root TOP --config /tpuboot.yaml run`` with ``config``; killed if still
+    running at exit, its stderr printed (pytest shows it on failure). ``env``: more environment
+    (``WATCHDOG_USEC``, as systemd's WatchdogSec= sets it); ``nofile``: its RLIMIT_NOFILE, soft and
+    hard (as the unit's LimitNOFILE= sets it)."""
+    (top / "tpuboot.yaml").write_text(config)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(work / "notify"))
+        environ = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "NOTIFY_SOCKET": str(work / "notify"),
+            "GCE_METADATA_HOST": metadata_host,
+            **(env or {}),
+        }
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        command = [sys.executable, "-m", "tpuboot", "--root", str(top), "--config", "/tpuboot.yaml", "run"]
+        process = subprocess.Popen(
+            command, cwd=REPO, env=environ, stderr=subprocess.PIPE, text=True, preexec_fn=limit
+        )
+        running = RunningDaemon(process, notify)
+        try:
+            yield running
+        finally:
+            if running.process.poll() is None:
+                running.process.kill()
+            running.stderr = running.process.communicate(timeout=10)[1]
+            print(f"tpuboot run's stderr:\n{running.stderr}", file=sys.stderr)
