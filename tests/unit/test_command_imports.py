@@ -64,16 +64,14 @@ METRICS = {"tpuboot.metrics"}
 #: and the PCIe collector's sysfs readers.
 EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.metrics_server", "tpuboot.netio",
                     "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
-# prepare-image's: its pull step over the Docker engine.
+# prepare-image's: its pull step over the Docker engine, without the supervision.
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
-              "tpuboot.references", "tpuboot.containers.agents",
-              "tpuboot.containers.engine", "tpuboot.containers.runtime",
-              "tpuboot.containers.supervisor", "tpuboot.containers.credentials",
-              "tpuboot.component", "tpuboot.backoff", "tpuboot.netio", "json", "socket", "ssl", "http",
+              "tpuboot.references", "tpuboot.containers.agents", "tpuboot.containers.engine",
+              "tpuboot.containers.credentials", "tpuboot.netio", "json", "socket", "ssl", "http",
               "email"}  # fmt: skip
-# doctor's container checks: the agents and dockerd's client, not the supervision (nor its metrics).
+# doctor's container checks: the agents and the Docker engine, not the supervision (nor its metrics).
 DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot.containers.engine",
-                     "tpuboot.containers.dockerapi", "tpuboot.containers.gke",
+                     "tpuboot.containers.docker", "tpuboot.containers.dockerapi", "tpuboot.containers.gke",
                      "tpuboot.checks.containers"}  # fmt: skip
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
 CHIPS = SURVEY - {"tpuboot.devices.health", "json"}

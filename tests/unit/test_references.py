@@ -16,7 +16,7 @@ from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
 from tests.unit.helpers.containers import Statuses
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import DEFAULT_REGISTRIES, Config, TelemetryConfig, VbarConfig, parse_config
-from tpuboot.containers.docker import DockerRuntime
+from tpuboot.containers.docker_runtime import DockerRuntime
 from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.service import Containers

@@ -16,8 +16,9 @@ from typing import Protocol
 from tpuboot.checks.registry import CheckResult, failed, passed, skipped
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
+from tpuboot.containers.docker import DockerEngine
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable, dockerd_installed
-from tpuboot.containers.engine import EngineError, EngineNotFound, EngineUnreachable
+from tpuboot.containers.engine import ContainerEngine, EngineError, EngineNotFound, EngineUnreachable
 from tpuboot.containers.gke import GkeAnswer, Metadata, ask_gke
 from tpuboot.paths import Root
 
@@ -35,24 +36,28 @@ class DeadlineMetadata(Metadata, Protocol):
     deadline_s: float
 
 
+def container_state(engine: ContainerEngine, name: str) -> str:
+    """How container ``name`` stands, asked of ``engine`` (see :data:`ContainerProbe`)."""
+    try:
+        container = engine.inspect(name)
+    except EngineNotFound:
+        return ABSENT
+    if container.status == "restarting":
+        return "restarting"
+    if container.running:
+        return RUNNING
+    status = container.status or "stopped"
+    if status == "exited" and container.exit_code.lstrip("-").isdigit():
+        return f"exited (exit code {container.exit_code})"
+    return status
+
+
 def docker_container_state(root: Root, name: str) -> str:
-    """How container ``name`` stands, asked of dockerd over its socket (see :data:`ContainerProbe`)."""
+    """:func:`container_state` asked of dockerd over its socket (Docker's :data:`ContainerProbe`)."""
     path = root.path(DOCKER_SOCKET)
     if not path.exists():
         raise Unreachable(f"no socket {DOCKER_SOCKET}")
-    try:
-        data = DockerAPI(str(path), timeout=5).inspect_container(name)
-    except EngineNotFound:
-        return ABSENT
-    state = data.get("State") if isinstance(data, dict) else None
-    if not isinstance(state, dict):
-        return "in no state dockerd reports"
-    if state.get("Restarting"):
-        return "restarting"
-    if state.get("Running"):
-        return RUNNING
-    status, code = state.get("Status") or "stopped", state.get("ExitCode")
-    return f"{status} (exit code {code})" if isinstance(code, int) and status == "exited" else str(status)
+    return container_state(DockerEngine(DockerAPI(str(path), timeout=5)), name)
 
 
 def _dockerd_fix(root: Root) -> str:

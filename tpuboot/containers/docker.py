@@ -2,20 +2,17 @@
 Engine API JSON, dockerd's answers as :class:`~tpuboot.containers.engine.Container`.
 
 Talks to dockerd over its local socket with :mod:`tpuboot.containers.dockerapi` (the standard
-library; no docker SDK, no docker CLI). :class:`DockerRuntime` is the supervision policy
-(:mod:`tpuboot.containers.runtime`) over it, with dockerd's own words for "not there".
+library; no docker SDK, no docker CLI). Supervision over it is
+:class:`~tpuboot.containers.docker_runtime.DockerRuntime`; doctor asks it without that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from tpuboot.containers.credentials import ServiceAccountCredentials
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, EventStream, NotFound
+from tpuboot.containers.dockerapi import DockerAPI, EventStream, NotFound
 from tpuboot.containers.engine import MANAGED_LABEL, Container, ContainerSpec, RegistryAuth
-from tpuboot.containers.runtime import EngineRuntime
-from tpuboot.references import RegistryAllowlist
 
 ENGINE_NAME = "dockerd"
 
@@ -40,11 +37,21 @@ def container_of(attrs: dict[str, Any]) -> Container:
         names=names,
         image=str(config.get("Image") or ""),
         running=bool(state.get("Running")) if isinstance(state, dict) else False,
+        status=_status(state) if isinstance(state, dict) else "",
         exit_code=str(state.get("ExitCode", "?")) if isinstance(state, dict) else "?",
         privileged=host.get("Privileged") is True,
         host_network=host.get("NetworkMode") == "host",
         labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {},
     )
+
+
+def _status(state: dict[str, Any]) -> str:
+    """dockerd's State.Status, with a restart in progress said as such (older dockerd lack Status)."""
+    if state.get("Restarting"):
+        return "restarting"
+    if state.get("Running"):
+        return "running"
+    return str(state.get("Status") or "")
 
 
 def split_image(image: str) -> tuple[str, str]:
@@ -118,38 +125,3 @@ class DockerEngine:
     def list_managed(self) -> list[Container]:
         found = self.client.list_containers({"label": [f"{MANAGED_LABEL}=1"]})
         return [container_of(item) for item in found]
-
-
-class DockerRuntime(EngineRuntime):
-    """The supervision policy over dockerd: what STATUS says while dockerd does not answer."""
-
-    def __init__(
-        self,
-        spec: Callable[[], ContainerSpec],
-        pull_retries: int = 5,
-        client_factory: Callable[[], DockerAPI] = DockerAPI,  # connects at its first call (ping)
-        pause: Callable[[float], object] | None = None,
-        *,
-        allowlist: RegistryAllowlist,
-        credentials: ServiceAccountCredentials | None = None,
-        installed: Callable[[], bool] | None = None,
-    ) -> None:
-        """``installed``: whether dockerd is installed at all (dockerapi.dockerd_installed), asked
-        when its socket does not answer so that STATUS says what the agent waits for."""
-        self.installed = installed
-        super().__init__(
-            spec,
-            lambda: DockerEngine(client_factory()),
-            allowlist=allowlist,
-            unreachable=self._unreachable_reason,
-            pull_retries=pull_retries,
-            pause=pause,
-            credentials=credentials,
-            engine_name=ENGINE_NAME,
-            load_hint="load it with `docker load`",
-        )
-
-    def _unreachable_reason(self) -> str:
-        if self.installed is not None and not self.installed():
-            return "dockerd is not installed: apt install docker.io"
-        return f"dockerd not answering on {DOCKER_SOCKET}"

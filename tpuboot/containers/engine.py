@@ -98,6 +98,9 @@ class Container:
     names: tuple[str, ...] = ()
     image: str = ""
     running: bool = False
+    #: How it stands in the engine's words ("running", "restarting", "exited", "created"...; "" if
+    #: the engine does not say).
+    status: str = ""
     #: Its exit code once it ended ("?" when the engine does not say).
     exit_code: str = "?"
     privileged: bool = False

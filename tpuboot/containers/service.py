@@ -30,7 +30,7 @@ from tpuboot.component import Report, Status
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.credentials import ServiceAccountCredentials, TokenSource
-from tpuboot.containers.docker import DockerRuntime
+from tpuboot.containers.docker_runtime import DockerRuntime
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, dockerd_installed
 from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.exec import ExecRuntime

@@ -20,7 +20,7 @@ import pytest
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
 from tests.unit.helpers.deadlines import MARGIN, TRICKLE, timed
 from tpuboot.backoff import RestartPolicy
-from tpuboot.containers.docker import DockerRuntime
+from tpuboot.containers.docker_runtime import DockerRuntime
 from tpuboot.containers.dockerapi import (
     MAX_BODY,
     MAX_LINE,

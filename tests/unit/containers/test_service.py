@@ -18,7 +18,8 @@ from tpuboot.checks.containers import docker_container_state
 from tpuboot.component import Status
 from tpuboot.config import Config, TelemetryConfig
 from tpuboot.containers.agents import TELEMETRY_AGENT
-from tpuboot.containers.docker import DockerRuntime, split_image
+from tpuboot.containers.docker import split_image
+from tpuboot.containers.docker_runtime import DockerRuntime
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable
 from tpuboot.containers.engine import CONFIG_LABEL, MANAGED_LABEL, ContainerSpec
 from tpuboot.containers.service import Containers

@@ -14,7 +14,7 @@ from tpuboot.backoff import Backoff
 from tpuboot.component import Status
 from tpuboot.config import DEFAULT_TOKEN_REGISTRIES
 from tpuboot.containers.credentials import ServiceAccountCredentials
-from tpuboot.containers.docker import DockerRuntime
+from tpuboot.containers.docker_runtime import DockerRuntime
 from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.containers.engine import ContainerSpec
 from tpuboot.gce.client import MetadataClient
