@@ -1,4 +1,4 @@
-"""Driving the bench's guest: its helper (``bench/bind_guest.py``), which side is armed (tpuboot, the
+"""Driving the bench's guest: its helper (``bench/in_guest/bind_guest.py``), which side is armed (tpuboot, the
 documented udev rule and handler, or driverctl), the console as a clock, the guest image's bench
 files, and how busy the rest of the host was meanwhile.
 
@@ -283,7 +283,8 @@ def bench_install_hook(package: InstallHook, peer_debs: Sequence[Path] = ()) -> 
         package(tree)
         libexec = in_tree(tree, BENCH_LIBEXEC)
         libexec.mkdir(parents=True, exist_ok=True)
-        shutil.copy(HERE / "bind_guest.py", libexec / "bind_guest.py")
+        for module in (HERE / "in_guest").glob("*.py"):  # bind_guest.py and the modules it imports
+            shutil.copy(module, libexec / module.name)
         shutil.copy(HERE / "baseline" / RULE_NAME, libexec / RULE_NAME)
         shutil.copy(HERE / "baseline" / "configure-env-vars.sh", libexec / "configure-env-vars.sh")
         shutil.copy(HERE.parent / "conf" / "tpuboot.yaml", libexec / "tpuboot.yaml")

@@ -22,7 +22,8 @@ One module per family, whose docstring says how it times and against what, each 
 coldplug commands in a guest whose clock counts instructions), ``bench/idle.py``,
 ``bench/fleet.py`` (64 simulated hosts against one failing metadata server emulator) and
 ``bench/holders.py`` (``tpuboot who`` against ``fuser -v`` and ``lsof``). ``bench/guest.py``
-drives the guest and arms one side at a time; the guest side is ``bench/bind_guest.py``.
+drives the guest and arms one side at a time; the guest side is ``bench/in_guest/``
+(``bind_guest.py`` and its modules).
 
 Benchmarks print figures; they are not assertions and pytest does not collect them.
 """
