@@ -44,10 +44,19 @@ from tpuboot.checks.slices import Reading, read_slice
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.devices.chips import chips_present
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
-from tpuboot.devices.pci import PCI_DEVICES, PCI_DRIVERS
+from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.survey import TpuStatus, survey
 from tpuboot.devices.table import DeviceTable, generations_of_kind
-from tpuboot.devices.vfio import IOMMU_OFF_FIX, UNSAFE_INTERRUPTS, VFIO_PCI, Binder, unsafe_interrupts_wanted
+from tpuboot.devices.vfio import (
+    IOMMU_OFF_FIX,
+    UNSAFE_INTERRUPTS,
+    VFIO_PCI,
+    VFIO_PCI_DRIVER,
+    Binder,
+    group_node,
+    unsafe_interrupts_wanted,
+    vfio_pci_registered,
+)
 from tpuboot.env.cache import cache_path, read_cache
 from tpuboot.env.etc_environment import plan_environment
 from tpuboot.env.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
@@ -219,8 +228,8 @@ class Doctor:
             return passed(f"vfio-pci is built into {state.kernel} ({state.evidence}); lsmod does not list it")
         if state.origin == "loaded":
             return passed(f"vfio_pci is loaded as a module ({state.evidence})")
-        if self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir():
-            return passed(f"the vfio-pci driver is registered ({PCI_DRIVERS}/{VFIO_PCI})")
+        if vfio_pci_registered(self.root):
+            return passed(f"the vfio-pci driver is registered ({VFIO_PCI_DRIVER})")
         if state.origin == "absent":
             return failed(f"{state.kernel} has no vfio-pci: {state.evidence}", NO_VFIO_PCI_FIX)
         return failed("vfio_pci is not loaded", "modprobe vfio-pci (tpuboot loads it when it binds a TPU)")
@@ -233,10 +242,10 @@ class Doctor:
         wrong = []
         for t in grouped:
             if t.node is None:
-                wrong.append(f"/dev/vfio/{t.iommu_group} missing")
+                wrong.append(f"{group_node(t.iommu_group)} missing")
             elif t.node_mode is None or int(t.node_mode, 8) != want:
                 wrong.append(f"{t.node} mode {t.node_mode}")
-        nodes = sorted({f"/dev/vfio/{t.iommu_group}" for t in grouped})
+        nodes = sorted({group_node(t.iommu_group) for t in grouped})
         if not wrong:
             return passed(f"{', '.join(nodes)} mode {want:04o}")
         return failed(

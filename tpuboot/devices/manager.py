@@ -19,7 +19,7 @@ from tpuboot.component import Report, Status
 from tpuboot.config import ReadyConfig
 from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.udev import Coldplug
-from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, os_failure
+from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, group_node, os_failure
 from tpuboot.errors import TpubootError
 from tpuboot.eventloop import EventLoop, Timer
 
@@ -378,11 +378,11 @@ class DeviceManager:
     def node_appeared(self, group: str) -> None:
         """udev finished a /dev/vfio/<group> node: re-apply our mode in case a rule changed it."""
         try:
-            mode = os.stat(self.binder.root.path(f"/dev/vfio/{group}")).st_mode & 0o7777
+            mode = os.stat(self.binder.root.path(group_node(group))).st_mode & 0o7777
         except FileNotFoundError:
             return  # gone again (unbound); nothing to fix
         except OSError as exc:
-            log.warning("%s", os_failure(f"IOMMU group {group}", f"reading /dev/vfio/{group}", exc),
+            log.warning("%s", os_failure(f"IOMMU group {group}", f"reading {group_node(group)}", exc),
                         extra={"IOMMU_GROUP": group})  # fmt: skip
             return
         if mode == self.binder.config.node_mode:
@@ -398,7 +398,7 @@ class DeviceManager:
     def _node_done(group: str, future: Future[str]) -> None:
         exc = None if future.cancelled() else future.exception()
         if exc is not None:
-            log.warning("/dev/vfio/%s: %s", group, exc, extra={"IOMMU_GROUP": group})
+            log.warning("%s: %s", group_node(group), exc, extra={"IOMMU_GROUP": group})
 
     @staticmethod
     def _cancel_retry(state: DeviceState) -> None:
