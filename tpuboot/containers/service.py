@@ -36,6 +36,7 @@ from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.exec import ExecRuntime
 from tpuboot.containers.gke import gke_node
 from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, Supervisor
+from tpuboot.eventloop import nothing
 from tpuboot.paths import Root
 from tpuboot.references import RegistryAllowlist
 
@@ -84,7 +85,7 @@ class Containers:
         self.stopping = threading.Event()
         self._lock = threading.Lock()  # guards _statuses and supervisors
         self._statuses: dict[str, Status] = {}
-        self._report: Report = _nothing
+        self._report: Report = nothing
         self._thread: threading.Thread | None = None
         self._credentials: ServiceAccountCredentials | None = None  # one token cache for every agent
         self._tpu_vm = threading.Event()  # a TPU present or tpu-env held: the supervisors may start
@@ -225,7 +226,3 @@ class Containers:
 
     def _dockerd_installed(self) -> bool:
         return dockerd_installed(self.root)
-
-
-def _nothing() -> None:
-    pass

@@ -21,7 +21,7 @@ from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.udev import Coldplug
 from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, group_node, os_failure
 from tpuboot.errors import TpubootError
-from tpuboot.eventloop import EventLoop, Timer
+from tpuboot.eventloop import EventLoop, Timer, nothing
 
 log = logging.getLogger("tpuboot.devices.manager")
 
@@ -88,7 +88,7 @@ class DeviceManager:
         self.monitor = monitor
         self.coldplug = coldplug  # the devices present and the binds started before the loop
         self.ready_config = ready or ReadyConfig()
-        self.on_change: Report = _nothing
+        self.on_change: Report = nothing
         self.devices: dict[str, DeviceState] = {}
         self._first: set[Future[BindResult]] = set()  # coldplug's binds: READY waits for their first try
         self._at_start: list[str] = []  # the devices present at start (ready.wait_for_devices)
@@ -445,7 +445,3 @@ class DeviceManager:
             more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
             line += f"; {first}{more}"
         return line
-
-
-def _nothing() -> None:
-    pass

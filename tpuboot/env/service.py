@@ -18,6 +18,7 @@ from tpuboot.component import Report, Status
 from tpuboot.env.results import SyncResult
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.watch import watch_tpu_env
+from tpuboot.eventloop import nothing
 
 log = logging.getLogger("tpuboot.env.service")
 
@@ -48,7 +49,7 @@ class EnvService:
         self._status = Status(PENDING, "tpu-env: pending")
         self._attribute = "source=pending"  # the guest attribute tpuboot/tpu-env
         self._held = False
-        self._report: Report = _nothing
+        self._report: Report = nothing
         self._thread: threading.Thread | None = None
 
     def start(self, report: Report) -> None:
@@ -114,7 +115,3 @@ class EnvService:
         with self._lock:
             self._status = status
         self._report()
-
-
-def _nothing() -> None:
-    pass

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from tpuboot.component import Report, Status
 from tpuboot.errors import MetadataError
+from tpuboot.eventloop import nothing
 from tpuboot.gce.client import MetadataClient
 from tpuboot.gce.keys import GUEST_ATTRIBUTES, INSTANCE_ATTRIBUTES, PROJECT_ATTRIBUTES
 from tpuboot.gce.replies import MetadataAbsent, MetadataRefused
@@ -79,10 +80,6 @@ def enabled_in_metadata(client: MetadataClient, deadline_s: float) -> tuple[bool
     return False, f"{ENABLE_KEY} is set on neither the instance nor the project"
 
 
-def _nothing() -> None:
-    """The default ``report``: nobody listens."""
-
-
 class Publisher:
     """Writes ``tpuboot/<key>`` guest attributes from its own thread; ``update`` from any thread.
 
@@ -103,7 +100,7 @@ class Publisher:
         self.check_deadline = check_deadline
         self.clock = clock
         self.enabled: bool | None = settings.enabled
-        self._report: Report = _nothing
+        self._report: Report = nothing
         self._cond = threading.Condition()
         self._wanted: dict[str, str] = {}
         self._sent: dict[str, str] = {}
@@ -137,7 +134,7 @@ class Publisher:
             return Status("publishing", f"guest attributes: publishing under {NAMESPACE}/")
         return Status("off", "guest attributes: not published")
 
-    def start(self, report: Report = _nothing) -> None:
+    def start(self, report: Report = nothing) -> None:
         """Begin publishing from a thread of its own; ``report`` is told when ``status()`` changes."""
         self._report = report
         if self.enabled is False:  # before the thread: no other reader yet
