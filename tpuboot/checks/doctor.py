@@ -62,6 +62,7 @@ from tpuboot.env.etc_environment import plan_environment
 from tpuboot.env.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.errors import MetadataError
 from tpuboot.gce.client import MetadataClient
+from tpuboot.gce.keys import MACHINE_TYPE
 from tpuboot.gce.replies import MetadataAbsent, Reply
 from tpuboot.paths import Root
 from tpuboot.wiring import metadata_settings
@@ -303,7 +304,7 @@ class Doctor:
     def slice(self) -> Reading:
         """This host's slice, from the machine type and tpu-env (read once)."""
         if self._slice is None:
-            self._slice = read_slice(self.tpu_env_values, self._lookup("instance/machine-type"))
+            self._slice = read_slice(self.tpu_env_values, self._lookup(MACHINE_TYPE))
         return self._slice
 
     def _nothing_known(self) -> str:
