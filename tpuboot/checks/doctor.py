@@ -1,7 +1,7 @@
 """`tpuboot doctor`: is this running TPU VM ready for a workload? One verdict per check.
 
-The checks of GKE's OS image certification for TPU hosts (../shared/notes/tpu-facts.md) and
-tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_pci loaded, the
+The checks of GKE's OS image certification for TPU hosts (doc/operation.md, "What doctor holds a
+host to") and tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_pci loaded, the
 /dev/vfio nodes' mode, allow_unsafe_interrupts where tpuboot sets it, the IOMMU groups viable,
 tpu-env present, parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry
 collector running (not on GKE), the number of usable chips the machine type or the slice implies,
