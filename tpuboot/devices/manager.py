@@ -256,12 +256,10 @@ class DeviceManager:
         self._changed()
 
     def _reconsider(self, address: str, state: DeviceState) -> None:
+        """A retry's timer, on the loop: the loop logs a bug here with its traceback and goes on."""
         state.retry = None
         if self.devices.get(address) is state:
-            try:
-                self._consider(address, None, 0.0, retry=True)
-            except Exception:
-                log.exception("%s: unexpected error; please report it", address, extra={"DBDF": address})
+            self._consider(address, None, 0.0, retry=True)
 
     def _start(
         self, address: str, state: DeviceState, early: Future[BindResult] | None = None, started: float = 0.0

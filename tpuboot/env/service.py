@@ -80,9 +80,9 @@ class EnvService:
     # ------------------------------------------------------------------ its own thread
 
     def _run(self) -> None:
-        """Nothing here can keep the daemon from READY: sync_once never raises, and if it did the
-        status would say so and the watch would still start (it starts itself again after a bug:
-        tpuboot/env/watch.py)."""
+        """Nothing here can keep the daemon from READY: this is the thread's one guard of the boot
+        sync (a bug that gets past the sync's cache fallback is logged here and the status says so)
+        and the watch still starts (it starts itself again after a bug: tpuboot/env/watch.py)."""
         try:
             result = self.sync.sync_once(self.deadline)
         except Exception as exc:
