@@ -237,16 +237,18 @@ class Doctor:
 
     def check_node_mode(self) -> CheckResult:
         want = self.config.vfio.node_mode
-        grouped = [t for t in self.managed if t.iommu_group is not None and t.driver == VFIO_PCI]
+        grouped = [
+            (t, t.iommu_group) for t in self.managed if t.iommu_group is not None and t.driver == VFIO_PCI
+        ]
         if not grouped:
             return skipped("no TPU bound to vfio-pci: no /dev/vfio node to check")
         wrong = []
-        for t in grouped:
+        for t, group in grouped:
             if t.node is None:
-                wrong.append(f"{group_node(t.iommu_group)} missing")
+                wrong.append(f"{group_node(group)} missing")
             elif t.node_mode is None or int(t.node_mode, 8) != want:
                 wrong.append(f"{t.node} mode {t.node_mode}")
-        nodes = sorted({group_node(t.iommu_group) for t in grouped})
+        nodes = sorted({group_node(group) for _, group in grouped})
         if not wrong:
             return passed(f"{', '.join(nodes)} mode {want:04o}")
         return failed(

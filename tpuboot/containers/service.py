@@ -23,7 +23,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final
+from typing import Final, Literal
 
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Report, Status
@@ -35,7 +35,7 @@ from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, dockerd_insta
 from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.exec import ExecRuntime
 from tpuboot.containers.gke import gke_node
-from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, Supervisor
+from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, SupervisedState, Supervisor
 from tpuboot.eventloop import nothing
 from tpuboot.paths import Root
 from tpuboot.references import RegistryAllowlist
@@ -50,9 +50,10 @@ def _no_tpu_env() -> Mapping[str, str] | None:
     return None
 
 
-#: An agent's state (beside its supervisor's SupervisedState) before its supervisor starts, when it
-#: never will (GKE) or not yet (no TPU VM).
-NOT_STARTED: Final = "not started"
+#: An agent's state (Status.state): its supervisor's, or ``not started``: before its supervisor
+#: starts, when it never will (GKE) or not yet (no TPU VM).
+ContainerState = Literal[SupervisedState, "not started"]
+NOT_STARTED: Final[ContainerState] = "not started"
 
 
 def agents_enabled(config: Config, agents: Sequence[Agent] = AGENTS) -> list[Agent]:

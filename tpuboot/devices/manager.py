@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from tpuboot import bootbudget, metrics
 from tpuboot.backoff import Backoff
@@ -54,10 +54,17 @@ class Monitor(Protocol):
     def poll(self, timeout: float | None = None) -> UdevDevice | None: ...
 
 
+#: Where one device is: a bind pending (or running), bound, failed, or the device removed.
+DeviceLifecycle = Literal["pending", "bound", "failed", "removed"]
+#: The manager's state (Status.state): ``bound`` (every TPU), ``binding`` (one pending),
+#: ``failed`` (one failed, none pending) or ``none`` (no TPU).
+ManagerState = Literal["bound", "binding", "failed", "none"]
+
+
 @dataclass
 class DeviceState:
     kind: str
-    state: str = "pending"  # pending | bound | failed | removed
+    state: DeviceLifecycle = "pending"
     error: str | None = None
     attempts: int = 0
     running: bool = False
@@ -148,7 +155,9 @@ class DeviceManager:
         """``bound`` (every TPU), ``binding`` (one pending), ``failed`` (one failed, none pending) or
         ``none`` (no TPU); the detail is :meth:`summary`."""
         states = {s.state for s in self.devices.values() if s.state != "removed"}
-        state = "binding" if "pending" in states else "failed" if "failed" in states else "bound"
+        state: ManagerState = (
+            "binding" if "pending" in states else "failed" if "failed" in states else "bound"
+        )
         return Status(state if states else "none", self.summary())
 
     # ------------------------------------------------------------------ udev

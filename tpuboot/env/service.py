@@ -13,19 +13,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Final, Literal
 
 from tpuboot.component import Report, Status
-from tpuboot.env.results import SyncResult
+from tpuboot.env.results import Source, SyncResult
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.watch import watch_tpu_env
 from tpuboot.eventloop import nothing
 
 log = logging.getLogger("tpuboot.env.service")
 
+#: The env service's state (Status.state): pending until the boot-time sync ends, then the
+#: source of the last result.
+EnvState = Literal[Source, "pending"]
 #: Before the boot-time sync ended; READY waits while the state is this.
-PENDING = "pending"
+PENDING: Final[EnvState] = "pending"
 #: The sources after which the tpu-env file holds values (a later failure leaves them there).
-HELD = ("metadata", "cache")
+HELD: tuple[Source, ...] = ("metadata", "cache")
 
 
 class EnvService:
@@ -103,7 +107,8 @@ class EnvService:
             elif result.source == "absent" or not self._held:  # a failure keeps what the file holds
                 self._attribute = f"source={result.source}"
                 self._held = False
-            self._status = Status(result.source, result.status)
+            state: EnvState = result.source
+            self._status = Status(state, result.status)
         if self.on_values is not None:
             try:
                 self.on_values()  # VBARCONTROL_AGENT_DOCKER_URL may have changed

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Final, Literal
 
 from tpuboot.component import Report, Status
 from tpuboot.errors import MetadataError
@@ -39,6 +40,11 @@ from tpuboot.gce.replies import MetadataAbsent, MetadataRefused
 log = logging.getLogger("tpuboot.gce.guestattrs")
 
 NAMESPACE = "tpuboot"
+#: The publisher's state (Status.state): asking whether guest attributes are on, publishing, off.
+PublisherState = Literal["checking", "publishing", "off"]
+CHECKING: Final[PublisherState] = "checking"
+PUBLISHING: Final[PublisherState] = "publishing"
+OFF: Final[PublisherState] = "off"
 ENABLE_KEY = "enable-guest-attributes"
 #: Seconds between any two writes: under the server's burst limit of 3 a second.
 SPACING = 0.5
@@ -129,10 +135,10 @@ class Publisher:
         with self._cond:
             enabled = self.enabled
         if enabled is None:
-            return Status("checking", f"guest attributes: asking whether {ENABLE_KEY} is on")
+            return Status(CHECKING, f"guest attributes: asking whether {ENABLE_KEY} is on")
         if enabled:
-            return Status("publishing", f"guest attributes: publishing under {NAMESPACE}/")
-        return Status("off", "guest attributes: not published")
+            return Status(PUBLISHING, f"guest attributes: publishing under {NAMESPACE}/")
+        return Status(OFF, "guest attributes: not published")
 
     def start(self, report: Report = nothing) -> None:
         """Begin publishing from a thread of its own; ``report`` is told when ``status()`` changes."""
