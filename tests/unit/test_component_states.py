@@ -30,8 +30,8 @@ def test_the_aliases_hold_the_states_and_their_constants() -> None:
 
 
 def test_the_device_manager_says_each_of_its_states(tmp_path) -> None:
-    from tests.unit.fakekernel import FakeKernel
-    from tests.unit.test_vfio import binder
+    from tests.unit.fakes.kernel import FakeKernel
+    from tests.unit.helpers.devices import binder
     from tpuboot.eventloop import EventLoop
 
     kernel = FakeKernel(tmp_path)
