@@ -19,7 +19,15 @@ Report = Callable[[], None]
 
 @dataclass(frozen=True)
 class Status:
-    """A component's state (one word a program tests) and its detail (the words STATUS shows)."""
+    """A component's state (one word a program tests) and its detail (the words STATUS shows).
+
+    ``state`` is a plain str here, so one type serves every component; each component's own
+    states are a ``Literal`` alias in its module, and it builds its Status from a value of that
+    type, where mypy checks them: :data:`tpuboot.devices.manager.ManagerState`,
+    :data:`tpuboot.env.service.EnvState`, :data:`tpuboot.containers.service.ContainerState`
+    (its supervisor's :data:`~tpuboot.containers.supervisor.SupervisedState` and one more),
+    :data:`tpuboot.gce.guestattrs.PublisherState`.
+    """
 
     state: str
     detail: str

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from tpuboot.errors import ConfigError
+from tpuboot.errors import ConfigError, shown
 
 Parser = Callable[[Any, str], Any]
 
@@ -22,12 +22,6 @@ REQUIRED: Any = dataclasses.MISSING
 
 def fail(where: str, problem: str) -> ConfigError:
     return ConfigError(f"{where}: {problem}")
-
-
-def shown(value: object) -> str:
-    """A value as a message shows it: its repr, cut short (a number may have thousands of digits)."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def key_of(where: str, key: object) -> str:
@@ -42,7 +36,7 @@ def parse_hex_id(value: Any, where: str) -> int:
     if isinstance(value, str):
         text = value.lower().removeprefix("0x")
         if not text or any(c not in "0123456789abcdef" for c in text):
-            raise fail(where, f"{value!r} is not a hex PCI id; write it like 0x1ae0")
+            raise fail(where, f"{shown(value)} is not a hex PCI id; write it like 0x1ae0")
         value = int(text, 16)
     if not isinstance(value, int) or not 0 <= value <= 0xFFFF:
         raise fail(where, f"{shown(value)} is not a 16-bit PCI id; write it like 0x1ae0")

@@ -1,6 +1,14 @@
 """Exceptions whose message is the whole story: what went wrong and how to fix it, in one line."""
 
 
+def shown(value: object, most: int = 40) -> str:
+    """``value`` as a message quotes it: its repr, cut to ``most`` characters (a value from a file
+    may be a megabyte). Not :class:`reprlib.Repr`: that elides the middle and bounds each type
+    differently; a message keeps the start, where a person looks."""
+    text = repr(value)
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 class TpubootError(Exception):
     """Base for every error tpuboot reports to a person; str() is the one-line message."""
 

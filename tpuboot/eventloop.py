@@ -49,7 +49,7 @@ class Timer:
 
     def cancel(self) -> None:
         self.cancelled = True
-        self.fn, self.args = _nothing, ()  # what it would have held stays out of the heap
+        self.fn, self.args = nothing, ()  # what it would have held stays out of the heap
 
 
 class EventLoop:
@@ -211,8 +211,9 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     """The Python-level handler: nothing; the signal's number already woke the loop (the pipe)."""
 
 
-def _nothing(*args: object) -> None:
-    pass
+def nothing(*args: object) -> None:
+    """Does nothing: the ``report`` of a component nobody listens to, a callback that only wakes
+    the loop, the callable a cancelled timer holds."""
 
 
 def _name(fn: Callable[..., object]) -> str:

@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tpuboot.errors import TpubootError
+from tpuboot.errors import TpubootError, shown
 
 DOCKER_HUB = "docker.io"
 #: Other spellings of Docker Hub that dockerd maps to it.
@@ -154,7 +154,8 @@ class RegistryAllowlist:
             ref = parse_image(image)
         except InvalidReference:
             where = f"; fix {origin}" if origin else ""
-            raise ImageRefused(f"image {shown(image)} refused: not a valid image reference{where}") from None
+            quoted = shown(image, 120)
+            raise ImageRefused(f"image {quoted} refused: not a valid image reference{where}") from None
         if self.allows(ref):
             return ref
         if any(registry == ref.registry for registry, _ in self.entries):
@@ -164,9 +165,3 @@ class RegistryAllowlist:
         raise ImageRefused(
             f"image {ref.text} refused: {what} not in {self.key}; add it there if you trust it"
         )
-
-
-def shown(text: str, most: int = 120) -> str:
-    """A value that failed to parse, as one printable line: quoted, escaped, cut short."""
-    text = repr(text)
-    return text if len(text) <= most else text[: most - 3] + "..."

@@ -39,6 +39,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+from tpuboot.eventloop import nothing
+
 log = logging.getLogger("tpuboot.signals")
 
 #: The whole stop, after STOPPING=1, is bounded by this (seconds): under TimeoutStopSec=10 of the
@@ -69,11 +71,7 @@ def hold_until_served() -> None:
     exec-runtime child started later does not inherit it ignored.
     """
     for sig in HELD:
-        signal.signal(sig, _drop)
-
-
-def _drop(signum: int, frame: object) -> None:
-    """Held before the loop runs: nothing to do yet."""
+        signal.signal(sig, nothing)  # held before the loop runs: nothing to do yet
 
 
 def thread_stacks() -> list[tuple[str, str]]:

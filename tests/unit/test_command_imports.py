@@ -51,7 +51,8 @@ SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.surv
           "inspect", "typing"}  # fmt: skip
 # The metadata client, built from the config's section by tpuboot.wiring.metadata_settings.
 METADATA = {"tpuboot.backoff", "tpuboot.gce.client", "tpuboot.gce.failures", "tpuboot.gce.framing",
-            "tpuboot.gce.replies", "tpuboot.gce.settings", "tpuboot.gce.transport", "tpuboot.gce.watch",
+            "tpuboot.eventloop", "tpuboot.gce.replies", "tpuboot.gce.settings", "tpuboot.gce.transport",
+            "tpuboot.gce.watch",
             "tpuboot.netio", "tpuboot.wiring", "requests", "urllib3"}  # fmt: skip
 #: What reads tpu-env, its cache and /etc/environment (doctor); ENV also writes them (`tpuboot env`).
 ENV_READ = {"tpuboot.env", "tpuboot.env.assignment", "tpuboot.env.cache", "tpuboot.env.identity",

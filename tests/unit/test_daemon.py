@@ -388,6 +388,43 @@ def test_even_a_sync_that_raises_reaches_ready_and_starts_the_watch(kernel, emul
         assert running.stop() == 0
 
 
+def test_a_bug_past_the_syncs_cache_fallback_is_logged_once_by_the_env_thread_and_ready_comes(
+    kernel, emulator, root, monkeypatch, caplog
+):
+    """One guard per thread: a bug in the /etc/environment writer is the env thread's to log."""
+    monkeypatch.setattr(envsync, "ensure_environment", lambda *args: 1 / 0)
+    daemon, _, _ = make(kernel, config=with_env(emulator), root=root, metadata=make_client(emulator))
+    with caplog.at_level("ERROR", logger="tpuboot"), serving(daemon) as running:
+        until(lambda: daemon.ready)
+        assert daemon.notifier.sent[0].endswith("; tpu-env: failed (ZeroDivisionError); see the log")
+        assert running.stop() == 0
+    bugs = [r for r in caplog.records if r.exc_info]
+    assert [r.getMessage() for r in bugs] == ["tpu-env: the boot-time sync failed unexpectedly"]
+
+
+def test_a_bug_in_a_retry_is_logged_by_the_loop_and_the_daemon_goes_on(kernel, monkeypatch, caplog):
+    """A retry's timer (``_reconsider``) has no guard of its own: the loop's logs the bug with its
+    traceback, and the next event for the device is handled as usual."""
+    daemon, _, _ = make(kernel)
+    address = "0000:00:05.0"
+
+    def buggy(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in the retry")
+
+    with caplog.at_level("ERROR", logger="tpuboot"), serving(daemon) as running:
+        until(lambda: daemon.ready)
+        state = daemon.devices.devices[address]
+        with monkeypatch.context() as patch:
+            patch.setattr(daemon.devices, "_consider", buggy)
+            daemon.loop.call_soon_threadsafe(daemon.devices._reconsider, address, state)
+            until(lambda: any(r.exc_info and "_reconsider" in r.getMessage() for r in caplog.records))
+        done = threading.Event()
+        daemon.loop.call_soon_threadsafe(lambda: (daemon.devices.consider(address), done.set()))
+        until(done.is_set)
+        assert kernel.driver(address) == "vfio-pci"
+        assert running.stop() == 0
+
+
 def test_the_watch_thread_starts_a_watch_again_that_raised(monkeypatch, caplog):
     """The env service's watch (tpuboot/env/watch.py, its one restart): a watch that raised is
     started again after 1 s, then 2 s, each new bug logged with its traceback."""

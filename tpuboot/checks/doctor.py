@@ -1,7 +1,7 @@
 """`tpuboot doctor`: is this running TPU VM ready for a workload? One verdict per check.
 
-The checks of GKE's OS image certification for TPU hosts (../shared/notes/tpu-facts.md) and
-tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_pci loaded, the
+The checks of GKE's OS image certification for TPU hosts (doc/operation.md, "What doctor holds a
+host to") and tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_pci loaded, the
 /dev/vfio nodes' mode, allow_unsafe_interrupts where tpuboot sets it, the IOMMU groups viable,
 tpu-env present, parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry
 collector running (not on GKE), the number of usable chips the machine type or the slice implies,
@@ -44,15 +44,25 @@ from tpuboot.checks.slices import Reading, read_slice
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.devices.chips import chips_present
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
-from tpuboot.devices.pci import PCI_DEVICES, PCI_DRIVERS
+from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.survey import TpuStatus, survey
 from tpuboot.devices.table import DeviceTable, generations_of_kind
-from tpuboot.devices.vfio import IOMMU_OFF_FIX, UNSAFE_INTERRUPTS, VFIO_PCI, Binder, unsafe_interrupts_wanted
+from tpuboot.devices.vfio import (
+    IOMMU_OFF_FIX,
+    UNSAFE_INTERRUPTS,
+    VFIO_PCI,
+    VFIO_PCI_DRIVER,
+    Binder,
+    group_node,
+    unsafe_interrupts_wanted,
+    vfio_pci_registered,
+)
 from tpuboot.env.cache import cache_path, read_cache
 from tpuboot.env.etc_environment import plan_environment
 from tpuboot.env.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.errors import MetadataError
 from tpuboot.gce.client import MetadataClient
+from tpuboot.gce.keys import MACHINE_TYPE
 from tpuboot.gce.replies import MetadataAbsent, Reply
 from tpuboot.paths import Root
 from tpuboot.wiring import metadata_settings
@@ -219,24 +229,26 @@ class Doctor:
             return passed(f"vfio-pci is built into {state.kernel} ({state.evidence}); lsmod does not list it")
         if state.origin == "loaded":
             return passed(f"vfio_pci is loaded as a module ({state.evidence})")
-        if self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir():
-            return passed(f"the vfio-pci driver is registered ({PCI_DRIVERS}/{VFIO_PCI})")
+        if vfio_pci_registered(self.root):
+            return passed(f"the vfio-pci driver is registered ({VFIO_PCI_DRIVER})")
         if state.origin == "absent":
             return failed(f"{state.kernel} has no vfio-pci: {state.evidence}", NO_VFIO_PCI_FIX)
         return failed("vfio_pci is not loaded", "modprobe vfio-pci (tpuboot loads it when it binds a TPU)")
 
     def check_node_mode(self) -> CheckResult:
         want = self.config.vfio.node_mode
-        grouped = [t for t in self.managed if t.iommu_group is not None and t.driver == VFIO_PCI]
+        grouped = [
+            (t, t.iommu_group) for t in self.managed if t.iommu_group is not None and t.driver == VFIO_PCI
+        ]
         if not grouped:
             return skipped("no TPU bound to vfio-pci: no /dev/vfio node to check")
         wrong = []
-        for t in grouped:
+        for t, group in grouped:
             if t.node is None:
-                wrong.append(f"/dev/vfio/{t.iommu_group} missing")
+                wrong.append(f"{group_node(group)} missing")
             elif t.node_mode is None or int(t.node_mode, 8) != want:
                 wrong.append(f"{t.node} mode {t.node_mode}")
-        nodes = sorted({f"/dev/vfio/{t.iommu_group}" for t in grouped})
+        nodes = sorted({group_node(group) for _, group in grouped})
         if not wrong:
             return passed(f"{', '.join(nodes)} mode {want:04o}")
         return failed(
@@ -294,7 +306,7 @@ class Doctor:
     def slice(self) -> Reading:
         """This host's slice, from the machine type and tpu-env (read once)."""
         if self._slice is None:
-            self._slice = read_slice(self.tpu_env_values, self._lookup("instance/machine-type"))
+            self._slice = read_slice(self.tpu_env_values, self._lookup(MACHINE_TYPE))
         return self._slice
 
     def _nothing_known(self) -> str:

@@ -28,6 +28,7 @@ from tpuboot.checks.registry import Check, CheckResult, failed, passed, skipped,
 from tpuboot.checks.udev import TPUBOOT_UDEV_RULE, names_accel
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.env.assignment import PAM_ASSIGNMENT
+from tpuboot.gce.keys import API_ROOT, INSTANCE
 from tpuboot.kernel_params import TPU_PARAMS, word
 from tpuboot.paths import Root
 
@@ -200,7 +201,7 @@ def check_leftover_environment_appender(root: Root) -> CheckResult:
     )
 
 
-_QUERIES_METADATA = re.compile(r"computeMetadata/v1/instance/")
+_QUERIES_METADATA = re.compile(re.escape(API_ROOT + INSTANCE))
 
 
 def _metadata_utility(text: str) -> bool:

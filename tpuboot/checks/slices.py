@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tpuboot.devices.table import GENERATIONS, Generation, generation_named, generation_of_machine
+from tpuboot.errors import shown
 
 #: The fix for values that came wrong from metadata: the TPU API sets them per worker.
 ENV_FIX = "correct the tpu-env instance attribute (the TPU API sets it per worker), then run tpuboot env"
@@ -60,11 +61,6 @@ def env_value(env: Mapping[str, str], key: str) -> str | None:
         if value:
             return value
     return None
-
-
-def _q(text: str) -> str:
-    """A value from tpu-env as a message quotes it: cut short (a value may be a megabyte)."""
-    return repr(text) if len(text) <= 40 else repr(text[:37]) + "..."
 
 
 def _number(text: str) -> int | None:
@@ -114,13 +110,13 @@ class _Reader:
         generation = generation_named(prefix) if prefix else None
         if generation is None:
             self.warnings.append(
-                f"accelerator type {_q(text)} is not a generation in tpuboot's TPU table ({KNOWN}): "
+                f"accelerator type {shown(text)} is not a generation in tpuboot's TPU table ({KNOWN}): "
                 "its slice and chip count are not checked"
             )
             return None
         number = _number(count)
         if number is None:
-            self.fail(f"accelerator type {_q(text)} has no count (like {generation.prefixes[0]}-8)")
+            self.fail(f"accelerator type {shown(text)} has no count (like {generation.prefixes[0]}-8)")
             return generation, text, None
         unit = "TensorCores, 2 per chip" if generation.per_chip == 2 else "chips"
         if number % generation.per_chip:
@@ -138,7 +134,7 @@ class _Reader:
             return None
         dims = _dims(text, ",")
         if dims is None:
-            self.fail(f"{key} {_q(text)} is not a list of positive numbers like 2,2,1")
+            self.fail(f"{key} {shown(text)} is not a list of positive numbers like 2,2,1")
         return dims
 
     def topology(self, generation: Generation, chips: int | None, acc: str | None) -> tuple[int, ...] | None:
@@ -148,7 +144,7 @@ class _Reader:
         dims = _dims(text, "x")
         like = "AxBxC" if generation.dims == 3 else "AxB"
         if dims is None:
-            self.fail(f"TOPOLOGY {_q(text)} is not a shape like {like}")
+            self.fail(f"TOPOLOGY {shown(text)} is not a shape like {like}")
             return None
         if len(dims) != generation.dims:
             have = f"{generation.kind} slices have {generation.dims} ({like})"
@@ -243,7 +239,7 @@ def _worker(r: _Reader, hosts: int | None) -> int | None:
             r.fail(f"tpu-env has no WORKER_ID, and this is one of {hosts} hosts of a slice")
         return None
     if not re.fullmatch(r"[0-9]{1,6}", text):
-        r.fail(f"WORKER_ID {_q(text)} is not a number from 0")
+        r.fail(f"WORKER_ID {shown(text)} is not a number from 0")
         return None
     worker = int(text)
     if hosts is not None and worker >= hosts:

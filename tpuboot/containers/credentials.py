@@ -38,11 +38,11 @@ from typing import Protocol
 
 from tpuboot.containers.engine import RegistryAuth
 from tpuboot.errors import TpubootError
+from tpuboot.gce.keys import SERVICE_ACCOUNT_TOKEN
 from tpuboot.references import InvalidReference, parse_host_pattern, parse_image
 
 log = logging.getLogger("tpuboot.containers.credentials")
 
-TOKEN_PATH = "instance/service-accounts/default/token"
 #: The user name Google's registries take with an OAuth access token as the password.
 TOKEN_USERNAME = "oauth2accesstoken"
 #: A token is used until this many seconds before it expires, then asked for again.
@@ -85,20 +85,22 @@ def parse_token(body: bytes) -> tuple[str, float]:
     try:
         data = json.loads(body)
     except ValueError:
-        raise TokenUnavailable(f"the answer at {TOKEN_PATH} is not JSON") from None
+        raise TokenUnavailable(f"the answer at {SERVICE_ACCOUNT_TOKEN} is not JSON") from None
     if not isinstance(data, dict):
-        raise TokenUnavailable(f"the answer at {TOKEN_PATH} is not a JSON object")
+        raise TokenUnavailable(f"the answer at {SERVICE_ACCOUNT_TOKEN} is not a JSON object")
     token = data.get("access_token")
     if not isinstance(token, str) or not token:
-        raise TokenUnavailable(f"the answer at {TOKEN_PATH} has no access_token")
+        raise TokenUnavailable(f"the answer at {SERVICE_ACCOUNT_TOKEN} has no access_token")
     if len(token) > MAX_TOKEN or not _TOKEN.fullmatch(token):
-        raise TokenUnavailable(f"the access_token at {TOKEN_PATH} is not a token (blanks, or too long)")
+        raise TokenUnavailable(
+            f"the access_token at {SERVICE_ACCOUNT_TOKEN} is not a token (blanks, or too long)"
+        )
     kind = data.get("token_type", "Bearer")
     if not isinstance(kind, str) or kind.lower() != "bearer":
-        raise TokenUnavailable(f"the token at {TOKEN_PATH} is not a Bearer token")
+        raise TokenUnavailable(f"the token at {SERVICE_ACCOUNT_TOKEN} is not a Bearer token")
     expires = data.get("expires_in", 0)
     if isinstance(expires, bool) or not isinstance(expires, (int, float)) or not 0 <= expires < 1e9:
-        raise TokenUnavailable(f"the answer at {TOKEN_PATH} has an expires_in that is not seconds")
+        raise TokenUnavailable(f"the answer at {SERVICE_ACCOUNT_TOKEN} has an expires_in that is not seconds")
     return token, float(expires)
 
 
@@ -198,13 +200,13 @@ class ServiceAccountCredentials:
                 return self._token
             self._token = None
             try:
-                reply = self.metadata.get(TOKEN_PATH, deadline_s=self.deadline_s)
+                reply = self.metadata.get(SERVICE_ACCOUNT_TOKEN, deadline_s=self.deadline_s)
             except TpubootError as exc:
                 from tpuboot.gce.replies import MetadataAbsent  # loaded already: the client's module
 
                 if isinstance(exc, MetadataAbsent):
                     raise TokenUnavailable(
-                        f"the metadata server has no {TOKEN_PATH}: the VM has no service account"
+                        f"the metadata server has no {SERVICE_ACCOUNT_TOKEN}: the VM has no service account"
                     ) from None
                 raise TokenUnavailable(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
             token, expires_in = parse_token(reply.body)

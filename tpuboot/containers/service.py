@@ -23,7 +23,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final
+from typing import Final, Literal
 
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Report, Status
@@ -35,7 +35,8 @@ from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, dockerd_insta
 from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.exec import ExecRuntime
 from tpuboot.containers.gke import gke_node
-from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, Supervisor
+from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, SupervisedState, Supervisor
+from tpuboot.eventloop import nothing
 from tpuboot.paths import Root
 from tpuboot.references import RegistryAllowlist
 
@@ -49,9 +50,10 @@ def _no_tpu_env() -> Mapping[str, str] | None:
     return None
 
 
-#: An agent's state (beside its supervisor's SupervisedState) before its supervisor starts, when it
-#: never will (GKE) or not yet (no TPU VM).
-NOT_STARTED: Final = "not started"
+#: An agent's state (Status.state): its supervisor's, or ``not started``: before its supervisor
+#: starts, when it never will (GKE) or not yet (no TPU VM).
+ContainerState = Literal[SupervisedState, "not started"]
+NOT_STARTED: Final[ContainerState] = "not started"
 
 
 def agents_enabled(config: Config, agents: Sequence[Agent] = AGENTS) -> list[Agent]:
@@ -84,7 +86,7 @@ class Containers:
         self.stopping = threading.Event()
         self._lock = threading.Lock()  # guards _statuses and supervisors
         self._statuses: dict[str, Status] = {}
-        self._report: Report = _nothing
+        self._report: Report = nothing
         self._thread: threading.Thread | None = None
         self._credentials: ServiceAccountCredentials | None = None  # one token cache for every agent
         self._tpu_vm = threading.Event()  # a TPU present or tpu-env held: the supervisors may start
@@ -225,7 +227,3 @@ class Containers:
 
     def _dockerd_installed(self) -> bool:
         return dockerd_installed(self.root)
-
-
-def _nothing() -> None:
-    pass

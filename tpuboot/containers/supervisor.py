@@ -30,12 +30,12 @@ UNAVAILABLE_STABLE_AFTER = 60.0
 
 #: A supervised container's states (Status.state); only RUNNING counts as up (tpuboot_container_up).
 SupervisedState = Literal["starting", "running", "waiting", "refused", "failed", "restarting"]
-STARTING: Final = "starting"
-RUNNING: Final = "running"
-WAITING: Final = "waiting"
-REFUSED: Final = "refused"
-FAILED: Final = "failed"
-RESTARTING: Final = "restarting"
+STARTING: Final[SupervisedState] = "starting"
+RUNNING: Final[SupervisedState] = "running"
+WAITING: Final[SupervisedState] = "waiting"
+REFUSED: Final[SupervisedState] = "refused"
+FAILED: Final[SupervisedState] = "failed"
+RESTARTING: Final[SupervisedState] = "restarting"
 
 
 class RuntimeUnavailable(TpubootError):

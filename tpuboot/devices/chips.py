@@ -15,16 +15,11 @@ from typing import Protocol
 
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.table import ACCEL_ACCESS, VFIO_ACCESS, DeviceTable
-from tpuboot.devices.vfio import VFIO_PCI
+from tpuboot.devices.vfio import VFIO_PCI, group_node
 from tpuboot.paths import Root
 
 #: The VFIO container node every process that uses a VFIO group opens beside the group's node.
 VFIO_CONTAINER = "/dev/vfio/vfio"
-
-
-def group_node(group: str) -> str:
-    """The node of IOMMU group ``group`` (any number of digits)."""
-    return f"/dev/vfio/{group}"
 
 
 def base_address(dbdf: str) -> str:

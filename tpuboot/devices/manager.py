@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from tpuboot import bootbudget, metrics
 from tpuboot.backoff import Backoff
@@ -19,9 +19,9 @@ from tpuboot.component import Report, Status
 from tpuboot.config import ReadyConfig
 from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.udev import Coldplug
-from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, os_failure
+from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, group_node, os_failure
 from tpuboot.errors import TpubootError
-from tpuboot.eventloop import EventLoop, Timer
+from tpuboot.eventloop import EventLoop, Timer, nothing
 
 log = logging.getLogger("tpuboot.devices.manager")
 
@@ -54,10 +54,17 @@ class Monitor(Protocol):
     def poll(self, timeout: float | None = None) -> UdevDevice | None: ...
 
 
+#: Where one device is: a bind pending (or running), bound, failed, or the device removed.
+DeviceLifecycle = Literal["pending", "bound", "failed", "removed"]
+#: The manager's state (Status.state): ``bound`` (every TPU), ``binding`` (one pending),
+#: ``failed`` (one failed, none pending) or ``none`` (no TPU).
+ManagerState = Literal["bound", "binding", "failed", "none"]
+
+
 @dataclass
 class DeviceState:
     kind: str
-    state: str = "pending"  # pending | bound | failed | removed
+    state: DeviceLifecycle = "pending"
     error: str | None = None
     attempts: int = 0
     running: bool = False
@@ -88,7 +95,7 @@ class DeviceManager:
         self.monitor = monitor
         self.coldplug = coldplug  # the devices present and the binds started before the loop
         self.ready_config = ready or ReadyConfig()
-        self.on_change: Report = _nothing
+        self.on_change: Report = nothing
         self.devices: dict[str, DeviceState] = {}
         self._first: set[Future[BindResult]] = set()  # coldplug's binds: READY waits for their first try
         self._at_start: list[str] = []  # the devices present at start (ready.wait_for_devices)
@@ -148,7 +155,9 @@ class DeviceManager:
         """``bound`` (every TPU), ``binding`` (one pending), ``failed`` (one failed, none pending) or
         ``none`` (no TPU); the detail is :meth:`summary`."""
         states = {s.state for s in self.devices.values() if s.state != "removed"}
-        state = "binding" if "pending" in states else "failed" if "failed" in states else "bound"
+        state: ManagerState = (
+            "binding" if "pending" in states else "failed" if "failed" in states else "bound"
+        )
         return Status(state if states else "none", self.summary())
 
     # ------------------------------------------------------------------ udev
@@ -256,12 +265,10 @@ class DeviceManager:
         self._changed()
 
     def _reconsider(self, address: str, state: DeviceState) -> None:
+        """A retry's timer, on the loop: the loop logs a bug here with its traceback and goes on."""
         state.retry = None
         if self.devices.get(address) is state:
-            try:
-                self._consider(address, None, 0.0, retry=True)
-            except Exception:
-                log.exception("%s: unexpected error; please report it", address, extra={"DBDF": address})
+            self._consider(address, None, 0.0, retry=True)
 
     def _start(
         self, address: str, state: DeviceState, early: Future[BindResult] | None = None, started: float = 0.0
@@ -378,11 +385,11 @@ class DeviceManager:
     def node_appeared(self, group: str) -> None:
         """udev finished a /dev/vfio/<group> node: re-apply our mode in case a rule changed it."""
         try:
-            mode = os.stat(self.binder.root.path(f"/dev/vfio/{group}")).st_mode & 0o7777
+            mode = os.stat(self.binder.root.path(group_node(group))).st_mode & 0o7777
         except FileNotFoundError:
             return  # gone again (unbound); nothing to fix
         except OSError as exc:
-            log.warning("%s", os_failure(f"IOMMU group {group}", f"reading /dev/vfio/{group}", exc),
+            log.warning("%s", os_failure(f"IOMMU group {group}", f"reading {group_node(group)}", exc),
                         extra={"IOMMU_GROUP": group})  # fmt: skip
             return
         if mode == self.binder.config.node_mode:
@@ -398,7 +405,7 @@ class DeviceManager:
     def _node_done(group: str, future: Future[str]) -> None:
         exc = None if future.cancelled() else future.exception()
         if exc is not None:
-            log.warning("/dev/vfio/%s: %s", group, exc, extra={"IOMMU_GROUP": group})
+            log.warning("%s: %s", group_node(group), exc, extra={"IOMMU_GROUP": group})
 
     @staticmethod
     def _cancel_retry(state: DeviceState) -> None:
@@ -445,7 +452,3 @@ class DeviceManager:
             more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
             line += f"; {first}{more}"
         return line
-
-
-def _nothing() -> None:
-    pass

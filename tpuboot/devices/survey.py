@@ -6,8 +6,8 @@ import os
 from dataclasses import asdict, dataclass
 
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, ModuleState, module_state
-from tpuboot.devices.pci import PCI_DRIVERS, PciFunction, list_addresses
-from tpuboot.devices.vfio import IOMMU_OFF_FIX, VFIO_PCI, Binder, os_failure
+from tpuboot.devices.pci import PciFunction, list_addresses
+from tpuboot.devices.vfio import IOMMU_OFF_FIX, VFIO_PCI, Binder, group_node, os_failure, vfio_pci_registered
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class TpuStatus:
 
 def vfio_pci_state(binder: Binder) -> ModuleState | None:
     """How vfio-pci is in the running kernel; None when its driver is registered (nothing to say)."""
-    if binder.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir():
+    if vfio_pci_registered(binder.root):
         return None
     return module_state(binder.root, VFIO_PCI)
 
@@ -37,7 +37,7 @@ def vfio_pci_state(binder: Binder) -> ModuleState | None:
 def driver_summary(binder: Binder) -> str:
     """One line on vfio-pci itself: on Ubuntu it is built in, and lsmod shows nothing for it."""
     state = module_state(binder.root, VFIO_PCI)
-    registered = binder.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}").is_dir()
+    registered = vfio_pci_registered(binder.root)
     how = {
         "built-in": f"built into {state.kernel}",
         "loaded": f"loaded as a module of {state.kernel}",
@@ -65,7 +65,7 @@ def describe(binder: Binder, fn: PciFunction, vfio: ModuleState | None = None) -
     if group is not None:
         blockers = binder.group_blockers(group, fn.address)
         viable = not blockers
-        node = f"/dev/vfio/{group}"
+        node = group_node(group)
         try:
             mode = f"{os.stat(binder.root.path(node)).st_mode & 0o7777:04o}"
         except FileNotFoundError:
@@ -83,7 +83,7 @@ def describe(binder: Binder, fn: PciFunction, vfio: ModuleState | None = None) -
         elif mode is not None and int(mode, 8) != binder.config.node_mode:
             problem = problem or f"{node} has mode {mode}, not {binder.config.node_mode:04o}"
         elif node is None:
-            problem = problem or f"/dev/vfio/{group} is missing"
+            problem = problem or f"{group_node(group)} is missing"
     return TpuStatus(fn.address, kind.name, str(ids), kind.vfio, driver, group, node, mode, viable, problem)
 
 

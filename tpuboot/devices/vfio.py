@@ -28,6 +28,8 @@ from tpuboot.paths import Root
 log = logging.getLogger("tpuboot.devices.vfio")
 
 VFIO_PCI = "vfio-pci"
+#: The driver's directory, there once vfio-pci is registered (built in, or its module loaded).
+VFIO_PCI_DRIVER = f"{PCI_DRIVERS}/{VFIO_PCI}"
 UNSAFE_INTERRUPTS = "/sys/module/vfio_iommu_type1/parameters/allow_unsafe_interrupts"
 #: What to do when a TPU has no IOMMU group (the IOMMU is off): every message that says so ends so.
 IOMMU_OFF_FIX = (
@@ -93,6 +95,16 @@ def os_failure(address: str, step: str, exc: OSError) -> DeviceError:
     if code in TRANSIENT_ERRNOS:
         return TransientDeviceError(text + "see dmesg")
     return DeviceError(text + ERRNO_FIXES.get(code, "see dmesg"))
+
+
+def group_node(group: str) -> str:
+    """The node of IOMMU group ``group`` (any number of digits), which a VFIO user opens."""
+    return f"/dev/vfio/{group}"
+
+
+def vfio_pci_registered(root: Root) -> bool:
+    """Whether the running kernel has vfio-pci as a driver (built in or loaded): lsmod cannot say."""
+    return root.path(VFIO_PCI_DRIVER).is_dir()
 
 
 def unsafe_interrupts_wanted(setting: str, machine: str) -> bool:
@@ -234,8 +246,7 @@ class Binder:
         A built-in driver has nothing to load; a kernel whose module lists name no vfio-pci still
         gets a modprobe (the lists may be stale), and its failure says which kernel lacks it.
         """
-        driver = self.root.path(f"{PCI_DRIVERS}/{VFIO_PCI}")
-        if driver.is_dir():
+        if vfio_pci_registered(self.root):
             return
         from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
 
@@ -251,10 +262,10 @@ class Binder:
                         f"{state.kernel} has no vfio-pci, neither built in nor as a module; {NO_VFIO_PCI_FIX}"
                     ) from None
                 raise DeviceError(f"cannot load vfio-pci ({exc}); {NO_VFIO_PCI_FIX}") from None
-        if not driver.is_dir():
+        if not vfio_pci_registered(self.root):
             raise DeviceError(
                 f"vfio-pci is {state.origin} in {state.kernel} ({state.evidence}) but "
-                f"{PCI_DRIVERS}/{VFIO_PCI} is missing; check dmesg"
+                f"{VFIO_PCI_DRIVER} is missing; check dmesg"
             )
 
     def _attach(self, fn: PciFunction) -> bool:
@@ -337,7 +348,7 @@ class Binder:
 
         Any OSError is a DeviceError of ``who`` (the device, else the group) naming the node.
         """
-        node = f"/dev/vfio/{group}"
+        node = group_node(group)
         try:
             return self._prepare_node(group, node)
         except OSError as exc:

@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 from tpuboot import metrics
 
 log = logging.getLogger("tpuboot.env.results")
 
 
+#: Where a sync's values came from: the metadata server, the cache, nowhere (the attribute is
+#: absent), or it failed.
+Source = Literal["metadata", "cache", "absent", "failed"]
+
+
 @dataclass(frozen=True)
 class SyncResult:
-    """What one sync did. ``source``: metadata, cache, absent or failed; ``status``: one line for people."""
+    """What one sync did: its :data:`Source`, and ``status``, one line for people."""
 
-    source: str
+    source: Source
     keys: int
     etag: str | None
     status: str

@@ -13,18 +13,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Final, Literal
 
 from tpuboot.component import Report, Status
-from tpuboot.env.results import SyncResult
+from tpuboot.env.results import Source, SyncResult
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.watch import watch_tpu_env
+from tpuboot.eventloop import nothing
 
 log = logging.getLogger("tpuboot.env.service")
 
+#: The env service's state (Status.state): pending until the boot-time sync ends, then the
+#: source of the last result.
+EnvState = Literal[Source, "pending"]
 #: Before the boot-time sync ended; READY waits while the state is this.
-PENDING = "pending"
+PENDING: Final[EnvState] = "pending"
 #: The sources after which the tpu-env file holds values (a later failure leaves them there).
-HELD = ("metadata", "cache")
+HELD: tuple[Source, ...] = ("metadata", "cache")
 
 
 class EnvService:
@@ -48,7 +53,7 @@ class EnvService:
         self._status = Status(PENDING, "tpu-env: pending")
         self._attribute = "source=pending"  # the guest attribute tpuboot/tpu-env
         self._held = False
-        self._report: Report = _nothing
+        self._report: Report = nothing
         self._thread: threading.Thread | None = None
 
     def start(self, report: Report) -> None:
@@ -79,9 +84,9 @@ class EnvService:
     # ------------------------------------------------------------------ its own thread
 
     def _run(self) -> None:
-        """Nothing here can keep the daemon from READY: sync_once never raises, and if it did the
-        status would say so and the watch would still start (it starts itself again after a bug:
-        tpuboot/env/watch.py)."""
+        """Nothing here can keep the daemon from READY: this is the thread's one guard of the boot
+        sync (a bug that gets past the sync's cache fallback is logged here and the status says so)
+        and the watch still starts (it starts itself again after a bug: tpuboot/env/watch.py)."""
         try:
             result = self.sync.sync_once(self.deadline)
         except Exception as exc:
@@ -102,7 +107,8 @@ class EnvService:
             elif result.source == "absent" or not self._held:  # a failure keeps what the file holds
                 self._attribute = f"source={result.source}"
                 self._held = False
-            self._status = Status(result.source, result.status)
+            state: EnvState = result.source
+            self._status = Status(state, result.status)
         if self.on_values is not None:
             try:
                 self.on_values()  # VBARCONTROL_AGENT_DOCKER_URL may have changed
@@ -114,7 +120,3 @@ class EnvService:
         with self._lock:
             self._status = status
         self._report()
-
-
-def _nothing() -> None:
-    pass

@@ -20,7 +20,7 @@ cache. Never the file itself: its directory may belong to the runtime user, who 
 
 A sync cannot be ended by a value or a fault: every failure the metadata server or the value
 can cause is handled where it arises. Anything else is a bug; ``sync_once`` then falls back
-to the cache like any other failure.
+to the cache like any other failure, and a bug past that reaches the caller's guard.
 """
 
 from __future__ import annotations
@@ -127,12 +127,16 @@ class EnvSync:
         return ok
 
     def sync_once(self, deadline_s: float) -> SyncResult:
-        """Fetch tpu-env within ``deadline_s`` seconds, write every file; never raises (see module doc)."""
+        """Fetch tpu-env within ``deadline_s`` seconds, write every file.
+
+        A bug in the fetch or the parse falls back to the cache as any failure does; a bug in that
+        fallback or in the /etc/environment writer reaches the caller's one guard (the env thread's
+        logs it and starts the watch all the same; `tpuboot env` shows the traceback)."""
         try:
             result = self._sync_tpu_env(deadline_s)
         except Exception as exc:  # a bug, never a property of the metadata: go on as for any failure
             self.bugs(exc, "tpu-env sync")
-            result = self._after_bug(exc)
+            result = self._from_cache(f"unexpected {type(exc).__name__} (see the log)")
         result = self._with_environment(result)
         self.report(result)
         return result
@@ -147,17 +151,6 @@ class EnvSync:
             log.warning("tpu-env: %s", exc, extra={"TPU_ENV_PATH": self._env.tpu_env_path})
             return self._from_cache(reason)
         return self._from_metadata(reply.body, reply.etag)
-
-    def _after_bug(self, exc: Exception) -> SyncResult:
-        """The cached copy after an unexpected exception, or a failed result if that fails too."""
-        try:
-            return self._from_cache(f"unexpected {type(exc).__name__} (see the log)")
-        except Exception as again:
-            self.bugs(again, "tpu-env cache")
-            path = self._env.tpu_env_path
-            return SyncResult(
-                "failed", 0, None, f"tpu-env: tpuboot failed ({type(exc).__name__}); left {path} as it was"
-            )
 
     def changes(self, stop: threading.Event) -> Iterator[Change]:
         """The attribute's changes after the value last written, until ``stop`` (the watch's source)."""
@@ -258,12 +251,6 @@ class EnvSync:
             log.error("%s", exc, extra={"ENVIRONMENT_PATH": self._env.environment_path})
             return dataclasses.replace(
                 result, status=f"{result.status}; {self._env.environment_path} not written: {exc}"
-            )
-        except Exception as exc:  # a bug: tpu-env's result still counts
-            self.bugs(exc, "/etc/environment")
-            return dataclasses.replace(
-                result,
-                status=f"{result.status}; {self._env.environment_path} not written ({type(exc).__name__})",
             )
         bootbudget.mark(bootbudget.ENVIRONMENT)
         return dataclasses.replace(result, environment_written=bool(changed))

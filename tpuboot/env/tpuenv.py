@@ -37,7 +37,7 @@ from types import MappingProxyType
 import yaml
 
 from tpuboot.env.assignment import NAME, WHOLE_NAME
-from tpuboot.errors import TpubootError
+from tpuboot.errors import TpubootError, shown
 
 log = logging.getLogger("tpuboot.env.tpuenv")
 
@@ -268,8 +268,7 @@ def _text(node: yaml.Node) -> str | None:
 def _label(node: yaml.Node) -> str:
     """How a key that is not a name is shown in the warning: quoted, and short."""
     if isinstance(node, yaml.ScalarNode):
-        shown = repr(node.value)
-        return shown if len(shown) <= 40 else shown[:37] + "..."
+        return shown(node.value)
     kind = "a list" if isinstance(node, yaml.SequenceNode) else "a mapping"
     return f"<{kind} key, line {node.start_mark.line + 1}>"
 

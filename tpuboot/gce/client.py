@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from tpuboot.backoff import Backoff
 from tpuboot.errors import MetadataError
+from tpuboot.eventloop import nothing
 from tpuboot.gce.failures import FailureLog
 from tpuboot.gce.keys import is_path
 from tpuboot.gce.replies import Change, MetadataAbsent, MetadataRefused, Reply, Retryable
@@ -36,10 +37,6 @@ from tpuboot.gce.watch import watch
 
 def _tries(count: int) -> str:
     return "1 try" if count == 1 else f"{count} tries"
-
-
-def _ignore(outcome: str) -> None:
-    """The default ``on_request``: count nothing."""
 
 
 class MetadataClient:
@@ -63,7 +60,7 @@ class MetadataClient:
         self.min_poll_interval = min_poll_interval
         # Each request's outcome (ok, absent, refused, transient), e.g. tpuboot.metrics.metadata_request;
         # a seam, so `tpuboot metadata get` does not load prometheus_client to count into nothing.
-        self.on_request = on_request or _ignore
+        self.on_request = on_request or nothing
         self._rng = rng or random.Random()
         self._rng_lock = threading.Lock()
         self._failures = FailureLog()

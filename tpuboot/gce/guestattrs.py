@@ -28,9 +28,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Final, Literal
 
 from tpuboot.component import Report, Status
 from tpuboot.errors import MetadataError
+from tpuboot.eventloop import nothing
 from tpuboot.gce.client import MetadataClient
 from tpuboot.gce.keys import GUEST_ATTRIBUTES, INSTANCE_ATTRIBUTES, PROJECT_ATTRIBUTES
 from tpuboot.gce.replies import MetadataAbsent, MetadataRefused
@@ -38,6 +40,11 @@ from tpuboot.gce.replies import MetadataAbsent, MetadataRefused
 log = logging.getLogger("tpuboot.gce.guestattrs")
 
 NAMESPACE = "tpuboot"
+#: The publisher's state (Status.state): asking whether guest attributes are on, publishing, off.
+PublisherState = Literal["checking", "publishing", "off"]
+CHECKING: Final[PublisherState] = "checking"
+PUBLISHING: Final[PublisherState] = "publishing"
+OFF: Final[PublisherState] = "off"
 ENABLE_KEY = "enable-guest-attributes"
 #: Seconds between any two writes: under the server's burst limit of 3 a second.
 SPACING = 0.5
@@ -79,10 +86,6 @@ def enabled_in_metadata(client: MetadataClient, deadline_s: float) -> tuple[bool
     return False, f"{ENABLE_KEY} is set on neither the instance nor the project"
 
 
-def _nothing() -> None:
-    """The default ``report``: nobody listens."""
-
-
 class Publisher:
     """Writes ``tpuboot/<key>`` guest attributes from its own thread; ``update`` from any thread.
 
@@ -103,7 +106,7 @@ class Publisher:
         self.check_deadline = check_deadline
         self.clock = clock
         self.enabled: bool | None = settings.enabled
-        self._report: Report = _nothing
+        self._report: Report = nothing
         self._cond = threading.Condition()
         self._wanted: dict[str, str] = {}
         self._sent: dict[str, str] = {}
@@ -132,12 +135,12 @@ class Publisher:
         with self._cond:
             enabled = self.enabled
         if enabled is None:
-            return Status("checking", f"guest attributes: asking whether {ENABLE_KEY} is on")
+            return Status(CHECKING, f"guest attributes: asking whether {ENABLE_KEY} is on")
         if enabled:
-            return Status("publishing", f"guest attributes: publishing under {NAMESPACE}/")
-        return Status("off", "guest attributes: not published")
+            return Status(PUBLISHING, f"guest attributes: publishing under {NAMESPACE}/")
+        return Status(OFF, "guest attributes: not published")
 
-    def start(self, report: Report = _nothing) -> None:
+    def start(self, report: Report = nothing) -> None:
         """Begin publishing from a thread of its own; ``report`` is told when ``status()`` changes."""
         self._report = report
         if self.enabled is False:  # before the thread: no other reader yet

@@ -1,6 +1,6 @@
 """Where things are in the metadata tree: the one source of every path tpuboot asks for.
 
-Paths are relative to the server's ``computeMetadata/v1/`` (:mod:`tpuboot.gce.settings`). Imports
+Paths are relative to the server's :data:`API_ROOT` (its address: :mod:`tpuboot.gce.settings`). Imports
 nothing heavy: the CLI's argument parser reads :data:`KINDS`.
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+#: Where the tree starts on the server, and so in every URL of it (and in a script that asks it).
+API_ROOT = "computeMetadata/v1/"
 #: The instance's and the project's custom metadata (attributes).
 INSTANCE_ATTRIBUTES = "instance/attributes/"
 PROJECT_ATTRIBUTES = "project/attributes/"
@@ -17,6 +19,10 @@ INSTANCE = "instance/"
 GUEST_ATTRIBUTES = "instance/guest-attributes/"
 #: The tpu-env attribute the TPU VM's runtime environment comes from.
 TPU_ENV = INSTANCE_ATTRIBUTES + "tpu-env"
+#: ``projects/NUMBER/machineTypes/NAME``: which TPU machine this is (doctor's slice check).
+MACHINE_TYPE = INSTANCE + "machine-type"
+#: An OAuth access token of the VM's default service account (registry credentials).
+SERVICE_ACCOUNT_TOKEN = INSTANCE + "service-accounts/default/token"
 
 #: Where ``tpuboot metadata get --type KIND KEY`` looks.
 KINDS = {

@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tpuboot.errors import ConfigError
+from tpuboot.gce.keys import API_ROOT
 
 DEFAULT_HOST = "169.254.169.254"
-DEFAULT_URL = f"http://{DEFAULT_HOST}/computeMetadata/v1/"
+DEFAULT_URL = f"http://{DEFAULT_HOST}/{API_ROOT}"
 HOST_ENV = "GCE_METADATA_HOST"
 LEGACY_HOST_ENV = "GCE_METADATA_ROOT"
 #: A watch never asks more often than this (seconds), whatever the server answers.
@@ -46,4 +47,4 @@ def metadata_base_url(config_host: str | None = None, environ: Mapping[str, str]
         raise ConfigError(
             f"{where}: {host!r} is not host[:port]; write it like 169.254.169.254 or 127.0.0.1:8080"
         )
-    return f"http://{host}/computeMetadata/v1/"
+    return f"http://{host}/{API_ROOT}"

@@ -29,7 +29,6 @@ from tests.unit.helpers.containers import (
 from tpuboot.config import DEFAULT_TOKEN_REGISTRIES, Config, RegistryAuthConfig, TelemetryConfig, parse_config
 from tpuboot.containers.credentials import (
     EARLY_EXPIRY,
-    TOKEN_PATH,
     TOKEN_USERNAME,
     TokenRegistries,
     parse_host_pattern,
@@ -39,6 +38,7 @@ from tpuboot.containers.engine import RegistryAuth
 from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import RUNNING, CannotStart
 from tpuboot.errors import ConfigError
+from tpuboot.gce.keys import SERVICE_ACCOUNT_TOKEN as TOKEN_PATH
 from tpuboot.paths import Root
 
 #: A value the tests put where the token would be, to see it is never repeated in a message.

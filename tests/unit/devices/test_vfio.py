@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.devices import add_tpu, binder
 from tpuboot.config import MatchRule
-from tpuboot.devices.vfio import UNSAFE_INTERRUPTS
+from tpuboot.devices.vfio import UNSAFE_INTERRUPTS, VFIO_PCI_DRIVER, group_node, vfio_pci_registered
 from tpuboot.errors import DeviceError, IommuOffError, TransientDeviceError
 
 V6E = (0x1AE0, 0x006F, (0x1AE0, 0x00D1))
@@ -250,3 +251,43 @@ def test_a_missing_unsafe_interrupts_parameter_is_an_error_not_a_removed_device(
     b.load_module = lambda name: None
     with pytest.raises(DeviceError, match=r"allow_unsafe_interrupts is missing; set vfio\.allow_unsafe"):
         b.bind("0000:00:04.0")
+
+
+# --- one source for the group's node and for "vfio-pci is registered" ------------------------------
+
+
+@pytest.mark.parametrize(("shape", "registered"), [("module", False), ("builtin", True), ("none", False)])
+def test_vfio_pci_is_registered_once_built_in_or_loaded(tmp_path, shape, registered):
+    kernel = FakeKernel(tmp_path, shape)
+    assert vfio_pci_registered(kernel.root) is registered
+    if shape == "module":
+        kernel.load_module("vfio_pci")
+        assert vfio_pci_registered(kernel.root)
+        # Registered, though no module list says so: doctor still passes it, by the one test.
+        shutil.rmtree(kernel.p("/sys/module/vfio_pci"))
+        modules = kernel.p("/proc/modules")
+        modules.write_text(
+            "".join(line for line in modules.read_text().splitlines(True) if "vfio_pci " not in line)
+        )
+        from tpuboot.checks.doctor import Doctor
+        from tpuboot.config import Config
+
+        (loaded,) = Doctor(kernel.root, Config()).checks.run(kernel.root, ["vfio-pci-loaded"])
+        assert loaded.detail == f"the vfio-pci driver is registered ({VFIO_PCI_DRIVER})"
+
+
+def test_bind_status_and_doctor_name_the_same_group_node(tmp_path):
+    from tpuboot.checks.doctor import Doctor
+    from tpuboot.config import Config
+    from tpuboot.devices.survey import survey
+
+    kernel = FakeKernel(tmp_path)
+    add_tpu(kernel, group="12")
+    assert binder(kernel).bind("0000:00:04.0").node == group_node("12") == "/dev/vfio/12"
+    (tpu,) = survey(binder(kernel))
+    assert tpu.node == group_node("12")
+    (mode,) = Doctor(kernel.root, Config()).checks.run(kernel.root, ["vfio-node-mode"])
+    assert mode.detail == f"{group_node('12')} mode 0666"
+    os.unlink(kernel.p(group_node("12")))
+    (tpu,) = survey(binder(kernel))
+    assert tpu.problem == f"{group_node('12')} is missing"

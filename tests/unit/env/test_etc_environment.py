@@ -11,15 +11,19 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tpuboot.config import DEFAULT_ENVIRONMENT
+from tpuboot.env.assignment import PAM_ASSIGNMENT
 from tpuboot.env.etc_environment import (
     ENVIRONMENT_RECORD,
+    _joined,
+    _logical_lines,
     ensure_environment,
     format_assignment,
     plan_environment,
+    read_record,
 )
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
@@ -364,3 +368,71 @@ def test_property_boots_then_purge_leave_the_admins_values(
     purge(root)
     assert pam_env_values(read_env(root)) == pam_env_values(text)
     assert not os.path.exists(root.path(ENVIRONMENT_RECORD))
+
+
+# --- The postrm's rule of which lines are tpuboot's, against the Python one -----------------------
+# At purge tpuboot's files are gone, so debian/tpuboot.postrm cannot ask tpuboot which lines of
+# /etc/environment are its own: the record lists them exactly, and the postrm's awk states again
+# the one rule the record does not carry (a line is tpuboot's where it stands whole, as pam_env
+# splits lines, byte for byte as recorded: never a continuation of the line above). Making the
+# record carry that too (line positions) would change its format under every installed tpuboot;
+# so this runs the real postrm and the Python rule (plan_environment's) on the same generated
+# files, byte for byte.
+
+
+def tpuboots_lines(root: Root, text: str) -> str:
+    """``text`` without the lines plan_environment takes for tpuboot's (per key, the first whole
+    line as recorded), every other byte kept; a file without a final newline stays so."""
+    lines = _logical_lines(text)
+    keys = [match.group(1) if (match := PAM_ASSIGNMENT.match(_joined(line))) else None for line in lines]
+    drop = set()
+    for key, mine in read_record(root).items():
+        ours = (i for i, line in enumerate(lines) if keys[i] == key and line.removesuffix("\n") in mine)
+        drop.update(list(ours)[:1])
+    kept = "".join(line for i, line in enumerate(lines) if i not in drop)
+    return kept[:-1] if kept.endswith("\n") and not text.endswith("\n") else kept
+
+
+#: Lines like tpuboot's, the admin's repeats and edits of them, and a line the next one continues.
+NEAR_OURS = st.sampled_from(
+    ["GCS_A=300", "GCS_A=1", "GCS_B=2", "GCS_B=x \\", "GCS_A=300\r", "# c", "", "X=1"]
+)
+
+
+@settings(max_examples=200, deadline=None)
+# A continuation equal to tpuboot's line, with a line between it and tpuboot's: removing the
+# continuation instead would change the bytes (and GCS_B's value).
+@example(
+    before=["GCS_B=x \\", "GCS_A=300", "X=1"],
+    after=["GCS_A=300"],
+    final_newline=False,
+    first="300",
+    second="300",
+)
+@given(
+    before=st.lists(NEAR_OURS, max_size=5),
+    after=st.lists(NEAR_OURS, max_size=5),
+    final_newline=st.booleans(),
+    first=st.sampled_from(["300", "1"]),
+    second=st.sampled_from(["300", "2"]),
+)
+def test_property_the_postrm_removes_exactly_the_lines_python_takes_for_tpuboots(
+    tmp_path_factory: pytest.TempPathFactory,
+    before: list[str],
+    after: list[str],
+    final_newline: bool,
+    first: str,
+    second: str,
+) -> None:
+    top = tmp_path_factory.mktemp("root")
+    (top / "etc").mkdir()
+    root = Root(top)
+    root.path(PATH).write_text("\n".join(before) + ("\n" if before else ""))
+    ensure_environment(root, PATH, {"GCS_A": first, "GCS_B": "2"})
+    ensure_environment(root, PATH, {"GCS_A": second, "GCS_B": "2"})
+    with root.path(PATH).open("a") as f:  # the admin's lines after tpuboot's, a repeat of one among them
+        f.write("\n".join(after) + ("\n" if final_newline and after else ""))
+    text = read_env(root)
+    expected = tpuboots_lines(root, text)
+    purge(root)
+    assert read_env(root) == expected

@@ -326,6 +326,17 @@ def test_pages_link_and_cite_only_files_in_the_repository(page: Path):
     assert broken_anchors(text, page.parent) == []
 
 
+def test_the_code_cites_only_files_in_the_repository():
+    """A docstring or comment of tpuboot/ that cites ``../somewhere`` names a file a reader of the
+    repository has (the notes the code was written from are not shipped)."""
+    bad = {
+        path.relative_to(TOP).as_posix(): found
+        for path in sorted((TOP / "tpuboot").rglob("*.py"))
+        if (found := [t for t in re.findall(r"(?<![\w/.])(\.\./[\w./-]+)", path.read_text())])
+    }
+    assert bad == {}
+
+
 @pytest.mark.parametrize("page", pages(), ids=lambda p: p.relative_to(TOP).as_posix())
 def test_paths_in_backticks_exist(page: Path):
     """`tpuboot/metrics.py`, `scripts/matrix/`: a path under one of the repository's own top-level
