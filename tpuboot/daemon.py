@@ -50,7 +50,7 @@ from tpuboot.containers.agents import VBAR
 from tpuboot.containers.supervisor import RUNNING
 from tpuboot.devices.manager import DeviceManager
 from tpuboot.env.service import PENDING, EnvService
-from tpuboot.eventloop import EventLoop, Timer
+from tpuboot.eventloop import EventLoop, Timer, nothing
 from tpuboot.gce.client import MetadataClient
 from tpuboot.notify import Notifier, watchdog_interval
 
@@ -122,7 +122,7 @@ class Daemon:
     def request_stop(self) -> None:
         """From any thread: stop as SIGTERM does."""
         self._stop_asked.set()
-        self.loop.call_soon_threadsafe(_nothing)  # wakes the loop to look
+        self.loop.call_soon_threadsafe(nothing)  # wakes the loop to look
 
     def _on_stop_signal(self, sig: int) -> None:
         if not self.stopping:
@@ -330,7 +330,7 @@ class Daemon:
                 log.exception("stop: unexpected error; stopping all the same, please report it")
             finally:
                 done.set()
-                self.loop.call_soon_threadsafe(_nothing)
+                self.loop.call_soon_threadsafe(nothing)
 
         overdue = threading.Event()
         timer = self.loop.call_later(meaning.STOP_BUDGET, overdue.set)
@@ -359,7 +359,3 @@ class Daemon:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _nothing() -> None:
-    """A call that only wakes the loop, so it looks at what another thread changed."""
