@@ -20,7 +20,8 @@ cache. Never the file itself: its directory may belong to the runtime user, who 
 
 A sync cannot be ended by a value or a fault: every failure the metadata server or the value
 can cause is handled where it arises. Anything else is a bug; ``sync_once`` then falls back
-to the cache like any other failure, and a bug past that reaches the caller's guard.
+to the cache like any other failure (a bug in the /etc/environment writer leaves tpu-env's result
+standing), and a bug past that reaches the caller's guard.
 """
 
 from __future__ import annotations
@@ -129,9 +130,10 @@ class EnvSync:
     def sync_once(self, deadline_s: float) -> SyncResult:
         """Fetch tpu-env within ``deadline_s`` seconds, write every file.
 
-        A bug in the fetch or the parse falls back to the cache as any failure does; a bug in that
-        fallback or in the /etc/environment writer reaches the caller's one guard (the env thread's
-        logs it and starts the watch all the same; `tpuboot env` shows the traceback)."""
+        A bug in the fetch or the parse falls back to the cache as any failure does; a bug in the
+        /etc/environment writer leaves tpu-env's result as it is, said in the status line; a bug in
+        the fallback itself reaches the caller's one guard (the env thread's logs it and starts the
+        watch all the same)."""
         try:
             result = self._sync_tpu_env(deadline_s)
         except Exception as exc:  # a bug, never a property of the metadata: go on as for any failure
@@ -251,6 +253,12 @@ class EnvSync:
             log.error("%s", exc, extra={"ENVIRONMENT_PATH": self._env.environment_path})
             return dataclasses.replace(
                 result, status=f"{result.status}; {self._env.environment_path} not written: {exc}"
+            )
+        except Exception as exc:  # a bug in another file's writer: tpu-env's result still counts
+            self.bugs(exc, "/etc/environment")
+            return dataclasses.replace(
+                result,
+                status=f"{result.status}; {self._env.environment_path} not written ({type(exc).__name__})",
             )
         bootbudget.mark(bootbudget.ENVIRONMENT)
         return dataclasses.replace(result, environment_written=bool(changed))
