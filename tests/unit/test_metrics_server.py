@@ -342,6 +342,17 @@ def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole
     with tpuboot_run(kernel.top, config, emulator.host, tmp_path, env=environ, nofile=NOFILE) as daemon:
         daemon.receive("READY=1")
         pid = daemon.process.pid
+        scraped: list[str] = []
+
+        def scrape() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                    scraped.append(response.read().decode())
+            except OSError:
+                return False
+            return True
+
+        wait_until(scrape, timeout=30)  # the endpoint opens in its own thread: READY never waits
         before = _fds(pid)
         flood = Flood(port, 4 * NOFILE)
         try:
@@ -359,16 +370,7 @@ def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole
         finally:
             flood.end()
         assert flood.held > NOFILE  # more connections held open than the daemon has fds
-        scraped: list[str] = []
-
-        def scrape() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-                    scraped.append(response.read().decode())
-            except OSError:
-                return False
-            return True
-
+        scraped.clear()
         wait_until(scrape, timeout=30)
         assert 'tpuboot_metadata_requests_total{outcome="ok"}' in scraped[0]
         daemon.process.send_signal(signal.SIGTERM)
