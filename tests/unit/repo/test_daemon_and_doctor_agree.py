@@ -1,6 +1,7 @@
-"""One source per fact: where the daemon and `tpuboot doctor` (or the bind, the status and the
-image check) state the same fact, they agree, on the same inputs. Each test fails if one side is
-changed without the other."""
+"""The daemon and `tpuboot doctor` (or the bind, the status and the image check) give the same
+answer on the same inputs: each states the fact through the one function that owns it (the GKE
+question, the IOMMU fix, unsafe interrupts, the tpu-env cache's trust), and these tests keep the
+two call paths from drifting apart in what they pass it."""
 
 from __future__ import annotations
 
