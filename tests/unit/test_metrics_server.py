@@ -312,6 +312,14 @@ class Flood:
             sock.close()
 
 
+def _listening(port: int) -> bool:
+    """A socket in LISTEN on 127.0.0.1:``port`` (/proc/net/tcp): seen without connecting to it."""
+    return any(
+        fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A"
+        for fields in (line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:])
+    )
+
+
 def _waiting_to_be_accepted(port: int) -> int:
     """The listening socket's accept queue on 127.0.0.1:``port`` (/proc/net/tcp's rx_queue of a
     socket in LISTEN): connections the kernel has completed and the daemon has not taken."""
@@ -352,7 +360,9 @@ def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole
                 return False
             return True
 
-        wait_until(scrape, timeout=30)  # the endpoint opens in its own thread: READY never waits
+        # The endpoint opens in its own thread (READY never waits for it); looked for without a
+        # connection, whose fd the daemon could still hold when its fds are counted.
+        wait_until(lambda: _listening(port), timeout=30)
         before = _fds(pid)
         flood = Flood(port, 4 * NOFILE)
         try:
