@@ -116,6 +116,21 @@ def guest_stalled(console: str) -> str | None:
     return console[start : end if end >= 0 else len(console)].strip()
 
 
+_PANIC = re.compile(r"Kernel panic - not syncing[^\n]*")
+_COMM = re.compile(r"\bComm: (\S+)")
+
+
+def early_panic(console: str) -> str | None:
+    """The panic line if the guest kernel panicked before running any program of the guest (every
+    task its oopses name is the kernel's own ``swapper``, PID 1 included: /init never ran), as
+    multi-threaded TCG can make it do (an int3 oops in a text-poke under a racing vCPU)."""
+    panic = _PANIC.search(console)
+    tasks = _COMM.findall(console)
+    if panic is None or not tasks or not all(task.startswith("swapper/") for task in tasks):
+        return None
+    return panic.group().strip()
+
+
 def vms_started_since(serial: int) -> list[VM]:
     """VMs of this process started with a serial >= ``serial`` (for failure reports)."""
     with _registry_lock:
@@ -359,19 +374,19 @@ class VM:
         Raises VMError with the console tail if QEMU dies or time runs out. A
         degraded boot is returned, not raised: ``failed_units`` says which failed.
         A boot that ran out of time after the guest kernel reported a stalled vCPU
-        (:func:`guest_stalled`) starts again, up to ``stall_retries`` times: a
-        deterministic hang fails every time, a starved emulator does not.
+        (:func:`guest_stalled`), or that ended in a kernel panic before /init ran
+        (:func:`early_panic`), starts again, up to ``stall_retries`` times: a
+        deterministic fault fails every time, a starved or racing emulator does not.
         """
         try:
             return self._wait_booted(timeout)
         except VMError:
             console = self.console_log()
-            if stall_retries <= 0 or not guest_stalled(console):
+            fault = guest_stalled(console) or early_panic(console)
+            if stall_retries <= 0 or fault is None:
                 raise
-            log.warning(
-                "%s: the guest's vCPUs stalled while booting (%s); booting it again",
-                self.name, guest_stalled(console),
-            )  # fmt: skip
+            log.warning("%s: the emulated guest failed before its boot was ours (%s); booting it again",
+                        self.name, fault)  # fmt: skip
             self.restart()
             return self.wait_booted(timeout, stall_retries=stall_retries - 1)
 
