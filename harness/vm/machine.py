@@ -368,14 +368,14 @@ class VM:
                 f"--- console tail ---\n{self.console_tail(40)}"
             )
 
-    def wait_booted(self, timeout: float = 240.0, *, stall_retries: int = 1) -> BootStatus:
+    def wait_booted(self, timeout: float = 240.0, *, fault_retries: int = 1) -> BootStatus:
         """Wait for guestcmd, then for systemd to finish starting (running or degraded).
 
         Raises VMError with the console tail if QEMU dies or time runs out. A
         degraded boot is returned, not raised: ``failed_units`` says which failed.
         A boot that ran out of time after the guest kernel reported a stalled vCPU
         (:func:`guest_stalled`), or that ended in a kernel panic before /init ran
-        (:func:`early_panic`), starts again, up to ``stall_retries`` times: a
+        (:func:`early_panic`), starts again, up to ``fault_retries`` times: a
         deterministic fault fails every time, a starved or racing emulator does not.
         """
         try:
@@ -383,12 +383,12 @@ class VM:
         except VMError:
             console = self.console_log()
             fault = guest_stalled(console) or early_panic(console)
-            if stall_retries <= 0 or fault is None:
+            if fault_retries <= 0 or fault is None:
                 raise
             log.warning("%s: the emulated guest failed before its boot was ours (%s); booting it again",
                         self.name, fault)  # fmt: skip
             self.restart()
-            return self.wait_booted(timeout, stall_retries=stall_retries - 1)
+            return self.wait_booted(timeout, fault_retries=fault_retries - 1)
 
     def restart(self) -> VM:
         """Kill QEMU and start the same machine from its unchanged image (``snapshot=on``)."""
