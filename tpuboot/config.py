@@ -30,6 +30,7 @@ from tpuboot.configfields import (
     parse_whole,
     section_parser,
 )
+from tpuboot.endpoints import VBAR_ENDPOINT, Endpoint, EndpointError, parse_endpoint
 from tpuboot.errors import ConfigError
 from tpuboot.paths import Root
 
@@ -203,6 +204,30 @@ class _PrivilegedImage(Section):
             raise fail(key_of(where, "image"), f"{exc}, or change {self.name}.image") from None
 
 
+#: Two probes at least before a restart; shorter is a restart at the first refusal.
+RESTART_UNANSWERED_MIN = 10.0
+
+
+def parse_endpoint_option(value: Any, where: str) -> Endpoint | None:
+    """vBar's control endpoint (tpuboot/containers/liveness.py); "" or null: not checked."""
+    text = None if value is None else parse_str(value, where)
+    if not text:
+        return None
+    try:
+        return parse_endpoint(text)
+    except EndpointError as exc:
+        raise fail(where, str(exc)) from None
+
+
+def parse_restart_after(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    seconds: float = parse_seconds(DELAY_MAX)(value, where)
+    if seconds < RESTART_UNANSWERED_MIN:
+        raise fail(where, f"{seconds:g} is below {RESTART_UNANSWERED_MIN:g} s; give null (never) or more")
+    return seconds
+
+
 @dataclass(frozen=True)
 class VbarConfig(_PrivilegedImage):
     """The vBar control agent (needed for ICI), supervised unless on a GKE node."""
@@ -216,6 +241,18 @@ class VbarConfig(_PrivilegedImage):
     exec_argv: tuple[str, ...] = option(VBAR_EXEC_ARGV, parse_argv)
     # Where the image (this one or tpu-env's) may come from; any other is refused, not run.
     registries: tuple[str, ...] = option(DEFAULT_REGISTRIES, parse_registries)
+    # Where libtpu reaches it (VBAR_CONTROL_SERVICE_URL): checked while it runs; "" for never.
+    endpoint: Endpoint | None = option(parse_endpoint(VBAR_ENDPOINT), parse_endpoint_option)
+    # Restart the container when the endpoint has not answered this long; null: never.
+    restart_unanswered_after: float | None = option(None, parse_restart_after)
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        if self.restart_unanswered_after is not None and self.endpoint is None:
+            raise fail(
+                key_of(where, "restart_unanswered_after"),
+                "needs vbar.endpoint, which is empty; set the endpoint or give null",
+            )
 
 
 @dataclass(frozen=True)

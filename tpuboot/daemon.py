@@ -40,7 +40,7 @@ import logging
 import resource
 import signal
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from tpuboot import __version__, bootbudget, metrics
@@ -61,6 +61,9 @@ if TYPE_CHECKING:
     from tpuboot.metrics_endpoint import MetricsEndpoint
 
 log = logging.getLogger("tpuboot.daemon")
+
+#: The tick's pace when systemd asks for no watchdog (the tick is then only the periodic checks).
+TICK_INTERVAL = 30.0
 
 
 class Daemon:
@@ -92,7 +95,8 @@ class Daemon:
         self.ready = False
         self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
         self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread
-        self._watchdog_timer: Timer | None = None
+        self._tick_timer: Timer | None = None
+        self._check: Future[None] | None = None  # the periodic checks handed to the pool last
         self._signal_log = meaning.SignalLog()
         self._debug_from: int | None = None  # the level SIGUSR2 turned debug logging on from
 
@@ -256,11 +260,26 @@ class Daemon:
 
     # ------------------------------------------------------------------ the loop
 
-    def _watchdog(self, interval: float) -> None:
-        """WATCHDOG=1 now and every ``interval``: the loop's only periodic wake-up. Re-armed first,
-        so nothing the send does can end the watchdog."""
-        self._watchdog_timer = self.loop.call_later(interval, self._watchdog, interval)
-        self.notifier.watchdog()
+    def _tick(self, interval: float, watchdog: bool) -> None:
+        """Now and every ``interval``, the loop's only periodic wake-up: WATCHDOG=1 when systemd
+        asked for it, and the periodic checks. Re-armed first, so nothing the send or a check does
+        can end the watchdog."""
+        self._tick_timer = self.loop.call_later(interval, self._tick, interval, watchdog)
+        if watchdog:
+            self.notifier.watchdog()
+        self._periodic_checks()
+
+    def _has_periodic_checks(self) -> bool:
+        return self.containers is not None and self.containers.checks_endpoints
+
+    def _periodic_checks(self) -> None:
+        """The agents' endpoints probed in the pool (a connect may wait); one round at a time, so a
+        slow one is never queued behind itself. Results come back by report."""
+        if self.stopping or not self._has_periodic_checks() or self.containers is None:
+            return
+        if self._check is not None and not self._check.done():
+            return
+        self._check = self.executor.submit(self.containers.check_endpoints)
 
     def run(self) -> int:
         """Start every component, READY once booted, then serve until stopped (on the loop's thread)."""
@@ -278,8 +297,8 @@ class Daemon:
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.start()  # its own thread: READY never waits for it
         interval = watchdog_interval()
-        if interval:
-            self._watchdog(interval)
+        if interval or self._has_periodic_checks():
+            self._tick(interval or TICK_INTERVAL, watchdog=bool(interval))
         if self.env is not None:
             self.env.start(report)
         if self.containers is not None:  # in their own threads: READY never waits for dockerd
@@ -303,8 +322,8 @@ class Daemon:
             self.notifier.stopping()
             log.info("stopping")
             self._stop()
-            if self._watchdog_timer is not None:
-                self._watchdog_timer.cancel()
+            if self._tick_timer is not None:
+                self._tick_timer.cancel()
         return 0
 
     def _ready_budget(self) -> None:

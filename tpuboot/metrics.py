@@ -16,7 +16,9 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
 - ``tpuboot_tpu_env_last_update_timestamp_seconds`` (unix seconds of the last write or
   confirmation of tpu-env) and ``tpuboot_tpu_env_from_cache`` (1: that came from the cache)
 - ``tpuboot_container_up{container}`` and ``tpuboot_container_restarts_total{container}`` for
-  the supervised containers (vBar, the telemetry collector)
+  the supervised containers (vBar, the telemetry collector); ``tpuboot_container_endpoint_up``
+  ``{container}``: 1 while a running agent answers at its endpoint, 0 while it does not (no
+  series before the first check of the running container)
 - ``tpuboot_chip_holders{chip,state}``: processes holding each chip's nodes open (chip: its base
   address, as the PCIe metrics label it), by process state (running, sleeping, stopped, zombie,
   uninterruptible), from the last `tpuboot who`
@@ -98,6 +100,7 @@ class Metrics:
         self.tpu_env_updated = 0.0
         self.tpu_env_from_cache = 0.0
         self.container_up: dict[str, float] = {}
+        self.container_endpoint_up: dict[str, float] = {}
         self.container_restarts: dict[str, Count] = {}
         self.chip_holders: dict[tuple[str, str], int] = {}
         self.libtpu_lock_held: dict[str, float] = {}
@@ -248,6 +251,17 @@ def container_up(container: str, up: bool) -> None:
     """The supervised ``container`` is running (``up``) or not."""
     with _current.lock:
         _current.container_up[container] = 1.0 if up else 0.0
+
+
+@_safe
+def container_endpoint_up(container: str, up: bool | None) -> None:
+    """The running ``container`` answered at its endpoint (``up``), did not, or (None) is no longer
+    checked: stopped or restarted, so its series goes until its successor is checked."""
+    with _current.lock:
+        if up is None:
+            _current.container_endpoint_up.pop(container, None)
+        else:
+            _current.container_endpoint_up[container] = 1.0 if up else 0.0
 
 
 @_safe

@@ -96,6 +96,13 @@ class Recorded:
         )
         up = [((container,), value) for container, value in m.container_up.items()]
         yield gauges("tpuboot_container_up", "1 while the supervised container runs.", ["container"], up)
+        answering = [((container,), value) for container, value in m.container_endpoint_up.items()]
+        yield gauges(
+            "tpuboot_container_endpoint_up",
+            "1 while the running agent accepts connections at its endpoint (vbar.endpoint), 0 while not.",
+            ["container"],
+            answering,
+        )
         yield counters(
             "tpuboot_container_restarts",
             "Restarts of a supervised container by tpuboot.",

@@ -234,9 +234,16 @@ COLLECTOR_SCRIPT = (
 ).encode()
 
 
+#: The vBar stand-in answers where vBar does (tpuboot's default vbar.endpoint): busybox's httpd
+#: accepts there, in the background, while the script sleeps.
+VBAR_SCRIPT = (
+    b"/bin/busybox httpd -p 127.0.0.1:8353 -h /\necho vbar stand-in up\nexec /bin/busybox sleep 1000000\n"
+)
+
+
 def vbar_rootfs_tar() -> bytes:
-    """busybox, /bin/sh, /vbar (says it is up, then sleeps) and /collector (prints the config it
-    finds at COLLECTOR_CONFIG, then sleeps) as a tarball for ``docker import``."""
+    """busybox, /bin/sh, /vbar (says it is up, answers at 127.0.0.1:8353, sleeps) and /collector
+    (prints the config it finds at COLLECTOR_CONFIG, then sleeps) as a tarball for ``docker import``."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
 
@@ -249,7 +256,7 @@ def vbar_rootfs_tar() -> bytes:
         link = tarfile.TarInfo("bin/sh")
         link.type, link.linkname = tarfile.SYMTYPE, "busybox"
         tar.addfile(link)
-        add("vbar", b"echo vbar stand-in up\nexec /bin/busybox sleep 1000000\n", 0o644)
+        add("vbar", VBAR_SCRIPT, 0o644)
         add("collector", COLLECTOR_SCRIPT, 0o644)
     return buf.getvalue()
 
@@ -302,7 +309,13 @@ VBAR_IMAGE_2 = "tpuboot-test/vbar:2"
 VBAR_TPU_ENV = {**SAMPLE_TPU_ENV, "VBARCONTROL_AGENT_DOCKER_URL": VBAR_IMAGE_1}
 VBAR_CONFIG = guest_config(
     # The stand-in images are local names, which dockerd reads as Docker Hub's.
-    vbar={"enabled": True, "image": "tpuboot-test/vbar:config", "registries": ["docker.io/tpuboot-test"]},
+    vbar={
+        "enabled": True,
+        "image": "tpuboot-test/vbar:config",
+        "registries": ["docker.io/tpuboot-test"],
+        # Two ticks (the watchdog's 30 s) after the first unanswered probe: time to look at it.
+        "restart_unanswered_after": 60,
+    },
     supervisor={"backoff_initial": 1, "backoff_max": 8, "stable_after": 60, "pull_retries": 6},
 )
 

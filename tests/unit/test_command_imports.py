@@ -45,7 +45,7 @@ print(" ".join(sorted(set(sys.modules) - before)))
 CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.configfields", "tpuboot.devices",
         "tpuboot.devices.pci", "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors",
         "tpuboot.kernel_params", "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc", "tpuboot.gce",
-        "tpuboot.gce.keys", "dataclasses", "inspect", "typing"}  # fmt: skip
+        "tpuboot.gce.keys", "tpuboot.endpoints", "dataclasses", "inspect", "ipaddress", "typing"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "tpuboot.devices.health", "json",
           "inspect", "typing"}  # fmt: skip
@@ -68,10 +68,11 @@ EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.met
 # prepare-image's: its pull step over the Docker engine, without the supervision.
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.references", "tpuboot.containers.agents", "tpuboot.containers.engine",
-              "tpuboot.containers.credentials", "tpuboot.netio", "json", "socket", "ssl", "http",
-              "email"}  # fmt: skip
+              "tpuboot.containers.liveness", "tpuboot.containers.credentials", "tpuboot.netio", "json",
+              "socket", "ssl", "http", "email"}  # fmt: skip
 # doctor's container checks: the agents and the Docker engine, not the supervision (nor its metrics).
 DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot.containers.engine",
+                     "tpuboot.containers.liveness",
                      "tpuboot.containers.docker", "tpuboot.containers.dockerapi", "tpuboot.containers.gke",
                      "tpuboot.checks.containers"}  # fmt: skip
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.

@@ -80,6 +80,7 @@ def test_every_metric_is_named_by_convention(fresh):
         "tpuboot_tpu_env_from_cache": "gauge",
         "tpuboot_boot_phase_seconds": "gauge",
         "tpuboot_container_up": "gauge",
+        "tpuboot_container_endpoint_up": "gauge",
         "tpuboot_container_restarts": "counter",
         "tpuboot_chip_holders": "gauge",
         "tpuboot_libtpu_lock_held": "gauge",

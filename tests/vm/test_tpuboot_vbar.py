@@ -9,6 +9,7 @@ starts from the ``running`` fixture (vBar running the allowed image tpu-env name
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -179,6 +180,47 @@ def test_an_image_from_a_registry_not_allowed_is_never_pulled_and_the_status_say
     assert inspect(vm, "{{.Config.Image}}") == running
     images = vm.run(["docker", "images", "--format", "{{.Repository}}"], check=True).stdout.split()
     assert "evil.example/vbar" not in images
+
+
+METRICS_URL = "http://127.0.0.1:9431/metrics"
+SCRAPE = f"import urllib.request; print(urllib.request.urlopen({METRICS_URL!r}, timeout=10).read().decode())"
+
+
+def test_a_running_vbar_that_stops_answering_is_seen_and_restarted(vm: VM, running: str) -> None:
+    """The stand-in's listener at 127.0.0.1:8353 (tpuboot's default vbar.endpoint) ends while its
+    container runs on: STATUS, the metric and doctor say so within a tick, and the container is
+    restarted once unanswered for vbar.restart_unanswered_after (60 s in this guest)."""
+    started = inspect(vm, "{{.State.StartedAt}}")
+    cursor = journal_cursor(vm)
+    scrape = vm.run(["python3", "-c", SCRAPE], check=True, timeout=60).stdout
+    assert 'tpuboot_container_endpoint_up{container="vBar"} 1.0' in scrape
+    vm.run(["docker", "exec", NAME, "/bin/busybox", "pkill", "httpd"], check=True, timeout=60)
+    refused = "vBar: running, not answering at 127.0.0.1:8353 (connection refused)"
+    vm.wait_until(f"systemctl show -P StatusText tpuboot | grep -qF '{refused}'", timeout=60, interval=1.0)
+    scrape = vm.run(["python3", "-c", SCRAPE], check=True, timeout=60).stdout
+    assert 'tpuboot_container_endpoint_up{container="vBar"} 0.0' in scrape
+    assert 'tpuboot_container_up{container="vBar"} 1.0' in scrape
+    result = vm.run(["tpuboot", "doctor", "--json"], env={"GCE_METADATA_HOST": "127.0.0.1:8080"}, timeout=90)
+    (endpoint,) = [r for r in json.loads(result.stdout) if r["name"] == "vbar-endpoint"]
+    assert (endpoint["status"], endpoint["detail"]) == (
+        "FAIL",
+        "vBar runs but does not answer at 127.0.0.1:8353 (connection refused)",
+    )
+    vm.wait_until(
+        f"[ \"$(docker inspect -f '{{{{.State.StartedAt}}}}' {NAME})\" != '{started}' ] && "
+        "systemctl show -P StatusText tpuboot | grep -q 'vBar: running$'",
+        timeout=150,
+        interval=1.0,
+    )
+    journal = vm.run(
+        ["journalctl", "-u", "tpuboot", f"--after-cursor={cursor}", "-o", "cat"], check=True
+    ).stdout
+    assert "vBar: not answering at 127.0.0.1:8353: connection refused" in journal
+    restarted = (
+        r"vBar: not answering at 127\.0\.0\.1:8353 for (6\d|[7-9]\d) s \(connection refused\); restarting it"
+    )
+    assert re.search(restarted, journal), journal
+    assert "vBar: answering at 127.0.0.1:8353" in journal.rpartition("restarting it")[2]  # the new one
 
 
 def test_on_a_gke_node_nothing_is_started_and_the_status_says_why(vm: VM, running: str) -> None:

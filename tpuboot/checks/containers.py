@@ -1,5 +1,7 @@
 """Doctor's checks of the supervised agents: one ``SECTION-running`` check per agent of
-:data:`tpuboot.containers.agents.AGENTS` (``vbar-running``, ``telemetry-running``).
+:data:`tpuboot.containers.agents.AGENTS` (``vbar-running``, ``telemetry-running``), and a
+``SECTION-endpoint`` check for an agent that must answer at an endpoint (``vbar-endpoint``: it
+accepts a connection at ``vbar.endpoint``, as the daemon checks at each tick).
 
 Each one is SKIP when the agent is off, when GKE runs it (:mod:`tpuboot.containers.gke`, the
 daemon's rule, asked once) or when it runs as a child process; otherwise the engine must answer and
@@ -20,6 +22,7 @@ from tpuboot.containers.docker import DockerEngine
 from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable, dockerd_installed
 from tpuboot.containers.engine import ContainerEngine, EngineError, EngineNotFound, EngineUnreachable
 from tpuboot.containers.gke import GkeAnswer, Metadata, ask_gke
+from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.paths import Root
 
 RUNNING, ABSENT = "running", "absent"
@@ -77,8 +80,10 @@ class ContainerChecks:
         metadata: DeadlineMetadata,
         container_state: ContainerProbe = docker_container_state,
         agents: Sequence[Agent] = AGENTS,
+        endpoint_probe: EndpointProbe = probe,
     ) -> None:
         self.root = root
+        self.endpoint_probe = endpoint_probe
         self.config = config
         self.metadata = metadata
         self.container_state = container_state
@@ -87,7 +92,14 @@ class ContainerChecks:
 
     def named(self) -> list[tuple[str, Callable[[], CheckResult]]]:
         """The checks by name, in run order, for the doctor's table."""
-        return [(f"{agent.section}-running", functools.partial(self.check, agent)) for agent in self.agents]
+        named: list[tuple[str, Callable[[], CheckResult]]]
+        named = [(f"{agent.section}-running", functools.partial(self.check, agent)) for agent in self.agents]
+        named += [
+            (f"{agent.section}-endpoint", functools.partial(self.check_endpoint, agent))
+            for agent in self.agents
+            if agent.has_endpoint
+        ]
+        return named
 
     def _gke(self) -> GkeAnswer:
         """The daemon's answer to "a GKE node?", asked once, within doctor's deadline."""
@@ -95,8 +107,8 @@ class ContainerChecks:
             self._gke_answer = ask_gke(self.config.gke, self.metadata, self.metadata.deadline_s)
         return self._gke_answer
 
-    def check(self, agent: Agent) -> CheckResult:
-        """SKIP when tpuboot does not run it here; else its container exists and runs."""
+    def _not_run_here(self, agent: Agent) -> CheckResult | None:
+        """SKIP when tpuboot does not run the agent on this host (off, or GKE runs it), else None."""
         if not agent.settings(self.config).enabled:
             return skipped(f"{agent.section}.enabled is false in the configuration")
         if agent.gke_runs:
@@ -106,10 +118,45 @@ class ContainerChecks:
                 return skipped(f"a GKE node ({gke.why}): GKE runs {what}")
             if gke.node is None:
                 return skipped(f"cannot tell whether this is a GKE node: {gke.why}; set gke: true or false")
+        return None
+
+    def check(self, agent: Agent) -> CheckResult:
+        """SKIP when tpuboot does not run it here; else its container exists and runs."""
+        skip = self._not_run_here(agent)
+        if skip is not None:
+            return skip
         runtime = agent.runtime_key(self.config)
         if runtime is not None:
             return skipped(f"{runtime}: no container to ask about")
         return self._container(agent)
+
+    def check_endpoint(self, agent: Agent) -> CheckResult:
+        """While the agent runs, its endpoint accepts a connection (libtpu's way to it)."""
+        skip = self._not_run_here(agent)
+        if skip is not None:
+            return skip
+        liveness = agent.liveness(self.config)
+        if liveness is None:
+            return skipped(f"{agent.section}.endpoint is empty: not checked")
+        name = agent.settings(self.config).container_name
+        logs = f"docker logs {name}"
+        if agent.runtime_key(self.config) is not None:
+            logs = f"journalctl -u tpuboot AGENT={agent.label}"
+        else:  # a container: only a running one must answer
+            try:
+                state = self.container_state(self.root, name)
+            except EngineError as exc:
+                return skipped(f"cannot ask dockerd ({exc}); {agent.section}-running says more")
+            if state != RUNNING:
+                return skipped(f"container {name} is {state}: {agent.section}-running says why")
+        problem = self.endpoint_probe(liveness.endpoint, self.root)
+        if problem is None:
+            return passed(f"{agent.called} accepts connections at {liveness.endpoint}")
+        return failed(
+            f"{agent.called} runs but does not answer at {liveness.endpoint} ({problem})",
+            f"{logs} says why; if it listens elsewhere, set {agent.section}.endpoint to where the "
+            f"jobs reach it; {agent.section}.restart_unanswered_after restarts it when this lasts",
+        )
 
     def _container(self, agent: Agent) -> CheckResult:
         """The engine answers, and the agent's container exists and runs."""

@@ -42,6 +42,7 @@ from tpuboot.checks.pcie import check_pcie_health
 from tpuboot.checks.registry import CheckResult, Checks, failed, holding_root, passed, skipped, warned
 from tpuboot.checks.slices import Reading, read_slice
 from tpuboot.config import Config, MetadataConfig
+from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.devices.chips import chips_present
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
 from tpuboot.devices.pci import PCI_DEVICES
@@ -144,6 +145,7 @@ class Doctor:
         *,
         metadata: MetadataReader | None = None,
         container_state: ContainerProbe = docker_container_state,
+        endpoint_probe: EndpointProbe = probe,
         now: Callable[[], float] = time.time,
         metadata_deadline: float = METADATA_DEADLINE,
         systemd: Systemd | None = None,
@@ -174,7 +176,9 @@ class Doctor:
                     ("tpu-env", self.check_tpu_env),
                     ("tpu-env-fresh", self.check_tpu_env_fresh),
                     ("environment", self.check_environment),
-                    *ContainerChecks(root, config, self.metadata, container_state).named(),
+                    *ContainerChecks(
+                        root, config, self.metadata, container_state, endpoint_probe=endpoint_probe
+                    ).named(),
                     *holders.named(),
                     *CdiChecks(root, self.binder).named(),  # containers without --privileged
                 ]

@@ -7,8 +7,9 @@ configuration (a ``_PrivilegedImage`` section: enabled, image, container_name, r
 
 vBar's image is tpu-env's ``VBARCONTROL_AGENT_DOCKER_URL`` when set and not empty, else
 ``vbar.image`` (:attr:`Agent.image_key`). tpu-env is the values tpuboot itself parsed, never the
-tpu-env file: whoever chooses the image of a privileged container owns the VM. The collector binds
-its configuration file read-only (:func:`config_file_mount`), the file's digest in the container's
+tpu-env file: whoever chooses the image of a privileged container owns the VM. vBar must also
+answer at ``vbar.endpoint`` while it runs (:attr:`Agent.liveness`). The collector binds its
+configuration file read-only (:func:`config_file_mount`), the file's digest in the container's
 label so an edited file makes a new container at the next start.
 
 Light on purpose: daemon.py and doctor read the labels here without the supervisor's metrics.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from tpuboot.atomicfile import FileReadError, read_file
 from tpuboot.containers.engine import ContainerSpec
+from tpuboot.containers.liveness import Liveness
 
 if TYPE_CHECKING:
     from tpuboot.config import Config, TelemetryConfig
@@ -65,6 +67,10 @@ def no_exec(config: Config) -> tuple[str, ...] | None:
     return None
 
 
+def no_endpoint(config: Config) -> Liveness | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Agent:
     """One supervised agent: where its settings are and how its container is made."""
@@ -87,6 +93,8 @@ class Agent:
     exec_argv: Callable[[Config], tuple[str, ...] | None] = field(default=no_exec)
     #: Whether GKE runs it itself on its nodes (tpuboot then leaves it to GKE).
     gke_runs: bool = True
+    #: The endpoint it must answer at while it runs, as a fresh record (None: not checked).
+    liveness: Callable[[Config], Liveness | None] = field(default=no_endpoint)
 
     def container(self, config: Config, root: Root, tpu_env: Mapping[str, str] | None) -> ContainerSpec:
         """The container wanted now."""
@@ -101,6 +109,12 @@ class Agent:
             section.container_name, image, mounts.binds, origin=origin, content=mounts.content,
             problem=mounts.problem,
         )  # fmt: skip
+
+    @property
+    def has_endpoint(self) -> bool:
+        """Whether it is an agent that answers at an endpoint (its configuration may turn the
+        check off)."""
+        return self.liveness is not no_endpoint
 
     def runtime_key(self, config: Config) -> str | None:
         """``SECTION.runtime is exec`` when it runs as a child process, else None."""
@@ -133,6 +147,11 @@ def _vbar_exec(config: Config) -> tuple[str, ...] | None:
     return config.vbar.exec_argv if config.vbar.runtime == "exec" else None
 
 
+def _vbar_liveness(config: Config) -> Liveness | None:
+    endpoint = config.vbar.endpoint
+    return None if endpoint is None else Liveness(endpoint, config.vbar.restart_unanswered_after or 0.0)
+
+
 def _telemetry(config: Config) -> AgentSection:
     return config.telemetry
 
@@ -142,8 +161,9 @@ def _telemetry_mounts(config: Config, root: Root) -> Mounts:
 
 
 VBAR_AGENT = Agent(
-    VBAR, "vbar", _vbar, "vBar", role="its device plugin", image_key=IMAGE_KEY, exec_argv=_vbar_exec
-)
+    VBAR, "vbar", _vbar, "vBar", role="its device plugin", image_key=IMAGE_KEY, exec_argv=_vbar_exec,
+    liveness=_vbar_liveness,
+)  # fmt: skip
 TELEMETRY_AGENT = Agent(
     TELEMETRY, "telemetry", _telemetry, "the telemetry collector", mounts=_telemetry_mounts
 )

@@ -106,6 +106,9 @@ class DockerEngine:
     def remove(self, ident: str) -> None:
         self.client.remove_container(ident, force=True)
 
+    def kill(self, ident: str) -> None:
+        self.client.kill_container(ident)
+
     def has_image(self, image: str) -> bool:
         try:
             self.client.inspect_image(image)

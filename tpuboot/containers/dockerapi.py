@@ -372,6 +372,14 @@ class DockerAPI:
         """Start it; one already running (304) is fine."""
         self._call("POST", f"/containers/{_quote(ident)}/start")
 
+    def kill_container(self, ident: str) -> None:
+        """SIGKILL to its process; one not running (409) is fine: it has ended already."""
+        try:
+            self._call("POST", f"/containers/{_quote(ident)}/kill")
+        except APIError as exc:
+            if exc.status != 409:
+                raise
+
     def remove_container(self, ident: str, force: bool = False) -> None:
         self._call("DELETE", f"/containers/{_quote(ident)}", {"force": str(force).lower()})
 

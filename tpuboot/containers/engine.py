@@ -142,6 +142,10 @@ class ContainerEngine(Protocol):
         """Remove it, running or not; :class:`EngineNotFound` if it is gone."""
         ...
 
+    def kill(self, ident: str) -> None:
+        """End its process now (SIGKILL): the exit follows on :meth:`exits`; one not running is fine."""
+        ...
+
     def has_image(self, image: str) -> bool: ...
 
     def pull(self, image: str, auth: RegistryAuth | None) -> None:

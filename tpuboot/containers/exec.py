@@ -6,6 +6,7 @@ after ``term_timeout`` seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,6 +54,13 @@ class ExecRuntime:
     def interrupt(self) -> bool:
         """The argv does not change at run time: nothing to reconsider."""
         return False
+
+    def kill(self) -> None:
+        with self._lock:
+            proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def close(self) -> None:
         with self._lock:

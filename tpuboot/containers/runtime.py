@@ -192,6 +192,12 @@ class EngineRuntime:
         self._closed.set()
         self._cut()
 
+    def kill(self) -> None:
+        engine, ident = self.engine, self.container_id
+        if engine is not None and ident is not None:
+            with contextlib.suppress(EngineNotFound):  # removed meanwhile: wait() says gone
+                engine.kill(ident)
+
     # ------------------------------------------------------------------ helpers
 
     def _engine(self) -> ContainerEngine:

@@ -15,6 +15,11 @@ its root-only cache: :meth:`tpuboot.env.sync.EnvSync.parsed_values`), never from
 A tpu-env change (the runtime-environment side calls ``reconfigure`` from its thread: it reads
 files, never on the loop) recreates a container whose image it chose. Each image must also come
 from a registry in its section's ``registries``; another is refused, not run.
+
+An agent with an endpoint (vBar's ``vbar.endpoint``) is probed at each of the daemon's ticks while
+it runs (:meth:`Containers.check_endpoints`, in the daemon's pool): STATUS, the journal and
+``tpuboot_container_endpoint_up`` say when it stops answering, and its container is restarted once
+it has not answered for ``vbar.restart_unanswered_after`` (unset: never).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, Literal
 
+from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Report, Status
 from tpuboot.config import Config
@@ -35,6 +42,7 @@ from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, dockerd_insta
 from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.exec import ExecRuntime
 from tpuboot.containers.gke import gke_node
+from tpuboot.containers.liveness import Liveness, probe
 from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, SupervisedState, Supervisor
 from tpuboot.eventloop import nothing
 from tpuboot.paths import Root
@@ -72,6 +80,7 @@ class Containers:
         docker_factory: Callable[[], DockerAPI] | None = None,
         tpu_env: TpuEnvSource = _no_tpu_env,
         agents: Sequence[Agent] = AGENTS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``metadata``: for the GKE check (``gke: auto``) and the registry token; shared: the daemon
         closes it.
@@ -94,15 +103,32 @@ class Containers:
         self.agents = {agent.label: agent for agent in agents_enabled(config, agents)}
         for label in self.agents:
             self._statuses[label] = Status(STARTING, "starting")
+        self.clock = clock
+        self._liveness: dict[str, Liveness] = {}  # under _lock; by label, for agents with an endpoint
+        for label, agent in self.agents.items():
+            liveness = agent.liveness(config)
+            if liveness is not None:
+                self._liveness[label] = liveness
 
     @property
     def enabled(self) -> bool:
         return bool(self._statuses)
 
+    @property
+    def checks_endpoints(self) -> bool:
+        """Whether an agent has an endpoint to probe (the daemon ticks for it)."""
+        return bool(self._liveness)
+
     def statuses(self) -> dict[str, Status]:
-        """Each enabled agent's Status, by label (vBar, telemetry); from any thread."""
+        """Each enabled agent's Status, by label (vBar, telemetry), with what its endpoint's last
+        check said while it runs; from any thread."""
         with self._lock:
-            return dict(self._statuses)
+            shown = dict(self._statuses)
+            for label, liveness in self._liveness.items():
+                status = shown[label]
+                if status.state == RUNNING and liveness.detail():
+                    shown[label] = Status(RUNNING, status.detail + liveness.detail())
+            return shown
 
     def status(self) -> Status:
         statuses = self.statuses()
@@ -150,10 +176,49 @@ class Containers:
     # ------------------------------------------------------------------ in its own threads
 
     def _set(self, label: str, status: Status) -> None:
-        """A container's new Status (from this component's thread or its supervisor's)."""
+        """A container's new Status (from this component's thread or its supervisor's). Whatever it
+        is (started, restarted, ended), the container running now is judged afresh."""
         with self._lock:
             self._statuses[label] = status
+            liveness = self._liveness.get(label)
+            if liveness is not None:
+                liveness.forget()
+        if liveness is not None:
+            metrics.container_endpoint_up(label, None)
         self._report()
+
+    def check_endpoints(self) -> None:
+        """Probe each running agent's endpoint once (the daemon's tick, from its pool: a connect may
+        wait up to CONNECT_TIMEOUT). A change of answer is logged and reported; an agent unanswered
+        past its restart_after has its container ended, for its supervisor to restart."""
+        with self._lock:
+            running = {
+                label: (liveness, self.supervisors.get(label))
+                for label, liveness in self._liveness.items()
+                if self._statuses[label].state == RUNNING
+            }
+        for label, (liveness, supervisor) in running.items():
+            if supervisor is None:
+                continue
+            problem = probe(liveness.endpoint, self.root)
+            with self._lock:
+                if self._statuses[label].state != RUNNING:
+                    continue  # ended while probed: its successor is judged afresh
+                before = liveness.answering
+                due = liveness.observe(problem, self.clock())
+                since = liveness.failing_since
+            metrics.container_endpoint_up(label, problem is None)
+            fields = {"AGENT": label, "ENDPOINT": str(liveness.endpoint)}
+            if before is not (problem is None):
+                if problem is None:
+                    log.info("%s: answering at %s", label, liveness.endpoint, extra=fields)
+                else:
+                    what = f"not answering at {liveness.endpoint}: {problem}"
+                    log.warning("%s: %s", label, what, extra=fields)
+                self._report()
+            if due and since is not None:
+                unanswered = self.clock() - since
+                supervisor.restart(f"not answering at {liveness.endpoint} for {unanswered:.0f} s ({problem})")
 
     def _begin(self) -> None:
         labels = list(self._statuses)

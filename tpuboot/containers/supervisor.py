@@ -85,6 +85,12 @@ class Runtime(Protocol):
         """Stop supervising: a container is left running, a child process is ended."""
         ...
 
+    def kill(self) -> None:
+        """End what runs now (SIGKILL: what no longer answers is not trusted to end on SIGTERM), so
+        that ``wait`` returns its exit and the loop restarts it as after any exit. From another
+        thread than the loop's."""
+        ...
+
 
 class Supervisor:
     def __init__(
@@ -121,6 +127,15 @@ class Supervisor:
         """The desired configuration may have changed (tpu-env): start again, adopting or recreating."""
         if self.runtime.interrupt():
             self._wake.set()  # also cuts a restart delay short
+
+    def restart(self, why: str) -> None:
+        """End the running container (``why``: for the journal) and let the loop restart it, counted
+        and backed off as any exit. From any thread; a failure to end it is logged, not raised."""
+        self._log(logging.ERROR, "%s; restarting it", why)
+        try:
+            self.runtime.kill()
+        except Exception as exc:  # the engine went away meanwhile: its own wait says so
+            self._log(logging.WARNING, "cannot end it (%s); left to the engine", exc)
 
     def stop(self, timeout: float = 8.0) -> None:
         self._stop.set()

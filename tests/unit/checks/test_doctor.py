@@ -113,6 +113,7 @@ class Silent:
 
 def doctor(kernel: FakeKernel, config: Config | None = None, **kwargs) -> list[Verdict]:
     kwargs.setdefault("container_state", lambda root, name: "running")
+    kwargs.setdefault("endpoint_probe", lambda endpoint, root: None)  # vBar answers
     kwargs.setdefault("metadata", Values())  # a metadata server that has none of the keys
     kwargs.setdefault("systemd", NoSystemctl())
     return Doctor(kernel.root, config or make_config(), **kwargs).run()
@@ -284,6 +285,32 @@ def test_vbar_skips_on_gke_or_when_off_and_fails_when_it_does_not_run(kernel):
         "container tpuboot-vbar-control-agent is exited (exit code 1)",
     )
     assert vbar() == ("PASS", "container tpuboot-vbar-control-agent is running")
+
+
+def test_vbar_endpoint_is_checked_while_it_runs(kernel):
+    def endpoint(**kwargs) -> tuple[str, str, str | None]:
+        v = result_of(doctor(kernel, **kwargs), "vbar-endpoint")
+        return v.status, v.detail, v.fix
+
+    assert endpoint()[:2] == ("PASS", "vBar accepts connections at 127.0.0.1:8353")
+    refused = endpoint(endpoint_probe=lambda e, root: "connection refused")
+    assert refused[:2] == ("FAIL", "vBar runs but does not answer at 127.0.0.1:8353 (connection refused)")
+    assert "docker logs tpuboot-vbar-control-agent" in (refused[2] or "")
+    assert "vbar.endpoint" in (refused[2] or "") and "vbar.restart_unanswered_after" in (refused[2] or "")
+    exited = endpoint(container_state=lambda root, name: "exited (exit code 1)")
+    assert exited[:2] == (
+        "SKIP",
+        "container tpuboot-vbar-control-agent is exited (exit code 1): vbar-running says why",
+    )
+    assert endpoint(config=Config(vbar=VbarConfig(endpoint=None)))[:2] == (
+        "SKIP",
+        "vbar.endpoint is empty: not checked",
+    )
+    assert endpoint(config=Config(vbar=VbarConfig(enabled=False)))[0] == "SKIP"
+    assert endpoint(metadata=Values({"instance/attributes/cluster-name": "c1"}))[0] == "SKIP"  # GKE's
+    exec_config = Config(vbar=VbarConfig(runtime="exec"))
+    child = endpoint(config=exec_config, endpoint_probe=lambda e, r: "no such socket")
+    assert child[0] == "FAIL" and "journalctl -u tpuboot AGENT=vBar" in (child[2] or "")
 
 
 def test_tpu_env_missing_or_garbled(kernel):

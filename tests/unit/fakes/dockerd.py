@@ -384,7 +384,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._error(404, f"No such image: {match.group(1)}")
         if (method, path) == ("GET", "/containers/json"):
             return self._list(query)
-        if match := re.fullmatch(r"/containers/([^/]+)(/json|/start)?", path):
+        if match := re.fullmatch(r"/containers/([^/]+)(/json|/start|/kill)?", path):
             return self._container(method, match.group(1), match.group(2) or "", query)
         return self._error(404, f"page not found: {method} {path}")
 
@@ -397,6 +397,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _container(self, method: str, key: str, action: str, query: dict[str, str]) -> None:
         fake = self.server.fake
+        killed = ""
         with fake.lock:
             container = fake._find(key)
             if container is None:
@@ -409,6 +410,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 else:
                     container["State"] = {"Running": True, "ExitCode": 0, "Status": "running"}
                     status, answer = 204, None
+            elif (method, action) == ("POST", "/kill"):
+                if not container["State"]["Running"]:
+                    status, answer = 409, {"message": f"Container {key} is not running"}
+                else:
+                    status, answer = 204, None
+                    killed = container["Name"][1:]
             elif (method, action) == ("DELETE", ""):
                 if container["State"]["Running"] and query.get("force") not in ("1", "true", "True"):
                     status, answer = 409, {"message": "You cannot remove a running container. Stop it first"}
@@ -417,6 +424,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     status, answer = 204, None
             else:
                 status, answer = 405, {"message": "method not allowed"}
+        if killed:
+            fake.die(killed, 137)  # SIGKILL's exit, as dockerd reports it
         self._send(status, answer)
 
     def _list(self, query: dict[str, str]) -> None:
