@@ -19,6 +19,7 @@ import argparse
 import itertools
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -263,6 +264,21 @@ def test_package_description_says_it_runs_a_privileged_container():
     control = (TOP / "debian/control").read_text()
     description = control.split("\nDescription:", 1)[1]
     assert re.search(r"privileged\s+container", description)
+
+
+def test_man_page_gives_every_signal_its_effect():
+    """SIGNALS names each signal Linux has (the real-time ones as a range), each signal tpuboot
+    gives a meaning in an item of its own, and what it says Python ignores is ignored."""
+    from tpuboot import signals
+
+    text = plain(man_sections()["SIGNALS"])
+    # Linux's 16, SIGSTKFLT, is no Signals member before Python 3.11.
+    named = sorted({"SIGSTKFLT", *(s.name for s in signal.valid_signals() if isinstance(s, signal.Signals))})
+    assert {"SIGABRT", "SIGRTMIN", "SIGRTMAX"} <= set(named)
+    assert [name for name in named if not re.search(rf"\b{name}\b", text)] == []
+    tags = " ".join(tag for tag, _ in items("SIGNALS"))
+    assert [s.name for s in (*signals.STOP, *signals.HELD) if not re.search(rf"\b{s.name}\b", tags)] == []
+    assert signal.getsignal(signal.SIGXFSZ) == signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
 
 
 # --- README.md -------------------------------------------------------------------------------------
