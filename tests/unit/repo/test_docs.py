@@ -498,6 +498,16 @@ def test_the_bind_retries_quoted_are_the_managers():
     assert f"{retries} retries are {retries + 1} tries over {total}" in conf
 
 
+def test_the_metrics_endpoints_bounds_quoted_are_the_servers():
+    from tpuboot import metrics_server
+
+    text = unwrapped(section(DOC / "monitoring.md", "Metrics"))
+    assert f"{metrics_server.MAX_CONNECTIONS} connections at once" in text
+    assert f"cut {metrics_server.REQUEST_DEADLINE:g} s after it was accepted" in text
+    assert f"a request over {metrics_server.MAX_REQUEST_BYTES // 1024} KiB" in text
+    assert f"`LimitNOFILE={unit_directives()['LimitNOFILE'][0]}`" in text
+
+
 def test_the_retry_waits_double_from_the_first_up_to_the_cap():
     from tpuboot.devices import manager
 
