@@ -21,6 +21,10 @@ signal systemd or a person may send has a meaning here:
   is made, and is handled there.
 - SIGKILL and SIGSTOP cannot be caught; SIGTSTP, SIGTTIN, SIGTTOU keep their default (stop the
   process: under systemd the watchdog then restarts it).
+- Every other signal keeps its default: SIGABRT (systemd's WatchdogSignal=), SIGSEGV, SIGBUS,
+  SIGFPE, SIGILL, SIGTRAP, SIGSYS, SIGXCPU dump core, SIGSTKFLT and the real-time signals end the
+  process; systemd counts each as a failure and restarts it. SIGXFSZ is ignored (as Python sets
+  it); SIGCHLD, SIGCONT, SIGURG, SIGWINCH do nothing.
 
 Each line a signal causes is rate-limited per signal (:class:`SignalLog`): a storm of them costs a
 line every few seconds, with the count, not the journal. Before the loop takes over (the first

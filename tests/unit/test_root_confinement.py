@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.audit import audit_events
 from tpuboot import atomicfile, cli
 from tpuboot.atomicfile import read_file, remove_file, write_file
 from tpuboot.checks.doctor import Doctor
@@ -357,4 +358,72 @@ def test_image_check_judges_the_image_not_the_host_its_links_name(image: Path, h
         link(image, "/etc/udev", "../" * 8 + str(host / "etc/udev").lstrip("/"))
     before = snapshot(host)
     assert {r.name: r.status for r in run_checks(Root(image), ["leftover-*"])} == clean
+    assert snapshot(host) == before
+
+
+# --- every command, every kind of access -----------------------------------------------------------
+
+#: The tops an image tree links to the host in the test below (the host's canaries are beneath).
+LINKED_TOPS = ("home", "run", "var", "lib", "usr", "boot", "proc", "sys", "dev")
+ACCESSES = (
+    "open",
+    "os.listdir",
+    "os.scandir",
+    "os.remove",
+    "os.rename",
+    "os.mkdir",
+    "os.chmod",
+    "shutil.rmtree",
+)
+
+
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute-links", "relative-links"])
+def test_no_command_on_a_linked_image_touches_a_host_path(
+    image: Path, host: Path, relative: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every command that takes --root, on a tree whose config, GRUB files, /etc/environment and
+    top directories all link to the host: no file or directory under the host is opened, listed,
+    made, changed or removed (the audit hook sees every access, each path taken where the kernel
+    would take it), and nothing of it is printed."""
+    for top in LINKED_TOPS:
+        (host / top).mkdir(exist_ok=True)
+        (host / top / "canary").write_text(SECRET + "\n")
+    (image / "etc/default/grub.d").mkdir(parents=True)
+    targets = {f"/{top}": host / top for top in LINKED_TOPS} | {
+        "/etc/tpuboot/tpuboot.yaml": host / "etc/shadow",
+        "/etc/environment": host / "etc/shadow",
+        "/etc/default/grub": host / "etc/shadow",
+        "/etc/default/grub.d/90-host.cfg": host / "etc/default/grub.d/90-host.cfg",
+    }
+    for path, target in targets.items():
+        link(image, path, "../" * 12 + str(target).lstrip("/") if relative else target)
+    before = snapshot(host)
+    with audit_events() as seen:
+        for argv in (
+            ["image-check"],
+            ["image-check", "--json"],
+            ["prepare-image"],
+            ["doctor"],
+            ["status"],
+            ["who"],
+            ["cdi"],
+            ["release"],
+            ["wait-free", "--timeout", "0.1"],
+            ["bind", "0000:00:04.0"],
+            ["reset", "--dry-run", "0000:00:04.0"],
+        ):
+            cli.main(["--root", str(image), *argv])
+    touched = {
+        (event, os.fsdecode(args[0]))
+        for event, args in seen
+        if event in ACCESSES and args and isinstance(args[0], (str, bytes, os.PathLike))
+    }
+    # Where the kernel would take each path (a relative one is a name under a directory fd the
+    # atomic writer's walk opened, itself among these):
+    landed = [(event, path, os.path.realpath(path)) for event, path in touched if path.startswith("/")]
+    assert [t for t in landed if t[2].startswith(str(host))] == []
+    # The hook saw the config link followed inside the image, where a chroot would find it:
+    assert any(path == f"{image}{host}/etc/shadow" for event, path in touched if event == "open")
+    shown = capsys.readouterr()
+    assert "SECRET" not in shown.out + shown.err
     assert snapshot(host) == before

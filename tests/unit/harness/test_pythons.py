@@ -6,16 +6,22 @@ or a copy another user cannot start, would make a row test something else than i
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from harness import pythons
+from harness.matrix import Row
 
 IS_ROOT = os.geteuid() == 0
 
@@ -60,6 +66,38 @@ def test_a_missing_python_is_one_line_saying_where_it_looked(pyenv: Path) -> Non
     with pytest.raises(pythons.InterpreterNotFound) as caught:
         pythons.find("3.10")
     assert str(caught.value) == f"no CPython 3.10: looked in {pyenv}/versions/3.10.* and python3.10 on PATH"
+
+
+def matrix_script() -> ModuleType:
+    """scripts/test-matrix, loaded as a module (it has no .py suffix; its dataclasses look their
+    module up in sys.modules)."""
+    path = Path(__file__).resolve().parents[3] / "scripts" / "test-matrix"
+    loader = importlib.machinery.SourceFileLoader("test_matrix_script", str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    sys.modules[loader.name] = module
+    loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("ci", ["true", None])
+def test_a_rows_missing_python_fails_under_ci_and_is_said_loudly_elsewhere(
+    pyenv: Path, monkeypatch: pytest.MonkeyPatch, ci: str | None
+) -> None:
+    script = matrix_script()
+    row = Row("jammy", "Ubuntu 22.04", "3.10")
+    where = f"no CPython 3.10: looked in {pyenv}/versions/3.10.* and python3.10 on PATH"
+    if ci:
+        monkeypatch.setenv("CI", ci)
+        with pytest.raises(script.RowError) as caught:
+            script.row_python(row)
+        assert str(caught.value) == f"{where} (CI=true: each row runs on its own Python)"
+        return
+    monkeypatch.delenv("CI", raising=False)
+    chosen = script.row_python(row)
+    assert chosen.interpreter.version == platform.python_version()  # the host's: this one
+    assert chosen.describe().endswith(f" INSTEAD OF ITS OWN ({where})")
+    assert chosen.short().endswith(" instead of 3.10")
+    assert "INSTEAD OF ITS OWN" in script.heading(row, chosen.describe())
 
 
 def test_debians_own_python_is_used_where_it_is() -> None:

@@ -19,6 +19,7 @@ import argparse
 import itertools
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,6 +266,21 @@ def test_package_description_says_it_runs_a_privileged_container():
     assert re.search(r"privileged\s+container", description)
 
 
+def test_man_page_gives_every_signal_its_effect():
+    """SIGNALS names each signal Linux has (the real-time ones as a range), each signal tpuboot
+    gives a meaning in an item of its own, and what it says Python ignores is ignored."""
+    from tpuboot import signals
+
+    text = plain(man_sections()["SIGNALS"])
+    # Linux's 16, SIGSTKFLT, is no Signals member before Python 3.11.
+    named = sorted({"SIGSTKFLT", *(s.name for s in signal.valid_signals() if isinstance(s, signal.Signals))})
+    assert {"SIGABRT", "SIGRTMIN", "SIGRTMAX"} <= set(named)
+    assert [name for name in named if not re.search(rf"\b{name}\b", text)] == []
+    tags = " ".join(tag for tag, _ in items("SIGNALS"))
+    assert [s.name for s in (*signals.STOP, *signals.HELD) if not re.search(rf"\b{s.name}\b", tags)] == []
+    assert signal.getsignal(signal.SIGXFSZ) == signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
+
+
 # --- README.md -------------------------------------------------------------------------------------
 
 
@@ -480,6 +496,16 @@ def test_the_bind_retries_quoted_are_the_managers():
     )
     conf = unwrapped(re.sub(r"^\s*#", "", CONF.read_text(), flags=re.MULTILINE))
     assert f"{retries} retries are {retries + 1} tries over {total}" in conf
+
+
+def test_the_metrics_endpoints_bounds_quoted_are_the_servers():
+    from tpuboot import metrics_server
+
+    text = unwrapped(section(DOC / "monitoring.md", "Metrics"))
+    assert f"{metrics_server.MAX_CONNECTIONS} connections at once" in text
+    assert f"cut {metrics_server.REQUEST_DEADLINE:g} s after it was accepted" in text
+    assert f"a request over {metrics_server.MAX_REQUEST_BYTES // 1024} KiB" in text
+    assert f"`LimitNOFILE={unit_directives()['LimitNOFILE'][0]}`" in text
 
 
 def test_the_retry_waits_double_from_the_first_up_to_the_cap():
