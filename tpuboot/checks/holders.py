@@ -24,7 +24,7 @@ from tpuboot.config import Config
 from tpuboot.devices.chips import Chip
 from tpuboot.holders.locks import LockFile
 from tpuboot.holders.procfs import STUCK, Process, memlock, read_text
-from tpuboot.holders.report import Report, describe, gather
+from tpuboot.holders.report import Report, describe, gather, lock_holder
 from tpuboot.paths import Root
 
 #: The container engines whose limits their containers inherit, by unit.
@@ -109,10 +109,13 @@ class HolderChecks:
                 "tpuboot release (it removes lock files nobody holds)",
             )
         chip_pids = report.chip_pids()
-        stray = [lock for lock in report.held_locks if lock.holder_pid not in chip_pids]
+        # An open file description lock names no PID: whether its holder has a chip open is unknown.
+        stray = [lock for lock in report.held_locks if lock.holder_pid not in (None, *chip_pids)]
         if stray:
             return warned(
-                "; ".join(f"{lock.path} held by {_holder(lock)}, which has no chip open" for lock in stray),
+                "; ".join(
+                    f"{lock.path} held by {lock_holder(lock)}, which has no chip open" for lock in stray
+                ),
                 "tpuboot who; if it is a leftover worker, tpuboot release --kill",
             )
         return passed("; ".join(_lock_state(lock) for lock in report.locks))
@@ -167,13 +170,8 @@ def _memlock_fix(what: str) -> str:
     )
 
 
-def _holder(lock: LockFile) -> str:
-    return describe(lock.holder) if lock.holder else f"PID {lock.holder_pid}"
-
-
 def _lock_state(lock: LockFile) -> str:
-    return (
-        f"{lock.path} held by PID {lock.holder_pid}"
-        if lock.held
-        else f"{lock.path} not held (owner {lock.owner})"
-    )
+    if not lock.held:
+        return f"{lock.path} not held (owner {lock.owner})"
+    by = f"PID {lock.holder_pid}" if lock.holder_pid is not None else lock_holder(lock)
+    return f"{lock.path} held by {by}"

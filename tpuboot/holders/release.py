@@ -25,7 +25,7 @@ from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, 
 from tpuboot.devices.chips import VFIO_CONTAINER
 from tpuboot.holders.locks import LockFile
 from tpuboot.holders.procfs import Process, running, start_ticks
-from tpuboot.holders.report import Report, describe
+from tpuboot.holders.report import Report, describe, lock_holder
 from tpuboot.paths import Root
 
 #: Seconds between SIGTERM and SIGKILL, and after SIGKILL before giving up on a process.
@@ -98,8 +98,7 @@ def protected(p: Process, vbar: VbarProcesses) -> str | None:
 def remove_unheld(root: Root, lock: LockFile, dry_run: bool) -> str:
     """Remove ``lock`` if nobody holds it, holding its lock while unlinking; one line of outcome."""
     if lock.held:
-        holder = describe(lock.holder) if lock.holder else f"PID {lock.holder_pid}"
-        return f"kept {lock.path}: held by {holder}"
+        return f"kept {lock.path}: held by {lock_holder(lock)}"
     if dry_run:
         return f"would remove {lock.path} (owner {lock.owner}, not held)"
     path = root.path(lock.path, follow=False)

@@ -136,13 +136,17 @@ def summary(c: ChipHolders) -> str:
     )
 
 
+def lock_holder(lock: LockFile) -> str:
+    """Who holds ``lock``: the process, else its PID; an open file description lock has none."""
+    if lock.holder is not None:
+        return describe(lock.holder)
+    if lock.holder_pid is not None:
+        return f"PID {lock.holder_pid}"
+    return "a process /proc/locks cannot name (an open file description lock)"
+
+
 def lock_line(lock: LockFile) -> str:
-    if not lock.held:
-        by = "not held"
-    elif lock.holder is not None:
-        by = f"held by {describe(lock.holder)}"
-    else:
-        by = f"held by PID {lock.holder_pid}" if lock.holder_pid else "held (an open file description lock)"
+    by = f"held by {lock_holder(lock)}" if lock.held else "not held"
     return f"lock {lock.path}  owner {lock.owner} mode {lock.mode}  {by}"
 
 

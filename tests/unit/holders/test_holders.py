@@ -330,6 +330,20 @@ def test_doctor_passes_a_lock_held_by_the_chips_holder(tree):
     assert (result.status, result.detail) == ("PASS", "/tmp/libtpu_lockfile held by PID 100")
 
 
+def test_doctor_passes_a_lock_whose_holder_proc_locks_cannot_name(tree):
+    """An open file description lock names no PID: no WARN of a holder without a chip, no 'None'."""
+    kernel, proc = tree
+    add_chips(kernel, ["12"])
+    lock = kernel.top / "tmp/libtpu_lockfile"
+    lock.write_text("")
+    proc.lock(-1, lock, kind="OFDLCK")
+    result = checks(kernel).check_locks()
+    assert (result.status, result.detail) == (
+        "PASS",
+        "/tmp/libtpu_lockfile held by a process /proc/locks cannot name (an open file description lock)",
+    )
+
+
 def cgroup_procs(top: Path, unit: str, pid: int) -> None:
     d = top / "sys/fs/cgroup/system.slice" / unit
     d.mkdir(parents=True)

@@ -22,7 +22,7 @@ from tpuboot.config import Config, DoctorConfig, VbarConfig, parse_config
 from tpuboot.errors import ConfigError
 from tpuboot.holders.procfs import Process, ProcReader
 from tpuboot.holders.release import VbarProcesses, end, protected, release, remove_unheld, vbar_processes
-from tpuboot.holders.report import Report, gather
+from tpuboot.holders.report import Report, gather, render
 from tpuboot.holders.wait import wait_free
 from tpuboot.paths import Root
 
@@ -73,6 +73,21 @@ def test_a_lock_taken_since_the_scan_is_not_removed(tree):
     finally:
         child.communicate("")
     assert remove_unheld(kernel.root, lock, dry_run=False).startswith("removed")
+
+
+OFD_HOLDER = "a process /proc/locks cannot name (an open file description lock)"
+
+
+def test_a_lock_held_through_an_open_file_description_is_kept_and_said_so(tree):
+    """/proc/locks names no PID for an OFD lock: release keeps the file and never says 'PID None'."""
+    kernel, proc = tree
+    path = kernel.top / "tmp/libtpu_lockfile"
+    path.write_text("")
+    proc.lock(-1, path, kind="OFDLCK")
+    report = gather(kernel.root, [])
+    (line,) = release(kernel.root, report, VbarProcesses(), dry_run=False, kill=False)
+    assert line == f"kept /tmp/libtpu_lockfile: held by {OFD_HOLDER}" and path.exists()
+    assert render(report)[-1].endswith(f"held by {OFD_HOLDER}")
 
 
 def test_a_holder_of_the_vfio_container_alone_is_never_ended(tree):

@@ -30,7 +30,7 @@ import yaml
 from tests.unit.helpers.cli import commands
 from tpuboot import cli, metrics, metrics_export
 from tpuboot.config import Config, MatchRule, Section, parse_config
-from tpuboot.devices.table import DeviceTable
+from tpuboot.devices.table import VFIO_KINDS, DeviceTable
 from tpuboot.metrics import Metrics
 from tpuboot.paths import Root
 
@@ -279,6 +279,19 @@ def test_man_page_gives_every_signal_its_effect():
     tags = " ".join(tag for tag, _ in items("SIGNALS"))
     assert [s.name for s in (*signals.STOP, *signals.HELD) if not re.search(rf"\b{s.name}\b", tags)] == []
     assert signal.getsignal(signal.SIGXFSZ) == signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN
+
+
+@pytest.mark.parametrize(
+    "where", ["debian/control", "doc/tpuboot.8", "conf/tpuboot.yaml", "udev/tpuboot.rules"]
+)
+def test_each_list_of_the_tpus_bound_names_those_the_table_binds(where: str):
+    """The man page, the package description, the shipped config and the udev rule list the
+    generations tpuboot binds (they said v5p, v6e, TPU7x after v5e was bound too)."""
+    bound = ", ".join(kind.name.removeprefix("TPU ") for kind in VFIO_KINDS)
+    item = r"(?:v\d\w*|TPU\w+)"
+    text = unwrapped(re.sub(r"^\s*#", "", (TOP / where).read_text(), flags=re.M))
+    lists = re.findall(rf"\(({item}(?:, {item})+)[,)]", text)
+    assert lists and set(lists) == {bound}, f"{where} lists {lists}; the table binds {bound}"
 
 
 # --- README.md -------------------------------------------------------------------------------------

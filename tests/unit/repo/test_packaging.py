@@ -19,6 +19,7 @@ import pytest
 
 import tpuboot
 from tpuboot.checks.image import run_checks
+from tpuboot.containers.cdi import SPEC_PATH as CDI_SPEC_PATH
 from tpuboot.containers.engine import MANAGED_LABEL
 from tpuboot.paths import Root
 
@@ -455,6 +456,11 @@ def test_install_enables_the_unit_and_purge_removes_everything(installed):
     (root / "var/lib/tpuboot").mkdir(parents=True)
     (root / "var/lib/tpuboot/tpu-env.json").write_text("{}")
     (root / "home/tpu-runtime/tpu-env").write_text('ZONE="z"\n')
+    spec = root / CDI_SPEC_PATH.replace("/var/run/", "run/", 1)  # a daemon killed before its stop
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text("{}")
+    other = spec.parent / "nvidia.com-gpu.json"  # another CDI writer's, in the shared directory
+    other.write_text("{}")
 
     maintscript(root, env, "prerm", "remove")
     maintscript(root, env, "postrm", "remove")
@@ -464,6 +470,7 @@ def test_install_enables_the_unit_and_purge_removes_everything(installed):
     done = maintscript(root, env, "postrm", "purge")
     assert not (root / "var/lib/tpuboot").exists()
     assert not (root / "home/tpu-runtime").exists()
+    assert not spec.exists() and other.exists()
     assert not wants.is_symlink()
     assert not (root / "var/lib/systemd/deb-systemd-helper-enabled/tpuboot.service.dsh-also").exists()
     assert "drop its kernel command line" in done.stderr
