@@ -368,9 +368,12 @@ class DoctorConfig(Section):
 
 @dataclass(frozen=True)
 class RecoveryConfig(Section):
-    """`tpuboot reset`'s circuit breaker: a chip that wedges again and again needs a new host."""
+    """Bringing a wedged chip back: `tpuboot reset`'s circuit breaker (a chip that wedges again and
+    again needs a new host), and whether the daemon resets one by itself."""
 
     max_resets_per_hour: int = option(3, parse_whole(1, 60, " (resets of one chip in any hour)"))
+    # The daemon resets a chip that fell off the bus or logged a fatal PCIe error, never one held.
+    automatic: bool = option(False, parse_bool)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from tpuboot.notify import Notifier, watchdog_interval
 if TYPE_CHECKING:
     from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
+    from tpuboot.devices.recovery import AutoRecovery
     from tpuboot.gce.guestattrs import Publisher
     from tpuboot.metrics_endpoint import MetricsEndpoint
 
@@ -80,6 +81,7 @@ class Daemon:
         metrics_endpoint: MetricsEndpoint | None = None,
         budget: bootbudget.Budget | None = None,
         cdi: SpecWriter | None = None,
+        recovery: AutoRecovery | None = None,
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
         self.devices = devices
@@ -92,6 +94,7 @@ class Daemon:
         self.metrics_endpoint = metrics_endpoint  # opened in its own thread: READY never waits for it
         self.budget = budget  # the boot's phases, shown at READY and when vBar first runs
         self.cdi = cdi  # the CDI spec: refreshed in the turn of every device change
+        self.recovery = recovery  # recovery.automatic: wedged chips reset at each tick, in the pool
         self.ready = False
         self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
         self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread
@@ -270,16 +273,32 @@ class Daemon:
         self._periodic_checks()
 
     def _has_periodic_checks(self) -> bool:
-        return self.containers is not None and self.containers.checks_endpoints
+        endpoints = self.containers is not None and self.containers.checks_endpoints
+        return endpoints or self.recovery is not None
 
     def _periodic_checks(self) -> None:
-        """The agents' endpoints probed in the pool (a connect may wait); one round at a time, so a
-        slow one is never queued behind itself. Results come back by report."""
-        if self.stopping or not self._has_periodic_checks() or self.containers is None:
+        """The agents' endpoints probed and the wedged chips reset, in the pool (a connect may
+        wait, a reset takes seconds); one round at a time, so a slow one is never queued behind
+        itself. Results come back by report, or through the udev events a reset causes."""
+        if self.stopping or not self._has_periodic_checks():
             return
         if self._check is not None and not self._check.done():
             return
-        self._check = self.executor.submit(self.containers.check_endpoints)
+        self._check = self.executor.submit(self._periodic_work)
+
+    def _periodic_work(self) -> None:
+        """One round of the periodic checks (in the pool); a bug in one is logged, never lost in
+        its future, and the other still runs."""
+        checks = []
+        if self.containers is not None and self.containers.checks_endpoints:
+            checks.append(self.containers.check_endpoints)
+        if self.recovery is not None:
+            checks.append(self.recovery.check)
+        for check in checks:
+            try:
+                check()
+            except Exception:
+                log.exception("periodic check %s failed; please report it", check.__qualname__)
 
     def run(self) -> int:
         """Start every component, READY once booted, then serve until stopped (on the loop's thread)."""

@@ -24,6 +24,8 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
   uninterruptible), from the last `tpuboot who`
 - ``tpuboot_libtpu_lock_held{path}``: 1 while a process holds that libtpu lock file, 0 while it
   exists and nobody does
+- ``tpuboot_automatic_resets_total{chip,result}``: resets the daemon made (``recovery.automatic``)
+  of a chip that fell off the bus or logged a fatal error, by result (recovered, failed)
 - ``tpuboot_boot_phase_seconds{phase}``: when each phase of this boot ended (tpuboot/bootbudget.py)
 - PCIe health of every TPU function, read from sysfs at scrape time (:class:`PcieCollector`):
   ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
@@ -102,6 +104,7 @@ class Metrics:
         self.container_up: dict[str, float] = {}
         self.container_endpoint_up: dict[str, float] = {}
         self.container_restarts: dict[str, Count] = {}
+        self.automatic_resets: dict[tuple[str, str], Count] = {}
         self.chip_holders: dict[tuple[str, str], int] = {}
         self.libtpu_lock_held: dict[str, float] = {}
         self.boot_phase: dict[str, float] = {}
@@ -269,6 +272,13 @@ def container_restarted(container: str) -> None:
     """tpuboot restarted the supervised ``container``."""
     with _current.lock:
         _current.container_restarts.setdefault(container, Count()).value += 1
+
+
+@_safe
+def automatic_reset(chip: str, result: str) -> None:
+    """The daemon climbed the reset ladder for ``chip`` (its base address): ``result`` recovered or failed."""
+    with _current.lock:
+        _current.automatic_resets.setdefault((chip, result), Count()).value += 1
 
 
 @_safe

@@ -109,6 +109,14 @@ class Recorded:
             "container",
             m.container_restarts,
         )
+        resets = CounterMetricFamily(
+            "tpuboot_automatic_resets",
+            "Resets the daemon made of a wedged chip (recovery.automatic), by result.",
+            labels=["chip", "result"],
+        )
+        for (chip, result), counted in m.automatic_resets.items():
+            resets.add_metric([chip, result], counted.value, created=counted.created)
+        yield resets
         phases = [((phase,), seconds) for phase, seconds in m.boot_phase.items()]
         yield gauges(
             "tpuboot_boot_phase_seconds",

@@ -115,9 +115,14 @@ def build(
     endpoint = None
     if config.metrics.enabled:
         endpoint = MetricsEndpoint(functools.partial(open_metrics, root, binder.table, config))
+    recovery = None
+    if config.recovery.automatic:
+        from tpuboot.devices.recovery import AutoRecovery
+
+        recovery = AutoRecovery(binder, config.recovery.max_resets_per_hour)
     notifier = notifier or Notifier()
     parts = (env, containers, guest_attrs, metadata, endpoint)
-    return Daemon(loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi)
+    return Daemon(loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi, recovery=recovery)
 
 
 def open_metrics(root: Root, table: DeviceTable, config: Config) -> MetricsServer | None:

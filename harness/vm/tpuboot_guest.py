@@ -235,10 +235,12 @@ COLLECTOR_SCRIPT = (
 
 
 #: The vBar stand-in answers where vBar does (tpuboot's default vbar.endpoint): busybox's httpd
-#: accepts there, in the background, while the script sleeps.
+#: accepts there, in the background (its PID in VBAR_LISTENER_PID), while the script sleeps.
+VBAR_LISTENER_PID = "/listener.pid"
 VBAR_SCRIPT = (
-    b"/bin/busybox httpd -p 127.0.0.1:8353 -h /\necho vbar stand-in up\nexec /bin/busybox sleep 1000000\n"
-)
+    f"/bin/busybox httpd -f -p 127.0.0.1:8353 -h / &\necho $! > {VBAR_LISTENER_PID}\n"
+    "echo vbar stand-in up\nexec /bin/busybox sleep 1000000\n"
+).encode()
 
 
 def vbar_rootfs_tar() -> bytes:

@@ -81,6 +81,7 @@ def test_every_metric_is_named_by_convention(fresh):
         "tpuboot_boot_phase_seconds": "gauge",
         "tpuboot_container_up": "gauge",
         "tpuboot_container_endpoint_up": "gauge",
+        "tpuboot_automatic_resets": "counter",
         "tpuboot_container_restarts": "counter",
         "tpuboot_chip_holders": "gauge",
         "tpuboot_libtpu_lock_held": "gauge",

@@ -12,6 +12,7 @@ holder inside a container under dockerd is told by its container id.
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.vm
 HOLDER = "/usr/local/bin/tpu-holder"
 UNIT = "tpuboot-test-holder"
 LOCK = "/tmp/libtpu_lockfile"
+METRICS_URL = "http://127.0.0.1:9431/metrics"
+SCRAPE = f"import urllib.request; print(urllib.request.urlopen({METRICS_URL!r}, timeout=10).read().decode())"
 # Opens the group node, locks the lock file as libtpu does (0600, lockf), says so, then sleeps.
 HOLDER_SCRIPT = """#!/usr/bin/python3
 import fcntl, os, sys, time
@@ -97,6 +100,15 @@ def test_a_stopped_holder_of_another_user_seen_and_ended(vm: VM, node: str) -> N
 
     vm.run(["kill", "-STOP", str(pid)], check=True)
     assert f"held by PID {pid} (stopped)" in vm.run(["tpuboot", "status"], timeout=60).stdout
+    # The daemon sees it too, through its sandbox (CAP_SYS_PTRACE, the host's /tmp): its scan is
+    # at most 30 s old at a scrape.
+    vm.wait_until(
+        f"python3 -c {shlex.quote(SCRAPE)} | grep -q 'tpuboot_chip_holders{{.*state=\"stopped\".*}} 1.0'",
+        timeout=90,
+        interval=2.0,
+    )
+    scrape = vm.run(["python3", "-c", SCRAPE], check=True, timeout=60).stdout
+    assert f'tpuboot_libtpu_lock_held{{path="{LOCK}"}} 1.0' in scrape
     verdicts = {v["name"]: v for v in json.loads(vm.run(["tpuboot", "doctor", "--json"], timeout=180).stdout)}
     assert (
         verdicts["chip-holders"]["status"] == "FAIL"

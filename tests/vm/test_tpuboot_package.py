@@ -27,7 +27,7 @@ from .conftest import BenchFactory
 
 pytestmark = pytest.mark.vm
 
-MAX_EXPOSURE = 2.8  # `systemd-analyze security`: 0 is best, 10 is a unit with no sandbox at all
+MAX_EXPOSURE = 3.1  # `systemd-analyze security`: 0 is best, 10 is a unit with no sandbox at all
 ADMIN_EDIT = "# edited by the admin: keep me\n"
 LIST_FILES = "import os, sys; [print(p) for p in sys.argv[1:] if os.path.isfile(p)]"
 STUB_UNIT = "[Service]\nExecStart=/bin/sleep infinity\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from harness.vm.tpuboot_guest import (
     VBAR_CONTAINER,
     VBAR_IMAGE_1,
     VBAR_IMAGE_2,
+    VBAR_LISTENER_PID,
     VBAR_TPU_ENV,
     managed_containers,
     put_tpu_env,
@@ -192,9 +194,10 @@ def test_a_running_vbar_that_stops_answering_is_seen_and_restarted(vm: VM, runni
     restarted once unanswered for vbar.restart_unanswered_after (60 s in this guest)."""
     started = inspect(vm, "{{.State.StartedAt}}")
     cursor = journal_cursor(vm)
-    scrape = vm.run(["python3", "-c", SCRAPE], check=True, timeout=60).stdout
-    assert 'tpuboot_container_endpoint_up{container="vBar"} 1.0' in scrape
-    vm.run(["docker", "exec", NAME, "/bin/busybox", "pkill", "httpd"], check=True, timeout=60)
+    answering = 'tpuboot_container_endpoint_up{container="vBar"} 1.0'
+    vm.wait_until(f"python3 -c {shlex.quote(SCRAPE)} | grep -qF '{answering}'", timeout=60, interval=2.0)
+    end_listener = f"read pid < {VBAR_LISTENER_PID} && kill $pid"
+    vm.run(["docker", "exec", NAME, "/bin/sh", "-c", end_listener], check=True, timeout=60)
     refused = "vBar: running, not answering at 127.0.0.1:8353 (connection refused)"
     vm.wait_until(f"systemctl show -P StatusText tpuboot | grep -qF '{refused}'", timeout=60, interval=1.0)
     scrape = vm.run(["python3", "-c", SCRAPE], check=True, timeout=60).stdout

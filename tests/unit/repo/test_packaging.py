@@ -741,15 +741,16 @@ def test_unit_verifies_clean(tmp_path):
 
 @needs_systemd_analyze
 def test_unit_exposure_stays_low():
-    """systemd-analyze security, offline. 2.8 on Debian 12's systemd 252: root, CAP_SYS_MODULE,
-    CAP_DAC_OVERRIDE (tpu-env in a user's /home/tpu-runtime), network and /dev access are what
-    tpuboot's job needs; anything more is a regression."""
+    """systemd-analyze security, offline. 3.1 on Debian 12's systemd 252: root, CAP_SYS_MODULE,
+    CAP_DAC_OVERRIDE (tpu-env in a user's /home/tpu-runtime), CAP_SYS_PTRACE (who holds a chip:
+    0.3 of it), network and /dev access are what tpuboot's job needs; anything more is a
+    regression."""
     done = run(
         ["systemd-analyze", "security", "--offline=true", "--no-pager", str(TOP / "systemd/tpuboot.service")]
     )
     match = re.search(r"Overall exposure level for tpuboot.service: (\d+\.\d+)", done.stdout)
     assert match, done.stdout + done.stderr
-    assert float(match.group(1)) <= 2.8
+    assert float(match.group(1)) <= 3.1
 
 
 @needs_systemd_analyze

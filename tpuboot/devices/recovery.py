@@ -1,0 +1,112 @@
+"""``recovery.automatic``: the daemon brings back a chip that fell off the bus or logged a fatal
+PCIe error, up the same ladder as `tpuboot reset` (tpuboot/devices/reset.py). Off by default.
+
+At each daemon tick (from its worker pool, never the loop) every VFIO chip present is looked at:
+a function that no longer answers config reads (vendor id 0xffff), or a fatal AER error since the
+chip's last good reset (:meth:`Health.since_reset`: the errors a reset cleared up are history),
+makes it wedged. A wedged chip somebody holds is never reset (the job would lose the device
+under it): that is said once, and the next tick looks again. Otherwise the ladder climbs, behind
+the same circuit breaker as the command (``recovery.max_resets_per_hour``); an open breaker is said
+once. A chip the kernel removed is not looked for: a hot remove is somebody's decision.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Literal
+
+from tpuboot import metrics
+from tpuboot.devices.chips import Chip, chips_present
+from tpuboot.devices.health import load_baselines, read_health
+from tpuboot.devices.reset import Breaker, Ladder, ResetRefused
+from tpuboot.devices.survey import survey
+from tpuboot.devices.table import VFIO_ACCESS
+from tpuboot.devices.vfio import Binder
+
+log = logging.getLogger("tpuboot.recovery")
+
+#: What became of an automatic reset (the metric's ``result``).
+Outcome = Literal["recovered", "failed"]
+#: Who holds a chip now, in one line each (tpuboot/holders/report.py's describe); [] for nobody.
+HolderLookup = Callable[[Chip], list[str]]
+
+
+def holders_of(binder: Binder) -> HolderLookup:
+    """The /proc scan of tpuboot who, for one chip."""
+
+    def lookup(chip: Chip) -> list[str]:
+        from tpuboot.holders.report import describe, gather
+
+        (held,) = gather(binder.root, [chip]).chips
+        return [describe(h.process) for h in held.holders]
+
+    return lookup
+
+
+def wedged(binder: Binder, chip: Chip, baselines: dict[str, dict[str, int]]) -> str | None:
+    """Why ``chip`` needs a reset, or None when it does not."""
+    for fn in chip.functions:
+        health = read_health(binder.root, fn.address, baselines)
+        if not health.present:
+            return f"{fn.address} fell off the bus (config reads all ones)"
+        fatal = health.since_reset("fatal")
+        if fatal:
+            return f"{fn.address} logged {fatal} fatal PCIe error(s) {health.since()}{health.origin('fatal')}"
+    return None
+
+
+class AutoRecovery:
+    """The daemon's side of ``recovery.automatic``; :meth:`check` is its tick's work."""
+
+    def __init__(self, binder: Binder, max_resets_per_hour: int, holders: HolderLookup | None = None) -> None:
+        self.binder = binder
+        self.ladder = Ladder(binder, Breaker(binder.root, max_resets_per_hour))
+        self.holders = holders or holders_of(binder)
+        self._said: dict[str, str] = {}  # chip → the last thing said about leaving it be
+
+    def chips(self) -> list[Chip]:
+        return [
+            chip
+            for chip in chips_present(self.binder.root, self.binder.table, survey(self.binder))
+            if chip.access == VFIO_ACCESS
+        ]
+
+    def check(self) -> None:
+        """Every wedged chip nobody holds, reset (from the pool: a climb takes seconds)."""
+        baselines = load_baselines(self.binder.root)
+        for chip in self.chips():
+            why = wedged(self.binder, chip, baselines)
+            if why is None:
+                self._said.pop(chip.address, None)
+                continue
+            self._recover(chip, why)
+
+    def _recover(self, chip: Chip, why: str) -> None:
+        fields = {"DBDF": chip.address, "TPU_RECOVERY": "automatic"}
+        held = self.holders(chip)
+        if held:
+            self._once(chip, f"chip {chip.address}: {why}; not reset while held by {'; '.join(held)}", fields)
+            return
+        log.warning("chip %s: %s; resetting it (recovery.automatic)", chip.address, why, extra=fields)
+        try:
+            steps = self.ladder.climb(chip)
+        except ResetRefused as exc:
+            self._once(chip, f"chip {chip.address}: {why}; not reset: {exc}", fields)
+            return
+        self._said.pop(chip.address, None)
+        outcome: Outcome = "recovered" if steps and steps[-1].back else "failed"
+        metrics.automatic_reset(chip.address, outcome)
+        if outcome == "recovered":
+            log.info("chip %s: %s brought it back", chip.address, steps[-1].rung, extra=fields)
+        else:
+            tried = ", ".join(step.rung for step in steps) or "no rung could run"
+            log.error(
+                "chip %s did not come back from any reset (%s); stop and start the VM",
+                chip.address, tried, extra=fields)  # fmt: skip
+
+    def _once(self, chip: Chip, message: str, fields: dict[str, str]) -> None:
+        """A reason to leave the chip be, said when it is new (each tick would repeat it)."""
+        if self._said.get(chip.address) != message:
+            self._said[chip.address] = message
+            log.warning("%s", message, extra=fields)
