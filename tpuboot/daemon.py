@@ -48,7 +48,9 @@ from tpuboot import signals as meaning
 from tpuboot.component import Component, Status
 from tpuboot.containers.agents import VBAR
 from tpuboot.containers.supervisor import RUNNING
+from tpuboot.devices.health import load_baselines, read_health, summary
 from tpuboot.devices.manager import DeviceManager
+from tpuboot.devices.survey import survey
 from tpuboot.env.service import PENDING, EnvService
 from tpuboot.eventloop import EventLoop, Timer, nothing
 from tpuboot.gce.client import MetadataClient
@@ -100,6 +102,8 @@ class Daemon:
         self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread
         self._tick_timer: Timer | None = None
         self._check: Future[None] | None = None  # the periodic checks handed to the pool last
+        self._pcie: str | None = None  # the TPUs' PCIe state for the guest attribute; None: not read yet
+        self._pcie_sent: str | None = None  # the pool's last reading sent to the loop (the pool's own)
         self._signal_log = meaning.SignalLog()
         self._debug_from: int | None = None  # the level SIGUSR2 turned debug logging on from
 
@@ -210,9 +214,10 @@ class Daemon:
         """This host's state as the guest attributes tpuboot/<key> show it (tpuboot/gce/guestattrs.py)."""
         bound, present, failed = self.devices.counts()
         vbar = None if self.containers is None else self.containers.statuses().get(VBAR)
+        pcie = "" if self._pcie is None else f" pcie={self._pcie}"
         return {
             "state": "ready" if self.ready else "starting",
-            "tpus": f"bound={bound} expected={present} failed={failed}",
+            "tpus": f"bound={bound} expected={present} failed={failed}{pcie}",
             "tpu-env": "source=disabled" if self.env is None else self.env.attribute(),
             "vbar": "disabled" if vbar is None else vbar.detail,
             "version": __version__,
@@ -272,14 +277,29 @@ class Daemon:
             self.notifier.watchdog()
         self._periodic_checks()
 
+    def _read_pcie(self) -> None:
+        """The TPUs' PCIe state in one word (devices/health.py's summary), from the pool; the loop
+        takes it and, if it changed, shows it."""
+        binder = self.devices.binder
+        baselines = load_baselines(binder.root)
+        value = summary(read_health(binder.root, tpu.address, baselines) for tpu in survey(binder))
+        if value != self._pcie_sent:  # an unchanged reading wakes nothing
+            self._pcie_sent = value
+            self.loop.call_soon_threadsafe(self._pcie_read, value)
+
+    def _pcie_read(self, value: str) -> None:
+        self._pcie = value
+        self._changed()
+
     def _has_periodic_checks(self) -> bool:
         endpoints = self.containers is not None and self.containers.checks_endpoints
-        return endpoints or self.recovery is not None
+        return endpoints or self.recovery is not None or self.guest_attrs is not None
 
     def _periodic_checks(self) -> None:
-        """The agents' endpoints probed and the wedged chips reset, in the pool (a connect may
-        wait, a reset takes seconds); one round at a time, so a slow one is never queued behind
-        itself. Results come back by report, or through the udev events a reset causes."""
+        """The agents' endpoints probed, the wedged chips reset and the TPUs' PCIe state read for
+        the guest attribute, in the pool (a connect may wait, a reset takes seconds); one round at
+        a time, so a slow one is never queued behind itself. Results come back by report (or on
+        the loop by call_soon_threadsafe), or through the udev events a reset causes."""
         if self.stopping or not self._has_periodic_checks():
             return
         if self._check is not None and not self._check.done():
@@ -294,6 +314,8 @@ class Daemon:
             checks.append(self.containers.check_endpoints)
         if self.recovery is not None:
             checks.append(self.recovery.check)
+        if self.guest_attrs is not None:
+            checks.append(self._read_pcie)
         for check in checks:
             try:
                 check()

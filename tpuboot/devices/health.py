@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tpuboot.devices.pci import PCI_DEVICES
@@ -279,11 +280,28 @@ def read_health(root: Root, address: str, baselines: dict[str, dict[str, int]] |
 
 @dataclass(frozen=True)
 class Finding:
-    """What one function's health means for its chip: ``level`` FAIL or WARN, and why."""
+    """What one function's health means for its chip: ``level`` FAIL or WARN, and why; ``kind``
+    names it in a word (:data:`KINDS`), for a summary."""
 
     level: str
     detail: str
     fix: str
+    kind: str
+
+
+#: Each kind of finding, in the order a summary lists them.
+KINDS = ("lost", "fatal", "nonfatal", "degraded")
+
+
+def summary(healths: Iterable[Health]) -> str:
+    """The functions' PCIe state in one word, for the ``tpus`` guest attribute: ``ok``, or how many
+    functions have each kind of finding (``fatal:1,degraded:2``)."""
+    counts = {kind: 0 for kind in KINDS}
+    for health in healths:
+        for kind in {finding.kind for finding in judge(health)}:
+            counts[kind] += 1
+    shown = [f"{kind}:{n}" for kind, n in counts.items() if n]
+    return ",".join(shown) or "ok"
 
 
 def judge(health: Health) -> list[Finding]:
@@ -295,6 +313,7 @@ def judge(health: Health) -> list[Finding]:
                 "FAIL",
                 f"{a} does not answer config reads (vendor id 0xffff): it fell off the bus",
                 "stop the VM and start it again (a function that does not answer cannot be rebound)",
+                "lost",
             )
         ]
     found = []
@@ -306,6 +325,7 @@ def judge(health: Health) -> list[Finding]:
                 f"{a} logged {fatal} fatal PCIe error(s) {health.since()}{health.origin('fatal')}",
                 f"once no job uses it, `tpuboot unbind {a} && tpuboot bind {a}`; "
                 "if errors go on, stop and start the VM",
+                "fatal",
             )
         )
     nonfatal = health.since_reset("nonfatal")
@@ -315,6 +335,7 @@ def judge(health: Health) -> list[Finding]:
                 "WARN",
                 f"{a} logged {nonfatal} non-fatal PCIe error(s) {health.since()}{health.origin('nonfatal')}",
                 "watch the count (`tpuboot status --json`): a rising one comes before a failing chip",
+                "nonfatal",
             )
         )
     link = health.link
@@ -326,6 +347,7 @@ def judge(health: Health) -> list[Finding]:
                 level,
                 f"{a} link trained at {link} ({fraction:.0%} of its bandwidth)",
                 "stop the VM and start it again (a new host retrains the link); report it if it recurs",
+                "degraded",
             )
         )
     return found

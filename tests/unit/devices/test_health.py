@@ -196,3 +196,14 @@ def test_a_port_shared_with_another_device_says_nothing_of_the_chip(tmp_path: Pa
 def test_the_chips_own_functions_may_share_its_port(tmp_path: Path) -> None:
     health = read_health(behind_a_port(tmp_path, siblings=("0000:01:00.1",)), "0000:01:00.0")
     assert health.port == "0000:00:02.0" and health.errors("fatal") == 2
+
+
+def test_the_summary_counts_each_kind_of_finding_once_per_function(tmp_path: Path) -> None:
+    from tpuboot.devices.health import Health, Link, summary
+
+    well = Health(A, True, Link(16.0, 16, 16.0, 16))
+    assert summary([]) == "ok" and summary([well, well]) == "ok"
+    lost = Health(A, False, None)
+    degraded = Health(A, True, Link(8.0, 16, 16.0, 16))
+    fatal = Health(A, True, Link(8.0, 8, 16.0, 16), {"fatal": {"DLP": 2, "TOTAL_ERR_FATAL": 2}})
+    assert summary([well, lost, degraded, fatal]) == "lost:1,fatal:1,degraded:2"
