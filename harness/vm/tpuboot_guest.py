@@ -213,6 +213,16 @@ def package_install_hook(deb: Path, config: str | None = None) -> Callable[[Path
     return install
 
 
+# --- what the guest's daemon shows ----------------------------------------------------------------
+
+#: Where the guest's metadata emulator listens, for a command that asks it (doctor's GKE check).
+DOCTOR_ENV = {"GCE_METADATA_HOST": "127.0.0.1:8080"}
+#: The daemon's metrics endpoint (metrics.address and metrics.port by default), and a python3
+#: program that prints one scrape of it.
+METRICS_URL = "http://127.0.0.1:9431/metrics"
+SCRAPE = f"import urllib.request; print(urllib.request.urlopen({METRICS_URL!r}, timeout=10).read().decode())"
+
+
 # --- the vBar stand-in, for a guest whose tpuboot supervises vBar under a real dockerd ---------
 
 VBAR_ROOTFS = f"{GUEST_LIBEXEC}/vbar-rootfs.tar"

@@ -32,6 +32,7 @@ from harness.vm.hostenv import run
 from harness.vm.machine import ROOT_DISK_ID, VM
 from harness.vm.tpuboot_guest import (
     DOCKER_DAEMON_JSON,
+    DOCTOR_ENV,
     VBAR_DOCKER_DROP_IN,
     VBAR_IMPORT_SCRIPT,
     VBAR_ROOTFS,
@@ -283,9 +284,7 @@ def tpu_vm(cloudinit_artifacts: Artifacts, build: Build) -> Iterator[VM]:
 def test_the_captured_image_boots_as_a_tpu_vm_and_doctor_passes(tpu_vm: VM) -> None:
     status = tpu_vm.run(["systemctl", "show", "-P", "StatusText", "tpuboot"], check=True).stdout
     assert status.startswith("4 TPUs bound to vfio-pci; tpu-env: ")
-    done = tpu_vm.run(
-        ["tpuboot", "doctor", "--json"], env={"GCE_METADATA_HOST": "127.0.0.1:8080"}, timeout=300
-    )
+    done = tpu_vm.run(["tpuboot", "doctor", "--json"], env=DOCTOR_ENV, timeout=300)
     verdicts = {v["name"]: v for v in json.loads(done.stdout)}
     # Required checks only: Debian 12's Docker 20.10 reads no CDI spec (cdi-docker, advisory).
     failing = {n: v for n, v in verdicts.items() if v["status"] == "FAIL" and v["required"]}

@@ -19,7 +19,7 @@ import pytest
 
 from harness.vm.artifacts import Artifacts
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import KERNEL_PARAMS, wait_bound_with_tpu_env
+from harness.vm.tpuboot_guest import DOCTOR_ENV, KERNEL_PARAMS, SCRAPE, wait_bound_with_tpu_env
 
 pytestmark = pytest.mark.vm
 
@@ -47,10 +47,7 @@ MUST_PASS = {
 }
 # The documented rule's last line (the tagging lines before it match no stand-in anyway).
 LEFTOVER_RULE = 'TAG=="bind_to_vfio_pci", RUN+="/lib/udev/bind_to_vfio_pci.sh $kernel"'
-DOCTOR_ENV = {"GCE_METADATA_HOST": "127.0.0.1:8080"}  # the guest's metadata emulator
 LIMITS = "/etc/security/limits.d/tpuboot.conf"
-METRICS_URL = "http://127.0.0.1:9431/metrics"  # metrics.address and metrics.port by default
-SCRAPE = f"import urllib.request; print(urllib.request.urlopen({METRICS_URL!r}, timeout=10).read().decode())"
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,18 @@ import pytest
 
 from harness.vm.artifacts import Artifacts
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import KERNEL_PARAMS, STAND_INS, VFIO_READ, VIRTIO_RNG, wait_bound_with_tpu_env
+from harness.vm.tpuboot_guest import (
+    DOCTOR_ENV,
+    KERNEL_PARAMS,
+    SCRAPE,
+    STAND_INS,
+    VFIO_READ,
+    VIRTIO_RNG,
+    wait_bound_with_tpu_env,
+)
 
 pytestmark = pytest.mark.vm
 
-DOCTOR_ENV = {"GCE_METADATA_HOST": "127.0.0.1:8080"}  # the guest's metadata emulator
-METRICS_URL = "http://127.0.0.1:9431/metrics"
-SCRAPE = f"import urllib.request; print(urllib.request.urlopen({METRICS_URL!r}, timeout=10).read().decode())"
 # More resets than the default breaker allows in an hour: this test climbs the ladder several times.
 RESET_CONFIG = "/run/tpuboot-reset.yaml"
 RESET_CONFIG_TEXT = json.dumps(

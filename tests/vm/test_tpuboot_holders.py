@@ -21,7 +21,7 @@ import pytest
 
 from harness.vm.artifacts import TESTER, Artifacts
 from harness.vm.machine import VM
-from harness.vm.tpuboot_guest import VBAR_IMAGE_1, vbar_guest_hook, wait_vbar_running
+from harness.vm.tpuboot_guest import SCRAPE, VBAR_IMAGE_1, vbar_guest_hook, wait_vbar_running
 
 from .conftest import ImageFactory
 
@@ -30,8 +30,6 @@ pytestmark = pytest.mark.vm
 HOLDER = "/usr/local/bin/tpu-holder"
 UNIT = "tpuboot-test-holder"
 LOCK = "/tmp/libtpu_lockfile"
-METRICS_URL = "http://127.0.0.1:9431/metrics"
-SCRAPE = f"import urllib.request; print(urllib.request.urlopen({METRICS_URL!r}, timeout=10).read().decode())"
 # Opens the group node, locks the lock file as libtpu does (0600, lockf), says so, then sleeps.
 HOLDER_SCRIPT = """#!/usr/bin/python3
 import fcntl, os, sys, time
