@@ -1,7 +1,8 @@
 """`tpuboot run`: the boot-time service. Watch first, then coldplug, then READY; sleep until told.
 
 The loop owns no polling: it wakes for a udev event, a retry timer, the tick (the watchdog's beat,
-which hands the periodic checks to the pool), a component's report, or a signal. tpuboot/wiring.py builds it; doc/architecture.md draws it.
+which hands the periodic checks to the pool), a component's report, or a signal.
+tpuboot/wiring.py builds it; doc/architecture.md draws it.
 
 The concurrency rule (one rule, kept everywhere):
 
