@@ -27,6 +27,7 @@ import pytest
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from tests.unit.helpers.audit import AUDIT
 from tests.unit.helpers.metadata import INSTANCE_UUID, make_client
+from tpuboot import metrics
 from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
@@ -91,3 +92,10 @@ def root(tmp_path: Path) -> Root:
     dmi.mkdir(parents=True)
     (dmi / "product_uuid").write_text(INSTANCE_UUID + "\n")
     return Root(tmp_path / "root")
+
+
+@pytest.fixture
+def recorded() -> Iterator[metrics.Metrics]:
+    """A fresh metrics recorder that every update goes to during the test."""
+    with metrics.use(metrics.Metrics()) as fresh:
+        yield fresh

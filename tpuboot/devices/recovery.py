@@ -18,7 +18,7 @@ from typing import Literal
 
 from tpuboot import metrics
 from tpuboot.devices.chips import Chip, chips_present
-from tpuboot.devices.health import load_baselines, read_health
+from tpuboot.devices.health import judge, load_baselines, read_health
 from tpuboot.devices.reset import Breaker, Ladder, ResetRefused
 from tpuboot.devices.survey import survey
 from tpuboot.devices.table import VFIO_ACCESS
@@ -30,6 +30,8 @@ log = logging.getLogger("tpuboot.recovery")
 Outcome = Literal["recovered", "failed"]
 #: Who holds a chip now, in one line each (tpuboot/holders/report.py's describe); [] for nobody.
 HolderLookup = Callable[[Chip], list[str]]
+#: The kinds of doctor's PCIe findings (devices/health.py's judge) that a reset is for.
+WEDGED = ("lost", "fatal")
 
 
 def holders_of(binder: Binder) -> HolderLookup:
@@ -45,14 +47,11 @@ def holders_of(binder: Binder) -> HolderLookup:
 
 
 def wedged(binder: Binder, chip: Chip, baselines: dict[str, dict[str, int]]) -> str | None:
-    """Why ``chip`` needs a reset, or None when it does not."""
+    """Why ``chip`` needs a reset (doctor's words for it), or None when it does not."""
     for fn in chip.functions:
-        health = read_health(binder.root, fn.address, baselines)
-        if not health.present:
-            return f"{fn.address} fell off the bus (config reads all ones)"
-        fatal = health.since_reset("fatal")
-        if fatal:
-            return f"{fn.address} logged {fatal} fatal PCIe error(s) {health.since()}{health.origin('fatal')}"
+        for finding in judge(read_health(binder.root, fn.address, baselines)):
+            if finding.kind in WEDGED:
+                return finding.detail
     return None
 
 

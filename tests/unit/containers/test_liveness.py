@@ -14,6 +14,7 @@ import pytest
 
 from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
+from tests.unit.helpers.containers import Clock
 from tpuboot import metrics
 from tpuboot.config import Config, VbarConfig, parse_config
 from tpuboot.containers.liveness import Liveness, probe
@@ -122,24 +123,10 @@ def test_liveness_counts_from_the_first_unanswered_probe() -> None:
     assert not any(never.observe("connection refused", t) for t in (0.0, 1e6))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def dockerd() -> Iterator[FakeDockerd]:
     with fake_dockerd() as fake:
         yield fake
-
-
-@pytest.fixture
-def recorded() -> Iterator[metrics.Metrics]:
-    with metrics.use(metrics.Metrics()) as fresh:
-        yield fresh
 
 
 def vbar_containers(dockerd: FakeDockerd, port: int, restart_after: float | None, clock: Clock) -> Containers:

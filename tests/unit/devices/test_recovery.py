@@ -5,7 +5,6 @@ a healthy one untouched; and the daemon runs it at its tick."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,12 @@ from tpuboot import metrics
 from tpuboot.config import VfioConfig
 from tpuboot.devices.chips import Chip
 from tpuboot.devices.health import read_health, save_baseline
-from tpuboot.devices.recovery import AutoRecovery, wedged
+from tpuboot.devices.recovery import WEDGED, AutoRecovery, wedged
 from tpuboot.devices.table import GOOGLE, DeviceTable
 from tpuboot.devices.vfio import Binder
 
 A = "0000:05:00.0"
 V5P = (GOOGLE, 0x0062, (GOOGLE, 0x00AD))
-
-
-@pytest.fixture
-def recorded() -> Iterator[metrics.Metrics]:
-    with metrics.use(metrics.Metrics()) as fresh:
-        yield fresh
 
 
 class Holders:
@@ -70,6 +63,12 @@ def resets(kernel: FakeKernel) -> int:
     return sum(1 for path, value in kernel.writes if path.endswith(f"{A}/reset") and value == "1")
 
 
+def test_a_reset_is_for_two_of_doctors_kinds_of_finding() -> None:
+    from tpuboot.devices.health import KINDS
+
+    assert set(WEDGED) <= set(KINDS) and "degraded" not in WEDGED  # a reset cannot retrain a link
+
+
 def test_a_healthy_chip_is_left_alone(tmp_path: Path, recorded: metrics.Metrics) -> None:
     kernel, recovery, _ = setup(tmp_path)
     recovery.check()
@@ -88,7 +87,8 @@ def test_a_chip_that_fell_off_the_bus_is_reset_and_comes_back(
     assert recorded.automatic_resets[("0000:05:00", "recovered")].value == 1
     messages = [r.getMessage() for r in caplog.records if r.name == "tpuboot.recovery"]
     assert messages == [
-        f"chip 0000:05:00: {A} fell off the bus (config reads all ones); resetting it (recovery.automatic)",
+        f"chip 0000:05:00: {A} does not answer config reads (vendor id 0xffff): it fell off the bus; "
+        "resetting it (recovery.automatic)",
         "chip 0000:05:00: function-reset brought it back",
     ]
     recovery.check()  # back: nothing more to do
