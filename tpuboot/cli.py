@@ -22,6 +22,7 @@ from tpuboot.paths import ROOT_ENV, Root
 if TYPE_CHECKING:
     from tpuboot.checks.registry import CheckResult
     from tpuboot.devices.chips import Chip
+    from tpuboot.holders.report import ChipHolders
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
@@ -134,15 +135,15 @@ def cmd_unbind(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
     if args.boot:
         return _print_boot(ctx, args.json)
-    from tpuboot.devices.health import judge, load_baselines, read_health
+    from tpuboot.devices.health import judge, read_healths
     from tpuboot.devices.survey import driver_summary, survey
 
     binder = ctx.binder()
     tpus = survey(binder)
-    baselines = load_baselines(ctx.root)
-    health = {t.address: read_health(ctx.root, t.address, baselines) for t in tpus}
+    health = read_healths(ctx.root, (t.address for t in tpus))
     if args.json:
-        _print_json([{**t.as_dict(), "pcie": health[t.address].as_dict()} for t in tpus])
+        held = _chip_holders(ctx, tpus)
+        _print_json([{**t.as_dict(), "pcie": health[t.address].as_dict(), **held[t.address]} for t in tpus])
     elif not tpus:
         print("no TPUs found")
     else:
@@ -188,14 +189,33 @@ def _print_boot(ctx: Context, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _print_chip_holders(ctx: Context, tpus: Sequence[object]) -> None:
-    """Each chip and who holds it, after the functions (`tpuboot who` has the detail)."""
+def _gather_chips(ctx: Context, tpus: Sequence[object]) -> list[ChipHolders]:
+    """The survey's chips and who holds each (`tpuboot who`'s /proc scan); none without a TPU."""
+    if not tpus:
+        return []
     from tpuboot.devices.chips import chips_present
-    from tpuboot.holders.report import gather, summary
+    from tpuboot.holders.report import gather
 
     chips = chips_present(ctx.root, DeviceTable(ctx.config.devices), tpus)  # type: ignore[arg-type]
-    for c in gather(ctx.root, chips).chips:
+    return gather(ctx.root, chips).chips
+
+
+def _print_chip_holders(ctx: Context, tpus: Sequence[object]) -> None:
+    """Each chip and who holds it, after the functions (`tpuboot who` has the detail)."""
+    from tpuboot.holders.report import summary
+
+    for c in _gather_chips(ctx, tpus):
         print(f"chip {c.chip.index}  {c.chip.address}  {c.chip.kind:<12} {summary(c)}")
+
+
+def _chip_holders(ctx: Context, tpus: Sequence[object]) -> dict[str, dict[str, object]]:
+    """For `status --json`, by function: its chip's index and that chip's holders (as `who --json`
+    gives them)."""
+    return {
+        fn.address: {"chip": c.chip.index, "holders": [h.as_dict() for h in c.holders]}
+        for c in _gather_chips(ctx, tpus)
+        for fn in c.chip.functions
+    }
 
 
 def _held_exit(report: object) -> int:

@@ -49,7 +49,7 @@ from tpuboot import signals as meaning
 from tpuboot.component import Component, Status
 from tpuboot.containers.agents import VBAR
 from tpuboot.containers.supervisor import RUNNING
-from tpuboot.devices.health import load_baselines, read_health, summary
+from tpuboot.devices.health import read_healths, summary
 from tpuboot.devices.manager import DeviceManager
 from tpuboot.devices.survey import survey
 from tpuboot.env.service import PENDING, EnvService
@@ -278,15 +278,20 @@ class Daemon:
             self.notifier.watchdog()
         self._periodic_checks()
 
-    def _read_pcie(self) -> None:
-        """The TPUs' PCIe state in one word (devices/health.py's summary), from the pool; the loop
-        takes it and, if it changed, shows it."""
+    def _pcie_round(self) -> None:
+        """The TPUs' PCIe state, read once a tick (from the pool) for both of its readers: the
+        guest attribute's summary first (a word; the loop shows it if it changed), then
+        recovery.automatic's look for wedged chips."""
         binder = self.devices.binder
-        baselines = load_baselines(binder.root)
-        value = summary(read_health(binder.root, tpu.address, baselines) for tpu in survey(binder))
-        if value != self._pcie_sent:  # an unchanged reading wakes nothing
-            self._pcie_sent = value
-            self.loop.call_soon_threadsafe(self._pcie_read, value)
+        tpus = survey(binder)
+        health = read_healths(binder.root, (t.address for t in tpus))
+        if self.guest_attrs is not None:
+            value = summary(health.values())
+            if value != self._pcie_sent:  # an unchanged reading wakes nothing
+                self._pcie_sent = value
+                self.loop.call_soon_threadsafe(self._pcie_read, value)
+        if self.recovery is not None:
+            self.recovery.check(tpus, health)
 
     def _pcie_read(self, value: str) -> None:
         self._pcie = value
@@ -313,10 +318,8 @@ class Daemon:
         checks = []
         if self.containers is not None and self.containers.checks_endpoints:
             checks.append(self.containers.check_endpoints)
-        if self.recovery is not None:
-            checks.append(self.recovery.check)
-        if self.guest_attrs is not None:
-            checks.append(self._read_pcie)
+        if self.recovery is not None or self.guest_attrs is not None:
+            checks.append(self._pcie_round)
         for check in checks:
             try:
                 check()

@@ -31,7 +31,7 @@ from tpuboot import __version__
 from tpuboot.atomicfile import write_file
 from tpuboot.config import Config, MetricsConfig
 from tpuboot.devices.chips import base_address
-from tpuboot.devices.health import AER_FILES, load_baselines, read_health
+from tpuboot.devices.health import AER_FILES, read_healths
 from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.table import DeviceTable
 from tpuboot.metrics import BIND_BUCKETS, TEXTFILE_NAME, Count, Metrics, current, holder_counts, lock_states
@@ -249,9 +249,7 @@ class PcieCollector:
         errors = CounterMetricFamily(
             "tpuboot_pcie_errors", "AER errors since boot, by kind (severity).", labels=[*labels, "kind"]
         )
-        baselines = load_baselines(self.root)
-        for address in self._tpu_addresses():
-            health = read_health(self.root, address, baselines)
+        for address, health in read_healths(self.root, self._tpu_addresses()).items():
             chip = base_address(address)
             present.add_metric([address, chip], 1 if health.present else 0)
             link = health.link

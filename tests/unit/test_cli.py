@@ -78,6 +78,21 @@ def test_status_json_reports_each_tpu(kernel, capsys):
     assert (tpu["kind"], tpu["driver"], tpu["iommu_group"]) == ("TPU v5p", "vfio-pci", "4")
     assert (tpu["node"], tpu["node_mode"]) == ("/dev/vfio/4", "0666")
     assert (tpu["viable"], tpu["problem"]) == (True, None)
+    assert (tpu["chip"], tpu["holders"]) == (0, [])
+
+
+def test_status_json_names_each_chips_holders(kernel, capsys):
+    """The holders `tpuboot who` finds, on each function of their chip: a training job holding
+    the chip's /dev/vfio node open."""
+    from tests.unit.fakes.proc import FakeProc
+
+    kernel.p("/dev/vfio/4").chmod(0o666)
+    FakeProc(kernel.top).add(4242, {5: "/dev/vfio/4"}, cmdline=["python3", "train.py"])
+    assert run(kernel, "status", "--json") == cli.EXIT_OK
+    (tpu,) = json.loads(capsys.readouterr().out)
+    (holder,) = tpu["holders"]
+    assert tpu["chip"] == 0 and holder["pid"] == 4242 and holder["nodes"] == ["/dev/vfio/4"]
+    assert (holder["command"], holder["unit"]) == ("python3 train.py", "train.service")
 
 
 def test_status_fails_when_a_tpu_is_not_usable(kernel, capsys):

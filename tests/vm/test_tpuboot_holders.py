@@ -98,6 +98,9 @@ def test_a_stopped_holder_of_another_user_seen_and_ended(vm: VM, node: str) -> N
 
     vm.run(["kill", "-STOP", str(pid)], check=True)
     assert f"held by PID {pid} (stopped)" in vm.run(["tpuboot", "status"], timeout=60).stdout
+    functions = json.loads(vm.run(["tpuboot", "status", "--json"], timeout=60).stdout)
+    (held,) = [f for f in functions if f["node"] == node]
+    assert [(h["pid"], h["state"]) for h in held["holders"]] == [(pid, "stopped")]
     # The daemon sees it too, through its sandbox (CAP_SYS_PTRACE, the host's /tmp): its scan is
     # at most 30 s old at a scrape.
     vm.wait_until(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
-from tpuboot.devices.health import judge, load_baselines, read_health
+from tpuboot.devices.health import judge, read_healths
 from tpuboot.devices.survey import TpuStatus
 from tpuboot.paths import Root
 
@@ -16,8 +16,8 @@ def check_pcie_health(root: Root, tpus: Sequence[TpuStatus]) -> CheckResult:
     less; WARN on non-fatal errors since boot or a link below its best."""
     if not tpus:
         return skipped("no TPU on this machine")
-    baselines = load_baselines(root)
-    findings = [f for t in tpus for f in judge(read_health(root, t.address, baselines))]
+    health = read_healths(root, (t.address for t in tpus))
+    findings = [f for t in tpus for f in judge(health[t.address])]
     fails = [f for f in findings if f.level == "FAIL"]
     if fails:
         return failed("; ".join(f.detail for f in fails), fails[0].fix)

@@ -278,6 +278,12 @@ def read_health(root: Root, address: str, baselines: dict[str, dict[str, int]] |
     return Health(address, present, link, aer, methods, port, _port_errors(root, port), baseline)
 
 
+def read_healths(root: Root, addresses: Iterable[str]) -> dict[str, Health]:
+    """Each function's health by address, the baselines read once for all of them."""
+    baselines = load_baselines(root)
+    return {address: read_health(root, address, baselines) for address in addresses}
+
+
 @dataclass(frozen=True)
 class Finding:
     """What one function's health means for its chip: ``level`` FAIL or WARN, and why; ``kind``

@@ -13,14 +13,14 @@ once. A chip the kernel removed is not looked for: a hot remove is somebody's de
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 from tpuboot import metrics
 from tpuboot.devices.chips import Chip, chips_present
-from tpuboot.devices.health import judge, load_baselines, read_health
+from tpuboot.devices.health import Health, judge, read_healths
 from tpuboot.devices.reset import Breaker, Ladder, ResetRefused
-from tpuboot.devices.survey import survey
+from tpuboot.devices.survey import TpuStatus, survey
 from tpuboot.devices.table import VFIO_ACCESS
 from tpuboot.devices.vfio import Binder
 
@@ -46,10 +46,11 @@ def holders_of(binder: Binder) -> HolderLookup:
     return lookup
 
 
-def wedged(binder: Binder, chip: Chip, baselines: dict[str, dict[str, int]]) -> str | None:
-    """Why ``chip`` needs a reset (doctor's words for it), or None when it does not."""
+def wedged(chip: Chip, health: Mapping[str, Health]) -> str | None:
+    """Why ``chip`` needs a reset (doctor's words for it), or None when it does not; ``health``
+    holds a reading of each of its functions."""
     for fn in chip.functions:
-        for finding in judge(read_health(binder.root, fn.address, baselines)):
+        for finding in judge(health[fn.address]):
             if finding.kind in WEDGED:
                 return finding.detail
     return None
@@ -64,18 +65,20 @@ class AutoRecovery:
         self.holders = holders or holders_of(binder)
         self._said: dict[str, str] = {}  # chip → the last thing said about leaving it be
 
-    def chips(self) -> list[Chip]:
-        return [
-            chip
-            for chip in chips_present(self.binder.root, self.binder.table, survey(self.binder))
-            if chip.access == VFIO_ACCESS
-        ]
+    def chips(self, tpus: Sequence[TpuStatus]) -> list[Chip]:
+        chips = chips_present(self.binder.root, self.binder.table, tpus)
+        return [chip for chip in chips if chip.access == VFIO_ACCESS]
 
-    def check(self) -> None:
-        """Every wedged chip nobody holds, reset (from the pool: a climb takes seconds)."""
-        baselines = load_baselines(self.binder.root)
-        for chip in self.chips():
-            why = wedged(self.binder, chip, baselines)
+    def check(
+        self, tpus: Sequence[TpuStatus] | None = None, health: Mapping[str, Health] | None = None
+    ) -> None:
+        """Every wedged chip nobody holds, reset (from the pool: a climb takes seconds). ``tpus``
+        and ``health``: the tick's survey and its functions' reading, shared with the guest
+        attribute's summary (default: taken now)."""
+        tpus = survey(self.binder) if tpus is None else tpus
+        health = read_healths(self.binder.root, (t.address for t in tpus)) if health is None else health
+        for chip in self.chips(tpus):
+            why = wedged(chip, health)
             if why is None:
                 self._said.pop(chip.address, None)
                 continue

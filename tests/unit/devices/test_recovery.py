@@ -13,9 +13,11 @@ from tests.unit.devices.test_reset import unwedge, wedge
 from tests.unit.fakes.kernel import FakeKernel
 from tpuboot import metrics
 from tpuboot.config import VfioConfig
+from tpuboot.devices import health as health_module
 from tpuboot.devices.chips import Chip
-from tpuboot.devices.health import read_health, save_baseline
+from tpuboot.devices.health import read_health, read_healths, save_baseline
 from tpuboot.devices.recovery import WEDGED, AutoRecovery, wedged
+from tpuboot.devices.survey import survey
 from tpuboot.devices.table import GOOGLE, DeviceTable
 from tpuboot.devices.vfio import Binder
 
@@ -100,7 +102,8 @@ def test_a_fatal_error_since_the_last_good_reset_is_reset_once(
 ) -> None:
     kernel, recovery, _ = setup(tmp_path)
     fatal(kernel, 1)
-    assert wedged(recovery.binder, recovery.chips()[0], {}) == f"{A} logged 1 fatal PCIe error(s) since boot"
+    (chip,) = recovery.chips(survey(recovery.binder))
+    assert wedged(chip, read_healths(kernel.root, [A])) == f"{A} logged 1 fatal PCIe error(s) since boot"
     recovery.check()
     assert resets(kernel) == 1  # the reset's baseline makes that error history
     recovery.check()
@@ -185,3 +188,34 @@ def test_the_daemon_resets_a_wedged_chip_at_its_tick(tmp_path: Path, monkeypatch
         until(lambda: resets(kernel) == 1, timeout=20)
         until(lambda: kernel.driver(A) == "vfio-pci")
         running.stop()
+
+
+def test_one_tick_reads_each_function_once_for_recovery_and_the_guest_attribute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emulator
+) -> None:
+    """Both readers of the PCIe state on: one survey and one health reading per function a tick,
+    and each reader gets it (the wedged chip reset, its state summarised for the attribute)."""
+    from tests.unit.helpers.daemon import DEVICES_ONLY, make
+    from tests.unit.helpers.metadata import make_client
+    from tpuboot.config import GuestAttributesConfig, RecoveryConfig
+
+    kernel, _, _ = setup(tmp_path)
+    config = DEVICES_ONLY.replace(
+        recovery=RecoveryConfig(automatic=True), guest_attributes=GuestAttributesConfig(enabled="true")
+    )
+    daemon, _, _ = make(kernel, config=config, metadata=make_client(emulator))
+    assert daemon.recovery is not None and daemon.guest_attrs is not None
+    daemon.recovery.ladder.sleep = lambda s: None
+    read: list[str] = []
+    real = health_module.read_health
+
+    def counted(root, address, baselines=None):  # type: ignore[no-untyped-def]
+        read.append(address)
+        return real(root, address, baselines)
+
+    monkeypatch.setattr(health_module, "read_health", counted)
+    fatal(kernel, 1)
+    daemon._periodic_work()
+    assert read == [A]  # once, for both (the ladder's own check after its reset is its own)
+    assert resets(kernel) == 1
+    assert daemon._pcie_sent == "fatal:1"  # the summary is of the tick's reading, before the reset
