@@ -18,10 +18,13 @@ needs a new host, not another reset.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from tpuboot.atomicfile import FileReadError, read_file, write_file
@@ -40,6 +43,8 @@ RESCAN = "/sys/bus/pci/rescan"
 #: Where the breaker remembers each chip's resets (root's, survives tpuboot restarts and reboots:
 #: a chip reset again and again across boots is the pattern it exists to stop).
 BREAKER_PATH = "/var/lib/tpuboot/resets.json"
+#: Held (flock) while a ladder climbs: one reset at a time on the host (see :func:`one_at_a_time`).
+RESET_LOCK = "/var/lib/tpuboot/resets.lock"
 HOUR = 3600.0
 RUNGS = ("function-reset", "rebind", "remove-rescan")
 BIND_TRIES = 3
@@ -78,6 +83,31 @@ def chip_to_reset(root: Root, chips: Sequence[Chip], address: str) -> Chip:
     return Chip(
         -1, base_address(address), "TPU (removed)", VFIO_ACCESS, (ChipFunction(address, "", None),), 1
     )
+
+
+@contextlib.contextmanager
+def one_at_a_time(root: Root) -> Iterator[None]:
+    """One ladder on the host at a time: the daemon's recovery.automatic and a `tpuboot reset`
+    (or two of them) would otherwise reset one chip under each other, a rescan finds every
+    function of the bus, and the breaker's record is read, changed and written. Never waits: a
+    reset under way is a ResetRefused (the daemon looks again at its next tick)."""
+    path = root.path(RESET_LOCK)
+    try:
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ResetRefused(f"cannot open {RESET_LOCK}: {exc.strerror}; a reset needs root") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ResetRefused(
+                "another reset is under way on this host (the daemon's recovery.automatic or another "
+                "`tpuboot reset`); try again when it has ended"
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
 
 
 class Breaker:
@@ -179,8 +209,12 @@ class Ladder:
 
     def climb(self, chip: Chip) -> list[Step]:
         """Every rung in turn until the chip is back; the steps taken, the last one back or not."""
-        self.breaker.check(chip.address)
-        self.breaker.record(chip.address)
+        with one_at_a_time(self.root):
+            self.breaker.check(chip.address)
+            self.breaker.record(chip.address)
+            return self._climb(chip)
+
+    def _climb(self, chip: Chip) -> list[Step]:
         steps = []
         ladder = list(zip(RUNGS, (self._function_reset, self._rebind, self._remove_rescan), strict=True))
         if self._removed(chip):

@@ -10,7 +10,7 @@ import pytest
 from tests.unit.fakes.kernel import FakeKernel
 from tpuboot.config import VfioConfig
 from tpuboot.devices.chips import chips_present
-from tpuboot.devices.reset import BREAKER_PATH, Breaker, Ladder, ResetRefused
+from tpuboot.devices.reset import BREAKER_PATH, RESET_LOCK, Breaker, Ladder, ResetRefused
 from tpuboot.devices.survey import survey
 from tpuboot.devices.table import GOOGLE, DeviceTable
 from tpuboot.devices.vfio import Binder
@@ -158,6 +158,28 @@ def test_a_damaged_breaker_record_does_not_block_resets(tmp_path):
     for text in ("not json", "[1, 2]", '{"0000:05:00": "x"}', '{"0000:05:00": [1e400, "x"]}'):
         path.write_text(text)
         assert ladder.climb(chip)[0].back
+
+
+def test_a_reset_under_way_refuses_another_and_the_lock_goes_with_it(tmp_path):
+    """Another ladder holding the host's reset lock (the daemon's, another `tpuboot reset`): this
+    one is refused in one line, touches nothing and records no reset; once that one ends (its fd
+    closed, as when its process dies), the reset goes on."""
+    import fcntl
+    import os
+
+    kernel, chip, ladder, _ = setup(tmp_path)
+    wedge(kernel, "0000:05:00.0")
+    kernel.p(RESET_LOCK).parent.mkdir(parents=True)
+    other = os.open(kernel.p(RESET_LOCK), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(ResetRefused, match=r"another reset is under way on this host .* try again"):
+            ladder.climb(chip)
+        assert kernel.writes == [] and not kernel.p(BREAKER_PATH).exists()
+    finally:
+        os.close(other)
+    assert ladder.climb(chip)[-1].back
+    assert len(ladder.breaker.recent(chip.address)) == 1
 
 
 def test_dry_run_plans_every_rung_and_touches_nothing(tmp_path):
