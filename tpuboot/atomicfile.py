@@ -138,6 +138,21 @@ def read_file(root: Root, path: str, *, limit: int | None = None) -> bytes | Non
     return content
 
 
+def open_lock(root: Root, path: str, *, mode: int = 0o600) -> int:
+    """An fd of ``path`` to take an flock on, the file created (``mode``) if missing: walked as
+    write_file walks, so it is never a file outside the root or one a planted link names."""
+    try:
+        parent, name = _resolve(root, path, create=True)
+    except OSError as exc:
+        raise FileWriteError(f"cannot open {path}: {_why(exc)}") from None
+    try:
+        return os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
+    except OSError as exc:
+        raise FileWriteError(f"cannot open {path}: {_why(exc)}") from None
+    finally:
+        os.close(parent)
+
+
 def remove_file(root: Root, path: str) -> bool:
     """Remove ``path`` if it is a file or a link (the link itself, never what it points to); False
     if there is none. Walked as write_file walks: what is removed is what would have been written."""

@@ -16,7 +16,7 @@ import pytest
 
 from tests.unit.helpers.audit import audit_events
 from tpuboot import atomicfile
-from tpuboot.atomicfile import FileError, FileReadError, FileWriteError, read_file, write_file
+from tpuboot.atomicfile import FileError, FileReadError, FileWriteError, open_lock, read_file, write_file
 from tpuboot.paths import Root
 
 IS_ROOT = os.geteuid() == 0
@@ -190,6 +190,24 @@ def test_symlink_in_a_trusted_directory_is_followed_under_the_root(root: Root) -
     assert root.path("/etc/environment", follow=False).is_symlink()
     assert root.path("/etc/default/environment").read_bytes() == b"A=1\n"
     assert read_file(root, "/etc/environment") == b"A=1\n"
+
+
+def test_a_lock_file_is_opened_as_a_write_walks_inside_the_root(root: Root, outside: Path) -> None:
+    """Created 0600 with its directories; an image's absolute link resolves inside the image; a
+    link planted in a directory others can write is refused, and what it names is untouched."""
+    os.close(open_lock(root, "/var/lib/tpuboot/resets.lock"))
+    made = root.path("/var/lib/tpuboot/resets.lock")
+    assert made.is_file() and stat.S_IMODE(made.stat().st_mode) == 0o600
+    root.path("/run").mkdir()
+    root.path("/run/lock").symlink_to("/var/lib/tpuboot")  # absolute: the image's own /var
+    os.close(open_lock(root, "/run/lock/other.lock"))
+    assert root.path("/var/lib/tpuboot/other.lock").is_file()
+    home = root.path("/home/tpu-runtime")
+    untrusted(home)
+    (home / "x.lock").symlink_to(outside)
+    with pytest.raises(FileWriteError, match=r"cannot open /home/tpu-runtime/x\.lock: it is a symbolic link"):
+        open_lock(root, "/home/tpu-runtime/x.lock")
+    assert outside.read_bytes() == b"precious\n"
 
 
 def test_dotdot_cannot_climb_out_of_the_root(root: Root, tmp_path: Path) -> None:

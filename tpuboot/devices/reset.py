@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tpuboot.atomicfile import FileReadError, read_file, write_file
+from tpuboot.atomicfile import FileError, FileReadError, open_lock, read_file, write_file
 from tpuboot.devices.chips import Chip, ChipFunction, base_address
 from tpuboot.devices.health import is_present, read_health, save_baseline
 from tpuboot.devices.pci import PCI_DEVICES, PciFunction
@@ -91,12 +91,10 @@ def one_at_a_time(root: Root) -> Iterator[None]:
     (or two of them) would otherwise reset one chip under each other, a rescan finds every
     function of the bus, and the breaker's record is read, changed and written. Never waits: a
     reset under way is a ResetRefused (the daemon looks again at its next tick)."""
-    path = root.path(RESET_LOCK)
     try:
-        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise ResetRefused(f"cannot open {RESET_LOCK}: {exc.strerror}; a reset needs root") from None
+        fd = open_lock(root, RESET_LOCK)
+    except FileError as exc:  # refused, as a held lock is: the daemon says it once, not a bug
+        raise ResetRefused(str(exc)) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
