@@ -38,6 +38,10 @@ def dockerd() -> Iterator[FakeDockerd]:
         yield fake
 
 
+#: A container's inspect, as the fake's request log has it (unversioned).
+INSPECT = r"/containers/[^/]+/json"
+
+
 def waiting(runtime: DockerRuntime) -> tuple[threading.Thread, list[str | None], list[BaseException]]:
     """``runtime.wait()`` in a thread: its result or its error."""
     result: list[str | None] = []
@@ -206,8 +210,16 @@ def test_wait_raises_unavailable_when_the_event_stream_ends(dockerd: FakeDockerd
     dockerd.images.add(IMAGE)
     runtime = docker_runtime(dockerd)
     runtime.start()
+    looked = len(dockerd.calls("GET", INSPECT))
     thread, result, error = waiting(runtime)
-    wait_until(lambda: len(dockerd.subscribers) == 1)
+    # Subscribed, and its look at the container answered (running), so the wait is on the stream:
+    # a stop before that answer would rightly be seen as the container's exit.
+    wait_until(
+        lambda: (
+            len(dockerd.subscribers) == 1
+            and any(r.answered.is_set() for r in dockerd.calls("GET", INSPECT)[looked:])
+        )
+    )
     if how == "stream ends":
         dockerd.end_event_streams()
     else:

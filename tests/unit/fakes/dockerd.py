@@ -62,6 +62,9 @@ class Request:
     body: Any
     version: str | None  # the /v1.xx prefix, None if unversioned
     headers: dict[str, str] = field(default_factory=dict)
+    # Set once its answer is written (a stream's, when the stream ends): a test can wait for what
+    # the client was told, not only for what it asked.
+    answered: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
 
 @dataclass
@@ -279,13 +282,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
-        self._route("GET")
+        self._answered("GET")
 
     def do_POST(self) -> None:
-        self._route("POST")
+        self._answered("POST")
 
     def do_DELETE(self) -> None:
-        self._route("DELETE")
+        self._answered("DELETE")
+
+    def _answered(self, method: str) -> None:
+        self.seen: Request | None = None
+        try:
+            self._route(method)
+        finally:
+            if self.seen is not None:
+                self.seen.answered.set()
 
     # ------------------------------------------------------------------ answers
 
@@ -332,8 +343,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         version = None
         if match := re.fullmatch(r"/v(\d+\.\d+)(/.*)", path):
             version, path = match.groups()
+        self.seen = Request(method, url.path, query, body, version, dict(self.headers.items()))
         with fake.lock:
-            fake.requests.append(Request(method, url.path, query, body, version, dict(self.headers.items())))
+            fake.requests.append(self.seen)
         if fake.raw_answer is not None:
             self.close_connection = True
             self.wfile.write(fake.raw_answer)
