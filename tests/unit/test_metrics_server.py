@@ -320,14 +320,20 @@ def _listening(port: int) -> bool:
     )
 
 
-def _waiting_to_be_accepted(port: int) -> int:
-    """The listening socket's accept queue on 127.0.0.1:``port`` (/proc/net/tcp's rx_queue of a
-    socket in LISTEN): connections the kernel has completed and the daemon has not taken."""
+def _connections(port: int) -> tuple[int, int]:
+    """The daemon's side of 127.0.0.1:``port`` from one reading of /proc/net/tcp: the connections
+    it accepted, and those the kernel completed that wait in the listening socket's accept queue
+    (its rx_queue). Both are ESTABLISHED entries of that local address until the daemon closes."""
+    established = queued = 0
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":
-            return int(fields[4].split(":")[1], 16)
-    return 0
+        if fields[1] != f"0100007F:{port:04X}":
+            continue
+        if fields[3] == "0A":  # LISTEN
+            queued = int(fields[4].split(":")[1], 16)
+        elif fields[3] == "01":  # ESTABLISHED
+            established += 1
+    return established - queued, queued
 
 
 def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole(
@@ -369,7 +375,14 @@ def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole
             # The flood is in full once the daemon holds its share and takes no more (at its cap;
             # before, at EMFILE), so the kernel's queue behind it fills.
             cap = min(metrics_server.MAX_CONNECTIONS, NOFILE // 4)
-            wait_until(lambda: _fds(pid) >= before + cap and _waiting_to_be_accepted(port) >= 5, timeout=30)
+
+            def in_full() -> bool:
+                # Counted as connections, not as the daemon's fds: a file or request of its own
+                # open when ``before`` was taken would keep its fds below ``before + cap`` for good.
+                taken, queued = _connections(port)
+                return taken >= cap and queued >= 5
+
+            wait_until(in_full, timeout=30)
             for _ in range(5):
                 daemon.receive("WATCHDOG=1", within=20)
             emulator.set_attribute("tpu-env", "WORKER_ID: '7'\n")
