@@ -14,7 +14,7 @@ import pytest
 
 from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
-from tests.unit.helpers.containers import Clock
+from tests.unit.helpers.containers import Clock, closed_port
 from tpuboot import metrics
 from tpuboot.config import Config, VbarConfig, parse_config
 from tpuboot.containers.liveness import Liveness, probe
@@ -74,13 +74,6 @@ def listener() -> Iterator[socket.socket]:
         sock.bind(("127.0.0.1", 0))
         sock.listen(8)
         yield sock
-
-
-def closed_port() -> int:
-    """A loopback port nobody listens on (bound, then closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_the_probe_connects_over_tcp(listener: socket.socket, tmp_path: Path) -> None:

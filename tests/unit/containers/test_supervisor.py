@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from harness.polling import wait_until
-from tests.unit.helpers.containers import Statuses
+from tests.unit.helpers.containers import Statuses, closed_port
 from tests.unit.helpers.daemon import serving, until
 from tpuboot import metrics, metrics_export
 from tpuboot.backoff import RestartPolicy
@@ -25,6 +25,7 @@ from tpuboot.containers.agents import VBAR_AGENT
 from tpuboot.containers.exec import ExecRuntime, describe_exit
 from tpuboot.containers.gke import gke_node
 from tpuboot.containers.supervisor import Supervisor
+from tpuboot.endpoints import Endpoint
 from tpuboot.env.tpuenv import parse_env_file, render_env_file
 from tpuboot.paths import Root
 
@@ -235,16 +236,33 @@ def test_gke_auto_asks_metadata_and_forced_modes_do_not() -> None:
     assert len(plain.asked) == 2
 
 
-def test_exec_runtime_from_config_and_stop_ends_the_child(kernel: Any, root: Any, tmp_path: Path) -> None:
-    argv = stand_in(tmp_path, "open(sys.argv[1] + '/up', 'w').close()\ntime.sleep(60)\n")
-    daemon = daemon_with(kernel, root, gke="false", vbar=VbarConfig(runtime="exec", exec_argv=tuple(argv)))
+def test_exec_runtime_from_config_and_stop_ends_the_child(
+    kernel: Any, root: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stand-in listens on vBar's endpoint as the agent does, so the daemon's probe of it (at a
+    tick, which may come at any moment of the start) leaves the status at ``running``."""
+    from tpuboot import daemon as daemon_module
+
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    monkeypatch.setattr(daemon_module, "TICK_INTERVAL", 0.05)
+    port = closed_port()
+    argv = stand_in(
+        tmp_path,
+        "import socket\n"
+        f"server = socket.create_server(('127.0.0.1', {port}))\n"
+        "open(sys.argv[1] + '/up', 'w').close()\n"
+        "time.sleep(60)\n",
+    )
+    vbar = VbarConfig(runtime="exec", exec_argv=tuple(argv), endpoint=Endpoint(host="127.0.0.1", port=port))
+    daemon = daemon_with(kernel, root, gke="false", vbar=vbar)
+
+    def sample(name: str) -> float | None:
+        return metrics_export.registry_of(fresh).get_sample_value(name, {"container": "vBar"})
 
     with metrics.use(metrics.Metrics()) as fresh, serving(daemon) as running:
-        until(lambda: daemon.status_line().endswith("vBar: running"))
-        assert (
-            metrics_export.registry_of(fresh).get_sample_value("tpuboot_container_up", {"container": "vBar"})
-            == 1.0
-        )
+        until(lambda: sample("tpuboot_container_endpoint_up") == 1.0, timeout=20)
+        assert daemon.status_line().endswith("vBar: running")
+        assert sample("tpuboot_container_up") == 1.0
         running.stop()
     runtime = daemon.containers.supervisors["vBar"].runtime
     assert isinstance(runtime, ExecRuntime) and runtime.proc is not None
