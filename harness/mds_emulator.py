@@ -162,7 +162,7 @@ def etag_of(value: str) -> str:
 
 
 class MetadataEmulator:
-    """The emulator; use as a context manager, or start()/stop()."""
+    """The emulator; use as a context manager, or start() and close() (stop() leaves it restartable)."""
 
     def __init__(
         self,
@@ -200,13 +200,15 @@ class MetadataEmulator:
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._holder: socket.socket | None = None  # the port, bound but not listening, while stopped
 
     # -- life cycle -------------------------------------------------------------------------
 
     def start(self) -> MetadataEmulator:
         self._stopping.clear()
-        self._server = _Server((self.bind, self.port), _Handler, self)
+        self._server = _Server((self.bind, self.port), _Handler, self)  # beside the holder: both reuse
         self.port = self._server.server_address[1]
+        self._release_port()
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(0.05,), name="mds-emulator", daemon=True
         )
@@ -214,13 +216,16 @@ class MetadataEmulator:
         return self
 
     def stop(self) -> None:
-        """Close the listening socket and every open connection: clients now get 'connection refused'."""
+        """Close the listening socket and every open connection: clients now get 'connection refused'.
+        The port stays held until close(), so restart() gets it back."""
         self._stopping.set()
         with self._changed:
             self._changed.notify_all()
         if self._server is not None:
             self._server.shutdown()
+            family = self._server.address_family
             self._server.server_close()
+            self._hold_port(family)
             self._server.drop_connections()
             self._server = None
         if self._thread is not None:
@@ -231,11 +236,34 @@ class MetadataEmulator:
         """Serve again on the same port (after stop)."""
         self.start()
 
+    def close(self) -> None:
+        """Stop, and give the port back."""
+        self.stop()
+        self._release_port()
+
+    def _hold_port(self, family: socket.AddressFamily) -> None:
+        """Keep the stopped emulator's port bound, not listening: a connect is still refused, but no
+        bind(0) of another socket takes it (the kernel skips a port bound at all), which tests running
+        at the same time in other processes would otherwise do, and answer in its place."""
+        holder = socket.socket(family, socket.SOCK_STREAM)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            holder.bind((self.bind, self.port))
+        except OSError:  # taken in the instant since the close: nothing left to hold
+            holder.close()
+            return
+        self._holder = holder
+
+    def _release_port(self) -> None:
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
+
     def __enter__(self) -> MetadataEmulator:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.close()
 
     @property
     def host(self) -> str:

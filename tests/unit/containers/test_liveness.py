@@ -14,7 +14,8 @@ import pytest
 
 from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
-from tests.unit.helpers.containers import Clock, closed_port
+from tests.unit.helpers.containers import Clock
+from tests.unit.helpers.runproc import free_port
 from tpuboot import metrics
 from tpuboot.config import Config, VbarConfig, parse_config
 from tpuboot.containers.liveness import Liveness, probe
@@ -79,7 +80,7 @@ def listener() -> Iterator[socket.socket]:
 def test_the_probe_connects_over_tcp(listener: socket.socket, tmp_path: Path) -> None:
     root = Root(tmp_path)
     assert probe(Endpoint(host="127.0.0.1", port=listener.getsockname()[1]), root) is None
-    assert probe(Endpoint(host="127.0.0.1", port=closed_port()), root) == "connection refused"
+    assert probe(Endpoint(host="127.0.0.1", port=free_port()), root) == "connection refused"
 
 
 def test_the_probe_connects_to_a_unix_socket_under_the_root() -> None:
@@ -134,7 +135,7 @@ def vbar_containers(dockerd: FakeDockerd, port: int, restart_after: float | None
 def test_a_running_vbar_that_stops_answering_shows_in_status_and_metrics(
     dockerd: FakeDockerd, recorded: metrics.Metrics, caplog: pytest.LogCaptureFixture
 ) -> None:
-    port, clock = closed_port(), Clock()
+    port, clock = free_port(), Clock()
     containers = vbar_containers(dockerd, port, None, clock)
     reports = threading.Semaphore(0)
     containers.start(reports.release)
@@ -170,7 +171,7 @@ def test_a_running_vbar_that_stops_answering_shows_in_status_and_metrics(
 def test_vbar_unanswered_past_its_delay_is_restarted_by_its_supervisor(
     dockerd: FakeDockerd, recorded: metrics.Metrics
 ) -> None:
-    port, clock = closed_port(), Clock()
+    port, clock = free_port(), Clock()
     containers = vbar_containers(dockerd, port, 60.0, clock)
     containers.start(lambda: None)
     try:
@@ -197,7 +198,7 @@ def test_vbar_unanswered_past_its_delay_is_restarted_by_its_supervisor(
 
 def test_an_agent_not_running_is_not_probed(dockerd: FakeDockerd) -> None:
     clock = Clock()
-    containers = vbar_containers(dockerd, closed_port(), 10.0, clock)  # never started
+    containers = vbar_containers(dockerd, free_port(), 10.0, clock)  # never started
     containers.check_endpoints()
     assert containers.statuses()["vBar"].detail == "starting"
     assert containers.checks_endpoints
@@ -220,7 +221,7 @@ def test_the_daemon_ticks_for_the_check_without_a_watchdog(
     monkeypatch.setattr(daemon_module, "TICK_INTERVAL", 0.05)
     kernel = FakeKernel(tmp_path / "kernel")
     add_tpu(kernel, "0000:00:04.0", V5P, driver=None, group="4")
-    port = closed_port()
+    port = free_port()
     vbar = VbarConfig(endpoint=Endpoint(host="127.0.0.1", port=port))
     config = DEVICES_ONLY.replace(gke="false", vbar=vbar)
     dockerd.images.add(config.vbar.image)

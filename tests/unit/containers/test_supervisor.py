@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from harness.polling import wait_until
-from tests.unit.helpers.containers import Statuses, closed_port
+from tests.unit.helpers.containers import Statuses
 from tests.unit.helpers.daemon import serving, until
+from tests.unit.helpers.runproc import free_port
 from tpuboot import metrics, metrics_export
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import Config, MetadataConfig, TelemetryConfig, VbarConfig
@@ -245,7 +246,7 @@ def test_exec_runtime_from_config_and_stop_ends_the_child(
 
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     monkeypatch.setattr(daemon_module, "TICK_INTERVAL", 0.05)
-    port = closed_port()
+    port = free_port()
     argv = stand_in(
         tmp_path,
         "import socket\n"

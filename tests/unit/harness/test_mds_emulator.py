@@ -1,15 +1,20 @@
 """The metadata emulator answers directories as the real server does, since google-guest-agent
 (the bench's peer) relies on it: ``//`` read as ``/``, ``?recursive=true`` as nested JSON, and
-directory long-polls that wait until something under the directory changes."""
+directory long-polls that wait until something under the directory changes. A stopped emulator
+stays "down" for its tests while others run at once."""
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 import subprocess
 import sys
 import threading
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from harness import mds_emulator
 from harness.mds_emulator import MetadataEmulator, nested
@@ -26,6 +31,34 @@ def test_nested_makes_one_object_per_directory() -> None:
         "instance": {"attributes": {"k": "v"}, "id": "1"},
         "project": {"x": "y"},
     }
+
+
+def test_a_stopped_emulator_refuses_and_keeps_its_port_from_every_other_socket() -> None:
+    """A stopped server's port, free, is the next bind(0) of any test running beside (another
+    xdist worker, another matrix row), whose server then answers in its place: seen as a wrong
+    answer in the jammy row. Held bound, it refuses a connect, and no bind takes it but restart's."""
+    with MetadataEmulator({"k": "v"}) as emulator:
+        port = emulator.port
+        emulator.stop()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        taken = set()
+        for _ in range(3000):
+            with socket.socket() as other:
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                other.bind(("127.0.0.1", 0))
+                taken.add(other.getsockname()[1])
+        assert port not in taken
+        with socket.socket() as plain, pytest.raises(OSError) as refused:
+            plain.bind(("127.0.0.1", port))
+        assert refused.value.errno == errno.EADDRINUSE
+        emulator.restart()
+        assert (emulator.port, get(emulator, "instance/attributes/k")[0]) == (port, "v")
+    unused = MetadataEmulator().start()  # no connection, so no TIME_WAIT on its port after
+    unused.stop()
+    unused.close()
+    with socket.socket() as plain:
+        plain.bind(("127.0.0.1", unused.port))  # given back at close
 
 
 def test_recursive_directories_are_nested_json_and_double_slashes_are_one() -> None:

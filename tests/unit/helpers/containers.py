@@ -1,11 +1,10 @@
-"""What the container tests share: a status recorder, a DockerRuntime over the fake dockerd, the
-metadata server's service-account token as the credentials tests serve it, and a free loopback port.
+"""What the container tests share: a status recorder, a DockerRuntime over the fake dockerd, and
+the metadata server's service-account token as the credentials tests serve it.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Callable
 
@@ -20,13 +19,6 @@ from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.containers.engine import ContainerSpec
 from tpuboot.gce.client import MetadataClient
 from tpuboot.references import RegistryAllowlist
-
-
-def closed_port() -> int:
-    """A loopback port nobody listens on (bound, then closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Statuses:

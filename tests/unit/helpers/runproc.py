@@ -33,7 +33,8 @@ def _ephemeral_range() -> tuple[int, int]:
 
 def free_port() -> int:
     """A loopback TCP port for a server the test cannot ask to bind port 0 (``tpuboot run``'s
-    metrics, which refuses 0; a Prometheus server), reserved for this process's life.
+    metrics, which refuses 0; a Prometheus server; a vBar stand-in), or one that must refuse every
+    connect until the test listens there, reserved for this process's life.
 
     A port freed after ``bind(0)`` can be taken again by any socket of a test running at the same
     time (pytest-xdist workers, the library-matrix rows): ``bind(0)`` and ``connect()`` both draw

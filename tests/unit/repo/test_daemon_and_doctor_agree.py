@@ -89,9 +89,9 @@ def test_the_daemon_and_doctor_give_the_same_gke_answer(case: str, tmp_path: Pat
 
 def test_a_silent_server_is_no_answer_for_both(tmp_path: Path) -> None:
     with MetadataEmulator({"cluster-name": "c1"}) as emu:
-        url = emu.url
-    assert daemon_says(MetadataClient(url, timeout=0.3, backoff=FAST_BACKOFF)) is None
-    assert doctor_says(MetadataClient(url, timeout=0.3, backoff=FAST_BACKOFF), tmp_path) is None
+        emu.stop()  # refused from now on: its port stays held, so no other test's server answers there
+        assert daemon_says(MetadataClient(emu.url, timeout=0.3, backoff=FAST_BACKOFF)) is None
+        assert doctor_says(MetadataClient(emu.url, timeout=0.3, backoff=FAST_BACKOFF), tmp_path) is None
 
 
 def test_without_a_server_to_ask_auto_is_no_answer_for_both(tmp_path: Path) -> None:
@@ -173,9 +173,9 @@ def test_doctor_trusts_the_cache_exactly_when_the_daemon_uses_it(record: str, ro
     cache.write_text(json.dumps(fields))
     root.path(config.env.tpu_env_path).write_text('ZONE="from an older boot"\n')
     with MetadataEmulator() as emu:
-        url = emu.url  # nothing listens there any more
-    client = MetadataClient(url, timeout=0.2, backoff=FAST_BACKOFF)
-    used = EnvSync(root, config, client).sync_once(0.3).source == "cache"
+        emu.stop()  # refused from now on: its port stays held, so no other test's server answers there
+        client = MetadataClient(emu.url, timeout=0.2, backoff=FAST_BACKOFF)
+        used = EnvSync(root, config, client).sync_once(0.3).source == "cache"
     state = read_cache(root, config)
     fresh = Doctor(root, config).check_tpu_env_fresh()
     assert used == (record == "this instance's")
