@@ -1,4 +1,4 @@
-"""Network reads that end on time and numbers read from the network: shared by metadata and dockerapi.
+"""Network reads that end on time: shared by metadata and dockerapi.
 
 Why: a socket timeout bounds one receive, not a request. A server that is up but sends its
 status line, headers or body a byte at a time, each just inside the timeout, holds a request
@@ -7,30 +7,15 @@ what was left when the request was sent). :class:`DeadlineSocket` re-arms the ti
 every receive and send to what is left of a wall-clock deadline, so a whole request, headers
 and body, ends by it whichever library reads the socket.
 
-Numbers from the network are ASCII digits only: ``str.isdigit`` and ``int`` accept ``²``,
-Arabic-Indic digits, ``+``, spaces and ``_``, none of which a server may send in a number.
+Numbers from the network are read by :func:`tpuboot.numbers.ascii_int`, as every number another
+party wrote.
 """
 
 from __future__ import annotations
 
-import re
 import socket
 import time
 from collections.abc import Callable
-
-_DIGITS = re.compile(r"[0-9]{1,20}")
-
-
-def ascii_int(text: str | bytes | None) -> int | None:
-    """``text`` as a non-negative integer if it is 1 to 20 ASCII digits, else None."""
-    if isinstance(text, bytes):
-        try:
-            text = text.decode("ascii")
-        except UnicodeDecodeError:
-            return None
-    if text is None or not _DIGITS.fullmatch(text):
-        return None
-    return int(text)
 
 
 class DeadlineSocket(socket.socket):

@@ -19,7 +19,7 @@ from tpuboot import cli
 from tpuboot.env.sync import EnvSync
 from tpuboot.errors import MetadataError
 from tpuboot.gce.client import MetadataClient
-from tpuboot.netio import ascii_int
+from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 
 TPU_ENV = "instance/attributes/tpu-env"

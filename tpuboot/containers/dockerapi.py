@@ -49,7 +49,8 @@ from tpuboot.containers.engine import (
     EngineUnreachable,
     RegistryAuth,
 )
-from tpuboot.netio import DeadlineSocket, ascii_int
+from tpuboot.netio import DeadlineSocket
+from tpuboot.numbers import ascii_int
 
 if TYPE_CHECKING:
     from tpuboot.paths import Root

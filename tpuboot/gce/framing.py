@@ -17,7 +17,7 @@ import requests
 import urllib3
 
 from tpuboot.gce.replies import MetadataAbsent, MetadataRefused, Retryable
-from tpuboot.netio import ascii_int
+from tpuboot.numbers import ascii_int
 
 FLAVOR_HEADER = "Metadata-Flavor"
 FLAVOR = "Google"
