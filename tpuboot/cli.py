@@ -22,6 +22,7 @@ from tpuboot.paths import ROOT_ENV, Root
 if TYPE_CHECKING:
     from tpuboot.checks.registry import CheckResult
     from tpuboot.devices.chips import Chip
+    from tpuboot.devices.reset import Breaker
     from tpuboot.holders.report import ChipHolders
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -266,7 +267,9 @@ def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.devices.reset import Breaker, Ladder, chip_to_reset
+    import os
+
+    from tpuboot.devices.reset import Breaker, Ladder, chip_to_reset, need_root
     from tpuboot.holders.report import chips_of
 
     if not args.dry_run and not ctx.root.is_host:
@@ -274,11 +277,18 @@ def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
             "reset acts on this host's kernel only; it cannot act on a --root tree (try --dry-run)"
         )
     address = parse_dbdf(args.dbdf)
-    chip = chip_to_reset(ctx.root, chips_of(ctx.root, ctx.config), address)
-    ladder = Ladder(ctx.binder(), Breaker(ctx.root, ctx.config.recovery.max_resets_per_hour))
+    if not args.dry_run:
+        need_root(os.geteuid())
+    breaker = Breaker(ctx.root, ctx.config.recovery.max_resets_per_hour)
+    chip = chip_to_reset(ctx.root, chips_of(ctx.root, ctx.config), address, breaker)
+    ladder = Ladder(ctx.binder(), breaker)
     if args.dry_run:
         print("\n".join(ladder.plan(chip)))
-        return EXIT_OK
+        refused = _reset_refusals(ctx, chip, breaker, kill=args.kill)
+        for why in refused:
+            print(f"tpuboot: the reset would be refused: {why}", file=sys.stderr)
+        return EXIT_FAILED if refused else EXIT_OK
+    breaker.check(chip.address)  # before --kill ends anybody: the climb checks again, under its lock
     _free_chip(ctx, chip, kill=args.kill)
     steps = ladder.climb(chip)
     for step in steps:
@@ -291,6 +301,41 @@ def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return EXIT_FAILED
+
+
+def _reset_refusals(ctx: Context, chip: Chip, breaker: Breaker, *, kill: bool) -> list[str]:
+    """What a real `tpuboot reset` of ``chip`` would refuse now, each in one line, for --dry-run:
+    not root (on the host), its breaker open, its holders (as they are now; with ``kill``, only
+    those tpuboot never ends)."""
+    import os
+
+    from tpuboot.devices.reset import ResetRefused, need_root
+    from tpuboot.holders.release import protected, vbar_processes
+    from tpuboot.holders.report import describe, gather
+
+    refused = []
+    checks = [functools.partial(breaker.check, chip.address)]
+    if ctx.root.is_host:  # under --root, the tree's record and holders; whoever runs it
+        checks.insert(0, functools.partial(need_root, os.geteuid()))
+    for check in checks:
+        try:
+            check()
+        except ResetRefused as exc:
+            refused.append(str(exc))
+    (held,) = gather(ctx.root, [chip]).chips
+    if held.holders and not kill:
+        who = "; ".join(describe(h.process) for h in held.holders)
+        refused.append(f"chip {chip.address} is held by {who}; end it first, or pass --kill to end it first")
+    elif held.holders:
+        vbar = vbar_processes(ctx.root, ctx.config)
+        for h in held.holders:
+            why = protected(h.process, vbar)
+            if why is None:
+                print(f"--kill: would end {describe(h.process)} first")
+            else:
+                shown = f"{describe(h.process)} ({why})"
+                refused.append(f"chip {chip.address} is held by {shown}, which tpuboot never ends")
+    return refused
 
 
 def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tpuboot.devices.pci import PCI_DEVICES
+from tpuboot.numbers import ascii_decimal, ascii_int
 from tpuboot.paths import Root
 
 #: The AER counter files, by the severity they count.
@@ -34,7 +35,7 @@ _DBDF_NAME = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 #: A link at this fraction of its maximum bandwidth or less is a failure, not just a doubt: a
 #: chip trained at x8 of x16, or one PCIe generation down, moves data at half the rate.
 FAIL_FRACTION = 0.5
-_SPEED = re.compile(r"(\d+(?:\.\d+)?) GT/s")
+_SPEED = re.compile(r"([0-9.]+) GT/s(?: PCIe)?")
 _ABSENT_VENDOR = b"\xff\xff"
 
 
@@ -158,17 +159,16 @@ def _read(root: Root, address: str, name: str) -> str | None:
 
 
 def parse_speed(text: str | None) -> float | None:
-    """``8.0 GT/s PCIe`` (Linux 5.x+) or ``8 GT/s`` (older) in GT/s; None for ``Unknown``."""
-    match = _SPEED.search(text or "")
-    return float(match[1]) if match else None
+    """``8.0 GT/s PCIe`` (Linux 5.x+) or ``8 GT/s`` (older) in GT/s; None for ``Unknown`` and
+    anything else the kernel does not write (numbers: :mod:`tpuboot.numbers`)."""
+    match = _SPEED.fullmatch((text or "").rstrip("\n"))
+    return ascii_decimal(match[1]) if match else None
 
 
 def parse_width(text: str | None) -> int | None:
-    """A lane count; 0 (link down) counts, anything else unreadable is None."""
-    try:
-        return int((text or "").strip())
-    except ValueError:
-        return None
+    """A lane count (or a root port's error total) as the kernel writes it, ASCII digits and a
+    newline; 0 (link down) counts, anything else is None."""
+    return ascii_int((text or "").rstrip("\n"))
 
 
 def parse_aer(text: str) -> dict[str, int]:
@@ -176,8 +176,9 @@ def parse_aer(text: str) -> dict[str, int]:
     counters = {}
     for line in text.splitlines():
         name, _, count = line.strip().rpartition(" ")
-        if name and count.isdigit():
-            counters[name.strip()] = int(count)
+        value = ascii_int(count)
+        if name and value is not None:
+            counters[name.strip()] = value
     return counters
 
 
@@ -242,15 +243,20 @@ def load_baselines(root: Root) -> dict[str, dict[str, int]]:
 
     try:
         data = json.loads(read_file(root, BASELINE_PATH, limit=1 << 20) or b"{}")
-    except (FileReadError, ValueError):
+    except (FileReadError, ValueError, RecursionError):  # RecursionError: "[[[[..." nested deep
         return {}
     if not isinstance(data, dict):
         return {}
     return {
-        str(a): {str(k): v for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
+        str(a): {str(k): v for k, v in counts.items() if _count(v)}
         for a, counts in data.items()
         if isinstance(counts, dict)
     }
+
+
+def _count(value: object) -> bool:
+    """An error count as tpuboot writes one: a whole number from 0 to 2**64 (not a bool, not huge)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64
 
 
 def save_baseline(root: Root, healths: list[Health]) -> None:

@@ -8,12 +8,15 @@ from pathlib import Path
 
 from tpuboot.devices.table import PciIds
 from tpuboot.errors import UsageError
+from tpuboot.numbers import ascii_hex
 from tpuboot.paths import Root
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 PCI_DRIVERS = "/sys/bus/pci/drivers"
 DRIVERS_PROBE = "/sys/bus/pci/drivers_probe"
 IOMMU_GROUPS = "/sys/kernel/iommu_groups"
+#: A function's ``uevent`` is a few short lines; more is not the kernel's and is not read.
+UEVENT_MOST = 4096
 
 # domain:bus:device.function; device is 5 bits (00-1f), function 3 bits (0-7).
 _DBDF = re.compile(r"(?:(?P<domain>[0-9a-f]{4}):)?(?P<bus>[0-9a-f]{2}):(?P<dev>[01][0-9a-f])\.(?P<fn>[0-7])")
@@ -41,9 +44,10 @@ def list_addresses(root: Root) -> list[str]:
 def _id_pair(text: str) -> tuple[int, int]:
     """``1AE0:0062`` (the kernel's PCI_ID and PCI_SUBSYS_ID form) as two ints; ValueError if not."""
     first, colon, second = text.partition(":")
-    if not colon:
+    pair = (ascii_hex(first), ascii_hex(second))
+    if not colon or pair[0] is None or pair[1] is None:
         raise ValueError(text)
-    return int(first, 16), int(second, 16)
+    return pair[0], pair[1]
 
 
 def _link_name(path: Path) -> str | None:
@@ -70,7 +74,7 @@ class PciFunction:
         coldplug classifies every function on the bus before the first bind can start)."""
         try:
             with open(self.path / "uevent", encoding="ascii", errors="replace") as f:
-                fields = dict(line.partition("=")[::2] for line in f.read().splitlines())
+                fields = dict(line.partition("=")[::2] for line in f.read(UEVENT_MOST).splitlines())
             vendor, device = _id_pair(fields["PCI_ID"])
         except (FileNotFoundError, NotADirectoryError, KeyError, ValueError):
             raise FileNotFoundError(f"{self.address}: no PCI ids in sysfs") from None
@@ -88,7 +92,7 @@ class PciFunction:
 
     def driver_override(self) -> str | None:
         try:
-            text = (self.path / "driver_override").read_text().strip()
+            text = (self.path / "driver_override").read_text(errors="replace").strip()
         except FileNotFoundError:
             return None
         return None if text in ("", "(null)") else text

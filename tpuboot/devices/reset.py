@@ -23,18 +23,19 @@ import fcntl
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from tpuboot.atomicfile import FileError, FileReadError, open_lock, read_file, write_file
 from tpuboot.devices.chips import Chip, ChipFunction, base_address
-from tpuboot.devices.health import is_present, read_health, save_baseline
+from tpuboot.devices.health import is_present, load_baselines, read_health, save_baseline
 from tpuboot.devices.pci import PCI_DEVICES, PciFunction
 from tpuboot.devices.survey import describe
 from tpuboot.devices.table import VFIO_ACCESS
 from tpuboot.devices.vfio import VFIO_PCI, Binder
-from tpuboot.errors import DeviceError, TpubootError
+from tpuboot.errors import DeviceError, TpubootError, shown
 from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.reset")
@@ -46,6 +47,9 @@ BREAKER_PATH = "/var/lib/tpuboot/resets.json"
 #: Held (flock) while a ladder climbs: one reset at a time on the host (see :func:`one_at_a_time`).
 RESET_LOCK = "/var/lib/tpuboot/resets.lock"
 HOUR = 3600.0
+_LATEST = 1 << 33
+#: A chip's base address, as the breaker's record keys it (:func:`base_address`).
+_CHIP = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]")
 RUNGS = ("function-reset", "rebind", "remove-rescan")
 BIND_TRIES = 3
 
@@ -64,10 +68,13 @@ class Step:
     problem: str | None = None  # why it is not back (or why the rung could not run)
 
 
-def chip_to_reset(root: Root, chips: Sequence[Chip], address: str) -> Chip:
-    """The chip that has function ``address``; for a function sysfs no longer lists (the kernel
-    removed it: a surprise link-down), a chip of that one function, for which a rescan is the
-    only rung (what it finds is bound only if the table says it is a TPU)."""
+def chip_to_reset(root: Root, chips: Sequence[Chip], address: str, breaker: Breaker) -> Chip:
+    """The chip that has function ``address``: one tpuboot has seen as a TPU. That is a chip of
+    ``chips`` (functions present now that the device table calls TPUs), or, for a function sysfs
+    no longer lists, one tpuboot's own records hold (:func:`recorded_chips`: it reset that chip;
+    a rung may have lost it): a chip of that one function, for which a rescan is the only rung.
+    Any other address is refused before anything is written: a typo is no reason to rescan the
+    bus, and a chip the kernel removed on its own is somebody's hot remove."""
     for chip in chips:
         if any(fn.address == address for fn in chip.functions):
             if chip.access != VFIO_ACCESS:
@@ -80,9 +87,33 @@ def chip_to_reset(root: Root, chips: Sequence[Chip], address: str) -> Chip:
         raise DeviceError(
             f"{address} is not a TPU; tpuboot never resets another device (it may be the boot disk)"
         )
+    if base_address(address) not in recorded_chips(root, breaker):
+        raise DeviceError(
+            f"{address} is no PCI function here, and tpuboot has no record of a TPU there (it reset "
+            "none); check the address (`tpuboot status` lists the TPUs); a chip the kernel removed "
+            "on its own comes back with `echo 1 > /sys/bus/pci/rescan`, as root"
+        )
     return Chip(
         -1, base_address(address), "TPU (removed)", VFIO_ACCESS, (ChipFunction(address, "", None),), 1
     )
+
+
+def recorded_chips(root: Root, breaker: Breaker) -> set[str]:
+    """The base addresses of chips tpuboot reset: in the breaker's record (the last hour's,
+    across reboots) or in the AER baselines (a reset that brought it back, this boot). Only root
+    writes either; a damaged one counts for nothing."""
+    return set(breaker.chips()) | {base_address(a) for a in load_baselines(root)}
+
+
+#: The end of a refusal for want of root.
+NEEDS_ROOT = "a reset needs root: run it as root (sudo tpuboot reset DBDF)"
+
+
+def need_root(euid: int) -> None:
+    """A reset by another user is refused before anything is read or written: sysfs's
+    ``reset``, ``remove`` and ``rescan`` and the breaker's record are root's."""
+    if euid != 0:
+        raise ResetRefused(f"not root; {NEEDS_ROOT}")
 
 
 @contextlib.contextmanager
@@ -94,7 +125,7 @@ def one_at_a_time(root: Root) -> Iterator[None]:
     try:
         fd = open_lock(root, RESET_LOCK)
     except FileError as exc:  # refused, as a held lock is: the daemon says it once, not a bug
-        raise ResetRefused(str(exc)) from None
+        raise ResetRefused(f"{exc}; {NEEDS_ROOT}" if os.geteuid() != 0 else str(exc)) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -115,19 +146,37 @@ class Breaker:
         self.root = root
         self.limit = limit
         self.now = now
+        self._said: tuple[str, bytes | None] | None = None  # the damage last said, with the record
 
     def _load(self) -> dict[str, list[float]]:
+        """The record: a damaged one (unreadable, not JSON, or not of the shape :meth:`record`
+        writes) is forgotten whole, as if there were none, and said once (it does not block resets)."""
         try:
-            data = json.loads(read_file(self.root, BREAKER_PATH, limit=1 << 20) or b"{}")
-        except (FileReadError, ValueError):  # a damaged record forgets, it does not block resets
+            raw = read_file(self.root, BREAKER_PATH, limit=1 << 20)
+        except FileReadError as exc:
+            self._damaged(str(exc), None)
             return {}
-        if not isinstance(data, dict):
+        if raw is None:
             return {}
-        return {
-            str(k): [float(t) for t in v if isinstance(t, (int, float))]
-            for k, v in data.items()
-            if isinstance(v, list)
-        }
+        try:
+            record = _record(json.loads(raw))
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            self._damaged(f"{BREAKER_PATH} is damaged ({_why(exc)})", raw)
+            return {}
+        self._said = None
+        return record
+
+    def _damaged(self, why: str, raw: bytes | None) -> None:
+        """One journal line per damaged record (check and record read it in turn; the daemon, at
+        each tick): the same damage is not said again until the record changes."""
+        if self._said == (why, raw):
+            return
+        self._said = (why, raw)
+        log.warning("reset breaker: %s; its resets are forgotten (the next reset writes it anew)", why)
+
+    def chips(self) -> list[str]:
+        """The chips in the record (reset in its last hour), whatever their times now."""
+        return list(self._load())
 
     def recent(self, chip: str) -> list[float]:
         """This chip's resets in the last hour."""
@@ -150,6 +199,33 @@ class Breaker:
         data = {k: v for k, v in data.items() if v}
         data.setdefault(chip, []).append(now)
         write_file(self.root, BREAKER_PATH, json.dumps(data, sort_keys=True).encode(), mode=0o600)
+
+
+def _record(data: object) -> dict[str, list[float]]:
+    """The breaker's record as :meth:`Breaker.record` writes it, {chip base address: [reset times
+    as seconds since the epoch]}; ValueError for anything else."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a {type(data).__name__}, not an object")
+    record = {}
+    for chip, times in data.items():
+        if not _CHIP.fullmatch(chip):
+            raise ValueError(f"{shown(chip)} is not a chip's address")
+        if not isinstance(times, list) or not all(_time(t) for t in times):
+            raise ValueError(f"the resets of {chip} are not a list of times")
+        record[chip] = [float(t) for t in times]
+    return record
+
+
+def _time(value: object) -> bool:
+    """A time :meth:`Breaker.record` could have written: seconds since the epoch, before 2**33
+    (the year 2242); not a bool, NaN, an infinity or a number too large for a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return 0 <= value < _LATEST  # NaN compares false; an int is compared before any float()
+
+
+def _why(exc: Exception) -> str:
+    return "nested too deep" if isinstance(exc, RecursionError) else str(exc)
 
 
 class Ladder:
@@ -177,7 +253,7 @@ class Ladder:
         if not (path / "reset").exists():
             return ()
         try:
-            methods = tuple((path / "reset_method").read_text().split())
+            methods = tuple((path / "reset_method").read_text(errors="replace").split())
         except OSError:  # before Linux 5.15 there is no reset_method, but ``reset`` works
             return ("default",)
         return methods

@@ -212,12 +212,48 @@ def test_the_cli_plans_under_root_refuses_to_act_there_and_never_resets_a_non_tp
     assert "cannot act on a --root tree" in capsys.readouterr().err
     assert cli.main([*root, "reset", "--dry-run", "00:02.0"]) == cli.EXIT_FAILED
     assert "0000:00:02.0 is not a TPU; tpuboot never resets another device" in capsys.readouterr().err
-    assert cli.main([*root, "reset", "--dry-run", "00:09.0"]) == cli.EXIT_OK  # gone: a rescan's plan
+    assert kernel.writes == []
+
+
+@pytest.mark.parametrize("address", ["00:09.0", "05:01.0", "0001:05:00.0"])
+def test_an_address_that_is_no_function_here_and_no_chip_tpuboot_reset_is_refused(tmp_path, capsys, address):
+    """A typo (a slot with nothing in it, a TPU's neighbour, another domain) is no reason to
+    rescan the bus: refused in one line, in the dry run as in the real one, before any write."""
+    from tpuboot import cli
+
+    kernel, _, _, _ = setup(tmp_path)
+    for dry in (["--dry-run"], []):
+        code = cli.main(["--root", str(kernel.top), "reset", *dry, address])
+        err = capsys.readouterr().err
+        if dry:
+            assert code == cli.EXIT_FAILED
+            assert err.startswith("tpuboot: ") and err.count("\n") == 1
+            assert "is no PCI function here, and tpuboot has no record of a TPU there" in err
+    assert kernel.writes == [] and not kernel.p(BREAKER_PATH).exists()
+
+
+@pytest.mark.parametrize("record", ["breaker", "baseline"])
+def test_a_chip_tpuboot_reset_and_lost_is_found_again_by_a_rescan(tmp_path, capsys, record):
+    """A chip in tpuboot's own records (the breaker's: reset in the last hour; the AER baselines:
+    brought back this boot) that sysfs no longer lists: a rescan is the plan."""
+    import json
+
+    from tpuboot import cli
+    from tpuboot.devices.health import BASELINE_PATH
+
+    kernel, _, _, clock = setup(tmp_path)
+    FakeKernel.write(kernel, kernel.p("/sys/bus/pci/devices/0000:05:00.0/remove"), "1")
+    if record == "breaker":
+        path, data = kernel.p(BREAKER_PATH), {"0000:05:00": [clock.now]}
+    else:
+        path, data = kernel.p(BASELINE_PATH), {"0000:05:00.0": {"fatal": 0}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    assert cli.main(["--root", str(kernel.top), "reset", "--dry-run", "05:00.0"]) == cli.EXIT_OK
     assert (
         capsys.readouterr().out
-        == "remove-rescan: 0000:00:09.0 is gone from sysfs: rescan the PCI bus, bind it again\n"
+        == "remove-rescan: 0000:05:00.0 is gone from sysfs: rescan the PCI bus, bind it again\n"
     )
-    assert kernel.writes == []
 
 
 def test_errors_a_reset_cleared_up_are_history_until_new_ones_come(tmp_path):
@@ -232,3 +268,138 @@ def test_errors_a_reset_cleared_up_are_history_until_new_ones_come(tmp_path):
     aer.write_text("DLP 2\nTOTAL_ERR_FATAL 2\n")
     (finding,) = judge(read_health(kernel.root, "0000:05:00.0"))
     assert finding.detail == "0000:05:00.0 logged 1 fatal PCIe error(s) since its last reset"
+
+
+def test_the_dry_run_says_what_the_real_run_would_refuse_naming_the_holders(tmp_path, capsys):
+    """A held chip and an open breaker: the plan, then each refusal in a line of its own (the
+    holder named as `tpuboot who` names it), exit 1; with --kill, the holder it would end."""
+    from tests.unit.fakes.proc import FakeProc
+    from tpuboot import cli
+
+    kernel, chip, _, _ = setup(tmp_path)
+    root = ["--root", str(kernel.top)]
+    assert cli.main([*root, "reset", "--dry-run", "05:00.0"]) == cli.EXIT_OK
+    assert capsys.readouterr().err == ""
+    proc = FakeProc(kernel.top)
+    proc.user(1001, "alice")
+    proc.add(4242, {7: "/dev/vfio/30"}, uid=1001, cmdline=["python3", "train.py"])
+    assert cli.main([*root, "reset", "--dry-run", "05:00.0"]) == cli.EXIT_FAILED
+    out, err = capsys.readouterr()
+    assert out.startswith("function-reset: ")
+    (line,) = err.splitlines()
+    assert line.startswith("tpuboot: the reset would be refused: chip 0000:05:00 is held by PID 4242 (alice")
+    assert line.endswith("python3 train.py; end it first, or pass --kill to end it first")
+    assert cli.main([*root, "reset", "--dry-run", "--kill", "05:00.0"]) == cli.EXIT_OK
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("--kill: would end PID 4242 (alice") and err == ""
+    breaker = Breaker(kernel.root, 3)  # the command's clock: now
+    for _ in range(3):
+        breaker.record(chip.address)
+    assert cli.main([*root, "reset", "--dry-run", "05:00.0"]) == cli.EXIT_FAILED
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(": ")[2].split(" ")[0:2] for line in lines] == [["chip", "0000:05:00"]] * 2
+    assert "reset 3 times in the last hour" in lines[0] and "is held by PID 4242" in lines[1]
+    assert kernel.writes == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        "[1, 2]",
+        "null",
+        '"text"',
+        '{"0000:05:00": "x"}',
+        '{"0000:05:00": [1e400]}',
+        '{"0000:05:00": [NaN]}',
+        '{"0000:05:00": [-Infinity]}',
+        '{"0000:05:00": [true]}',
+        '{"0000:05:00": [' + "9" * 400 + "]}",
+        '{"0000:05:00": [' + "9" * 5000 + "]}",
+        '{"0000:05:00": [-1]}',
+        '{"0000:05:00": [1000000.0], "not an address": [1000000.0]}',
+        '{"0000:05:00": {"at": 1}}',
+        "[" * 100_000,
+        '{"0000:05:00": [1000000.0]}\xff',
+    ],
+)
+def test_a_damaged_breaker_record_is_forgotten_with_one_journal_line(tmp_path, caplog, text):
+    """Wrong shape, wrong types, huge numbers, NaN, nested deep, not UTF-8: forgotten whole, as
+    a garbled one is; the reset goes on, and one line says so (the climb reads it twice)."""
+    kernel, chip, ladder, _ = setup(tmp_path)
+    path = kernel.p(BREAKER_PATH)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(text.encode("utf-8", "surrogateescape").replace(b"\xc3\xbf", b"\xff"))
+    caplog.set_level("WARNING", logger="tpuboot.reset")
+    assert ladder.climb(chip)[0].back
+    said = [r.getMessage() for r in caplog.records if r.name == "tpuboot.reset"]
+    assert len(said) == 1 and said[0].startswith(f"reset breaker: {BREAKER_PATH} is damaged (")
+    assert said[0].endswith("its resets are forgotten (the next reset writes it anew)")
+    assert len(ladder.breaker.recent(chip.address)) == 1  # written anew, with this reset alone
+
+
+def test_a_breaker_record_of_the_right_shape_is_kept(tmp_path):
+    import json
+
+    kernel, chip, ladder, clock = setup(tmp_path)
+    path = kernel.p(BREAKER_PATH)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"0000:05:00": [int(clock.now) - 10, clock.now - 20.5]}))
+    assert len(ladder.breaker.recent(chip.address)) == 2
+
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def shared(tmp_path_factory):
+    """A folder any user can reach (pytest's tmp_path is under a 0700 directory)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="tpuboot-reset-", dir="/var/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def as_nobody(code: str, *args: str):
+    import subprocess
+    import sys
+
+    top = Path(__file__).resolve().parents[3]
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        user=NOBODY,
+        env={"PYTHONPATH": str(top), "PATH": "/usr/bin:/bin", "HOME": "/"},
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="needs root, to run as nobody")
+def test_a_reset_by_another_user_is_refused_in_one_line_that_says_it_needs_root(shared):
+    """The command, before it reads a record or writes anything; and the lock, for any other
+    way in (open_lock's message alone spoke of CAP_DAC_OVERRIDE, as for the service)."""
+    command = "import sys; from tpuboot import cli; sys.exit(cli.main(sys.argv[1:]))"
+    done = as_nobody(command, "reset", "00:04.0")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == "tpuboot: not root; a reset needs root: run it as root (sudo tpuboot reset DBDF)\n"
+    (shared / "var/lib/tpuboot").mkdir(parents=True)  # root's, 0755, as the package makes it
+    code = (
+        "import sys\n"
+        "from tpuboot.devices.reset import ResetRefused, one_at_a_time\n"
+        "from tpuboot.paths import Root\n"
+        "try:\n"
+        "    with one_at_a_time(Root(sys.argv[1])):\n"
+        "        print('locked')\n"
+        "except ResetRefused as exc:\n"
+        "    print(exc)\n"
+    )
+    done = as_nobody(code, str(shared))
+    assert done.stdout.startswith(f"cannot open {RESET_LOCK}: permission denied"), done.stderr
+    assert done.stdout.endswith("; a reset needs root: run it as root (sudo tpuboot reset DBDF)\n")
+    assert not (shared / RESET_LOCK.lstrip("/")).exists()
