@@ -16,12 +16,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tpuboot.atomicfile import FileWriteError, read_file, write_file
+from tpuboot.atomicfile import FileReadError, FileWriteError, read_file, write_file
+from tpuboot.errors import shown
+from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.bootbudget")
@@ -37,6 +40,10 @@ READY = "ready"
 VBAR = "vbar-running"
 #: The phases of every boot, in the order they are shown (binds stand between coldplug and READY).
 PHASES = (MONITOR_OPEN, COLDPLUG, BIND, METADATA, TPU_ENV, ENVIRONMENT, READY, VBAR)
+#: What a phase's name and detail may be in the record (a later version may add phases).
+_NAME = re.compile(r"[a-z][a-z-]{0,39}")
+_DETAIL = re.compile(r"[ -~]{0,200}")  # printable ASCII: a PCI address, a few words
+_YEAR = 366 * 86400.0
 
 
 def boottime() -> float:
@@ -47,11 +54,12 @@ def boottime() -> float:
 def process_start(root: Root) -> float | None:
     """When this process started, in seconds of the boot-time clock; None if /proc cannot say."""
     try:
-        text = root.path("/proc/self/stat").read_text()
+        text = root.path("/proc/self/stat").read_text(errors="replace")
         fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
-        return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime: field 22 of proc(5)
+        ticks = ascii_int(fields[19])  # starttime: field 22 of proc(5)
     except (OSError, ValueError, IndexError):
         return None
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -166,12 +174,47 @@ def current() -> Budget | None:
 
 
 def load(root: Root) -> dict[str, object] | None:
-    """What the running (or last) daemon wrote; None when there is no record."""
+    """What the running (or last) daemon wrote, in the shape :meth:`Budget.as_dict` gives; None
+    when there is no record. A damaged one (not JSON, another shape, a time that is no number of
+    seconds, a name that is no phase's) is a FileReadError, in one line with its fix."""
     raw = read_file(root, BUDGET_PATH, limit=1 << 20)
     if raw is None:
         return None
     try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
+        return _record(json.loads(raw))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+        raise FileReadError(
+            f"{BUDGET_PATH} is damaged ({why}); the daemon writes it again at READY "
+            "(systemctl restart tpuboot)"
+        ) from None
+
+
+def _record(data: object) -> dict[str, object]:
+    """``data`` as :meth:`Budget.as_dict` writes it, rebuilt from the checked values; ValueError
+    for anything else."""
+    if not isinstance(data, dict) or not isinstance(data.get("phases"), list):
+        raise ValueError("not a record of phases")
+    after = data.get("started_after_boot_seconds")
+    if after is not None and not _seconds(after):
+        raise ValueError(f"started_after_boot_seconds {shown(after)} is not seconds")
+    phases = []
+    for phase in data["phases"]:
+        if not isinstance(phase, dict):
+            raise ValueError(f"phase {shown(phase)} is not an object")
+        name, detail, seconds = phase.get("phase"), phase.get("detail", ""), phase.get("seconds")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(f"{shown(name)} is not a phase's name")
+        if not isinstance(detail, str) or not _DETAIL.fullmatch(detail):
+            raise ValueError(f"the detail {shown(detail)} of {name} is not one tpuboot writes")
+        if not _seconds(seconds):
+            raise ValueError(f"the time {shown(seconds)} of {name} is not seconds")
+        phases.append({"phase": name, "detail": detail, "seconds": seconds})
+    return {"started_after_boot_seconds": after, "phases": phases}
+
+
+def _seconds(value: object) -> bool:
+    """A time tpuboot wrote: a number of seconds from 0 to a year (not a bool, NaN or huge)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return 0 <= value <= _YEAR  # NaN compares false; an int before any float()

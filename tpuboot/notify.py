@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
+from tpuboot.numbers import ascii_int
+
 try:
     from systemd import daemon as _sd
 except ImportError:  # pragma: no cover - python3-systemd is a hard dependency of the package
@@ -79,7 +81,5 @@ def watchdog_interval() -> float | None:
     pid = os.environ.get("WATCHDOG_PID")
     if not usec or (pid and pid != str(os.getpid())):
         return None
-    try:
-        return int(usec) / 2_000_000
-    except ValueError:
-        return None
+    micros = ascii_int(usec)
+    return None if micros is None else micros / 2_000_000

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from tpuboot import bootbudget
 from tpuboot.bootbudget import BIND, COLDPLUG, METADATA, READY, VBAR, Budget, process_start
 from tpuboot.paths import Root
@@ -33,6 +35,16 @@ class Clock:
 def test_the_start_is_read_past_a_command_name_with_spaces_and_parentheses(tmp_path: Path) -> None:
     root = tree(tmp_path, 500 * TICK, command="tpu boot) (x")
     assert process_start(root) == 500.0
+
+
+@pytest.mark.parametrize("ticks", ["²", "١٢", "+1", "1_0", "0x10", "", "9" * (1 << 20), "-5", "\udcff"])
+def test_a_start_time_that_is_not_the_kernels_digits_is_unknown(tmp_path: Path, ticks: str) -> None:
+    proc = tmp_path / "proc/self"
+    proc.mkdir(parents=True)
+    rest = ["S"] + ["0"] * 18 + [ticks or "''"] + ["0"] * 30
+    text = "4242 (python3) " + " ".join(rest) + "\n"
+    (proc / "stat").write_bytes(text.encode("utf-8", "surrogateescape"))
+    assert process_start(Root(tmp_path)) is None
 
 
 def test_phases_count_from_the_process_start(tmp_path: Path) -> None:
@@ -108,10 +120,44 @@ def test_the_record_round_trips_and_a_bad_one_is_none(tmp_path: Path) -> None:
     budget.save()
     record = bootbudget.load(root)
     assert record is not None and record["phases"] == [{"phase": "ready", "detail": "", "seconds": 0.0}]
-    root.path(bootbudget.BUDGET_PATH).write_text("[1, 2")
-    assert bootbudget.load(root) is None
-    root.path(bootbudget.BUDGET_PATH).write_text("[1, 2]")
-    assert bootbudget.load(root) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[1, 2",
+        "[1, 2]",
+        "{}",
+        '{"phases": {}}',
+        '{"phases": [1]}',
+        '{"phases": [{"phase": "ready", "seconds": "2"}]}',
+        '{"phases": [{"phase": "ready", "seconds": NaN}]}',
+        '{"phases": [{"phase": "ready", "seconds": 1e400}]}',
+        '{"phases": [{"phase": "ready", "seconds": ' + "9" * 400 + "}]}",
+        '{"phases": [{"phase": "ready", "seconds": true}]}',
+        '{"phases": [{"phase": "ready", "seconds": -1}]}',
+        '{"phases": [{"phase": "\\u001b[2J", "seconds": 1}]}',
+        '{"phases": [{"phase": "bind", "detail": 5, "seconds": 1}]}',
+        '{"phases": [], "started_after_boot_seconds": "x"}',
+        "[" * 100_000,
+        b'{"phases": [{"phase": "ready", "detail": "\xff", "seconds": 1}]}',
+    ],
+)
+def test_a_damaged_record_is_one_line_that_says_so(tmp_path: Path, capsys, text) -> None:
+    """`status --boot` on a record of the wrong shape, types, huge numbers, NaN, nested deep, not
+    UTF-8: one line that names the file and the fix, exit 1, no traceback (also with --json)."""
+    from tpuboot import cli
+
+    root = tree(tmp_path)
+    path = root.path(bootbudget.BUDGET_PATH)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    for json_flag in ([], ["--json"]):
+        assert cli.main(["--root", str(tmp_path), "status", "--boot", *json_flag]) == cli.EXIT_FAILED
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        assert err.startswith(f"tpuboot: {bootbudget.BUDGET_PATH} is damaged (")
+        assert err.endswith("the daemon writes it again at READY (systemctl restart tpuboot)\n")
 
 
 def test_marks_outside_a_daemon_do_nothing() -> None:

@@ -64,7 +64,7 @@ def run_version(path: str) -> str | None:
 
 def parse_version(text: str | None) -> tuple[int, int] | None:
     """(major, minor) of the first ``N.N`` in ``text``: ``Docker version 26.1.5+dfsg1`` -> (26, 1)."""
-    match = re.search(r"(?<![\w.])v?(\d+)\.(\d+)", text or "")
+    match = re.search(r"(?<![\w.])v?([0-9]{1,9})\.([0-9]{1,9})", text or "")
     return (int(match[1]), int(match[2])) if match else None
 
 
@@ -178,7 +178,7 @@ class CdiChecks:
             return failed(f"no {SPEC_PATH}: containers cannot ask for google.com/tpu", regenerate)
         try:
             have = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested deep
             return failed(f"{SPEC_PATH} is not JSON ({exc})", regenerate)
         if have != want:
             return failed(f"{SPEC_PATH} differs from the chips bound now (see tpuboot cdi)", regenerate)
@@ -193,7 +193,7 @@ class CdiChecks:
             return {}
         try:
             value = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             return failed(f"{DAEMON_JSON} is not JSON ({exc})", f"fix {DAEMON_JSON}: dockerd refuses it")
         return value if isinstance(value, dict) else {}
 

@@ -23,6 +23,7 @@ from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable, 
 from tpuboot.containers.engine import ContainerEngine, EngineError, EngineNotFound, EngineUnreachable
 from tpuboot.containers.gke import GkeAnswer, Metadata, ask_gke
 from tpuboot.containers.liveness import EndpointProbe, probe
+from tpuboot.numbers import ascii_signed
 from tpuboot.paths import Root
 
 RUNNING, ABSENT = "running", "absent"
@@ -50,7 +51,7 @@ def container_state(engine: ContainerEngine, name: str) -> str:
     if container.running:
         return RUNNING
     status = container.status or "stopped"
-    if status == "exited" and container.exit_code.lstrip("-").isdigit():
+    if status == "exited" and ascii_signed(container.exit_code) is not None:
         return f"exited (exit code {container.exit_code})"
     return status
 

@@ -444,7 +444,7 @@ class Doctor:
 
     def _boot_time(self) -> float | None:
         text = self._read("/proc/stat")
-        match = re.search(r"^btime (\d+)$", text or "", re.M)
+        match = re.search(r"^btime ([0-9]{1,20})$", text or "", re.M)
         return float(match.group(1)) if match else None
 
     def check_environment(self) -> CheckResult:

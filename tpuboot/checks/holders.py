@@ -25,6 +25,7 @@ from tpuboot.devices.chips import Chip
 from tpuboot.holders.locks import LockFile
 from tpuboot.holders.procfs import STUCK, Process, memlock, read_text
 from tpuboot.holders.report import Report, describe, gather, lock_holder
+from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 
 #: The container engines whose limits their containers inherit, by unit.
@@ -45,10 +46,10 @@ def main_pid(root: Root, unit: str, systemd: Systemd) -> int | None:
     """The main PID of ``unit``: systemd's MainPID on the host, else the first PID in its cgroup."""
     if systemd.live(root):
         shown = systemd.show(unit, ["MainPID"]) or {}
-        pid = shown.get("MainPID", "0")
-        return int(pid) if pid.isdigit() and int(pid) > 0 else None
+        pid = ascii_int(shown.get("MainPID", "0"))
+        return pid if pid else None
     text = read_text(root, f"{CGROUP_ROOT}/{SLICE}/{unit}/cgroup.procs") or ""
-    pids = [int(word) for word in text.split() if word.isdigit()]
+    pids = [pid for word in text.split() if (pid := ascii_int(word))]
     return pids[0] if pids else None
 
 

@@ -175,10 +175,10 @@ def parse_aer(text: str) -> dict[str, int]:
     """``NAME COUNT`` lines as a mapping; a line of another shape is skipped, not trusted."""
     counters = {}
     for line in text.splitlines():
-        name, _, count = line.strip().rpartition(" ")
+        name, _, count = line.rpartition(" ")  # a name may hold a space ("Bad TLP"), a count none
         value = ascii_int(count)
-        if name and value is not None:
-            counters[name.strip()] = value
+        if name and name == name.strip() and value is not None:
+            counters[name] = value
     return counters
 
 

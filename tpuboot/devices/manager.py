@@ -22,6 +22,7 @@ from tpuboot.devices.udev import Coldplug
 from tpuboot.devices.vfio import Binder, BindResult, DeviceGoneError, group_node, os_failure
 from tpuboot.errors import TpubootError
 from tpuboot.eventloop import EventLoop, Timer, nothing
+from tpuboot.numbers import ascii_int
 
 log = logging.getLogger("tpuboot.devices.manager")
 
@@ -189,7 +190,7 @@ class DeviceManager:
 
     def dispatch(self, device: UdevDevice) -> None:
         if device.subsystem == "vfio":
-            if device.action == "add" and device.sys_name.isdigit():
+            if device.action == "add" and ascii_int(device.sys_name) is not None:
                 self.node_appeared(device.sys_name)
         elif device.action == "add":
             self.consider(device.sys_name)

@@ -90,7 +90,7 @@ def parse_record(raw: bytes) -> Cached | None:
     """A record of either format, or None if it is not one (bad JSON, a field missing or mistyped)."""
     try:
         record = json.loads(raw)
-    except ValueError:  # UnicodeDecodeError included
+    except (ValueError, RecursionError):  # UnicodeDecodeError included; "[[[[..." nested deep
         return None
     if not isinstance(record, dict):
         return None

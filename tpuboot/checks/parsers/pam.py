@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from tpuboot.checks.parsers.files import layered, texts
 from tpuboot.checks.parsers.rlimits import NOT_SET, UNLIMITED, Limit
+from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 
 PAM_LIMITS = "/etc/security/limits.conf"
@@ -24,7 +25,10 @@ def entries(text: str) -> Iterator[list[str]]:
 def _value(text: str) -> float:
     if text in ("unlimited", "infinity", "-1"):
         return UNLIMITED
-    return float(int(text))
+    number = ascii_int(text)  # as pam_limits' strtol would, less its "+" and blanks; 20 digits
+    if number is None:
+        raise ValueError(text)
+    return float(number)
 
 
 def pam_limit(root: Root, user: str, item: str) -> Limit:

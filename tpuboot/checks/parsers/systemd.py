@@ -12,6 +12,8 @@ from tpuboot import subproc
 from tpuboot.checks.parsers.files import layered, masked, read_text, texts
 from tpuboot.checks.parsers.rlimits import UNLIMITED, Limit
 from tpuboot.errors import TpubootError
+from tpuboot.errors import shown as quoted
+from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 
 UNIT_DIRS = (
@@ -33,10 +35,11 @@ def parse_rlimit(text: str, source: str) -> Limit:
         part = part.strip()
         if part == "infinity":
             return UNLIMITED
-        match = re.fullmatch(r"(\d+)\s*([KMGTPE]?)i?B?", part)
-        if not match:
-            raise ValueError(f"{text!r} is not a resource limit")
-        return float(int(match.group(1)) * _SUFFIX[match.group(2)])
+        match = re.fullmatch(r"([0-9]+)\s*([KMGTPE]?)i?B?", part)
+        number = ascii_int(match.group(1)) if match else None
+        if match is None or number is None:  # 20 digits at most: a float of more would overflow
+            raise ValueError(f"{quoted(text)} is not a resource limit")
+        return float(number * _SUFFIX[match.group(2)])
 
     soft, _, hard = text.partition(":")
     return Limit(one(soft), one(hard or soft), source)
@@ -75,7 +78,7 @@ def file_limits(root: Root, files: list[str], section: str, keys: dict[str, str]
         try:
             out[item] = parse_rlimit(value, shown) if value else None
         except ValueError:
-            out[item] = Limit(None, None, f"{value!r} in {shown} is unreadable")
+            out[item] = Limit(None, None, f"{quoted(value)} in {shown} is unreadable")
     return out
 
 
