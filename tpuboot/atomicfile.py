@@ -41,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from tpuboot.errors import TpubootError
+from tpuboot.errors import LinkLoop, TpubootError, loop_fix
 from tpuboot.paths import MAX_SYMLINK_HOPS, Root, split
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -61,6 +61,25 @@ class FileWriteError(FileError):
 class FileReadError(FileError):
     """A file could not be read safely: unreadable, not a regular file, too large, or behind a
     link that is not followed."""
+
+
+class _Loop(LinkLoop):
+    """A path whose links go round, named by a link of the loop."""
+
+    def __init__(self, path: str, link: str) -> None:
+        self.problem, self.link = (
+            f"{path}: more than {MAX_SYMLINK_HOPS} symbolic links, a loop through {link}",
+            link,
+        )
+        super().__init__(f"{self.problem}; {loop_fix(self)}")
+
+
+class ReadLoop(FileReadError, _Loop):
+    """A read through links that go round."""
+
+
+class WriteLoop(FileWriteError, _Loop):
+    """A write (or a removal) through links that go round."""
 
 
 #: ``sweep(dir_fd, name)``: remove what crashed writes of ``name`` left in the directory.
@@ -260,6 +279,7 @@ def _resolve(
     if not queue or queue[-1] == "..":
         raise error(f"{path} does not name a file; give a file path")
     stack = [os.open(root.prefix, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    where: list[str] = []  # the names of stack[1:], for a message that names a link
     hops = 0
     try:
         while queue:
@@ -267,6 +287,7 @@ def _resolve(
             if name == "..":
                 if len(stack) > 1:
                     os.close(stack.pop())
+                    where.pop()
                 continue
             link = _symlink(stack[-1], name)
             if link is not None and not queue and (not follow_last or not _trusted(stack[-1])):
@@ -279,10 +300,12 @@ def _resolve(
                     )
                 hops += 1
                 if hops > MAX_SYMLINK_HOPS:
-                    raise error(f"{path}: too many levels of symbolic links; fix the links")
+                    loop = ReadLoop if issubclass(error, FileReadError) else WriteLoop
+                    raise loop(path, "/" + "/".join([*where, name]))
                 if link.startswith("/"):
                     while len(stack) > 1:
                         os.close(stack.pop())
+                    where.clear()
                 queue.extendleft(reversed(split(link)))
                 if not queue or queue[-1] == "..":
                     raise error(f"{path}: symbolic link {name} does not lead to a file; fix it")
@@ -290,6 +313,7 @@ def _resolve(
             if not queue:
                 return os.dup(stack[-1]), name
             stack.append(_open_dir(stack[-1], name, path, create, dir_mode, error))
+            where.append(name)
         raise error(f"{path} does not name a file; give a file path")
     finally:
         for fd in stack:

@@ -424,7 +424,8 @@ def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_cdi(ctx: Context, args: argparse.Namespace) -> int:
-    """The CDI spec the daemon keeps, read from sysfs now: printed, or written to --output."""
+    """The CDI spec the daemon keeps, read from sysfs now: printed, or written to --output (under
+    --root, a file in the tree, as every path tpuboot touches there)."""
     import os
 
     from tpuboot.atomicfile import write_file
@@ -439,8 +440,15 @@ def cmd_cdi(ctx: Context, args: argparse.Namespace) -> int:
     data = to_yaml(spec) if args.format == "yaml" else to_json(spec)
     if args.output is None:
         sys.stdout.write(data.decode())
-    else:
+    elif ctx.root.is_host:
         write_file(ctx.root, os.path.abspath(args.output), data, mode=0o644)
+    elif args.output.startswith("/"):  # inside the root, links resolved there, as every path is
+        write_file(ctx.root, args.output, data, mode=0o644)
+    else:
+        raise UsageError(
+            f"--output {args.output} under --root: give the file's absolute path in the tree "
+            f"(--output /etc/cdi/google.com-tpu.json writes {ctx.root.prefix}/etc/cdi/google.com-tpu.json)"
+        )
     return EXIT_OK
 
 

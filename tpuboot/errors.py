@@ -22,6 +22,20 @@ class TimedOut(TpubootError):
     transient = True
 
 
+class LinkLoop(TpubootError):
+    """A path whose symbolic links go round (more than the kernel's 40): ``link`` is one of the
+    loop, as an absolute path under the root; ``problem`` the message without its fix, for a
+    check's or a step's line, whose fix is :func:`loop_fix`."""
+
+    link: str
+    problem: str
+
+
+def loop_fix(exc: LinkLoop) -> str:
+    """The fix for a loop of links, naming the link: the start of a message's fix."""
+    return f"remove the symbolic link {exc.link}, or point it out of the loop"
+
+
 class UsageError(TpubootError):
     """The caller asked for something malformed (bad DBDF, bad flag value)."""
 

@@ -20,7 +20,7 @@ import os
 from collections import deque
 from pathlib import Path, PurePosixPath
 
-from tpuboot.errors import TpubootError, UsageError
+from tpuboot.errors import LinkLoop, UsageError, loop_fix
 
 ROOT_ENV = "TPUBOOT_ROOT"
 #: Links followed while resolving one path, as the kernel's own limit (MAXSYMLINKS, 40).
@@ -31,12 +31,13 @@ class RootError(UsageError):
     """The root itself is unusable (empty, missing, not a directory, a symlink loop)."""
 
 
-class LinkLoopError(TpubootError, OSError):
+class LinkLoopError(LinkLoop, OSError):
     """A path under the root goes through more links than :data:`MAX_SYMLINK_HOPS`: an OSError
     with ELOOP, as the kernel's own, so every handler of a failed open handles it too."""
 
-    def __init__(self, message: str) -> None:
-        OSError.__init__(self, errno.ELOOP, message)
+    def __init__(self, problem: str, link: str) -> None:
+        self.problem, self.link = problem, link
+        OSError.__init__(self, errno.ELOOP, f"{problem}; {loop_fix(self)}")
 
     def __str__(self) -> str:
         return str(self.strerror)
@@ -132,9 +133,11 @@ class Root:
                 continue
             hops += 1
             if hops > MAX_SYMLINK_HOPS:
+                link = "/" + "/".join([*done, name])
                 raise LinkLoopError(
-                    f"{text} under {self.prefix}: more than {MAX_SYMLINK_HOPS} symbolic links (a loop?); "
-                    "fix them"
+                    f"{text} under {self.prefix}: more than {MAX_SYMLINK_HOPS} symbolic links, a loop "
+                    f"through {link}",
+                    link,
                 )
             if target.startswith("/"):
                 done, escapes = [], True

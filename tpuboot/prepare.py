@@ -48,7 +48,7 @@ from tpuboot.containers.engine import (
     EngineUnreachable,
 )
 from tpuboot.env.cache import cache_path
-from tpuboot.errors import TpubootError
+from tpuboot.errors import LinkLoop, TpubootError, loop_fix
 from tpuboot.metrics import TEXTFILE_NAME
 from tpuboot.paths import Root
 from tpuboot.references import ImageRefused, RegistryAllowlist
@@ -107,6 +107,8 @@ class Preparer:
         for name, step in steps:
             try:
                 result = step()
+            except LinkLoop as exc:  # the link to remove or mend, named (the path alone hides it)
+                result = failed(exc.problem, f"{loop_fix(exc)}; then run tpuboot prepare-image again")
             except (OSError, TpubootError) as exc:
                 result = failed(f"{exc}", "fix the cause above and run tpuboot prepare-image again")
             results.append(CheckResult(name, result.status, result.detail, result.fix))

@@ -220,3 +220,48 @@ def test_env_paths_from_the_configuration_are_the_ones_removed(tmp_path: Path) -
         not (tmp_path / "opt/tpu/tpu-env").exists() and not (tmp_path / "srv/tpuboot/tpu-env.json").exists()
     )
     assert (tmp_path / "home/tpu-runtime/tpu-env").exists()  # not tpuboot's file under this configuration
+
+
+@pytest.mark.parametrize(
+    ("links", "named"),
+    [
+        ({"/run/tpuboot": "/run/tpuboot"}, {"/run/tpuboot"}),  # a link to itself
+        ({"/run/tpuboot": "a", "/run/a": "tpuboot"}, {"/run/tpuboot", "/run/a"}),  # two, relative
+        (
+            {"/var/lib/tpuboot": "/var/lib/x", "/var/lib/x": "/var/lib/tpuboot"},
+            {"/var/lib/tpuboot", "/var/lib/x"},
+        ),
+        ({"/var/lib": "../var/lib"}, {"/var/lib"}),  # round through its parent
+        ({"/run": "/run/x"}, {"/run"}),  # a link into itself
+    ],
+)
+def test_a_symbolic_link_loop_fails_the_step_with_a_fix_that_names_the_link(
+    tmp_path: Path, links: dict[str, str], named: set[str]
+) -> None:
+    """The loop's link named in the step's fix (the path alone hides which link to mend), and the
+    same step fails on nothing else. A loop at the file itself is no loop to prepare-image: it
+    removes the link, as it removes any (test_a_link_is_removed_not_followed)."""
+    for path, target in links.items():
+        where = tmp_path / path.lstrip("/")
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.symlink_to(target)
+    result = by_name(Preparer(Root(tmp_path), Config()).run())["instance-state"]
+    assert result.status == "FAIL", result
+    assert "more than 40 symbolic links, a loop through " in result.detail
+    link = result.fix.removeprefix("remove the symbolic link ").partition(",")[0]
+    assert link in named, result.fix
+    assert result.fix.endswith(", or point it out of the loop; then run tpuboot prepare-image again")
+
+
+def test_a_loop_where_an_image_check_reads_names_the_link_in_its_fix(tmp_path: Path) -> None:
+    """The image checks prepare-image runs first: a file they read behind a loop FAILs with the
+    link to mend, not "fix the file's permissions"."""
+    (tmp_path / "etc/default").mkdir(parents=True)
+    (tmp_path / "etc/default/grub").symlink_to("grub.d/../grub")
+    (tmp_path / "etc/default/grub.d").mkdir()
+    looped = [r for r in Preparer(Root(tmp_path), Config()).run() if "symbolic links, a loop" in r.detail]
+    assert looped, "no check read /etc/default/grub"
+    for result in looped:
+        assert result.status == "FAIL"
+        assert result.detail.startswith("cannot read: /etc/default/grub")  # Root.path or atomicfile
+        assert result.fix == "remove the symbolic link /etc/default/grub, or point it out of the loop"

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tpuboot.errors import TpubootError, UsageError
+from tpuboot.errors import LinkLoop, TpubootError, UsageError, loop_fix
 from tpuboot.paths import Root
 
 Status = Literal["PASS", "FAIL", "SKIP", "WARN"]
@@ -106,6 +106,8 @@ class Checks:
                 continue
             try:
                 result = func(root)
+            except LinkLoop as exc:
+                result = failed(f"cannot read: {exc.problem}", loop_fix(exc))
             except (OSError, UnicodeDecodeError, TpubootError) as exc:
                 result = failed(f"cannot read: {exc}", "run as root, or fix the file's permissions")
             results.append(dataclasses.replace(result, name=name))

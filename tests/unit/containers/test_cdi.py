@@ -214,6 +214,30 @@ def test_tpuboot_cdi_prints_json_or_yaml_and_writes_a_file(kernel, capsys, tmp_p
     assert json.loads(kernel.p("/etc/cdi/tpu.json").read_text()) == printed
 
 
+def test_cdi_output_under_root_is_a_file_in_the_tree(kernel, capsys, tmp_path, monkeypatch) -> None:
+    """--output under --root is a path inside the root, resolved there as every path is (an
+    absolute link in the tree leads to the tree's file, never the host's); a relative one names no
+    place in the tree and is refused in one line, nothing written."""
+    binder(kernel).bind("0000:00:04.0")
+    root = ["--root", str(kernel.top)]
+    kernel.p("/srv/cdi").mkdir(parents=True)
+    kernel.p("/etc/cdi").parent.mkdir(parents=True, exist_ok=True)
+    kernel.p("/etc/cdi").symlink_to("/srv/cdi")  # the image's own link: its /srv, not the host's
+    assert cli.main([*root, "cdi", "--output", "/etc/cdi/tpu.json"]) == 0
+    assert json.loads(kernel.p("/srv/cdi/tpu.json").read_text())["kind"] == "google.com/tpu"
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for relative in ("tpu.json", "etc/cdi/tpu2.json", "../tpu3.json"):
+        assert cli.main([*root, "cdi", "--output", relative]) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert (
+            err.count("\n") == 1 and f"--output {relative} under --root: give the file's absolute path" in err
+        )
+    assert sorted(p.name for p in elsewhere.iterdir()) == []
+    assert sorted(p.name for p in kernel.p("/srv/cdi").iterdir()) == ["tpu.json"]
+
+
 def test_tpuboot_cdi_without_a_bound_chip_is_a_one_line_error(kernel, capsys) -> None:
     assert cli.main(["--root", str(kernel.top), "cdi"]) == 1
     err = capsys.readouterr().err.strip()
