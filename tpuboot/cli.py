@@ -22,7 +22,7 @@ from tpuboot.paths import ROOT_ENV, Root
 if TYPE_CHECKING:
     from tpuboot.checks.registry import CheckResult
     from tpuboot.devices.chips import Chip
-    from tpuboot.holders.report import ChipHolders
+    from tpuboot.holders.report import Report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
@@ -189,31 +189,40 @@ def _print_boot(ctx: Context, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _gather_chips(ctx: Context, tpus: Sequence[object]) -> list[ChipHolders]:
-    """The survey's chips and who holds each (`tpuboot who`'s /proc scan); none without a TPU."""
+def _gather_chips(ctx: Context, tpus: Sequence[object]) -> Report | None:
+    """Who holds the survey's chips (`tpuboot who`'s /proc scan); None without a TPU."""
     if not tpus:
-        return []
+        return None
     from tpuboot.devices.chips import chips_present
     from tpuboot.holders.report import gather
 
     chips = chips_present(ctx.root, DeviceTable(ctx.config.devices), tpus)  # type: ignore[arg-type]
-    return gather(ctx.root, chips).chips
+    return gather(ctx.root, chips)
 
 
 def _print_chip_holders(ctx: Context, tpus: Sequence[object]) -> None:
     """Each chip and who holds it, after the functions (`tpuboot who` has the detail)."""
     from tpuboot.holders.report import summary
 
-    for c in _gather_chips(ctx, tpus):
-        print(f"chip {c.chip.index}  {c.chip.address}  {c.chip.kind:<12} {summary(c)}")
+    report = _gather_chips(ctx, tpus)
+    for c in report.chips if report else []:
+        print(f"chip {c.chip.index}  {c.chip.address}  {c.chip.kind:<12} {summary(c, report)}")
 
 
 def _chip_holders(ctx: Context, tpus: Sequence[object]) -> dict[str, dict[str, object]]:
     """For `status --json`, by function: its chip's index and that chip's holders (as `who --json`
-    gives them)."""
+    gives them), and whether the chip may be held by what the scan could not tie or see."""
+    report = _gather_chips(ctx, tpus)
+    if report is None:
+        return {}
+    maybe = report.maybe_held
     return {
-        fn.address: {"chip": c.chip.index, "holders": [h.as_dict() for h in c.holders]}
-        for c in _gather_chips(ctx, tpus)
+        fn.address: {
+            "chip": c.chip.index,
+            "holders": [h.as_dict() for h in c.holders],
+            "maybe_held": maybe,
+        }
+        for c in report.chips
         for fn in c.chip.functions
     }
 
@@ -260,7 +269,7 @@ def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
     if report.free:
         print("every chip and lock is free")
         return EXIT_OK
-    print(f"still held after {args.timeout:g} s:", file=sys.stderr)
+    print(f"still held, or not every process seen, after {args.timeout:g} s:", file=sys.stderr)
     print("\n".join(render(report)), file=sys.stderr)
     return EXIT_FAILED
 
@@ -299,7 +308,12 @@ def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:
     from tpuboot.holders.release import end, protected, vbar_processes
     from tpuboot.holders.report import describe, gather
 
-    (held,) = gather(ctx.root, [chip]).chips
+    report = gather(ctx.root, [chip])
+    if report.maybe_held:  # --kill ends known holders only
+        raise ResetRefused(
+            f"chip {chip.address} may be held: {'; '.join(report.blockers(chip))}; run as root, or wait"
+        )
+    (held,) = report.chips
     if not held.holders:
         return
     if not kill:
@@ -313,9 +327,9 @@ def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:
         raise ResetRefused(f"chip {chip.address} is held by {'; '.join(spared)}, which tpuboot never ends")
     for h in held.holders:
         print(end(ctx.root, h.process))
-    (held,) = gather(ctx.root, [chip]).chips
-    if held.holders:
-        raise ResetRefused(f"chip {chip.address} is still held by {describe(held.holders[0].process)}")
+    blockers = gather(ctx.root, [chip]).blockers(chip)
+    if blockers:
+        raise ResetRefused(f"chip {chip.address} is still held: {blockers[0]}")
 
 
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:

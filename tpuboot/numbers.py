@@ -23,3 +23,14 @@ def ascii_int(text: str | bytes | None) -> int | None:
     if text is None or not _DIGITS.fullmatch(text):
         return None
     return int(text)
+
+
+_HEX = re.compile(r"[0-9a-fA-F]{1,16}")
+
+
+def ascii_hex(text: str | None) -> int | None:
+    """``text`` as a non-negative integer if it is 1 to 16 ASCII hex digits (no ``0x``, sign, space
+    or ``_``: ``int(text, 16)`` takes all of those), else None."""
+    if text is None or not _HEX.fullmatch(text):
+        return None
+    return int(text, 16)

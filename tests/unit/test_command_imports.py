@@ -53,7 +53,7 @@ SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.surv
 METADATA = {"tpuboot.backoff", "tpuboot.gce.client", "tpuboot.gce.failures", "tpuboot.gce.framing",
             "tpuboot.eventloop", "tpuboot.gce.replies", "tpuboot.gce.settings", "tpuboot.gce.transport",
             "tpuboot.gce.watch",
-            "tpuboot.netio", "tpuboot.wiring", "requests", "urllib3"}  # fmt: skip
+            "tpuboot.netio", "tpuboot.numbers", "tpuboot.wiring", "requests", "urllib3"}  # fmt: skip
 #: What reads tpu-env, its cache and /etc/environment (doctor); ENV also writes them (`tpuboot env`).
 ENV_READ = {"tpuboot.env", "tpuboot.env.assignment", "tpuboot.env.cache", "tpuboot.env.identity",
             "tpuboot.env.etc_environment", "tpuboot.env.tpuenv", "yaml", "json"}  # fmt: skip
@@ -68,7 +68,8 @@ EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.met
 # prepare-image's: its pull step over the Docker engine, without the supervision.
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.references", "tpuboot.containers.agents", "tpuboot.containers.engine",
-              "tpuboot.containers.liveness", "tpuboot.containers.credentials", "tpuboot.netio", "json",
+              "tpuboot.containers.liveness", "tpuboot.containers.credentials", "tpuboot.netio",
+              "tpuboot.numbers", "json",
               "socket", "ssl", "http", "email"}  # fmt: skip
 # doctor's container checks: the agents and the Docker engine, not the supervision (nor its metrics).
 DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot.containers.engine",
@@ -78,7 +79,8 @@ DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
 CHIPS = SURVEY - {"tpuboot.devices.health", "json"}
 HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
-           "tpuboot.holders.report", "tpuboot.holders.scan"}  # fmt: skip
+           "tpuboot.holders.report", "tpuboot.holders.scan", "tpuboot.holders.bounded",
+           "tpuboot.holders.targets", "tpuboot.numbers"}  # fmt: skip
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
            "tpuboot.containers.engine",
            "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
