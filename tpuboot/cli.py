@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), 128 + 2 as a shell reports a command it killed
+Handler = Callable[["Context", argparse.Namespace], int]
 log = logging.getLogger("tpuboot.cli")
 
 
@@ -274,6 +275,75 @@ def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
+# --- the slice: `tpuboot slice` and `tpuboot wait-slice` (tpuboot/slice/, doc/slice.md) ---
+
+
+def cmd_slice(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.slice.command import SliceLook, render
+
+    looker = SliceLook(ctx.root, ctx.config, args.connect_timeout)
+    try:
+        report = looker(args.timeout)
+    finally:
+        looker.close()
+    if args.json:
+        _print_json([report.as_dict()])
+    else:
+        print("\n".join(render(report)))
+    return EXIT_OK if report.holds else EXIT_FAILED
+
+
+def cmd_wait_slice(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.slice.command import SliceLook, wait
+
+    looker = SliceLook(ctx.root, ctx.config, args.connect_timeout)
+    try:
+        wrong = wait(
+            looker, args.timeout, args.interval, lambda line: print(line, file=sys.stderr, flush=True)
+        )
+    finally:
+        looker.close()
+    if not wrong:
+        print("the slice holds: identity agrees and every peer's path is open")
+        return EXIT_OK
+    print(f"tpuboot: the slice still does not hold after {args.timeout:g} s:", file=sys.stderr)
+    print("\n".join(wrong), file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _slice_parsers(command: Callable[[str, Handler, str], argparse.ArgumentParser]) -> None:
+    for name, func, what, timeout in (
+        ("slice", cmd_slice, "check this worker's slice: identity, paths to every peer, own ports", 20),
+        (
+            "wait-slice",
+            cmd_wait_slice,
+            "wait until this worker's identity holds and every peer's path is open",
+            300,
+        ),
+    ):
+        p = command(name, func, what)
+        p.add_argument(
+            "--timeout",
+            type=_seconds,
+            default=float(timeout),
+            metavar="S",
+            help=f"within S seconds (default {timeout})",
+        )
+        p.add_argument(
+            "--connect-timeout",
+            type=_seconds,
+            default=2.0,
+            metavar="S",
+            help="one connect within S seconds (default 2)",
+        )
+        if name == "slice":
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        else:
+            p.add_argument(
+                "--interval", type=_seconds, default=1.0, metavar="S", help="look every S seconds (default 1)"
+            )
+
+
 def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.devices.reset import Breaker, Ladder, chip_to_reset
     from tpuboot.holders.report import chips_of
@@ -445,8 +515,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    Handler = Callable[[Context, argparse.Namespace], int]
-
     def command(name: str, func: Handler, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.set_defaults(func=func)
@@ -478,6 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=_seconds, default=60.0, metavar="S", help="give up after S seconds (default 60)"
     )
+    _slice_parsers(command)
     p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(

@@ -101,6 +101,14 @@ DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLD
     "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
     "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
 
+#: `slice` and `wait-slice`: the metadata client, tpu-env's parser, the slice reading, /proc's holders.
+SLICE = CORE | METADATA | HOLDERS | SURVEY - {"tpuboot.devices.health", "json"} | {
+    "tpuboot.checks", "tpuboot.checks.registry", "tpuboot.checks.slices", "tpuboot.env",
+    "tpuboot.env.assignment", "tpuboot.env.tpuenv", "tpuboot.holders.sockets", "tpuboot.numbers",
+    "tpuboot.slice", "tpuboot.slice.command", "tpuboot.slice.facts", "tpuboot.slice.identity",
+    "tpuboot.slice.ports", "tpuboot.slice.resolve", "tpuboot.slice.sweep", "tpuboot.slice.verdict",
+    "tpuboot.slice.wait", "tpuboot.slice.workers", "yaml"}  # fmt: skip
+
 #: Against another tree (as here) no metadata client: only the tpu-env cache's path is read.
 PREPARE = CORE | CHECKS | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.env", "tpuboot.env.cache",
                                                    "tpuboot.env.identity"}  # fmt: skip
@@ -141,6 +149,8 @@ CASES = {
     "doctor": (["doctor"], None, DOCTOR),
     "cdi": (["cdi"], None, CORE | CDI | {"tpuboot.atomicfile", "dataclasses", "inspect", "typing"}),
     "prepare-image": (["prepare-image"], None, PREPARE),
+    "slice": (["slice", "--timeout", "0.2"], None, SLICE),
+    "wait-slice": (["wait-slice", "--timeout", "0.2"], None, SLICE),
 }
 #: The daemon loads everything tpuboot has; tests/unit/test_run_start.py runs it whole.
 NOT_HERE = {"run"}
