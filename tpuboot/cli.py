@@ -23,11 +23,12 @@ if TYPE_CHECKING:
     from tpuboot.checks.registry import CheckResult
     from tpuboot.devices.chips import Chip
     from tpuboot.devices.reset import Breaker
-    from tpuboot.holders.report import ChipHolders
+    from tpuboot.holders.report import Report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), 128 + 2 as a shell reports a command it killed
+Handler = Callable[["Context", argparse.Namespace], int]
 log = logging.getLogger("tpuboot.cli")
 
 
@@ -190,31 +191,40 @@ def _print_boot(ctx: Context, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _gather_chips(ctx: Context, tpus: Sequence[object]) -> list[ChipHolders]:
-    """The survey's chips and who holds each (`tpuboot who`'s /proc scan); none without a TPU."""
+def _gather_chips(ctx: Context, tpus: Sequence[object]) -> Report | None:
+    """Who holds the survey's chips (`tpuboot who`'s /proc scan); None without a TPU."""
     if not tpus:
-        return []
+        return None
     from tpuboot.devices.chips import chips_present
     from tpuboot.holders.report import gather
 
     chips = chips_present(ctx.root, DeviceTable(ctx.config.devices), tpus)  # type: ignore[arg-type]
-    return gather(ctx.root, chips).chips
+    return gather(ctx.root, chips)
 
 
 def _print_chip_holders(ctx: Context, tpus: Sequence[object]) -> None:
     """Each chip and who holds it, after the functions (`tpuboot who` has the detail)."""
     from tpuboot.holders.report import summary
 
-    for c in _gather_chips(ctx, tpus):
-        print(f"chip {c.chip.index}  {c.chip.address}  {c.chip.kind:<12} {summary(c)}")
+    report = _gather_chips(ctx, tpus)
+    for c in report.chips if report else []:
+        print(f"chip {c.chip.index}  {c.chip.address}  {c.chip.kind:<12} {summary(c, report)}")
 
 
 def _chip_holders(ctx: Context, tpus: Sequence[object]) -> dict[str, dict[str, object]]:
     """For `status --json`, by function: its chip's index and that chip's holders (as `who --json`
-    gives them)."""
+    gives them), and whether the chip may be held by what the scan could not tie or see."""
+    report = _gather_chips(ctx, tpus)
+    if report is None:
+        return {}
+    maybe = report.maybe_held
     return {
-        fn.address: {"chip": c.chip.index, "holders": [h.as_dict() for h in c.holders]}
-        for c in _gather_chips(ctx, tpus)
+        fn.address: {
+            "chip": c.chip.index,
+            "holders": [h.as_dict() for h in c.holders],
+            "maybe_held": maybe,
+        }
+        for c in report.chips
         for fn in c.chip.functions
     }
 
@@ -261,9 +271,78 @@ def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
     if report.free:
         print("every chip and lock is free")
         return EXIT_OK
-    print(f"still held after {args.timeout:g} s:", file=sys.stderr)
+    print(f"still held, or not every process seen, after {args.timeout:g} s:", file=sys.stderr)
     print("\n".join(render(report)), file=sys.stderr)
     return EXIT_FAILED
+
+
+# --- the slice: `tpuboot slice` and `tpuboot wait-slice` (tpuboot/slice/, doc/slice.md) ---
+
+
+def cmd_slice(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.slice.command import SliceLook, render
+
+    looker = SliceLook(ctx.root, ctx.config, args.connect_timeout)
+    try:
+        report = looker(args.timeout)
+    finally:
+        looker.close()
+    if args.json:
+        _print_json([report.as_dict()])
+    else:
+        print("\n".join(render(report)))
+    return EXIT_OK if report.holds else EXIT_FAILED
+
+
+def cmd_wait_slice(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.slice.command import SliceLook, wait
+
+    looker = SliceLook(ctx.root, ctx.config, args.connect_timeout)
+    try:
+        wrong = wait(
+            looker, args.timeout, args.interval, lambda line: print(line, file=sys.stderr, flush=True)
+        )
+    finally:
+        looker.close()
+    if not wrong:
+        print("the slice holds: identity agrees and every peer's path is open")
+        return EXIT_OK
+    print(f"tpuboot: the slice still does not hold after {args.timeout:g} s:", file=sys.stderr)
+    print("\n".join(wrong), file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _slice_parsers(command: Callable[[str, Handler, str], argparse.ArgumentParser]) -> None:
+    for name, func, what, timeout in (
+        ("slice", cmd_slice, "check this worker's slice: identity, paths to every peer, own ports", 20),
+        (
+            "wait-slice",
+            cmd_wait_slice,
+            "wait until this worker's identity holds and every peer's path is open",
+            300,
+        ),
+    ):
+        p = command(name, func, what)
+        p.add_argument(
+            "--timeout",
+            type=_seconds,
+            default=float(timeout),
+            metavar="S",
+            help=f"within S seconds (default {timeout})",
+        )
+        p.add_argument(
+            "--connect-timeout",
+            type=_seconds,
+            default=2.0,
+            metavar="S",
+            help="one connect within S seconds (default 2)",
+        )
+        if name == "slice":
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        else:
+            p.add_argument(
+                "--interval", type=_seconds, default=1.0, metavar="S", help="look every S seconds (default 1)"
+            )
 
 
 def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
@@ -305,8 +384,8 @@ def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
 
 def _reset_refusals(ctx: Context, chip: Chip, breaker: Breaker, *, kill: bool) -> list[str]:
     """What a real `tpuboot reset` of ``chip`` would refuse now, each in one line, for --dry-run:
-    not root (on the host), its breaker open, its holders (as they are now; with ``kill``, only
-    those tpuboot never ends)."""
+    not root (on the host), its breaker open, its holders as `_free_chip` judges them now (a scan
+    that could not see every process; with ``kill``, only holders tpuboot never ends)."""
     import os
 
     from tpuboot.devices.reset import ResetRefused, need_root
@@ -322,7 +401,11 @@ def _reset_refusals(ctx: Context, chip: Chip, breaker: Breaker, *, kill: bool) -
             check()
         except ResetRefused as exc:
             refused.append(str(exc))
-    (held,) = gather(ctx.root, [chip]).chips
+    report = gather(ctx.root, [chip])
+    if report.maybe_held:  # as _free_chip: --kill ends known holders only
+        blockers = "; ".join(report.blockers(chip))
+        return [*refused, f"chip {chip.address} may be held: {blockers}; run as root, or wait"]
+    (held,) = report.chips
     if held.holders and not kill:
         who = "; ".join(describe(h.process) for h in held.holders)
         refused.append(f"chip {chip.address} is held by {who}; end it first, or pass --kill to end it first")
@@ -344,7 +427,12 @@ def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:
     from tpuboot.holders.release import end, protected, vbar_processes
     from tpuboot.holders.report import describe, gather
 
-    (held,) = gather(ctx.root, [chip]).chips
+    report = gather(ctx.root, [chip])
+    if report.maybe_held:  # --kill ends known holders only
+        raise ResetRefused(
+            f"chip {chip.address} may be held: {'; '.join(report.blockers(chip))}; run as root, or wait"
+        )
+    (held,) = report.chips
     if not held.holders:
         return
     if not kill:
@@ -358,9 +446,9 @@ def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:
         raise ResetRefused(f"chip {chip.address} is held by {'; '.join(spared)}, which tpuboot never ends")
     for h in held.holders:
         print(end(ctx.root, h.process))
-    (held,) = gather(ctx.root, [chip]).chips
-    if held.holders:
-        raise ResetRefused(f"chip {chip.address} is still held by {describe(held.holders[0].process)}")
+    blockers = gather(ctx.root, [chip]).blockers(chip)
+    if blockers:
+        raise ResetRefused(f"chip {chip.address} is still held: {blockers[0]}")
 
 
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
@@ -484,8 +572,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    Handler = Callable[[Context, argparse.Namespace], int]
-
     def command(name: str, func: Handler, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         p.set_defaults(func=func)
@@ -517,6 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=_seconds, default=60.0, metavar="S", help="give up after S seconds (default 60)"
     )
+    _slice_parsers(command)
     p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(

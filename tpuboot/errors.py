@@ -9,6 +9,17 @@ def shown(value: object, most: int = 40) -> str:
     return text if len(text) <= most else text[: most - 3] + "..."
 
 
+def printable(text: str) -> str:
+    """``text`` that another user controls (a command line, a file or unit name), as ``ls -b`` and
+    ``ps`` print it: every character a terminal would act on (controls, escapes, bidirectional
+    overrides, line and paragraph separators) and the backslash itself as an escape, the rest as
+    it is. A name cannot then forge a line of output or a journal message, nor hide its end."""
+    return "".join(
+        char if char.isprintable() and char != "\\" else char.encode("unicode_escape").decode("ascii")
+        for char in text
+    )
+
+
 class TpubootError(Exception):
     """Base for every error tpuboot reports to a person; str() is the one-line message."""
 

@@ -16,7 +16,7 @@ import re
 
 _DIGITS = re.compile(r"[0-9]{1,20}")
 _SIGNED = re.compile(r"-?[0-9]{1,20}")
-_HEX = re.compile(r"(?:0[xX])?([0-9a-fA-F]{1,16})")
+_HEX = re.compile(r"[0-9a-fA-F]{1,16}")
 _DECIMAL = re.compile(r"[0-9]{1,20}(?:\.[0-9]{1,20})?")
 
 
@@ -46,11 +46,13 @@ def ascii_signed(text: str | bytes | None) -> int | None:
 
 
 def ascii_hex(text: str | bytes | None) -> int | None:
-    """A hexadecimal id as sysfs writes it (``0x1ae0``, or ``1AE0`` in ``uevent``'s ``PCI_ID``):
-    1 to 16 hex digits, ``0x`` optional; else None."""
+    """``text`` as a non-negative integer if it is 1 to 16 ASCII hex digits, as ``uevent``'s
+    ``PCI_ID`` and /proc/locks write them (no ``0x``, sign, space or ``_``: ``int(text, 16)``
+    takes all of those), else None."""
     text = _ascii(text)
-    match = _HEX.fullmatch(text) if text is not None else None
-    return int(match[1], 16) if match else None
+    if text is None or not _HEX.fullmatch(text):
+        return None
+    return int(text, 16)
 
 
 def ascii_decimal(text: str | bytes | None) -> float | None:

@@ -25,6 +25,8 @@ from tpuboot.errors import LinkLoop, UsageError, loop_fix
 ROOT_ENV = "TPUBOOT_ROOT"
 #: Links followed while resolving one path, as the kernel's own limit (MAXSYMLINKS, 40).
 MAX_SYMLINK_HOPS = 40
+#: The most a configuration file or a /proc or sysfs entry is read to: anything bigger is not one.
+MAX_FILE_BYTES = 1 << 20
 
 
 class RootError(UsageError):

@@ -53,7 +53,7 @@ SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.surv
 METADATA = {"tpuboot.backoff", "tpuboot.gce.client", "tpuboot.gce.failures", "tpuboot.gce.framing",
             "tpuboot.eventloop", "tpuboot.gce.replies", "tpuboot.gce.settings", "tpuboot.gce.transport",
             "tpuboot.gce.watch",
-            "tpuboot.netio", "tpuboot.wiring", "requests", "urllib3"}  # fmt: skip
+            "tpuboot.netio", "tpuboot.numbers", "tpuboot.wiring", "requests", "urllib3"}  # fmt: skip
 #: What reads tpu-env, its cache and /etc/environment (doctor); ENV also writes them (`tpuboot env`).
 ENV_READ = {"tpuboot.env", "tpuboot.env.assignment", "tpuboot.env.cache", "tpuboot.env.identity",
             "tpuboot.env.etc_environment", "tpuboot.env.tpuenv", "yaml", "json"}  # fmt: skip
@@ -68,7 +68,8 @@ EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.met
 # prepare-image's: its pull step over the Docker engine, without the supervision.
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
               "tpuboot.references", "tpuboot.containers.agents", "tpuboot.containers.engine",
-              "tpuboot.containers.liveness", "tpuboot.containers.credentials", "tpuboot.netio", "json",
+              "tpuboot.containers.liveness", "tpuboot.containers.credentials", "tpuboot.netio",
+              "tpuboot.numbers", "json",
               "socket", "ssl", "http", "email"}  # fmt: skip
 # doctor's container checks: the agents and the Docker engine, not the supervision (nor its metrics).
 DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot.containers.engine",
@@ -78,7 +79,8 @@ DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
 CHIPS = SURVEY - {"tpuboot.devices.health", "json"}
 HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
-           "tpuboot.holders.report", "tpuboot.holders.scan"}  # fmt: skip
+           "tpuboot.holders.report", "tpuboot.holders.scan", "tpuboot.holders.bounded",
+           "tpuboot.holders.targets", "tpuboot.numbers"}  # fmt: skip
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
            "tpuboot.containers.engine",
            "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
@@ -98,6 +100,14 @@ TEXTFILE_BIND = CORE | PARSED | EXPORT | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
     "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
+
+#: `slice` and `wait-slice`: the metadata client, tpu-env's parser, the slice reading, /proc's holders.
+SLICE = CORE | METADATA | HOLDERS | SURVEY - {"tpuboot.devices.health", "json"} | {
+    "tpuboot.checks", "tpuboot.checks.registry", "tpuboot.checks.slices", "tpuboot.env",
+    "tpuboot.env.assignment", "tpuboot.env.tpuenv", "tpuboot.holders.sockets", "tpuboot.numbers",
+    "tpuboot.slice", "tpuboot.slice.command", "tpuboot.slice.facts", "tpuboot.slice.identity",
+    "tpuboot.slice.ports", "tpuboot.slice.resolve", "tpuboot.slice.sweep", "tpuboot.slice.verdict",
+    "tpuboot.slice.wait", "tpuboot.slice.workers", "yaml"}  # fmt: skip
 
 #: Against another tree (as here) no metadata client: only the tpu-env cache's path is read.
 PREPARE = CORE | CHECKS | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.env", "tpuboot.env.cache",
@@ -139,6 +149,8 @@ CASES = {
     "doctor": (["doctor"], None, DOCTOR),
     "cdi": (["cdi"], None, CORE | CDI | {"tpuboot.atomicfile", "dataclasses", "inspect", "typing"}),
     "prepare-image": (["prepare-image"], None, PREPARE),
+    "slice": (["slice", "--timeout", "0.2"], None, SLICE),
+    "wait-slice": (["wait-slice", "--timeout", "0.2"], None, SLICE),
 }
 #: The daemon loads everything tpuboot has; tests/unit/test_run_start.py runs it whole.
 NOT_HERE = {"run"}

@@ -225,3 +225,32 @@ def test_stop_removes_the_spec_and_start_writes_it_again(vm: tuple[VM, Engine]) 
     assert not m.run(["test", "-e", SPEC]).ok
     m.run(["systemctl", "start", "tpuboot"], check=True, timeout=120)
     m.wait_until(f"test -s {SPEC}", timeout=30)
+
+
+def test_a_chip_held_through_its_vfio_device_cdev_is_named_held(vm: tuple[VM, Engine]) -> None:
+    """The VFIO device cdev (/dev/vfio/devices/vfioN, iommufd) is a third way to hold a chip
+    (Linux 6.6+, the kernels of Ubuntu 24.04 and Debian 13): `who` ties it to its chip by its
+    device number. A guest kernel without it (Debian 12's 6.1) has nothing to test."""
+    m, _ = vm
+    address = edus(m)[0]
+    found = m.run(["sh", "-c", f"ls /sys/bus/pci/devices/{address}/vfio-dev"], timeout=60)
+    if found.rc != 0:
+        kernel = m.run(["uname", "-r"], check=True).stdout.strip()
+        pytest.skip(f"guest kernel {kernel} has no VFIO device cdev")
+    cdev = f"/dev/vfio/devices/{found.stdout.split()[0]}"
+    m.run(["systemd-run", "--unit=tpuboot-test-cdev", "sh", "-c", f"exec 3<>{cdev}; exec sleep 600"],
+          check=True, timeout=60)  # fmt: skip
+    try:
+        m.wait_until(
+            f"ls -l /proc/$(systemctl show -P MainPID tpuboot-test-cdev)/fd | grep -q {cdev}",
+            timeout=60,
+            interval=0.5,
+        )
+        pid = int(m.run(["systemctl", "show", "-P", "MainPID", "tpuboot-test-cdev"], check=True).stdout)
+        data = json.loads(m.run(["tpuboot", "who", "--json"], timeout=60).stdout)
+        report = data[0] if isinstance(data, list) else data
+        (chip,) = [c for c in report["chips"] if address in c["functions"]]
+        assert [(h["pid"], h["nodes"]) for h in chip["holders"]] == [(pid, [cdev])]
+        assert report["unknown_chip_holders"] == []
+    finally:
+        m.run(["systemctl", "stop", "tpuboot-test-cdev"], timeout=60)

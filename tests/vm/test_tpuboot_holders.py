@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from harness.vm.artifacts import TESTER, Artifacts
+from harness.vm.artifacts import GUEST_LIBEXEC, TESTER, Artifacts
 from harness.vm.machine import VM
 from harness.vm.tpuboot_guest import SCRAPE, VBAR_IMAGE_1, vbar_guest_hook, wait_vbar_running
 
@@ -171,3 +171,41 @@ def test_a_holder_in_a_container_is_told_by_its_container(vm: VM, node: str) -> 
         assert f"docker container {container[:12]}" in out
     finally:
         vm.run(["docker", "rm", "-f", container], timeout=120)
+
+
+# Takes the edu stand-in's device fd the way a VFIO user-space driver does (container, group,
+# IOMMU, device), then closes the group's and the container's fds: VFIO lets the device fd live
+# on, and it is then the only fd that holds the chip (its link reads anon_inode:[vfio-device]).
+DEVICE_FD_HOLDER = f"""import signal, sys
+sys.path.insert(0, {GUEST_LIBEXEC!r})
+import vfio_read
+device = vfio_read.open_device(sys.argv[1])
+print("holding", device, flush=True)
+signal.pause()
+"""
+
+
+def test_a_chip_held_only_through_a_device_fd_is_never_free(vm: VM, node: str) -> None:
+    """Linux 6.1's fdinfo does not name a device fd's device: `who` says held, chip unknown,
+    exits 1, and `reset` refuses; once the holder ends, the chip is free."""
+    address = next(fn for c in who(vm)[1]["chips"] if c["nodes"] == [node] for fn in c["functions"])
+    vm.write_file("/usr/local/bin/tpu-device-holder", DEVICE_FD_HOLDER, mode=0o755)
+    vm.run(
+        ["systemd-run", "--unit=tpuboot-test-devfd", "python3",
+         "/usr/local/bin/tpu-device-holder", address],
+        check=True, timeout=60,
+    )  # fmt: skip
+    try:
+        vm.wait_until("journalctl -u tpuboot-test-devfd -o cat | grep -q holding", timeout=60, interval=0.2)
+        pid = int(vm.run(["systemctl", "show", "-P", "MainPID", "tpuboot-test-devfd"], check=True).stdout)
+        links = vm.run(["sh", "-c", f"ls -l /proc/{pid}/fd"], check=True).stdout
+        assert "anon_inode:[vfio-device]" in links and node not in links, links  # the group fd is closed
+        code, report = who(vm)
+        assert code == 1 and report["free"] is False
+        assert [h["pid"] for h in report["unknown_chip_holders"]] == [pid]
+        assert all(not c["holders"] for c in report["chips"])  # tied to no chip: it names none
+        refused = vm.run(["tpuboot", "reset", address], timeout=120)
+        assert refused.rc != 0 and "may be held" in refused.stderr, refused.stderr
+    finally:
+        vm.run(["systemctl", "stop", "tpuboot-test-devfd"], timeout=60)
+    vm.wait_until("tpuboot who >/dev/null", timeout=60, interval=0.5)

@@ -22,6 +22,7 @@ from tpuboot.checks.parsers.systemd import Systemd
 from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.config import Config
 from tpuboot.devices.chips import Chip
+from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile
 from tpuboot.holders.procfs import STUCK, Process, memlock, read_text
 from tpuboot.holders.report import Report, describe, gather, lock_holder
@@ -89,10 +90,18 @@ class HolderChecks:
             for c in report.chips
             if c.holders
         ]
-        unread = f"; {len(report.unreadable)} processes unreadable (run as root)" if report.unreadable else ""
+        if report.unknown:
+            what = "; ".join(
+                f"{describe(h.process)} holds {printable(', '.join(h.nodes))}" for h in report.unknown
+            )
+            return warned(
+                f"{what}: a VFIO or accel device tied to no chip, so any chip may be held",
+                "tpuboot who; if it is a TPU job, let it end or end it (tpuboot release --kill does not)",
+            )
+        unseen = "".join(f"; not seen: {phrase}" for phrase in report.unseen.phrases())
         if used:
-            return passed(f"in use by live processes ({'; '.join(used)}){unread}")
-        return passed(f"{len(report.chips)} chips free{unread}")
+            return passed(f"in use by live processes ({'; '.join(used)}){unseen}")
+        return passed(f"{len(report.chips)} chips free{unseen}" if not unseen else f"no holder seen{unseen}")
 
     def check_locks(self) -> CheckResult:
         report = self.report

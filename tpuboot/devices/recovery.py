@@ -28,7 +28,8 @@ log = logging.getLogger("tpuboot.recovery")
 
 #: What became of an automatic reset (the metric's ``result``).
 Outcome = Literal["recovered", "failed"]
-#: Who holds a chip now, in one line each (tpuboot/holders/report.py's describe); [] for nobody.
+#: Who may hold a chip now, in one line each (tpuboot/holders/report.py's blockers: its holders,
+#: holders of a chip unknown, processes the scan could not see); [] only when it is surely free.
 HolderLookup = Callable[[Chip], list[str]]
 #: The kinds of doctor's PCIe findings (devices/health.py's judge) that a reset is for.
 WEDGED = ("lost", "fatal")
@@ -38,10 +39,9 @@ def holders_of(binder: Binder) -> HolderLookup:
     """The /proc scan of tpuboot who, for one chip."""
 
     def lookup(chip: Chip) -> list[str]:
-        from tpuboot.holders.report import describe, gather
+        from tpuboot.holders.report import gather
 
-        (held,) = gather(binder.root, [chip]).chips
-        return [describe(h.process) for h in held.holders]
+        return gather(binder.root, [chip]).blockers(chip)
 
     return lookup
 
@@ -88,7 +88,9 @@ class AutoRecovery:
         fields = {"DBDF": chip.address, "TPU_RECOVERY": "automatic"}
         held = self.holders(chip)
         if held:
-            self._once(chip, f"chip {chip.address}: {why}; not reset while held by {'; '.join(held)}", fields)
+            self._once(
+                chip, f"chip {chip.address}: {why}; not reset while it may be held: {'; '.join(held)}", fields
+            )
             return
         log.warning("chip %s: %s; resetting it (recovery.automatic)", chip.address, why, extra=fields)
         try:

@@ -21,6 +21,12 @@ GUEST_ATTRIBUTES = "instance/guest-attributes/"
 TPU_ENV = INSTANCE_ATTRIBUTES + "tpu-env"
 #: ``projects/NUMBER/machineTypes/NAME``: which TPU machine this is (doctor's slice check).
 MACHINE_TYPE = INSTANCE + "machine-type"
+#: A slice's worker of this VM (``0``..), and every worker as ``NAME:ID:IP`` separated by commas: the
+#: TPU API sets both on each VM of a multi-host slice (``tpuboot slice``).
+WORKER_NUMBER = INSTANCE_ATTRIBUTES + "agent-worker-number"
+WORKER_ENDPOINTS = INSTANCE_ATTRIBUTES + "worker-network-endpoints"
+#: This VM's own address on its first network interface (where its peers reach it).
+OWN_ADDRESS = INSTANCE + "network-interfaces/0/ip"
 #: An OAuth access token of the VM's default service account (registry credentials).
 SERVICE_ACCOUNT_TOKEN = INSTANCE + "service-accounts/default/token"
 

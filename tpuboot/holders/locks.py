@@ -16,6 +16,7 @@ import stat
 from dataclasses import dataclass
 
 from tpuboot.holders.procfs import Process, ProcReader, read_text
+from tpuboot.numbers import ascii_hex, ascii_int
 from tpuboot.paths import Root
 
 LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
@@ -37,6 +38,8 @@ class LockFile:
     held: bool
     holder_pid: int | None  # as /proc/locks names it (None for an OFD lock or when not held)
     holder: Process | None  # that process, if it could be read
+    device: int = 0  # st_dev and st_ino as scanned: a file put in its place since is another
+    inode: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -85,29 +88,33 @@ def lock_table(root: Root) -> LockTable:
         words = line.split()
         if len(words) < 6 or words[1] == "->":
             continue
-        try:
-            major, minor, inode = words[5].split(":")
-            key = (int(major, 16), int(minor, 16), int(inode))
-            pid = int(words[4])
-        except ValueError:
+        parts = words[5].split(":")
+        numbers = (ascii_hex(parts[0]), ascii_hex(parts[1]), ascii_int(parts[2])) if len(parts) == 3 else ()
+        pid = -1 if words[4] == "-1" else ascii_int(words[4])  # -1: an OFD lock, which has no PID
+        if len(numbers) != 3 or None in numbers or pid is None:
             continue
-        table.setdefault(key, pid if pid > 0 else None)
+        major, minor, inode = (n for n in numbers if n is not None)
+        table.setdefault((major, minor, inode), pid if pid > 0 else None)
     return table
 
 
 def find_locks(root: Root, reader: ProcReader, table: LockTable | None = None) -> list[LockFile]:
     """Every libtpu lock file with its owner, mode and holder."""
     table = lock_table(root) if table is None else table
-    found = []
+    files = []
     for path in lock_paths(root):
         try:
-            st = os.lstat(root.path(path, follow=False))
+            files.append((path, os.lstat(root.path(path, follow=False))))
         except OSError:
             continue  # removed meanwhile
+    pids = {table.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)) for _, st in files}
+    holders = reader.processes(pid for pid in pids if pid is not None)
+    found = []
+    for path, st in files:
         key = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-        held = key in table
         pid = table.get(key)
-        holder = reader.process(pid) if pid is not None else None
+        holder = holders.get(pid) if pid is not None else None
         mode = f"{stat.S_IMODE(st.st_mode):04o}"
-        found.append(LockFile(path, st.st_uid, reader.users.name(st.st_uid), mode, held, pid, holder))
+        owner = reader.users.name(st.st_uid)
+        found.append(LockFile(path, st.st_uid, owner, mode, key in table, pid, holder, st.st_dev, st.st_ino))
     return found

@@ -2,7 +2,10 @@
 
 A process may vanish between any two reads, and another user's may be unreadable: each reader
 returns None (or an empty value) rather than raising, so a scan of a busy host never fails on a
-process that exited under it.
+process that exited under it. Every read is bounded in size and refuses what is not a regular
+file (under ``--root`` a FIFO may stand where /proc has a file: opening it would wait for a
+writer); every number is ASCII digits (:mod:`tpuboot.numbers`), as the kernel writes it. Reads
+that can block on the process itself (``cmdline``) run under :mod:`tpuboot.holders.bounded`.
 """
 
 from __future__ import annotations
@@ -10,9 +13,13 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import stat
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from tpuboot.paths import Root
+from tpuboot.holders.bounded import each_within
+from tpuboot.numbers import ascii_hex, ascii_int
+from tpuboot.paths import MAX_FILE_BYTES, Root
 
 #: /proc/PID/stat's state letters, as `who` names them (t: stopped by a tracer; I: an idle kernel thread).
 STATES = {
@@ -29,6 +36,10 @@ STATES = {
 STUCK = ("stopped", "zombie", "uninterruptible")
 CAP_IPC_LOCK = 14
 UNLIMITED = "unlimited"
+#: What `who` shows for a command line whose read blocked.
+UNANSWERED = "[command line did not answer]"
+#: The most of a command line `who` reads and shows (ps shows less); the rest is cut.
+CMDLINE_BYTES = 4096
 
 # Container ids in cgroup paths: docker (systemd and cgroupfs drivers), containerd's CRI, podman;
 # a container may have cgroups of its own below its scope (podman's /container).
@@ -79,47 +90,70 @@ def iso(when: float | None) -> str | None:
     return datetime.datetime.fromtimestamp(when, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def read_text(root: Root, path: str) -> str | None:
-    """A /proc file's text; None when it vanished or cannot be read."""
+def read_bytes(root: Root, path: str, limit: int = MAX_FILE_BYTES) -> bytes | None:
+    """At most ``limit`` bytes of a /proc (or sysfs) file; None when it vanished, cannot be read
+    or is not a regular file."""
     try:
-        with open(root.path(path), "rb") as f:
-            return f.read().decode("utf-8", "replace")
+        fd = os.open(root.path(path), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks: list[bytes] = []
+        left = limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_text(root: Root, path: str, limit: int = MAX_FILE_BYTES) -> str | None:
+    """:func:`read_bytes` as text (bytes that are not UTF-8 replaced)."""
+    data = read_bytes(root, path, limit)
+    return None if data is None else data.decode("utf-8", "replace")
 
 
 def stat_fields(root: Root, pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command (which may hold spaces and parentheses): field 3 onwards."""
+    """/proc/PID/stat after the command (which may hold spaces and parentheses): field 3 onwards;
+    None unless it has the fields `who` reads, in the kernel's form."""
     text = read_text(root, f"/proc/{pid}/stat")
     if text is None or ")" not in text:
         return None
-    return text.rpartition(")")[2].split()
+    fields = text.rpartition(")")[2].split()
+    if len(fields) < 20 or ascii_int(fields[1]) is None or ascii_int(fields[19]) is None:
+        return None
+    return fields
 
 
 def start_ticks(root: Root, pid: int) -> int | None:
     """The process's start time in clock ticks after boot: with the PID, what names one process
     (a PID reused between a scan and a kill has another)."""
     fields = stat_fields(root, pid)
-    try:
-        return int(fields[19]) if fields else None
-    except (IndexError, ValueError):
-        return None
+    return ascii_int(fields[19]) if fields else None
 
 
 def running(root: Root, pid: int, ticks: int) -> bool:
     """``pid`` is still the process that started at ``ticks`` and has not exited (a zombie has: it
     holds no files)."""
     fields = stat_fields(root, pid)
-    try:
-        return fields is not None and int(fields[19]) == ticks and fields[0] not in ("Z", "X")
-    except (IndexError, ValueError):
-        return False
+    return fields is not None and ascii_int(fields[19]) == ticks and fields[0] not in ("Z", "X")
 
 
 def boot_time(root: Root) -> float | None:
-    text = read_text(root, "/proc/stat") or ""
-    match = re.search(r"^btime (\d+)$", text, re.M)
-    return float(match.group(1)) if match else None
+    for line in (read_text(root, "/proc/stat") or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == "btime":
+            seconds = ascii_int(value)
+            return None if seconds is None else float(seconds)
+    return None
 
 
 def status_fields(root: Root, pid: int) -> dict[str, str]:
@@ -151,8 +185,9 @@ class Users:
         text = read_text(root, "/etc/passwd") or ""
         for line in text.splitlines():
             parts = line.split(":")
-            if len(parts) > 2 and parts[2].isdigit():
-                self.names.setdefault(int(parts[2]), parts[0])
+            uid = ascii_int(parts[2]) if len(parts) > 2 else None
+            if uid is not None:
+                self.names.setdefault(uid, parts[0])
 
     def name(self, uid: int) -> str:
         return self.names.get(uid, str(uid))
@@ -174,26 +209,28 @@ class ProcReader:
         except OSError:
             return None
 
-    def process(self, pid: int) -> Process | None:
-        """Everything `who` shows of ``pid``; None when it is gone."""
+    def process(self, pid: int, command: bool = True) -> Process | None:
+        """Everything `who` shows of ``pid``; None when it is gone. Without ``command`` its command
+        line is not read (a read that blocked once: see :mod:`tpuboot.holders.bounded`)."""
         fields = stat_fields(self.root, pid)
-        if fields is None or len(fields) < 20:
+        if fields is None:
             return None
+        ppid, ticks = int(fields[1]), int(fields[19])  # ASCII digits: stat_fields checked them
         status = status_fields(self.root, pid)
-        uid = int((status.get("Uid") or "-1").split()[0])
+        uid = ascii_int(next(iter((status.get("Uid") or "").split()), None))
         unit, container, engine = where_from_cgroup(read_text(self.root, f"/proc/{pid}/cgroup") or "")
         nspid = (status.get("NSpid") or "").split()
-        inner = int(nspid[-1]) if len(nspid) > 1 and nspid[-1].isdigit() else None
-        started = self.boot + int(fields[19]) / self.ticks if self.boot is not None else None
+        inner = ascii_int(nspid[-1]) if len(nspid) > 1 else None
+        started = self.boot + ticks / self.ticks if self.boot is not None else None
         return Process(
             pid=pid,
-            ppid=int(fields[1]),
-            uid=uid,
-            user=self.users.name(uid),
-            command=self.command(pid, status.get("Name", "?")),
+            ppid=ppid,
+            uid=-1 if uid is None else uid,
+            user=self.users.name(-1 if uid is None else uid),
+            command=self.command(pid, status.get("Name", "?")) if command else UNANSWERED,
             state=STATES.get(fields[0], fields[0]),
             started=started,
-            start_ticks=int(fields[19]),
+            start_ticks=ticks,
             unit=unit,
             container=container,
             engine=engine,
@@ -201,9 +238,21 @@ class ProcReader:
             namespace_pid=inner,
         )
 
+    def processes(self, pids: Iterable[int]) -> dict[int, Process]:
+        """:meth:`process` of each of ``pids`` that is still there, its command line read under a
+        time bound (the read that can block); one whose command line did not answer is shown
+        without it."""
+        outcome = each_within(sorted(set(pids)), self.process)
+        found = {pid: p for pid, p in outcome.results.items() if p is not None}
+        for pid in (*outcome.unanswered, *outcome.not_reached):
+            p = self.process(pid, command=False)
+            if p is not None:
+                found[pid] = p
+        return found
+
     def command(self, pid: int, name: str) -> str:
         """Its command line, or ``[name]`` for a zombie or kernel thread (which have none)."""
-        raw = read_text(self.root, f"/proc/{pid}/cmdline") or ""
+        raw = read_text(self.root, f"/proc/{pid}/cmdline", CMDLINE_BYTES) or ""
         words = [w for w in raw.split("\0") if w]
         return " ".join(words) if words else f"[{name}]"
 
@@ -228,10 +277,9 @@ def memlock(root: Root, pid: int) -> Memlock | None:
     line = next((line for line in text.splitlines() if line.startswith("Max locked memory")), None)
     if line is None:
         return None
-    soft = line[len("Max locked memory") :].split()[0]
-    caps = status_fields(root, pid).get("CapEff", "0")
-    try:
-        has = bool(int(caps, 16) >> CAP_IPC_LOCK & 1)
-    except ValueError:
-        has = False
-    return Memlock(soft, has)
+    words = line[len("Max locked memory") :].split()
+    soft = words[0] if words else ""
+    if soft != UNLIMITED and ascii_int(soft) is None:
+        return None
+    caps = ascii_hex(status_fields(root, pid).get("CapEff"))
+    return Memlock(soft, caps is not None and bool(caps >> CAP_IPC_LOCK & 1))

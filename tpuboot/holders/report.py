@@ -1,10 +1,16 @@
-"""`tpuboot who`: each chip (with its functions) and the processes holding its nodes, the holders
-of /dev/vfio/vfio, and every libtpu lock file with its holder.
+"""`tpuboot who`: each chip (with its functions) and the processes holding it, the holders of
+/dev/vfio/vfio, every libtpu lock file with its holder, and what the scan could not see.
 
 Chips come from :func:`tpuboot.devices.chips.chips_present` (the one grouping, numbered as
-tpu-info numbers them). Every chip and lock is free, or something is held: `who` exits 0 or 1 on
-that, and `wait-free` waits for it. /dev/vfio/vfio is shown but decides nothing: any VFIO user
-opens it, TPU or not.
+tpu-info numbers them). A report is free only when every chip and lock is free *and* the scan saw
+every process: a process holding a VFIO or accel device that cannot be tied to a chip, another
+user's process whose fds could not be read, one whose reads blocked or one the scan had no time
+for could each hold any chip, so each makes every chip "maybe held" (:meth:`Report.blockers`),
+never free. `who` exits 0 only when free, and `wait-free`, `reset` and recovery wait or refuse on
+the same answer. /dev/vfio/vfio is shown but decides nothing: any VFIO user opens it, TPU or not.
+
+Text a user controls (command lines, unit, user and file names) is escaped where it is printed
+(:func:`tpuboot.errors.printable`); ``as_dict`` keeps it exact for JSON.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from tpuboot.devices.chips import VFIO_CONTAINER, Chip, chips_present
 from tpuboot.devices.survey import survey
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
+from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile, find_locks
 from tpuboot.holders.procfs import Process, ProcReader, iso
 from tpuboot.holders.scan import Opened, scan
+from tpuboot.holders.targets import Targets, targets
 from tpuboot.paths import Root
 
 
@@ -52,11 +60,53 @@ class ChipHolders:
 
 
 @dataclass(frozen=True)
+class Unseen:
+    """What a scan could not see: each could hide a holder of any chip."""
+
+    unreadable: tuple[int, ...] = ()  # PIDs whose open files could not be read (not root)
+    unanswered: tuple[int, ...] = ()  # PIDs whose reads blocked (a stuck process, a dead FUSE server)
+    not_reached: tuple[int, ...] = ()  # PIDs the scan had no time for
+    listed: bool = True  # /proc could be listed at all
+
+    def __bool__(self) -> bool:
+        return bool(self.unreadable or self.unanswered or self.not_reached or not self.listed)
+
+    def phrases(self) -> list[str]:
+        """What was not seen, one phrase each, with what to do."""
+        said = []
+        if not self.listed:
+            said.append("/proc could not be listed, so no process was seen")
+        if self.unreadable:
+            said.append(f"{_pids(self.unreadable)} could not be read (run as root to see them)")
+        if self.unanswered:
+            said.append(
+                f"{_pids(self.unanswered)} did not answer (stuck in the kernel, or a file server that hangs)"
+            )
+        if self.not_reached:
+            said.append(f"{_pids(self.not_reached)} were not reached in the scan's time")
+        return said
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "unreadable_pids": list(self.unreadable),
+            "unanswered_pids": list(self.unanswered),
+            "not_reached_pids": list(self.not_reached),
+            "proc_listed": self.listed,
+        }
+
+
+def _pids(pids: Sequence[int]) -> str:
+    listed = ", ".join(str(pid) for pid in pids[:5]) + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
+    return f"the open files of {len(pids)} process{'es' if len(pids) != 1 else ''} (PID {listed})"
+
+
+@dataclass(frozen=True)
 class Report:
     chips: list[ChipHolders]
     vfio_container: tuple[Holder, ...]
     locks: list[LockFile]
-    unreadable: list[int] = field(default_factory=list)  # PIDs whose fds could not be read
+    unknown: tuple[Holder, ...] = ()  # holders of a VFIO or accel device tied to no chip: any chip's
+    unseen: Unseen = field(default_factory=Unseen)
 
     @property
     def held_locks(self) -> list[LockFile]:
@@ -64,41 +114,55 @@ class Report:
 
     @property
     def free(self) -> bool:
-        """No chip has a holder and no lock file is held."""
-        return not any(c.holders for c in self.chips) and not self.held_locks
+        """No chip has a holder, no lock file is held, and nothing unseen could hold one."""
+        return not any(c.holders for c in self.chips) and not self.held_locks and not self.maybe_held
+
+    @property
+    def maybe_held(self) -> bool:
+        """Something may hold any chip: a holder of an unknown chip, or processes not seen."""
+        return bool(self.unknown) or bool(self.unseen)
+
+    def blockers(self, chip: Chip) -> list[str]:
+        """Why ``chip`` may not be free, one line each: its holders, holders of a chip unknown,
+        and what the scan could not see; [] only when it is certainly free."""
+        held = next((c for c in self.chips if c.chip.address == chip.address), None)
+        lines = [describe(h.process) for h in held.holders] if held else []
+        lines += [
+            f"{describe(h.process)}, chip unknown: {printable(', '.join(h.nodes))}" for h in self.unknown
+        ]
+        return lines + self.unseen.phrases()
 
     def processes(self) -> list[Process]:
-        """Every holder of a chip, of /dev/vfio/vfio or of a lock, once each, by PID."""
+        """Every holder of a chip (known or not), of /dev/vfio/vfio or of a lock, once each, by PID."""
         seen: dict[int, Process] = {}
         for c in self.chips:
             seen.update((h.process.pid, h.process) for h in c.holders)
-        seen.update((h.process.pid, h.process) for h in self.vfio_container)
+        seen.update((h.process.pid, h.process) for h in (*self.unknown, *self.vfio_container))
         seen.update((lock.holder.pid, lock.holder) for lock in self.locks if lock.holder)
         return [seen[pid] for pid in sorted(seen)]
 
     def chip_pids(self) -> set[int]:
-        return {h.process.pid for c in self.chips for h in c.holders}
+        """Holders of a chip, known or not."""
+        return {h.process.pid for c in self.chips for h in c.holders} | {h.process.pid for h in self.unknown}
 
     def as_dict(self) -> dict[str, object]:
         return {
             "free": self.free,
             "chips": [c.as_dict() for c in self.chips],
+            "unknown_chip_holders": [h.as_dict() for h in self.unknown],
             "vfio_container": [h.as_dict() for h in self.vfio_container],
             "locks": [lock.as_dict() for lock in self.locks],
-            "unreadable_pids": self.unreadable,
+            **self.unseen.as_dict(),
         }
 
 
-def _holders(opened: Opened, reader: ProcReader, nodes: Iterable[str]) -> tuple[Holder, ...]:
-    wanted = set(nodes)
+def _holders(opened: Opened, processes: dict[int, Process], keys: Iterable[str]) -> tuple[Holder, ...]:
+    wanted = set(keys)
     found = []
     for pid in sorted(opened.nodes):
         held = opened.nodes[pid] & wanted
-        if not held:
-            continue
-        process = reader.process(pid)
-        if process is not None:  # exited since the scan: it holds nothing now
-            found.append(Holder(process, tuple(sorted(held))))
+        if held and pid in processes:  # not there: it exited since the scan, and holds nothing now
+            found.append(Holder(processes[pid], tuple(sorted(held))))
     return tuple(found)
 
 
@@ -109,30 +173,49 @@ def chips_of(root: Root, config: Config) -> list[Chip]:
 
 def gather(root: Root, chips: Sequence[Chip]) -> Report:
     """Who holds ``chips`` and the libtpu lock files now: one /proc scan."""
-    nodes = [node for chip in chips for node in chip.nodes]
-    opened = scan(root, [*nodes, VFIO_CONTAINER])
+    wanted: Targets = targets(root, chips)
+    opened = scan(root, wanted)
     reader = ProcReader(root)
-    held = [ChipHolders(chip, _holders(opened, reader, chip.nodes)) for chip in chips]
-    container = _holders(opened, reader, [VFIO_CONTAINER])
-    return Report(held, container, find_locks(root, reader), sorted(opened.unreadable))
+    locks = find_locks(root, reader)
+    processes = reader.processes([*opened.nodes, *opened.unknown])
+    held = [ChipHolders(chip, _holders(opened, processes, wanted.keys_of(chip))) for chip in chips]
+    container = _holders(opened, processes, [VFIO_CONTAINER])
+    unknown = tuple(
+        Holder(processes[pid], tuple(sorted(what)))
+        for pid, what in sorted(opened.unknown.items())
+        if pid in processes
+    )
+    unseen = Unseen(
+        tuple(opened.unreadable), tuple(opened.unanswered), tuple(opened.not_reached), opened.listed
+    )
+    return Report(held, container, locks, unknown, unseen)
 
 
 # --- text --------------------------------------------------------------------------------------
 
 
 def describe(p: Process) -> str:
-    """One process in one line: PID, user, state, start, where it runs, its command."""
-    ns = f", PID {p.namespace_pid} in {p.pid_namespace}" if p.namespace_pid is not None else ""
+    """One process in one line: PID, user, state, start, where it runs, its command (the text
+    its user controls escaped)."""
+    ns = (
+        f", PID {p.namespace_pid} in {printable(p.pid_namespace or '')}"
+        if p.namespace_pid is not None
+        else ""
+    )
     started = f", started {iso(p.started)}" if p.started is not None else ""
-    return f"PID {p.pid} ({p.user}, {p.state}{started}, {p.where}{ns}): {p.command}"
+    who = f"{printable(p.user)}, {p.state}{started}, {printable(p.where)}{ns}"
+    return f"PID {p.pid} ({who}): {printable(p.command)}"
 
 
-def summary(c: ChipHolders) -> str:
-    """A chip's holders for `tpuboot status`: "free" or the PIDs with their commands."""
+def summary(c: ChipHolders, report: Report | None = None) -> str:
+    """A chip's holders for `tpuboot status`: "free", "maybe held" (``report`` saw a holder of a
+    chip unknown, or not every process) or the PIDs with their commands."""
     if not c.holders:
+        if report is not None and report.maybe_held:
+            return "maybe held: " + "; ".join(report.blockers(c.chip))
         return "free"
     return "held by " + "; ".join(
-        f"PID {h.process.pid} ({h.process.state}) {h.process.command}" for h in c.holders
+        f"PID {h.process.pid} ({h.process.state}) {printable(h.process.command)}" for h in c.holders
     )
 
 
@@ -147,7 +230,7 @@ def lock_holder(lock: LockFile) -> str:
 
 def lock_line(lock: LockFile) -> str:
     by = f"held by {lock_holder(lock)}" if lock.held else "not held"
-    return f"lock {lock.path}  owner {lock.owner} mode {lock.mode}  {by}"
+    return f"lock {printable(lock.path)}  owner {printable(lock.owner)} mode {lock.mode}  {by}"
 
 
 def render(report: Report) -> list[str]:
@@ -160,12 +243,12 @@ def render(report: Report) -> list[str]:
         nodes = " ".join(chip.nodes) or "no node (not bound)"
         lines.append(f"chip {chip.index}  {chip.kind}  {nodes}  (functions {functions})")
         lines += [f"    {describe(h.process)}" for h in c.holders] or ["    free"]
+    if report.unknown:
+        lines.append("holding a VFIO or accel device of a chip unknown (it may be any chip's):")
+        lines += [f"    {describe(h.process)}: {printable(', '.join(h.nodes))}" for h in report.unknown]
     if report.vfio_container:
         lines.append(f"{VFIO_CONTAINER}:")
         lines += [f"    {describe(h.process)}" for h in report.vfio_container]
     lines += [lock_line(lock) for lock in report.locks] or ["no libtpu lock file"]
-    if report.unreadable:
-        lines.append(
-            f"{len(report.unreadable)} processes' open files could not be read (run as root to see all)"
-        )
+    lines += [f"not seen: {phrase}; a chip shown free may be held" for phrase in report.unseen.phrases()]
     return lines

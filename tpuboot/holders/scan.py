@@ -1,109 +1,162 @@
-"""Which processes have given device nodes open: one pass over /proc/*/fd.
+"""Which processes hold what :mod:`tpuboot.holders.targets` looks for: one pass over /proc/*/fd.
 
-An fd matches a node by its link text (``/dev/vfio/12``, or ``/dev/vfio/12 (deleted)`` once the
-node was removed, as after an unbind) and, on the running host, by device number (st_rdev, from
-stat of the fd itself): a container's node may have another name in its mount namespace, but the
-same number. Under ``--root`` the links' text names the tree's host paths, so the text is compared
-as it is (never mapped under the root), and no fd is stat'ed: that would follow the link into this
-host's /dev. Only device fds are stat'ed (their text starts with /dev/ or says deleted), so a scan
-costs one readlink per fd: the price `fuser` pays too.
+On the running host each fd that names a file is stat'ed (through the fd itself, so a name in
+another mount namespace does not matter) and matched by device number; sockets, pipes and
+anonymous inodes other than VFIO device fds are skipped by their text, which only the kernel
+writes. Under ``--root`` the links' text is matched as it is (never mapped under the root, and
+never stat'ed: that would follow the link into this host's /dev). A node that was removed (after
+an unbind) reads ``... (deleted)`` and still counts.
+
+A stat or fdinfo read can block on the process's files (a FUSE server that never answers): each
+process is read under :func:`tpuboot.holders.bounded.each_within`, and one that did not answer,
+like one whose fds could not be read (another user's, without root) or one the scan did not
+reach, is listed as not seen: never as holding nothing.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tpuboot.holders.bounded import each_within
+from tpuboot.holders.procfs import read_text
+from tpuboot.holders.targets import SYSPATH_FIELD, VFIO_DEVICE_FD, Targets
+from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 
 DELETED = " (deleted)"
+#: Link text of fds that are never a device node: written by the kernel, not by any name a user picks.
+_NOT_FILES = ("socket:[", "pipe:[", "anon_inode:", "net:[", "mnt:[")
+
+
+@dataclass
+class Held:
+    """One process's fds of interest: the keys it holds, and what it holds of no known chip."""
+
+    keys: set[str] = field(default_factory=set)
+    unknown: set[str] = field(default_factory=set)  # why: one phrase per fd kind
 
 
 @dataclass
 class Opened:
-    """The scan's result: each PID with the wanted nodes it has open, and whom it could not read."""
+    """The scan's result: each PID with what it holds, and whom it could not see."""
 
     nodes: dict[int, set[str]] = field(default_factory=dict)
+    unknown: dict[int, set[str]] = field(default_factory=dict)  # PID -> fds of an unknown chip
     unreadable: list[int] = field(default_factory=list)  # PIDs whose fds were refused (EACCES)
+    unanswered: list[int] = field(default_factory=list)  # PIDs whose reads blocked
+    not_reached: list[int] = field(default_factory=list)  # PIDs the scan had no time for
+    listed: bool = True  # /proc could be listed
     processes: int = 0  # PIDs looked at
 
     def holders_of(self, node: str) -> list[int]:
         return sorted(pid for pid, held in self.nodes.items() if node in held)
 
-
-def device_numbers(root: Root, nodes: Iterable[str]) -> dict[int, str]:
-    """st_rdev of each node that is a character device on the running host; {} under --root."""
-    numbers: dict[int, str] = {}
-    if not root.is_host:
-        return numbers
-    for node in nodes:
-        try:
-            st = os.stat(node)
-        except OSError:
-            continue
-        if stat.S_ISCHR(st.st_mode) and st.st_rdev:
-            numbers[st.st_rdev] = node
-    return numbers
+    @property
+    def complete(self) -> bool:
+        """Every process was seen: no holder can hide in what the scan missed."""
+        return self.listed and not (self.unreadable or self.unanswered or self.not_reached)
 
 
-def _by_number(fd: str, dir_fd: int, numbers: dict[int, str]) -> str | None:
-    try:
-        st = os.stat(fd, dir_fd=dir_fd)
-    except OSError:
-        return None
-    return numbers.get(st.st_rdev) if stat.S_ISCHR(st.st_mode) else None
+class _Refused(Exception):
+    """A process's fds could not be read (EACCES): not seen."""
 
 
-def scan(root: Root, nodes: Iterable[str]) -> Opened:
-    """Every process with one of ``nodes`` open. A process that exits mid-scan is skipped; one
-    whose fds cannot be read (another user's, without root) is listed in ``unreadable``."""
-    wanted = set(nodes)
-    numbers = device_numbers(root, wanted)
+def scan(root: Root, targets: Targets) -> Opened:
+    """Every process holding one of ``targets``, and every process the scan could not see."""
     found = Opened()
     proc = str(root.path("/proc"))
     try:
-        names = os.listdir(proc)
+        pids = [n for n in (ascii_int(name) for name in os.listdir(proc)) if n is not None]
     except OSError:
+        found.listed = False
         return found
-    for name in names:
-        if not name.isdigit():
-            continue
-        found.processes += 1
+    found.processes = len(pids)
+
+    def look(pid: int) -> Held | _Refused | None:
         try:
-            held = _held(f"{proc}/{name}/fd", wanted, numbers)
+            return _held(root, proc, pid, targets)
         except PermissionError:
-            found.unreadable.append(int(name))
-            continue
+            return _Refused()
         except OSError:  # gone, or not a process directory
-            continue
-        if held:
-            found.nodes[int(name)] = held
+            return None
+
+    outcome = each_within(pids, look)
+    for pid, held in outcome.results.items():
+        if isinstance(held, _Refused):
+            found.unreadable.append(pid)
+        elif held is not None and held.keys:
+            found.nodes[pid] = held.keys
+        if isinstance(held, Held) and held.unknown:
+            found.unknown[pid] = held.unknown
+    found.unanswered = sorted(outcome.unanswered)
+    found.not_reached = sorted(outcome.not_reached)
+    found.unreadable.sort()
     return found
 
 
-def _held(fd_dir: str, wanted: set[str], numbers: dict[int, str]) -> set[str]:
-    """The wanted nodes among one process's fds. Its fd directory is opened once and each link
-    read relative to it: no path walk through /proc per fd."""
-    dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    held: set[str] = set()
+def _held(root: Root, proc: str, pid: int, targets: Targets) -> Held:
+    """What one process holds. Its fd directory is opened once and each link read relative to
+    it: no path walk through /proc per fd."""
+    dir_fd = os.open(f"{proc}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    held = Held()
     try:
         for fd in os.listdir(dir_fd):
             try:
                 target = os.readlink(fd, dir_fd=dir_fd)
             except OSError:
                 continue
-            if target.endswith(DELETED):
-                target = target[: -len(DELETED)]
-            elif not target.startswith("/dev/"):
+            if target == VFIO_DEVICE_FD:
+                _device_fd(root, pid, fd, targets, held)
+            elif target.startswith(_NOT_FILES):
                 continue
-            if target in wanted:
-                held.add(target)
-            elif numbers:
-                node = _by_number(fd, dir_fd, numbers)
-                if node is not None:
-                    held.add(node)
+            elif root.is_host:
+                _by_number(fd, dir_fd, target, targets, held)
+            else:
+                _by_text(target, targets, held)
     finally:
         os.close(dir_fd)
     return held
+
+
+def _by_number(fd: str, dir_fd: int, target: str, targets: Targets, held: Held) -> None:
+    try:
+        st = os.stat(fd, dir_fd=dir_fd)
+    except OSError:
+        return
+    if not stat.S_ISCHR(st.st_mode):
+        return
+    key = targets.by_number.get(st.st_rdev)
+    if key is not None:
+        held.keys.add(key)
+    elif os.major(st.st_rdev) in targets.majors and st.st_rdev not in targets.others:
+        number = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        held.unknown.add(f"{target} (char {number}), a VFIO or accel device of no chip present")
+
+
+def _by_text(target: str, targets: Targets, held: Held) -> None:
+    name = target[: -len(DELETED)] if target.endswith(DELETED) else target
+    key = targets.by_text.get(name)
+    if key is not None:
+        held.keys.add(key)
+    elif name.startswith(("/dev/vfio/", "/dev/accel")) and name not in targets.other_texts:
+        held.unknown.add(f"{target}, a VFIO or accel device of no chip present")
+
+
+def _device_fd(root: Root, pid: int, fd: str, targets: Targets, held: Held) -> None:
+    """A VFIO device fd: its chip by the device its fdinfo names; unknown where it names none."""
+    info = read_text(root, f"/proc/{pid}/fdinfo/{fd}", 4096) or ""
+    syspath = next(
+        (line[len(SYSPATH_FIELD) :].strip() for line in info.splitlines() if line.startswith(SYSPATH_FIELD)),
+        None,
+    )
+    if syspath is None:
+        held.unknown.add(f"{VFIO_DEVICE_FD} (this kernel does not say of which device)")
+        return
+    address = syspath.rstrip("/").rpartition("/")[2]
+    key = targets.by_address.get(address)
+    if key is not None:
+        held.keys.add(key)
+    elif address not in targets.addresses:
+        held.unknown.add(f"{VFIO_DEVICE_FD} of {address}, a device not present")

@@ -51,8 +51,17 @@ def _step(name: str, func: Callable[..., Any], *args: Any) -> Any:
         raise Failure(f"{name} failed: {code} ({exc.errno}) {exc.strerror}") from exc
 
 
-def read_bar0(dbdf: str, offset: int = 0) -> int:
-    """The 32-bit value at ``offset`` of BAR0 of the vfio-bound device ``dbdf``."""
+def open_device(dbdf: str) -> int:
+    """The device fd of the vfio-bound device ``dbdf``, with its group's and container's fds
+    closed: VFIO keeps both alive for as long as the device fd is open."""
+    container, group_fd, device = device_fds(dbdf)
+    os.close(group_fd)
+    os.close(container)
+    return device
+
+
+def device_fds(dbdf: str) -> tuple[int, int, int]:
+    """(container, group, device) fds of the vfio-bound device ``dbdf``, as a driver takes them."""
     link = f"/sys/bus/pci/devices/{dbdf}/iommu_group"
     group = os.path.basename(_step(f"readlink {link}", os.readlink, link))
 
@@ -78,7 +87,12 @@ def read_bar0(dbdf: str, offset: int = 0) -> int:
     # A mutable buffer makes fcntl.ioctl return the syscall's result: the new fd.
     name = bytearray(dbdf.encode() + b"\0")
     device = _step("VFIO_GROUP_GET_DEVICE_FD", fcntl.ioctl, group_fd, VFIO_GROUP_GET_DEVICE_FD, name)
+    return container, group_fd, device
 
+
+def read_bar0(dbdf: str, offset: int = 0) -> int:
+    """The 32-bit value at ``offset`` of BAR0 of the vfio-bound device ``dbdf``."""
+    _, _, device = device_fds(dbdf)
     info = bytearray(REGION_INFO.pack(REGION_INFO.size, 0, VFIO_PCI_BAR0_REGION_INDEX, 0, 0, 0))
     _step("VFIO_DEVICE_GET_REGION_INFO", fcntl.ioctl, device, VFIO_DEVICE_GET_REGION_INFO, info)
     _, flags, _, _, size, region_offset = REGION_INFO.unpack(info)

@@ -126,7 +126,7 @@ def test_a_held_chip_is_never_reset_and_that_is_said_once(
     assert resets(kernel) == 0 and recorded.automatic_resets == {}
     (said,) = [r.getMessage() for r in caplog.records]
     assert said == (
-        f"chip 0000:05:00: {A} logged 1 fatal PCIe error(s) since boot; not reset while held by "
+        f"chip 0000:05:00: {A} logged 1 fatal PCIe error(s) since boot; not reset while it may be held: "
         "PID 42 (tester, sleeping, train.service): python3 train.py"
     )
     holders.by_chip.clear()  # the job ended

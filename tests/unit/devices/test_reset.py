@@ -302,6 +302,26 @@ def test_the_dry_run_says_what_the_real_run_would_refuse_naming_the_holders(tmp_
     assert kernel.writes == []
 
 
+def test_the_dry_run_refuses_a_chip_that_may_be_held_as_the_real_run_does(tmp_path, capsys):
+    """A VFIO device fd the kernel does not tie to a device: the chip may be held, and --kill
+    would not help (it ends known holders only): one line naming the holder, exit 1."""
+    from tests.unit.fakes.proc import FakeProc
+    from tpuboot import cli
+
+    kernel, _, _, _ = setup(tmp_path)
+    FakeProc(kernel.top).add(4343, {5: "anon_inode:[vfio-device]"}, cmdline=["python3", "serve.py"])
+    for kill in ([], ["--kill"]):
+        assert (
+            cli.main(["--root", str(kernel.top), "reset", "--dry-run", *kill, "05:00.0"]) == cli.EXIT_FAILED
+        )
+        out, err = capsys.readouterr()
+        (line,) = err.splitlines()
+        assert line.startswith("tpuboot: the reset would be refused: chip 0000:05:00 may be held: PID 4343 ")
+        assert "chip unknown" in line and line.endswith("; run as root, or wait")
+        assert "would end" not in out
+    assert kernel.writes == []
+
+
 @pytest.mark.parametrize(
     "text",
     [

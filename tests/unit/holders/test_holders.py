@@ -27,6 +27,7 @@ from tpuboot.holders.locks import LIBTPU_LOCKFILE, lock_paths, lock_table
 from tpuboot.holders.procfs import ProcReader, where_from_cgroup
 from tpuboot.holders.report import gather, render, summary
 from tpuboot.holders.scan import scan
+from tpuboot.holders.targets import targets
 
 
 @pytest.fixture
@@ -141,7 +142,7 @@ def test_a_holder_that_exits_between_the_scan_and_its_facts_is_left_out(tree):
     kernel, proc = tree
     add_chips(kernel, ["12"])
     proc.add(100, {4: "/dev/vfio/12"})
-    opened = scan(kernel.root, ["/dev/vfio/12"])
+    opened = scan(kernel.root, targets(kernel.root, chips(kernel)))
     proc.remove(100)
     assert opened.holders_of("/dev/vfio/12") == [100]
     assert ProcReader(kernel.root).process(100) is None
@@ -161,8 +162,12 @@ def test_unreadable_fds_are_counted_and_said(tree, monkeypatch):
 
     monkeypatch.setattr(scan_module.os, "open", open_)
     report = gather(kernel.root, chips(kernel))
-    assert holder_pids(report) == [[100]] and report.unreadable == [200]
-    assert "1 processes' open files could not be read (run as root to see all)" in render(report)
+    assert holder_pids(report) == [[100]] and report.unseen.unreadable == (200,)
+    assert not report.free and report.maybe_held  # PID 200 may hold any chip
+    assert (
+        "not seen: the open files of 1 process (PID 200) could not be read (run as root to see them);"
+        " a chip shown free may be held"
+    ) in render(report)
 
 
 def test_a_holder_in_a_container_and_another_pid_namespace(tree):

@@ -10,9 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tpuboot.atomicfile import read_file
-from tpuboot.paths import Root
-
-MAX_FILE_BYTES = 1 << 20  # configuration files and /proc entries; anything bigger is not one
+from tpuboot.paths import MAX_FILE_BYTES, Root
 
 
 def read_text(root: Root, path: str) -> str | None:

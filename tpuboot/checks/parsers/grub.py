@@ -35,11 +35,10 @@ from dataclasses import dataclass
 
 from tpuboot.atomicfile import read_file
 from tpuboot.checks.parsers.cmdline import CmdlineUnknown, Param, grub_linux_line, kernel_params
-from tpuboot.checks.parsers.files import MAX_FILE_BYTES
 from tpuboot.env.assignment import NAME, NAME_RE
 from tpuboot.errors import TpubootError
 from tpuboot.kernel_params import X86
-from tpuboot.paths import Root
+from tpuboot.paths import MAX_FILE_BYTES, Root
 
 GRUB_DEFAULT = "/etc/default/grub"
 GRUB_DROPIN_DIR = "/etc/default/grub.d"
