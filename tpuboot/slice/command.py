@@ -44,9 +44,8 @@ class SliceLook:
     def __call__(self, deadline_s: float) -> SliceReport:
         start = time.monotonic()
         with _quiet_metadata():
-            facts = read_facts(
-                self.client, self.root, self.tpu_env_path, deadline_s=deadline_s * METADATA_SHARE
-            )
+            share = deadline_s * METADATA_SHARE
+            facts = read_facts(self.client, self.root, self.tpu_env_path, deadline_s=share)
         left = max(self.connect_timeout, deadline_s - (time.monotonic() - start))
         return look(facts, self.root, connect_timeout=self.connect_timeout, deadline_s=left)
 
