@@ -45,7 +45,8 @@ print(" ".join(sorted(set(sys.modules) - before)))
 CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.configfields", "tpuboot.devices",
         "tpuboot.devices.pci", "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors",
         "tpuboot.kernel_params", "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc", "tpuboot.gce",
-        "tpuboot.gce.keys", "tpuboot.endpoints", "dataclasses", "inspect", "ipaddress", "typing"}  # fmt: skip
+        "tpuboot.gce.keys", "tpuboot.endpoints", "tpuboot.numbers", "dataclasses", "inspect", "ipaddress",
+        "typing"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "tpuboot.devices.health", "json",
           "inspect", "typing"}  # fmt: skip
