@@ -40,13 +40,12 @@ except SystemExit:
 print(" ".join(sorted(set(sys.modules) - before)))
 """
 
-# What `import tpuboot.cli` and the device commands load: sysfs (its numbers read by
-# tpuboot.numbers), the device table, the config
+# What `import tpuboot.cli` and the device commands load: sysfs, the device table, the config
 # (its sections are dataclasses).
 CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.configfields", "tpuboot.devices",
         "tpuboot.devices.pci", "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors",
-        "tpuboot.kernel_params", "tpuboot.logs", "tpuboot.numbers", "tpuboot.paths", "tpuboot.subproc",
-        "tpuboot.gce", "tpuboot.gce.keys", "tpuboot.endpoints", "dataclasses", "inspect", "ipaddress",
+        "tpuboot.kernel_params", "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc", "tpuboot.gce",
+        "tpuboot.gce.keys", "tpuboot.endpoints", "tpuboot.numbers", "dataclasses", "inspect", "ipaddress",
         "typing"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "tpuboot.devices.health", "json",

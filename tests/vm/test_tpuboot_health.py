@@ -186,7 +186,7 @@ def test_recovery_automatic_resets_a_chip_after_a_fatal_error_but_never_while_he
         held = f"chip {chip}: {address} logged "
         vm.wait_until(
             f"journalctl -u tpuboot --after-cursor={shlex.quote(cursor)} -o cat | grep -F '{held}' "
-            "| grep -q 'not reset while held by PID'",
+            "| grep -q 'not reset while it may be held: PID'",
             timeout=90,
             interval=2.0,
         )

@@ -219,3 +219,44 @@ def test_one_tick_reads_each_function_once_for_recovery_and_the_guest_attribute(
     assert read == [A]  # once, for both (the ladder's own check after its reset is its own)
     assert resets(kernel) == 1
     assert daemon._pcie_sent == "fatal:1"  # the summary is of the tick's reading, before the reset
+
+
+@pytest.mark.parametrize("unseen", ["unreadable", "device fd of no named chip"])
+def test_a_partial_scan_or_a_holder_of_a_chip_unknown_is_never_reset_under(
+    tmp_path: Path,
+    recorded: metrics.Metrics,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    unseen: str,
+) -> None:
+    """The real /proc scan (on a fake /proc): what it could not see, or tie to a chip, may hold
+    this chip, so recovery waits; once it is gone, the chip is reset."""
+    from tests.unit.fakes.proc import FakeProc
+    from tpuboot.devices.recovery import holders_of
+    from tpuboot.holders import scan as scan_module
+
+    kernel, recovery, _ = setup(tmp_path)
+    recovery.holders = holders_of(recovery.binder)
+    proc = FakeProc(tmp_path)
+    if unseen == "unreadable":
+        proc.add(200, {4: "/dev/vfio/30"})
+        real = scan_module.os.open
+
+        def refused(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(path).endswith("/200/fd"):
+                raise PermissionError(13, "Permission denied")
+            return real(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(scan_module.os, "open", refused)
+    else:
+        proc.add(200, {5: "anon_inode:[vfio-device]"})  # no fdinfo naming its device: Linux before 6.18
+    fatal(kernel, 1)
+    with caplog.at_level(logging.WARNING, logger="tpuboot.recovery"):
+        recovery.check()
+    assert resets(kernel) == 0 and recorded.automatic_resets == {}
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "not reset while it may be held: " in said
+    assert ("could not be read" if unseen == "unreadable" else "chip unknown") in said
+    proc.remove(200)
+    recovery.check()
+    assert resets(kernel) == 1
