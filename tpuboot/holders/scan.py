@@ -20,8 +20,8 @@ import stat
 from dataclasses import dataclass, field
 
 from tpuboot.holders.bounded import each_within
-from tpuboot.holders.procfs import read_text
 from tpuboot.holders.targets import SYSPATH_FIELD, VFIO_DEVICE_FD, Targets
+from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 
