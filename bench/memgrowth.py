@@ -8,9 +8,9 @@ soak's metadata faults (``bench.soak.FAULTS``) and tpu-env documents (``bench.so
 vBar kills and dockerd restarts, with a watchdog tick every 0.2 s. After ``--warmup`` seconds it
 takes a tracemalloc snapshot, again half-way to the end and at the end, and prints the
 allocation sites whose live size grew most (over each half and over both: a leak grows in
-each; only allocations with a tpuboot frame in their stack), the object counts by type that
-grew, and the threads at both ends. Not a test: a leak shows as a site whose growth keeps
-rising with ``--minutes``.
+each; only allocations with a tpuboot frame in their stack, the fakes' own left out), the
+object counts by type that grew, and the threads at both ends. Not a test: a leak shows as a
+site whose growth keeps rising with ``--minutes``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from tpuboot.paths import Root
 
 COLD = ("0000:00:04.0", "0000:00:05.0")
 HOT = ("0000:00:06.0", "0000:00:07.0", "0000:00:08.0", "0000:00:09.0")
-FRAMES = 12
+FRAMES = 12  # enough to reach a tpuboot frame under requests and http.client
 
 
 class QuietNotifier(Notifier):
@@ -197,7 +197,7 @@ def type_counts() -> collections.Counter[str]:
 
 
 def growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) -> list[str]:
-    """The allocation sites (their tpuboot-deepest stacks) whose live size grew most."""
+    """The allocation sites with a tpuboot frame whose live size grew most (innermost frame first)."""
     ours = [
         tracemalloc.Filter(True, "*/tpuboot/*", all_frames=True),
         tracemalloc.Filter(False, "*/tests/*"),  # the fakes' own records (the fake kernel's writes)
