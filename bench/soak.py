@@ -303,8 +303,8 @@ class SoakReport:
             if self.reader.get(kind):
                 out.append(f"tpu-env read {kind} {self.reader[kind]} times: {self.reader.get('samples')}")
         if self.reader.get("unexpected"):
-            out.append(f"tpu-env held values no document gave in {self.reader['unexpected']} reads:")
-            out += [f"  {streak}" for streak in self.unexpected_reads]
+            streaks = "".join(f"\n      {streak}" for streak in self.unexpected_reads)
+            out.append(f"tpu-env held values no document gave in {self.reader['unexpected']} reads:{streaks}")
         if not self.reader.get("reads"):
             out.append("the tpu-env reader made no reads")
         out += [f"tpu-env wrong after faults cleared: {w}" for w in self.wrong_file]

@@ -10,6 +10,7 @@ from bench.soak import (
     BASE,
     CATALOG,
     FAULTS,
+    SoakReport,
     error_kind,
     explain_streak,
     longest_life,
@@ -164,6 +165,15 @@ def test_a_streak_is_told_in_the_soaks_time_with_the_documents_served_before_it(
         "2234-2241 s (331 reads): nearest 'larger than 1 MiB (refused whole)' (the same values); "
         "served last before: 'larger than 1 MiB' at 2100 s, 'alias' at 2200 s"
     )
+
+
+def test_wrong_reads_are_one_failure_that_lists_each_streak() -> None:
+    report = SoakReport(minutes=3, seed=1, reader={"reads": 100, "unexpected": 5}, vbar_running_at_end=True)
+    report.unexpected_reads = ["10-11 s (2 reads): nearest 'a'", "20-21 s (3 reads): nearest 'b'"]
+    assert report.failures() == [
+        "tpu-env held values no document gave in 5 reads:"
+        "\n      10-11 s (2 reads): nearest 'a'\n      20-21 s (3 reads): nearest 'b'"
+    ]
 
 
 def test_growth_is_pooled_within_each_process_so_a_restart_is_not_growth() -> None:
