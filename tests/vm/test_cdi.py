@@ -233,11 +233,13 @@ def test_a_chip_held_through_its_vfio_device_cdev_is_named_held(vm: tuple[VM, En
     device number. A guest kernel without it (Debian 12's 6.1) has nothing to test."""
     m, _ = vm
     address = edus(m)[0]
-    found = m.run(["sh", "-c", f"ls /sys/bus/pci/devices/{address}/vfio-dev"], timeout=60)
+    # Every vfio device has its sysfs vfio-dev/vfioN; only a kernel built with the cdev
+    # (CONFIG_VFIO_DEVICE_CDEV) gives it a device number, and so a /dev/vfio/devices node.
+    found = m.run(["sh", "-c", f"cd /sys/bus/pci/devices/{address}/vfio-dev && ls */dev"], timeout=60)
     if found.rc != 0:
         kernel = m.run(["uname", "-r"], check=True).stdout.strip()
-        pytest.skip(f"guest kernel {kernel} has no VFIO device cdev")
-    cdev = f"/dev/vfio/devices/{found.stdout.split()[0]}"
+        pytest.skip(f"guest kernel {kernel} has no VFIO device cdev (CONFIG_VFIO_DEVICE_CDEV)")
+    cdev = f"/dev/vfio/devices/{found.stdout.split()[0].split('/')[0]}"
     m.run(["systemd-run", "--unit=tpuboot-test-cdev", "sh", "-c", f"exec 3<>{cdev}; exec sleep 600"],
           check=True, timeout=60)  # fmt: skip
     try:
