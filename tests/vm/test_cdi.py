@@ -247,8 +247,7 @@ def test_a_chip_held_through_its_vfio_device_cdev_is_named_held(vm: tuple[VM, En
             interval=0.5,
         )
         pid = int(m.run(["systemctl", "show", "-P", "MainPID", "tpuboot-test-cdev"], check=True).stdout)
-        data = json.loads(m.run(["tpuboot", "who", "--json"], timeout=60).stdout)
-        report = data[0] if isinstance(data, list) else data
+        report = json.loads(m.run(["tpuboot", "who", "--json"], timeout=60).stdout)
         (chip,) = [c for c in report["chips"] if address in c["functions"]]
         assert [(h["pid"], h["nodes"]) for h in chip["holders"]] == [(pid, [cdev])]
         assert report["unknown_chip_holders"] == []
