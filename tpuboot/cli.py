@@ -458,7 +458,7 @@ def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.gce.replies import MetadataAbsent
     from tpuboot.wiring import metadata_settings
 
-    client = MetadataClient.from_settings(metadata_settings(ctx.config.metadata))
+    client = MetadataClient.from_settings(metadata_settings(ctx.config.metadata), log_retries=False)
     try:
         value = metadata_get(client, args.type, args.key, deadline_s=args.deadline)
     except MetadataAbsent:
@@ -481,9 +481,9 @@ def cmd_env(ctx: Context, args: argparse.Namespace) -> int:
 
     config = ctx.config
     settings = metadata_settings(config.metadata)
-    client = MetadataClient.from_settings(settings, on_request=metrics.metadata_request)
+    client = MetadataClient.from_settings(settings, on_request=metrics.metadata_request, log_retries=False)
+    # Its result is said once, as the service says it (a line on stderr): --print's stdout is tpu-env alone.
     result = EnvSync(ctx.root, config, client).sync_once(args.deadline or config.metadata.boot_deadline)
-    print(result.status)
     if args.print and result.source in ("metadata", "cache"):
         sys.stdout.write(ctx.root.path(config.env.tpu_env_path).read_text(encoding="utf-8"))
     return EXIT_OK if result.source in ("metadata", "absent") else EXIT_FAILED
