@@ -17,7 +17,7 @@ from tests.unit.helpers.devices import add_tpu
 from tpuboot import bootbudget, cli
 
 TABLE = Path(__file__).resolve().parents[3] / "doc/operation.md"
-ROW = re.compile(r"^\| `tpuboot ([a-z-]+(?: --[a-z]+)*)` \| ([^|]+) \| ([^|]+) \|$")
+ROW = re.compile(r"^\| `([a-z-]+(?: --[a-z]+)*)` \| ([^|]+) \| ([^|]+) \|$")
 MACHINE = "projects/1/machineTypes/ct5p-hightpu-4t"
 
 
