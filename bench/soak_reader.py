@@ -1,19 +1,23 @@
 #!/usr/bin/python3
 """Guest side of ``bench.soak``: reads the tpu-env file over and over while the soak runs (stdlib only).
 
-``soak_reader.py CATALOG FILE OUT``: CATALOG is a JSON list of the value sets the file may
-hold (each a name -> value object). Every ``--interval`` seconds the reader reads FILE and
-files the read as one of:
+``soak_reader.py CATALOG FILE OUT``: CATALOG is a JSON list of the documents the soak may
+serve, each ``{"label": ..., "values": {name: value}, "good": bool}``: ``good`` if the file may
+hold its values, else a document tpuboot must refuse whole, listed only so that a read can be
+named after it. Every ``--interval`` seconds the reader reads FILE and files the read as one of:
 
 * ``missing``: the name did not exist (a reader between an unlink and a rename would see this);
 * ``garbled``: not UTF-8, or not a whole ``NAME="value"`` file the way a POSIX shell reads it
   (a cut-off last line, an unescaped ``$``, backtick or quote);
-* ``unexpected``: a whole file whose values are none of CATALOG's (a mix of two, a stale field);
-* the index of the CATALOG entry it holds.
+* ``unexpected``: a whole file whose values are no good entry's (a mix of two, a stale field, a
+  refused document's); each run of such reads of the same values is a *streak*, reported with
+  its time, length and the CATALOG entry nearest to it (fewest names whose values differ), so a
+  failure explains itself;
+* the index of the good CATALOG entry it holds.
 
 Its own parser, not tpuboot's: inside double quotes a backslash escapes only ``$``, a backtick,
-``"``, ``\\`` and a newline (removed), as POSIX sh says. The counts and the first few problems
-are written to OUT (atomically, every 2 s and at SIGTERM).
+``"``, ``\\`` and a newline (removed), as POSIX sh says. The counts, the first few missing and
+garbled reads and the first streaks are written to OUT (atomically, every 2 s and at SIGTERM).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ ESCAPABLE = '$`"\\\n'
 NAME_START = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_"
 NAME_REST = NAME_START + "0123456789"
 MAX_SAMPLES = 5
+MAX_STREAKS = 20
+MAX_DIFFERS = 8  # names listed per streak
 
 
 def parse(text: str) -> dict[str, str] | None:
@@ -68,43 +74,87 @@ def parse(text: str) -> dict[str, str] | None:
     return values
 
 
+def differs(values: dict[str, str], other: dict[str, str]) -> list[str]:
+    """The names whose values differ between two files (one side missing counts)."""
+    return sorted(name for name in values.keys() | other.keys() if values.get(name) != other.get(name))
+
+
+def nearest(catalog: list[dict[str, Any]], values: dict[str, str]) -> dict[str, Any]:
+    """The catalog entry with the fewest differing names (the first of equals), and those names."""
+    best = min(catalog, key=lambda entry: len(differs(values, entry["values"])))
+    names = differs(values, best["values"])
+    shown = [
+        f"{n}={values.get(n)!r:.40} (it gives {best['values'].get(n)!r:.40})" for n in names[:MAX_DIFFERS]
+    ]
+    return {"closest": best["label"], "closest_good": best["good"], "differs": len(names), "names": shown}
+
+
 class Tally:
-    def __init__(self, catalog: list[dict[str, str]]) -> None:
+    def __init__(self, catalog: list[dict[str, Any]]) -> None:
         self.catalog = catalog
+        self.good = [index for index, entry in enumerate(catalog) if entry["good"]]
         self.counts: dict[str, int] = {"reads": 0, "missing": 0, "garbled": 0, "unexpected": 0}
         self.seen: dict[int, int] = {}
         self.samples: list[dict[str, Any]] = []
+        self.streaks: list[dict[str, Any]] = []  # runs of unexpected reads of the same values
+        self.streak_values: dict[str, str] | None = None  # those of the run going on, if any
+        self.streak: dict[str, Any] | None = None  # its entry in streaks (None: past MAX_STREAKS)
         self.started = time.monotonic()
+
+    def at(self) -> float:
+        return round(time.monotonic() - self.started, 3)
 
     def problem(self, kind: str, detail: str) -> None:
         self.counts[kind] += 1
         if len(self.samples) < MAX_SAMPLES:
-            at = round(time.monotonic() - self.started, 3)
-            self.samples.append({"kind": kind, "at_s": at, "detail": detail})
+            self.samples.append({"kind": kind, "at_s": self.at(), "detail": detail})
 
     def read(self, path: str) -> None:
         self.counts["reads"] += 1
+        values = self.values(path)
+        index = None if values is None else self.match(values)
+        if index is not None:
+            self.seen[index] = self.seen.get(index, 0) + 1
+        elif values is not None:
+            self.unexpected(values)
+            return
+        self.streak_values = self.streak = None
+
+    def match(self, values: dict[str, str]) -> int | None:
+        """The index of the good entry the values are, if any."""
+        return next((index for index in self.good if self.catalog[index]["values"] == values), None)
+
+    def values(self, path: str) -> dict[str, str] | None:
+        """The file's values; None (counted) if it is missing or garbled."""
         try:
             with open(path, "rb") as handle:
                 data = handle.read()
         except FileNotFoundError:
             self.problem("missing", path)
-            return
+            return None
         try:
             values = parse(data.decode("utf-8"))
         except UnicodeDecodeError:
             values = None
         if values is None:
             self.problem("garbled", repr(data[-200:]))
+        return values
+
+    def unexpected(self, values: dict[str, str]) -> None:
+        self.counts["unexpected"] += 1
+        if values == self.streak_values:
+            if self.streak is not None:
+                self.streak["reads"] += 1
+                self.streak["last_at_s"] = self.at()
             return
-        for index, entry in enumerate(self.catalog):
-            if values == entry:
-                self.seen[index] = self.seen.get(index, 0) + 1
-                return
-        self.problem("unexpected", json.dumps(sorted(values))[:300])
+        self.streak_values, self.streak = values, None
+        if len(self.streaks) < MAX_STREAKS:
+            at = self.at()
+            self.streak = {"first_at_s": at, "last_at_s": at, "reads": 1, **nearest(self.catalog, values)}
+            self.streaks.append(self.streak)
 
     def write(self, out: str) -> None:
-        payload = {**self.counts, "seen": self.seen, "samples": self.samples,
+        payload = {**self.counts, "seen": self.seen, "samples": self.samples, "streaks": self.streaks,
                    "seconds": round(time.monotonic() - self.started, 1)}  # fmt: skip
         temp = f"{out}.tmp"
         with open(temp, "w") as handle:

@@ -152,6 +152,7 @@ class Faults:
     trickle_headers: float = 0.0  # seconds between bytes of the status line and headers (endless)
     trickle_body: float = 0.0  # headers at once, then the body a byte per this many seconds
     content_length: str | None = None  # send this Content-Length instead of the body's length
+    short_by: int = 0  # declare this many bytes more than the body, send the body: a short body
     extra_headers: int = 0  # this many more header lines in each answer (X-Padding-N: x)
     long_header: int = 0  # one more header line of this many bytes
     status_line: bytes | None = None  # send this status line (CRLF added) instead of a real one
@@ -661,7 +662,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.close_connection = True
         else:
-            length = faults.content_length if faults.content_length is not None else str(len(body))
+            length = (
+                faults.content_length
+                if faults.content_length is not None
+                else str(len(body) + faults.short_by)
+            )
             self.send_header("Content-Length", length)
         self.end_headers()
         if faults.trickle_body:

@@ -48,7 +48,7 @@ CORE = {"tpuboot", "tpuboot.cli", "tpuboot.config", "tpuboot.configfields", "tpu
         "tpuboot.gce.keys", "tpuboot.endpoints", "tpuboot.numbers", "dataclasses", "inspect", "ipaddress",
         "typing"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
-          "tpuboot.devices.health", "json",
+          "tpuboot.devices.health", "tpuboot.kernelfiles", "json",
           "inspect", "typing"}  # fmt: skip
 # The metadata client, built from the config's section by tpuboot.wiring.metadata_settings.
 METADATA = {"tpuboot.backoff", "tpuboot.gce.client", "tpuboot.gce.failures", "tpuboot.gce.framing",
@@ -81,7 +81,7 @@ DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot
 CHIPS = SURVEY - {"tpuboot.devices.health", "json"}
 HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
            "tpuboot.holders.report", "tpuboot.holders.scan", "tpuboot.holders.bounded",
-           "tpuboot.holders.targets", "tpuboot.numbers"}  # fmt: skip
+           "tpuboot.holders.targets", "tpuboot.kernelfiles", "tpuboot.numbers"}  # fmt: skip
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
            "tpuboot.containers.engine",
            "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip

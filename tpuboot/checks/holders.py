@@ -24,8 +24,9 @@ from tpuboot.config import Config
 from tpuboot.devices.chips import Chip
 from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile
-from tpuboot.holders.procfs import STUCK, Process, memlock, read_text
+from tpuboot.holders.procfs import STUCK, Process, memlock
 from tpuboot.holders.report import Report, describe, gather, lock_holder
+from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 

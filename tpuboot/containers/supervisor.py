@@ -9,6 +9,7 @@ it blocks in the runtime's ``wait`` (Docker's event stream, ``waitpid``) or on a
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -36,6 +37,9 @@ WAITING: Final[SupervisedState] = "waiting"
 REFUSED: Final[SupervisedState] = "refused"
 FAILED: Final[SupervisedState] = "failed"
 RESTARTING: Final[SupervisedState] = "restarting"
+
+#: How many of the last restart delays a supervisor keeps (:attr:`Supervisor.delays`).
+RECENT_DELAYS = 64
 
 
 class RuntimeUnavailable(TpubootError):
@@ -109,7 +113,9 @@ class Supervisor:
         self._status_lock = threading.Lock()
         self._status = Status(STARTING, "starting")  # replaced whole by the loop's thread
         self.starts = 0
-        self.delays: list[float] = []  # each restart delay, for tests and `status`
+        # The last restart delays, for the tests; bounded, as a daemon that lives for months restarts
+        # its containers without end (a list of every delay grew with each vBar kill: issue 38).
+        self.delays: collections.deque[float] = collections.deque(maxlen=RECENT_DELAYS)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tpuboot.devices.pci import PCI_DEVICES
+from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_decimal, ascii_int
 from tpuboot.paths import Root
 
@@ -150,12 +151,9 @@ class Health:
 
 
 def _read(root: Root, address: str, name: str) -> str | None:
-    try:
-        return root.path(f"{PCI_DEVICES}/{address}/{name}").read_text(errors="replace")
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return None
-    except OSError:  # EIO from a function that fell off the bus, EINVAL from a link that is down
-        return None
+    """One sysfs attribute of ``address``; None when absent or unreadable (EIO from a function
+    that fell off the bus, EINVAL from a link that is down), not a file, or past the size bound."""
+    return read_text(root, f"{PCI_DEVICES}/{address}/{name}")
 
 
 def parse_speed(text: str | None) -> float | None:

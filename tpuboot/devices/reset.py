@@ -48,8 +48,9 @@ BREAKER_PATH = "/var/lib/tpuboot/resets.json"
 RESET_LOCK = "/var/lib/tpuboot/resets.lock"
 HOUR = 3600.0
 _LATEST = 1 << 33
-#: A chip's base address, as the breaker's record keys it (:func:`base_address`).
-_CHIP = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]")
+#: A chip's base address, as the breaker's record keys it (:func:`base_address`); the domain as
+#: sysfs names it, 4 hex digits or more (a VMD domain is 5), as the daemon's recovery records it.
+_CHIP = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[01][0-9a-f]")
 RUNGS = ("function-reset", "rebind", "remove-rescan")
 BIND_TRIES = 3
 

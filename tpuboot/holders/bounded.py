@@ -90,7 +90,8 @@ def each_within(
     end = clock() + (BUDGET if budget is None else budget)
     with _stuck_lock:
         outcome.unanswered += [item for item in items if item in _stuck]
-    todo = [item for item in items if item not in outcome.unanswered]
+    skipped = set(outcome.unanswered)
+    todo = [item for item in items if item not in skipped]
     start = 0
     while start < len(todo):
         with _stuck_lock:

@@ -15,7 +15,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from tpuboot.holders.procfs import Process, ProcReader, read_text
+from tpuboot.holders.procfs import Process, ProcReader
+from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_hex, ascii_int
 from tpuboot.paths import Root
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import stat
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from tpuboot.holders.bounded import each_within
+from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_hex, ascii_int
-from tpuboot.paths import MAX_FILE_BYTES, Root
+from tpuboot.paths import Root
 
 #: /proc/PID/stat's state letters, as `who` names them (t: stopped by a tracer; I: an idle kernel thread).
 STATES = {
@@ -88,37 +88,6 @@ def iso(when: float | None) -> str | None:
     if when is None:
         return None
     return datetime.datetime.fromtimestamp(when, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def read_bytes(root: Root, path: str, limit: int = MAX_FILE_BYTES) -> bytes | None:
-    """At most ``limit`` bytes of a /proc (or sysfs) file; None when it vanished, cannot be read
-    or is not a regular file."""
-    try:
-        fd = os.open(root.path(path), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        chunks: list[bytes] = []
-        left = limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def read_text(root: Root, path: str, limit: int = MAX_FILE_BYTES) -> str | None:
-    """:func:`read_bytes` as text (bytes that are not UTF-8 replaced)."""
-    data = read_bytes(root, path, limit)
-    return None if data is None else data.decode("utf-8", "replace")
 
 
 def stat_fields(root: Root, pid: int) -> list[str] | None:

@@ -67,15 +67,20 @@ class Unseen:
     unanswered: tuple[int, ...] = ()  # PIDs whose reads blocked (a stuck process, a dead FUSE server)
     not_reached: tuple[int, ...] = ()  # PIDs the scan had no time for
     listed: bool = True  # /proc could be listed at all
+    hidden: bool = False  # /proc hides other users' processes from this one (hidepid)
 
     def __bool__(self) -> bool:
-        return bool(self.unreadable or self.unanswered or self.not_reached or not self.listed)
+        return bool(self.unreadable or self.unanswered or self.not_reached or not self.listed or self.hidden)
 
     def phrases(self) -> list[str]:
         """What was not seen, one phrase each, with what to do."""
         said = []
         if not self.listed:
             said.append("/proc could not be listed, so no process was seen")
+        if self.hidden:
+            said.append(
+                "/proc hides other users' processes (hidepid) from this user (run as root to see them)"
+            )
         if self.unreadable:
             said.append(f"{_pids(self.unreadable)} could not be read (run as root to see them)")
         if self.unanswered:
@@ -92,6 +97,7 @@ class Unseen:
             "unanswered_pids": list(self.unanswered),
             "not_reached_pids": list(self.not_reached),
             "proc_listed": self.listed,
+            "proc_hides_processes": self.hidden,
         }
 
 
@@ -186,7 +192,11 @@ def gather(root: Root, chips: Sequence[Chip]) -> Report:
         if pid in processes
     )
     unseen = Unseen(
-        tuple(opened.unreadable), tuple(opened.unanswered), tuple(opened.not_reached), opened.listed
+        tuple(opened.unreadable),
+        tuple(opened.unanswered),
+        tuple(opened.not_reached),
+        opened.listed,
+        opened.hidden,
     )
     return Report(held, container, locks, unknown, unseen)
 

@@ -20,8 +20,8 @@ import stat
 from dataclasses import dataclass, field
 
 from tpuboot.holders.bounded import each_within
-from tpuboot.holders.procfs import read_text
 from tpuboot.holders.targets import SYSPATH_FIELD, VFIO_DEVICE_FD, Targets
+from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 
@@ -48,6 +48,7 @@ class Opened:
     unanswered: list[int] = field(default_factory=list)  # PIDs whose reads blocked
     not_reached: list[int] = field(default_factory=list)  # PIDs the scan had no time for
     listed: bool = True  # /proc could be listed
+    hidden: bool = False  # /proc hides other users' processes from this one (hidepid)
     processes: int = 0  # PIDs looked at
 
     def holders_of(self, node: str) -> list[int]:
@@ -56,10 +57,10 @@ class Opened:
     @property
     def complete(self) -> bool:
         """Every process was seen: no holder can hide in what the scan missed."""
-        return self.listed and not (self.unreadable or self.unanswered or self.not_reached)
+        return self.listed and not (self.hidden or self.unreadable or self.unanswered or self.not_reached)
 
 
-class _Refused(Exception):
+class _Refused:
     """A process's fds could not be read (EACCES): not seen."""
 
 
@@ -73,6 +74,7 @@ def scan(root: Root, targets: Targets) -> Opened:
         found.listed = False
         return found
     found.processes = len(pids)
+    found.hidden = root.is_host and os.geteuid() != 0 and hides_processes(root)
 
     def look(pid: int) -> Held | _Refused | None:
         try:
@@ -94,6 +96,18 @@ def scan(root: Root, targets: Targets) -> Opened:
     found.not_reached = sorted(outcome.not_reached)
     found.unreadable.sort()
     return found
+
+
+def hides_processes(root: Root) -> bool:
+    """/proc is mounted with ``hidepid`` (1, 2, invisible, noaccess, ptraceable): other users'
+    processes are then left out of a listing, not refused, and only root sees them all."""
+    for line in (read_text(root, "/proc/self/mountinfo") or "").splitlines():
+        fields = line.split(" - ")
+        before, after = fields[0].split(), fields[-1].split()
+        if len(before) > 4 and before[4] == "/proc" and after[:1] == ["proc"]:
+            options = after[2].split(",") if len(after) > 2 else []
+            return any(o.startswith("hidepid=") and o not in ("hidepid=0", "hidepid=off") for o in options)
+    return False
 
 
 def _held(root: Root, proc: str, pid: int, targets: Targets) -> Held:

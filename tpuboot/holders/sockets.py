@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from tpuboot.holders.procfs import read_text
+from tpuboot.kernelfiles import read_text
 from tpuboot.paths import Root
 
 #: /proc/net/tcp's ``st`` of a socket that holds its port against a job's bind: LISTEN (0A), and

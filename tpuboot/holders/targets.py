@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from tpuboot.devices.chips import VFIO_CONTAINER, Chip
 from tpuboot.devices.pci import IOMMU_GROUPS, PCI_DEVICES
 from tpuboot.devices.vfio import group_node
-from tpuboot.holders.procfs import read_text
+from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from bench.soak import CATALOG, FAULTS, error_kind, longest_life, pooled_slope
+from bench.soak import (
+    BASE,
+    CATALOG,
+    FAULTS,
+    SoakReport,
+    error_kind,
+    explain_streak,
+    longest_life,
+    pooled_slope,
+    reader_catalog,
+)
 from bench.soak_reader import Tally, parse
-from harness.mds_emulator import HOSTILE_VALUES, Faults
+from harness.mds_emulator import HOSTILE_VALUES, Faults, MetadataEmulator
+from tests.unit.helpers.metadata import make_client
 from tpuboot.env.tpuenv import MAX_TPU_ENV_BYTES, TpuEnvError, parse_tpu_env, render_env_file
+from tpuboot.errors import MetadataError
 
 
 @pytest.mark.parametrize("doc", CATALOG, ids=lambda d: d.label)
@@ -56,9 +70,54 @@ def test_the_reader_calls_anything_else_garbled(text: str) -> None:
     assert parse(text) is None
 
 
+def test_no_fault_of_the_soak_turns_a_document_into_another_whole_answer() -> None:
+    """Under every fault, tpuboot's client gets each document whole or not at all: what it takes is
+    a document the soak served. (A Content-Length of 100000 made a whole answer of the 1 MiB
+    document's first 100000 bytes, which parsed: the file then held values no document gave.)"""
+    keys = {f"tpu-env-{n}": doc.text + "#" * doc.pad for n, doc in enumerate(CATALOG)}
+    faults = {name: fields for name, fields in FAULTS.items() if fields is not None}
+    emulators = {name: MetadataEmulator(keys).start() for name in faults}
+    try:
+        for name, fields in faults.items():
+            emulators[name].set_faults(**fields)
+
+        def fetch(job: tuple[str, str]) -> tuple[str, str, bytes | None]:
+            name, key = job
+            client = make_client(emulators[name], timeout=0.5)
+            try:
+                return name, key, client.get(f"instance/attributes/{key}", deadline_s=1.0).body
+            except MetadataError:
+                return name, key, None  # no answer: the file keeps what it held
+            finally:
+                client.close()
+
+        jobs = [(name, key) for name in faults for key in keys]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(fetch, jobs))
+    finally:
+        for emulator in emulators.values():
+            emulator.close()
+    wrong = [(name, key, len(body)) for name, key, body in answers if body not in (None, keys[key].encode())]
+    assert not wrong
+
+
+def test_the_readers_catalog_names_a_refused_documents_parsable_prefix() -> None:
+    catalog = reader_catalog()
+    good = [entry for entry in catalog if entry["good"]]
+    assert good[0]["values"] == BASE
+    assert [e["label"] for e in good[1:]] == [d.label for d in CATALOG if d.expected is not None]
+    refused = [entry for entry in catalog if not entry["good"]]
+    assert [e["label"] for e in refused] == ["larger than 1 MiB (refused whole)"]
+    assert refused[0]["values"] == {**BASE, "WORKER_ID": "7"}
+
+
+def entry(label: str, values: dict[str, str], good: bool = True) -> dict[str, object]:
+    return {"label": label, "values": values, "good": good}
+
+
 def test_the_tally_files_each_read(tmp_path) -> None:
     path = tmp_path / "tpu-env"
-    tally = Tally([{"A": "1"}, {"A": "2"}])
+    tally = Tally([entry("one", {"A": "1"}), entry("two", {"A": "2"}), entry("bad", {"A": "3"}, good=False)])
     tally.read(str(path))
     path.write_text(render_env_file({"A": "2"}))
     tally.read(str(path))
@@ -68,7 +127,53 @@ def test_the_tally_files_each_read(tmp_path) -> None:
     tally.read(str(path))
     assert tally.counts == {"reads": 4, "missing": 1, "garbled": 1, "unexpected": 1}
     assert tally.seen == {1: 1}
-    assert [s["kind"] for s in tally.samples] == ["missing", "unexpected", "garbled"]
+    assert [s["kind"] for s in tally.samples] == ["missing", "garbled"]
+
+
+def test_each_run_of_wrong_reads_is_one_streak_named_after_the_nearest_document(tmp_path) -> None:
+    path = tmp_path / "tpu-env"
+    base = {"A": "1", "B": "2", "C": "3"}
+    tally = Tally(
+        [entry("base", base), entry("b9", {**base, "B": "9"}), entry("big", {**base, "B": "7"}, False)]
+    )
+    for values, reads in (
+        ({**base, "B": "7"}, 3),
+        (base, 1),
+        ({"A": "1", "B": "9"}, 2),
+        ({**base, "D": "x"}, 1),
+    ):
+        path.write_text(render_env_file(values))
+        for _ in range(reads):
+            tally.read(str(path))
+    assert tally.counts["unexpected"] == 6
+    streaks = [(s["reads"], s["closest"], s["closest_good"], s["differs"]) for s in tally.streaks]
+    assert streaks == [(3, "big", False, 0), (2, "b9", True, 1), (1, "base", True, 1)]
+    assert tally.streaks[1]["names"] == ["C=None (it gives '3')"]
+    assert tally.streaks[0]["first_at_s"] <= tally.streaks[0]["last_at_s"] <= tally.streaks[1]["first_at_s"]
+
+
+def test_a_streak_is_told_in_the_soaks_time_with_the_documents_served_before_it() -> None:
+    nearest = {
+        "closest": "larger than 1 MiB (refused whole)",
+        "closest_good": False,
+        "differs": 0,
+        "names": [],
+    }
+    streak = {"first_at_s": 2230.2, "last_at_s": 2237.0, "reads": 331, **nearest}
+    served = [(0.0, "sample"), (2100.0, "larger than 1 MiB"), (2200.0, "alias"), (2240.0, "worker 3")]
+    assert explain_streak(streak, 4.0, served) == (
+        "2234-2241 s (331 reads): nearest 'larger than 1 MiB (refused whole)' (the same values); "
+        "served last before: 'larger than 1 MiB' at 2100 s, 'alias' at 2200 s"
+    )
+
+
+def test_wrong_reads_are_one_failure_that_lists_each_streak() -> None:
+    report = SoakReport(minutes=3, seed=1, reader={"reads": 100, "unexpected": 5}, vbar_running_at_end=True)
+    report.unexpected_reads = ["10-11 s (2 reads): nearest 'a'", "20-21 s (3 reads): nearest 'b'"]
+    assert report.failures() == [
+        "tpu-env held values no document gave in 5 reads:"
+        "\n      10-11 s (2 reads): nearest 'a'\n      20-21 s (3 reads): nearest 'b'"
+    ]
 
 
 def test_growth_is_pooled_within_each_process_so_a_restart_is_not_growth() -> None:

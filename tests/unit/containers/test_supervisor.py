@@ -75,7 +75,7 @@ def test_a_crashing_child_is_restarted_with_growing_delays(tmp_path: Path) -> No
         # (on a loaded machine, after stop() had the test not waited for them).
         wait_until(lambda: len(supervisor.delays) >= 5 and "crash loop" in status.last)
         supervisor.stop()
-    assert supervisor.delays[:5] == [0.05, 0.1, 0.2, 0.2, 0.2]
+    assert list(supervisor.delays)[:5] == [0.05, 0.1, 0.2, 0.2, 0.2]
     assert "exit 3" in status.last
     restarts = registry.get_sample_value("tpuboot_container_restarts_total", {"container": "vBar"})
     assert restarts == len(supervisor.delays)
@@ -106,6 +106,26 @@ def test_a_missing_program_is_a_failed_start_with_backoff(tmp_path: Path) -> Non
     supervisor.stop()
     assert "start failed: cannot run" in status.last
     assert supervisor.starts == 0
+
+
+def test_a_supervisor_keeps_only_the_last_restart_delays(tmp_path: Path) -> None:
+    """A daemon lives for months and its containers restart without end: what it keeps of each
+    restart is bounded (every delay was kept, one more per vBar kill: issue 38)."""
+    from tpuboot.containers.supervisor import RECENT_DELAYS
+
+    status = Statuses()
+    at_once = RestartPolicy(initial=0.0, maximum=0.0, stable_after=30.0)
+    supervisor = Supervisor("vBar", ExecRuntime([str(tmp_path / "absent")]), at_once, status)
+    with metrics.use(metrics.Metrics()) as counted:
+        registry = metrics_export.registry_of(counted)
+
+        def restarts() -> float:
+            return registry.get_sample_value("tpuboot_container_restarts_total", {"container": "vBar"}) or 0.0
+
+        supervisor.start()
+        wait_until(lambda: restarts() > 2 * RECENT_DELAYS)
+        supervisor.stop()
+    assert len(supervisor.delays) == RECENT_DELAYS < restarts()
 
 
 def test_describe_exit() -> None:

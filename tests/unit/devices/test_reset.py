@@ -356,8 +356,9 @@ def test_a_breaker_record_of_the_right_shape_is_kept(tmp_path):
     kernel, chip, ladder, clock = setup(tmp_path)
     path = kernel.p(BREAKER_PATH)
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"0000:05:00": [int(clock.now) - 10, clock.now - 20.5]}))
+    path.write_text(json.dumps({"0000:05:00": [int(clock.now) - 10, clock.now - 20.5], "10000:01:00": []}))
     assert len(ladder.breaker.recent(chip.address)) == 2
+    assert sorted(ladder.breaker.chips()) == ["0000:05:00", "10000:01:00"]  # a VMD domain is 5 digits
 
 
 NOBODY = 65534

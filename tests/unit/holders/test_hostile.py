@@ -437,3 +437,30 @@ def test_odd_numbers_in_proc_never_crash_a_scan(tree, odd):
     assert boot_time(kernel.root) is None and lock_table(kernel.root) == {}
     assert memlock(kernel.root, 101) is None
     assert ProcReader(kernel.root).users.names == {}
+
+
+@pytest.mark.parametrize(
+    ("options", "hides"),
+    [("rw", False), ("rw,hidepid=0", False), ("rw,hidepid=off", False), ("rw,hidepid=2", True),
+     ("rw,gid=4,hidepid=invisible", True), ("rw,hidepid=ptraceable", True)],
+)  # fmt: skip
+def test_a_proc_mounted_with_hidepid_is_known_to_hide_processes(tmp_path, options, hides):
+    """hidepid leaves other users' processes out of a listing (not refused): a scan by another
+    user than root cannot tell it saw them all, and says so."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/mountinfo").write_text(
+        "22 1 0:21 / /sys rw,nosuid - sysfs sysfs rw\n"
+        f"23 1 0:22 / /proc rw,nosuid,nodev,noexec,relatime shared:12 - proc proc {options}\n"
+    )
+    assert scan_module.hides_processes(Root(tmp_path)) is hides
+
+
+def test_a_hidden_proc_is_not_seen_and_said(tree):
+    from tpuboot.holders.report import Report, Unseen
+
+    report = Report([], (), [], unseen=Unseen(hidden=True))
+    assert not report.free and report.maybe_held
+    assert render(report)[-1] == (
+        "not seen: /proc hides other users' processes (hidepid) from this user (run as root to see them);"
+        " a chip shown free may be held"
+    )

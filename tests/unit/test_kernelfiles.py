@@ -1,0 +1,49 @@
+"""Reads of /proc and sysfs files (tpuboot/kernelfiles.py): a FIFO or a directory where the kernel
+has a file is refused at once (opening a FIFO would wait for a writer), a huge file is read
+to the bound, and the PCIe health readings that use it go on past each."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.unit.fakes.kernel import FakeKernel
+from tpuboot.devices.health import read_link
+from tpuboot.kernelfiles import read_bytes, read_text
+from tpuboot.paths import MAX_FILE_BYTES, Root
+
+A = "0000:00:04.0"
+
+
+def test_what_is_not_a_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x\n")
+    root = Root(tmp_path)
+    assert read_text(root, "/fifo") is None and read_text(root, "/dir") is None
+    assert read_text(root, "/missing") is None
+    assert read_text(root, "/file") == "x\n"
+
+
+def test_a_huge_file_is_read_to_its_bound(tmp_path: Path) -> None:
+    (tmp_path / "big").write_bytes(b"7" * (3 * MAX_FILE_BYTES))
+    root = Root(tmp_path)
+    assert len(read_bytes(root, "/big") or b"") == MAX_FILE_BYTES
+    assert read_bytes(root, "/big", 10) == b"7" * 10
+
+
+def test_pcie_link_readings_go_on_past_a_fifo(tmp_path: Path) -> None:
+    kernel = FakeKernel(tmp_path)
+    kernel.add_device(A, 0x1AE0, 0x0062)
+    d = kernel.p(f"/sys/bus/pci/devices/{A}")
+    os.mkfifo(d / "current_link_speed")
+    (d / "current_link_width").write_text("16\n")
+    (d / "max_link_speed").write_text("16.0 GT/s PCIe\n")
+    (d / "max_link_width").write_text("16\n")
+    link = read_link(kernel.root, A)
+    assert link is not None and (link.speed, link.width, link.max_speed, link.max_width) == (
+        None,
+        16,
+        16.0,
+        16,
+    )
