@@ -72,10 +72,11 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
     return build(ctx.root, config).serve()
 
 
-def _print_json(items: Sequence[Mapping[str, object]]) -> None:
+def _print_json(data: Mapping[str, object] | Sequence[Mapping[str, object]]) -> None:
+    """A --json answer: one object for one report, a list for records of one kind (doc/operation.md)."""
     import json
 
-    print(json.dumps(items, indent=2))
+    print(json.dumps(data, indent=2))
 
 
 def _seconds(text: str) -> float:
@@ -178,7 +179,7 @@ def _print_boot(ctx: Context, as_json: bool) -> int:
         )
         return EXIT_FAILED
     if as_json:
-        _print_json([budget])
+        _print_json(budget)
         return EXIT_OK
     after = budget.get("started_after_boot_seconds")
     if isinstance(after, (int, float)):
@@ -242,7 +243,7 @@ def cmd_who(ctx: Context, args: argparse.Namespace) -> int:
 
         metrics.holders(report)
     if args.json:
-        _print_json([report.as_dict()])
+        _print_json(report.as_dict())
     else:
         print("\n".join(render(report)))
     return _held_exit(report)
@@ -288,7 +289,7 @@ def cmd_slice(ctx: Context, args: argparse.Namespace) -> int:
     finally:
         looker.close()
     if args.json:
-        _print_json([report.as_dict()])
+        _print_json(report.as_dict())
     else:
         print("\n".join(render(report)))
     return EXIT_OK if report.holds else EXIT_FAILED
@@ -457,7 +458,7 @@ def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.gce.replies import MetadataAbsent
     from tpuboot.wiring import metadata_settings
 
-    client = MetadataClient.from_settings(metadata_settings(ctx.config.metadata))
+    client = MetadataClient.from_settings(metadata_settings(ctx.config.metadata), log_retries=False)
     try:
         value = metadata_get(client, args.type, args.key, deadline_s=args.deadline)
     except MetadataAbsent:
@@ -480,9 +481,9 @@ def cmd_env(ctx: Context, args: argparse.Namespace) -> int:
 
     config = ctx.config
     settings = metadata_settings(config.metadata)
-    client = MetadataClient.from_settings(settings, on_request=metrics.metadata_request)
+    client = MetadataClient.from_settings(settings, on_request=metrics.metadata_request, log_retries=False)
+    # Its result is said once, as the service says it (a line on stderr): --print's stdout is tpu-env alone.
     result = EnvSync(ctx.root, config, client).sync_once(args.deadline or config.metadata.boot_deadline)
-    print(result.status)
     if args.print and result.source in ("metadata", "cache"):
         sys.stdout.write(ctx.root.path(config.env.tpu_env_path).read_text(encoding="utf-8"))
     return EXIT_OK if result.source in ("metadata", "absent") else EXIT_FAILED

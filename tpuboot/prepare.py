@@ -234,7 +234,7 @@ def prepare(root: Root, config: Config) -> list[CheckResult]:
     from tpuboot.wiring import metadata_settings
 
     try:
-        client = MetadataClient.from_settings(metadata_settings(config.metadata))
+        client = MetadataClient.from_settings(metadata_settings(config.metadata), log_retries=False)
     except TpubootError as exc:  # a bad $GCE_METADATA_HOST: anonymous pulls, the rest as ever
         log.warning("metadata: %s; pulling without the VM's credentials", exc)
         return Preparer(root, config).run()

@@ -21,7 +21,8 @@ Modules, one responsibility each:
   hooks, stand-in devices, the vBar guest), and steering them in the running guest.
 * :mod:`.pyguest`     -- a library-matrix row's CPython with its libraries in a guest tree, the
   unit's ExecStart pointed at it (jammy's 3.10: tests/vm/test_tpuboot_ubuntu_userland.py).
-* :mod:`.demo`        -- ``scripts/demo``.
+* :mod:`.demo`        -- ``scripts/demo``, on its own guest (``DEMO_BOOKWORM``: Debian 12 with dockerd
+  for vBar and podman for a container through the CDI spec).
 * ``guest/``          -- files for the guest: ``guestcmd.py`` + its unit, ``vfio_read.py`` (both
   installed at ``/usr/local/libexec/tpuboot-test/``), ``initramfs-init``.
 

@@ -124,12 +124,15 @@ PODMAN_BOOKWORM = Platform(
 DOCKER_TRIXIE = Platform(
     "docker-debian13", "trixie", BASE_PACKAGES, apt_packages=("docker.io", "docker-cli", "apparmor")
 )
-VARIANT_OF = {PODMAN_BOOKWORM.name: BOOKWORM, DOCKER_TRIXIE.name: TRIXIE}
+# scripts/demo's guest: Debian 12's dockerd for vBar, and podman for a container given the chips
+# through tpuboot's CDI spec (Debian 12's docker 20.10 predates CDI).
+DEMO_BOOKWORM = Platform("demo-debian12", "bookworm", GUEST_PACKAGES, apt_packages=("podman", "crun"))
+VARIANT_OF = {PODMAN_BOOKWORM.name: BOOKWORM, DOCKER_TRIXIE.name: TRIXIE, DEMO_BOOKWORM.name: BOOKWORM}
 
 
 def platform_named(name: str) -> Platform:
     """The platform called ``name`` (``debian12``, ``debian13``, or a variant's)."""
-    for platform in (*PLATFORMS, PODMAN_BOOKWORM, DOCKER_TRIXIE):
+    for platform in (*PLATFORMS, PODMAN_BOOKWORM, DOCKER_TRIXIE, DEMO_BOOKWORM):
         if platform.name == name:
             return platform
     raise ValueError(f"no platform {name!r}; known: {', '.join(p.name for p in PLATFORMS)}")

@@ -351,3 +351,30 @@ def managed_containers(vm: VM) -> list[str]:
     """The ids of the containers tpuboot labelled as its own."""
     out = vm.run(["docker", "ps", "-aq", "--no-trunc", "--filter", "label=io.tpuboot.managed=1"], check=True)
     return out.stdout.split()
+
+
+# --- a container image that reads a stand-in through VFIO (tests/vm/test_cdi.py, scripts/demo) ------
+
+#: A busybox rootfs the guest imports into its engine (no registry): run with the guest's /usr
+#: bind-mounted read-only, it has python3 and vfio_read.py.
+PROBE_TAR = "/var/lib/tpuboot-test/probe-rootfs.tar"
+PROBE_IMAGE = "localhost/tpuboot-test/probe:1"
+
+
+def probe_rootfs_tar() -> bytes:
+    """busybox as /bin/sh, and the links the guest's /usr needs to run its python3 from a mount."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = BUSYBOX.read_bytes()
+        info = tarfile.TarInfo("bin/busybox")
+        info.size, info.mode = len(data), 0o755
+        tar.addfile(info, io.BytesIO(data))
+        for name, target in (("bin/sh", "busybox"), ("lib", "usr/lib"), ("lib64", "usr/lib64")):
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = tarfile.SYMTYPE, target
+            tar.addfile(link)
+        for name in ("usr", "tmp", "proc", "sys", "dev"):
+            folder = tarfile.TarInfo(name)
+            folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(folder)
+    return buf.getvalue()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import socket
 
 import pytest
 
@@ -126,9 +127,42 @@ def test_env_writes_tpu_env_and_environment(emulator: MetadataEmulator, monkeypa
     top = tmp_path / "root"
     (top / "etc").mkdir(parents=True)
     assert cli.main(["--root", str(top), "env"]) == cli.EXIT_OK
-    assert "from metadata" in one_line(capsys.readouterr().out)
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.endswith("\ntpuboot: tpu-env: 14 keys from metadata\n")
+    assert cli.main(["--root", str(top), "env", "--print"]) == cli.EXIT_OK  # stdout: tpu-env alone
+    assert capsys.readouterr().out == (top / "home/tpu-runtime/tpu-env").read_text()
     assert 'ACCELERATOR_TYPE="' in (top / "home/tpu-runtime/tpu-env").read_text()
     assert "CLOUDSDK_PYTHON=/usr/bin/python3" in (top / "etc/environment").read_text()
+
+
+def test_one_shot_commands_say_an_unreachable_metadata_server_once(monkeypatch, tmp_path, capsys):
+    """No "retrying with backoff" line from a command that has ended: its error names every kind
+    of failure; env says its result once (no tpu-env written, no cache), after that error."""
+    with socket.socket() as bound:  # bound, never listening: every connection to it is refused
+        bound.bind(("127.0.0.1", 0))
+        host = f"127.0.0.1:{bound.getsockname()[1]}"
+        monkeypatch.setenv("GCE_METADATA_HOST", host)
+        one_shot_commands_against(host, tmp_path, capsys)
+
+
+def one_shot_commands_against(host: str, tmp_path, capsys) -> None:
+    top = tmp_path / "root"
+    (top / "etc").mkdir(parents=True)
+    assert (
+        cli.main(["--root", str(top), "metadata", "get", "tpu-env", "--deadline", "0.5"]) == cli.EXIT_FAILED
+    )
+    said = capsys.readouterr()
+    assert said.out == ""
+    assert one_line(said.err).startswith(
+        f"tpuboot: metadata server http://{host}/computeMetadata/v1/: connection"
+    )
+    assert cli.main(["--root", str(top), "env", "--deadline", "0.5"]) == cli.EXIT_FAILED
+    said = capsys.readouterr()
+    lines = [line for line in said.err.splitlines() if not line.startswith("tpuboot: /etc/environment: set ")]
+    assert said.out == "" and "retrying" not in said.err, said
+    assert lines[0].startswith(f"tpuboot: tpu-env: metadata server http://{host}/") and "try" in lines[0]
+    left = "left /home/tpu-runtime/tpu-env as it was"
+    assert lines[1:] == [f"tpuboot: tpu-env: metadata server unreachable and no cached copy; {left}"]
 
 
 @pytest.mark.parametrize("deadline", ["nan", "inf", "-1", "0", "1e9", "soon"])

@@ -11,9 +11,7 @@ uid 1000 without --privileged, with no capability added.
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,14 +20,16 @@ from pathlib import Path
 import pytest
 
 from harness.vm.artifacts import DOCKER_TRIXIE, PODMAN_BOOKWORM, Platform
-from harness.vm.hostenv import BUSYBOX
 from harness.vm.machine import VM
 from harness.vm.tpuboot_guest import (
     EDU,
     EDU_ID_REGISTER,
+    PROBE_IMAGE,
+    PROBE_TAR,
     VFIO_READ,
     guest_config,
     package_install_hook,
+    probe_rootfs_tar,
     write_in_tree,
 )
 from tpuboot.containers.cdi import SPEC_PATH, name_of
@@ -40,8 +40,6 @@ from .conftest import BenchFactory
 pytestmark = pytest.mark.vm
 
 SPEC = SPEC_PATH
-PROBE_TAR = "/var/lib/tpuboot-test/probe-rootfs.tar"
-PROBE_IMAGE = "localhost/tpuboot-test/probe:1"
 # Docker: CDI behind its feature flag (Docker 26); no bridge or iptables (they cost 30 s under TCG).
 DOCKER_DAEMON_JSON = '{"features": {"cdi": true}, "bridge": "none", "iptables": false}\n'
 
@@ -57,25 +55,6 @@ ENGINES = [
     Engine("podman", PODMAN_BOOKWORM, ()),
     Engine("docker", DOCKER_TRIXIE, ("--ulimit", "memlock=-1:-1")),
 ]
-
-
-def probe_rootfs_tar() -> bytes:
-    """busybox as /bin/sh, and the links the guest's /usr needs to run its python3 from a mount."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        data = BUSYBOX.read_bytes()
-        info = tarfile.TarInfo("bin/busybox")
-        info.size, info.mode = len(data), 0o755
-        tar.addfile(info, io.BytesIO(data))
-        for name, target in (("bin/sh", "busybox"), ("lib", "usr/lib"), ("lib64", "usr/lib64")):
-            link = tarfile.TarInfo(name)
-            link.type, link.linkname = tarfile.SYMTYPE, target
-            tar.addfile(link)
-        for name in ("usr", "tmp", "proc", "sys", "dev"):
-            folder = tarfile.TarInfo(name)
-            folder.type, folder.mode = tarfile.DIRTYPE, 0o755
-            tar.addfile(folder)
-    return buf.getvalue()
 
 
 def install_hook(deb: Path, engine: Engine) -> Callable[[Path], None]:
@@ -249,8 +228,7 @@ def test_a_chip_held_through_its_vfio_device_cdev_is_named_held(vm: tuple[VM, En
             interval=0.5,
         )
         pid = int(m.run(["systemctl", "show", "-P", "MainPID", "tpuboot-test-cdev"], check=True).stdout)
-        data = json.loads(m.run(["tpuboot", "who", "--json"], timeout=60).stdout)
-        report = data[0] if isinstance(data, list) else data
+        report = json.loads(m.run(["tpuboot", "who", "--json"], timeout=60).stdout)
         (chip,) = [c for c in report["chips"] if address in c["functions"]]
         assert [(h["pid"], h["nodes"]) for h in chip["holders"]] == [(pid, [cdev])]
         assert report["unknown_chip_holders"] == []

@@ -52,7 +52,7 @@ def vm(vm_artifacts: Artifacts, vm_image_factory: ImageFactory, tpuboot_deb: Pat
 
 def who(vm: VM) -> tuple[int, dict[str, Any]]:
     result = vm.run(["tpuboot", "who", "--json"], timeout=60)
-    return result.rc, json.loads(result.stdout)[0]
+    return result.rc, json.loads(result.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,14 @@ from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable, 
 from tpuboot.containers.engine import ContainerEngine, EngineError, EngineNotFound, EngineUnreachable
 from tpuboot.containers.gke import GkeAnswer, Metadata, ask_gke
 from tpuboot.containers.liveness import EndpointProbe, probe
+from tpuboot.errors import MetadataError
 from tpuboot.numbers import ascii_signed
 from tpuboot.paths import Root
 
 RUNNING, ABSENT = "running", "absent"
+#: What a check that needs the metadata server says when it did not answer: the reason is said once,
+#: by doctor's metadata-server check.
+UNANSWERED = "no answer from the metadata server, see the metadata-server check"
 
 #: ``state(root, name)``: "running", "absent", or how the container stands ("exited (code 1)");
 #: raises :class:`EngineUnreachable` when the engine does not answer, another EngineError when it
@@ -35,9 +39,11 @@ ContainerProbe = Callable[[Root, str], str]
 
 
 class DeadlineMetadata(Metadata, Protocol):
-    """Doctor's metadata server (its ``AskedOnce``): answers within ``deadline_s``."""
+    """Doctor's metadata server (its ``AskedOnce``): answers within ``deadline_s``; ``down`` once it
+    did not (doctor's metadata-server check says why)."""
 
     deadline_s: float
+    down: MetadataError | None
 
 
 def container_state(engine: ContainerEngine, name: str) -> str:
@@ -118,7 +124,8 @@ class ContainerChecks:
             if gke.node:
                 return skipped(f"a GKE node ({gke.why}): GKE runs {what}")
             if gke.node is None:
-                return skipped(f"cannot tell whether this is a GKE node: {gke.why}; set gke: true or false")
+                why = UNANSWERED if self.metadata.down is not None else gke.why
+                return skipped(f"cannot tell whether this is a GKE node: {why}; set gke: true or false")
         return None
 
     def check(self, agent: Agent) -> CheckResult:

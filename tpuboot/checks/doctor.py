@@ -33,7 +33,7 @@ from typing import Protocol
 
 from tpuboot.atomicfile import read_file
 from tpuboot.checks.cdi import CdiChecks
-from tpuboot.checks.containers import ContainerChecks, ContainerProbe, docker_container_state
+from tpuboot.checks.containers import UNANSWERED, ContainerChecks, ContainerProbe, docker_container_state
 from tpuboot.checks.holders import HolderChecks
 from tpuboot.checks.image import run_checks
 from tpuboot.checks.kernel import kernel_arch
@@ -64,7 +64,7 @@ from tpuboot.env.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, rende
 from tpuboot.errors import MetadataError
 from tpuboot.gce.client import MetadataClient
 from tpuboot.gce.keys import MACHINE_TYPE
-from tpuboot.gce.replies import MetadataAbsent, Reply
+from tpuboot.gce.replies import MetadataAbsent, MetadataUnanswered, Reply
 from tpuboot.paths import Root
 from tpuboot.wiring import metadata_settings
 
@@ -97,8 +97,9 @@ class Verdict:
 
 
 def metadata_lookup(config: MetadataConfig) -> MetadataClient:
-    """The metadata client doctor asks on the host (:class:`Doctor` bounds and shares its waits)."""
-    return MetadataClient.from_settings(metadata_settings(config))
+    """The metadata client doctor asks on the host (:class:`Doctor` bounds and shares its waits);
+    its failure is the metadata-server check's one line, not a retry log."""
+    return MetadataClient.from_settings(metadata_settings(config), log_retries=False)
 
 
 class NoServer:
@@ -171,6 +172,7 @@ class Doctor:
                     ("unsafe-interrupts", self.check_unsafe_interrupts),
                     ("iommu-groups-viable", self.check_groups_viable),
                     ("pcie-health", lambda: check_pcie_health(self.root, self.tpus)),
+                    ("metadata-server", self.check_metadata_server),
                     ("chip-count", self.check_chip_count),
                     ("slice", self.check_slice),
                     ("tpu-env", self.check_tpu_env),
@@ -313,9 +315,24 @@ class Doctor:
             self._slice = read_slice(self.tpu_env_values, self._lookup(MACHINE_TYPE))
         return self._slice
 
-    def _nothing_known(self) -> str:
+    def check_metadata_server(self) -> CheckResult:
+        """The metadata server answers (a value or a 404): said once here, and only named by the
+        checks that need it (chip-count, slice, vbar-running, vbar-endpoint)."""
+        if isinstance(self.metadata.client, NoServer):
+            return skipped("not asked: --root names another tree, not this host")
+        machine = self._lookup(MACHINE_TYPE)
         down = self.metadata.down
-        asked = f" (the metadata server: {down})" if down else ""
+        if down is None:
+            return passed(f"answers (machine type {machine.rsplit('/', 1)[-1] if machine else 'not set'})")
+        if isinstance(down, MetadataUnanswered):
+            return failed(f"metadata server unreachable: {down.url}: {down.reason}", down.fix)
+        return failed(
+            f"metadata server answers unusably: {down}",
+            "point metadata.host or $GCE_METADATA_HOST at the GCE metadata server (or unset them)",
+        )
+
+    def _nothing_known(self) -> str:
+        asked = f" ({UNANSWERED})" if self.metadata.down else ""
         return f"no TPU machine type{asked} and no accelerator type in tpu-env"
 
     def check_chip_count(self) -> CheckResult:

@@ -136,9 +136,15 @@ def to_json(spec: Spec) -> bytes:
 
 
 def to_yaml(spec: Spec) -> bytes:
+    """Plain YAML: each device's edits written out in full, never as anchors and aliases (a chip's
+    two names share one edits object), which a reader of a file in /etc/cdi should not meet."""
     import yaml  # only `tpuboot cdi --format yaml` pays for PyYAML
 
-    return yaml.safe_dump(spec, sort_keys=False, default_flow_style=False).encode()
+    class Plain(yaml.SafeDumper):
+        def ignore_aliases(self, data: object) -> bool:
+            return True
+
+    return yaml.dump(spec, Dumper=Plain, sort_keys=False, default_flow_style=False).encode()
 
 
 @dataclass(frozen=True)

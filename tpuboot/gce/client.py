@@ -7,7 +7,9 @@
   deadline, so a fleet booting together does not hammer the server in lockstep and no host asks
   more than twice a second; a wait that would pass the deadline is shortened for a last try.
   404 is an answer (MetadataAbsent), not a failure, and is not retried. Each kind of failure of a
-  URL is logged once (:mod:`tpuboot.gce.failures`), not once per try.
+  URL is logged once (:mod:`tpuboot.gce.failures`), not once per try, by a client built with
+  ``log_retries`` (the daemon's): a one-shot command's client leaves that out, since the one
+  error it ends with names every kind, and a "retrying" line would outlive the command.
 - Every request ends by a wall-clock deadline (:mod:`tpuboot.gce.transport`); a long-poll's own
   bound is ``timeout_sec`` plus ``timeout``.
 - ``put`` (guest attributes, :mod:`tpuboot.gce.guestattrs`) takes the same path as ``get``: the
@@ -29,7 +31,7 @@ from tpuboot.errors import MetadataError
 from tpuboot.eventloop import nothing
 from tpuboot.gce.failures import FailureLog
 from tpuboot.gce.keys import is_path
-from tpuboot.gce.replies import Change, MetadataAbsent, MetadataRefused, Reply, Retryable
+from tpuboot.gce.replies import Change, MetadataAbsent, MetadataRefused, MetadataUnanswered, Reply, Retryable
 from tpuboot.gce.settings import DEFAULT_URL, HOST_ENV, MIN_POLL_INTERVAL, MetadataSettings, metadata_base_url
 from tpuboot.gce.transport import Transport, exchange
 from tpuboot.gce.watch import watch
@@ -52,6 +54,7 @@ class MetadataClient:
         rng: random.Random | None = None,
         min_poll_interval: float = MIN_POLL_INTERVAL,
         on_request: Callable[[str], None] | None = None,
+        log_retries: bool = True,
     ) -> None:
         self.base_url = base_url if base_url.endswith("/") else base_url + "/"
         self.timeout = timeout
@@ -64,6 +67,7 @@ class MetadataClient:
         self._rng = rng or random.Random()
         self._rng_lock = threading.Lock()
         self._failures = FailureLog()
+        self.log_retries = log_retries  # each kind of a get's failure logged once while it retries
         self._transport = Transport()
         self._watches: weakref.WeakSet[Transport] = weakref.WeakSet()
         self._closed = threading.Event()
@@ -74,13 +78,17 @@ class MetadataClient:
         settings: MetadataSettings,
         environ: Mapping[str, str] | None = None,
         on_request: Callable[[str], None] | None = None,
+        *,
+        log_retries: bool = True,
     ) -> MetadataClient:
-        """The client for ``settings``; ConfigError for a bad ``$GCE_METADATA_HOST`` or host."""
+        """The client for ``settings``; ConfigError for a bad ``$GCE_METADATA_HOST`` or host.
+        A one-shot command passes ``log_retries=False``: its error is its one line."""
         return cls(
             metadata_base_url(settings.host, environ),
             timeout=settings.timeout,
             max_body=settings.max_body,
             on_request=on_request,
+            log_retries=log_retries,
         )
 
     def close(self) -> None:
@@ -128,16 +136,17 @@ class MetadataClient:
             try:
                 reply = self._try(self._transport, url, {}, (limit, limit), now + limit, method, data)
             except Retryable as failure:
-                if method == "GET":  # a writer paces and reports its own failures
+                if method == "GET" and self.log_retries:  # a writer paces and reports its own failures
                     self._failures.failed(failure.kind, url, retrying=True)
                 if failure.kind not in kinds:
                     kinds.append(failure.kind)
                 attempt += 1
                 delay = self._last_chance(self._delay(attempt - 1), deadline)
                 if delay is None or attempt == max_tries:
-                    raise MetadataError(
-                        f"metadata server {self.base_url}: {', then '.join(kinds)} ({_tries(attempt)} in "
-                        f"{deadline_s:g} s); check the VM's network, or metadata.host / ${HOST_ENV}"
+                    raise MetadataUnanswered(
+                        self.base_url,
+                        f"{', then '.join(kinds)} ({_tries(attempt)} in {deadline_s:g} s)",
+                        f"check the VM's network, or metadata.host / ${HOST_ENV}",
                     ) from None
                 self._closed.wait(delay)
                 continue

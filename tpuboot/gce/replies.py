@@ -26,6 +26,16 @@ class MetadataRefused(MetadataError):
         self.status = status
 
 
+class MetadataUnanswered(MetadataError):
+    """No usable answer within the deadline (refused, dropped, timed out, 5xx): ``url`` is the
+    server's, ``reason`` every kind of failure seen with the tries, ``fix`` what to check. Apart,
+    so that doctor can say it once in its own words and name it from the checks that need it."""
+
+    def __init__(self, url: str, reason: str, fix: str) -> None:
+        super().__init__(f"metadata server {url}: {reason}; {fix}")
+        self.url, self.reason, self.fix = url, reason, fix
+
+
 class Retryable(Exception):
     """One try failed in a way another try may not (connection, 5xx, timeout, no flavor).
 

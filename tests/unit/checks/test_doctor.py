@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -524,7 +525,7 @@ def test_without_tpu_env_or_metadata_the_slice_says_why_it_is_not_judged(kernel)
     verdicts = Doctor(kernel.root, make_config(), container_state=lambda root, name: "running").run()
     for name in ("chip-count", "slice"):
         assert result_of(verdicts, name).detail == (
-            "no TPU machine type (the metadata server: not asked: the root is not this host) "
+            "no TPU machine type (no answer from the metadata server, see the metadata-server check) "
             "and no accelerator type in tpu-env"
         )
 
@@ -588,3 +589,41 @@ def test_pcie_health_fails_a_degraded_link_or_a_lost_function_and_warns_on_nonfa
     (kernel.p(f"/sys/bus/pci/devices/{ADDRESSES[2]}") / "config").write_bytes(b"\xff" * 64)
     result = result_of(doctor(kernel), "pcie-health")
     assert f"{ADDRESSES[2]} does not answer config reads (vendor id 0xffff)" in result.detail
+
+
+def test_an_unreachable_metadata_server_is_said_once_in_its_own_check(kernel, caplog):
+    """The metadata-server check says why, once; chip-count, slice and the agents' checks name it
+    instead of repeating its text, and nothing logs a retry."""
+    from tpuboot.checks.doctor import metadata_lookup
+    from tpuboot.config import MetadataConfig
+
+    kernel.p(EnvConfig().tpu_env_path).unlink()
+    with socket.socket() as bound:  # bound, never listening: every connection to it is refused
+        bound.bind(("127.0.0.1", 0))
+        host = f"127.0.0.1:{bound.getsockname()[1]}"
+        client = metadata_lookup(MetadataConfig(host=host, timeout=0.2))
+        verdicts = doctor(kernel, metadata=client, metadata_deadline=0.5)
+    server = result_of(verdicts, "metadata-server")
+    assert server.status == "FAIL"
+    assert server.detail.startswith(
+        f"metadata server unreachable: http://{host}/computeMetadata/v1/: connection"
+    )
+    assert server.fix == "check the VM's network, or metadata.host / $GCE_METADATA_HOST"
+    said = [
+        result_of(verdicts, name).detail for name in ("chip-count", "slice", "vbar-running", "vbar-endpoint")
+    ]
+    assert all("see the metadata-server check" in detail and host not in detail for detail in said), said
+    assert sum(host in v.result.detail for v in verdicts) == 1
+    assert "retrying" not in caplog.text
+
+
+def test_the_metadata_server_check_passes_on_an_answer_and_skips_under_root(kernel):
+    machine = "projects/1/machineTypes/ct5p-hightpu-4t"
+    answered = result_of(
+        doctor(kernel, metadata=Values({"instance/machine-type": machine})), "metadata-server"
+    )
+    assert (answered.status, answered.detail) == ("PASS", "answers (machine type ct5p-hightpu-4t)")
+    assert result_of(doctor(kernel), "metadata-server").detail == "answers (machine type not set)"  # a 404
+    tree = Doctor(kernel.root, make_config(), systemd=NoSystemctl(), container_state=lambda r, n: "running")
+    skipped = result_of(tree.run(), "metadata-server")
+    assert (skipped.status, skipped.detail) == ("SKIP", "not asked: --root names another tree, not this host")

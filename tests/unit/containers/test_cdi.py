@@ -91,6 +91,16 @@ def test_yaml_says_what_json_says() -> None:
     assert yaml.safe_load(cdi.to_yaml(spec)) == json.loads(cdi.to_json(spec)) == spec
 
 
+def test_yaml_has_no_anchor_or_alias() -> None:
+    """A chip's two names share one edits object: the YAML writes it out twice, plainly."""
+    spec = cdi.render(chips(ChipFunction("0000:00:04.0", "TPU v5p", "4")))
+    assert spec is not None
+    events = list(yaml.parse(cdi.to_yaml(spec)))
+    assert not [e for e in events if isinstance(e, yaml.AliasEvent) or getattr(e, "anchor", None)]
+    edits = [e for e in events if isinstance(e, yaml.ScalarEvent) and e.value == "containerEdits"]
+    assert len(edits) == 4  # the chip's two names, all, and the spec's own
+
+
 class Pool:
     """An executor whose jobs run when the test says: what a busy worker pool looks like."""
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.devices.test_reset import unwedge, wedge
 from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.devices import unwedge, wedge
 from tpuboot import metrics
 from tpuboot.config import VfioConfig
 from tpuboot.devices import health as health_module

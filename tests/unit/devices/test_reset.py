@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.devices import unwedge, wedge
 from tpuboot.config import VfioConfig
 from tpuboot.devices.chips import chips_present
 from tpuboot.devices.reset import BREAKER_PATH, RESET_LOCK, Breaker, Ladder, ResetRefused
@@ -17,7 +18,6 @@ from tpuboot.devices.vfio import Binder
 
 V5P = (GOOGLE, 0x0062, (GOOGLE, 0x00AD))
 TPU7X = (GOOGLE, 0x0076, (GOOGLE, 0x00F2))
-GONE = b"\xff" * 64
 
 
 class Clock:
@@ -46,14 +46,6 @@ def setup(tmp_path: Path, ids=V5P, functions=1, reset_method: str | None = "flr 
     clock = Clock()
     ladder = Ladder(binder, Breaker(kernel.root, 3, clock), rescan_timeout=0.5, sleep=lambda s: None)
     return kernel, chip, ladder, clock
-
-
-def wedge(kernel: FakeKernel, address: str) -> None:
-    kernel.p(f"/sys/bus/pci/devices/{address}/config").write_bytes(GONE)
-
-
-def unwedge(kernel: FakeKernel, address: str) -> None:
-    kernel.p(f"/sys/bus/pci/devices/{address}/config").write_bytes(b"\xe0\x1a\x62\x00" + bytes(60))
 
 
 def test_a_function_reset_that_brings_the_chip_back_is_the_only_rung(tmp_path):

@@ -51,3 +51,17 @@ def add_chips(kernel: FakeKernel, groups: list[str], ids: tuple = V5P, per_chip:
         chip, fn = divmod(n, per_chip)
         address = f"0000:00:{4 + chip:02x}.{fn}"
         kernel.add_device(address, vendor, device, subsystem, driver="vfio-pci", group=group)
+
+
+#: What a function that fell off the bus answers to config reads (its vendor id 0xffff).
+GONE = b"\xff" * 64
+
+
+def wedge(kernel: FakeKernel, address: str) -> None:
+    """The function falls off the bus: its config space reads all ones."""
+    kernel.p(f"/sys/bus/pci/devices/{address}/config").write_bytes(GONE)
+
+
+def unwedge(kernel: FakeKernel, address: str) -> None:
+    """The function answers again, as a v5p (Google's vendor id, device 0x0062)."""
+    kernel.p(f"/sys/bus/pci/devices/{address}/config").write_bytes(b"\xe0\x1a\x62\x00" + bytes(60))

@@ -259,7 +259,7 @@ def test_who_exits_0_when_free_and_1_when_held_with_json(tree, capsys):
     assert "free" in capsys.readouterr().out
     proc.add(100, {4: "/dev/vfio/12"})
     assert cli.main([*root, "who", "--json"]) == 1
-    (data,) = json.loads(capsys.readouterr().out)
+    data = json.loads(capsys.readouterr().out)
     assert data["free"] is False
     assert data["chips"][0]["holders"][0]["pid"] == 100
     assert data["chips"][0]["holders"][0]["started"] == "2025-12-01T00:00:10Z"

@@ -217,7 +217,6 @@ def test_wait_free_and_who_do_not_exit_as_if_free_when_a_process_could_not_be_re
     assert "could not be read (run as root to see them)" in capsys.readouterr().err
     assert cli.main(["--root", str(kernel.top), "who", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    data = data[0] if isinstance(data, list) else data
     assert data["free"] is False and data["unreadable_pids"] == [200]
 
 
@@ -391,7 +390,6 @@ def test_a_command_line_and_a_lock_name_cannot_forge_lines(tree, capsys):
     assert out[2].startswith("lock /tmp/libtpu_lock\\nfree ")
     assert cli.main(["--root", str(kernel.top), "who", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    data = data[0] if isinstance(data, list) else data
     assert data["chips"][0]["holders"][0]["command"] == f"python3 {forged}"  # JSON stays exact
     assert data["locks"][0]["path"] == "/tmp/libtpu_lock\nfree"
 

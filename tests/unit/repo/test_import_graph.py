@@ -171,3 +171,17 @@ def test_the_gce_client_and_the_backoff_do_not_reach_the_config(module: str) -> 
                 seen.add(nxt)
                 todo.append(nxt)
     assert "tpuboot.config" not in seen
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in fixtures, fakes, helpers or harness/ (doc/testing.md), never in a
+    test module: importing one runs its module-level code and ties two test files together."""
+    edges = graph(PACKAGE.parent / "tests")
+
+    def is_test(name: str) -> bool:
+        return name.rsplit(".", 1)[-1].startswith("test_")
+
+    found = sorted(
+        f"{a} imports {b}" for a, targets in edges.items() if is_test(a) for b in targets if is_test(b)
+    )
+    assert not found, found
