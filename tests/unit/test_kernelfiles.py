@@ -47,3 +47,15 @@ def test_pcie_link_readings_go_on_past_a_fifo(tmp_path: Path) -> None:
         16.0,
         16,
     )
+
+
+def test_a_width_the_kernel_does_not_know_is_no_lane_count(tmp_path: Path) -> None:
+    """Just after an AER error the kernel may write x255 (PCIE_LNK_WIDTH_UNKNOWN): not 255 lanes."""
+    kernel = FakeKernel(tmp_path)
+    kernel.add_device(A, 0x1AE0, 0x0062)
+    d = kernel.p(f"/sys/bus/pci/devices/{A}")
+    for name, value in [("current_link_speed", "2.5 GT/s PCIe"), ("current_link_width", "255"),
+                        ("max_link_speed", "2.5 GT/s PCIe"), ("max_link_width", "1")]:  # fmt: skip
+        (d / name).write_text(f"{value}\n")
+    link = read_link(kernel.root, A)
+    assert link is not None and (link.width, link.max_width) == (None, 1)

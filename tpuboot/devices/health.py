@@ -169,6 +169,17 @@ def parse_width(text: str | None) -> int | None:
     return ascii_int((text or "").rstrip("\n"))
 
 
+#: The width the kernel writes when the link status register says nothing (PCIE_LNK_WIDTH_UNKNOWN),
+#: as it may just after an error: no lane count.
+UNKNOWN_WIDTH = 255
+
+
+def parse_lanes(text: str | None) -> int | None:
+    """A link's lane count; None where the kernel says it does not know it (x255)."""
+    width = parse_width(text)
+    return None if width == UNKNOWN_WIDTH else width
+
+
 def parse_aer(text: str) -> dict[str, int]:
     """``NAME COUNT`` lines as a mapping; a line of another shape is skipped, not trusted."""
     counters = {}
@@ -185,7 +196,7 @@ def read_link(root: Root, address: str) -> Link | None:
     maxima = [_read(root, address, f) for f in ("max_link_speed", "max_link_width")]
     if all(t is None for t in (*texts, *maxima)):
         return None
-    return Link(parse_speed(texts[0]), parse_width(texts[1]), parse_speed(maxima[0]), parse_width(maxima[1]))
+    return Link(parse_speed(texts[0]), parse_lanes(texts[1]), parse_speed(maxima[0]), parse_lanes(maxima[1]))
 
 
 def is_present(root: Root, address: str) -> bool:

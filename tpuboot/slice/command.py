@@ -38,7 +38,7 @@ class SliceLook:
     def __init__(self, root: Root, config: Config, connect_timeout: float) -> None:
         self.root = root
         self.tpu_env_path = config.env.tpu_env_path
-        self.client = MetadataClient.from_settings(metadata_settings(config.metadata))
+        self.client = MetadataClient.from_settings(metadata_settings(config.metadata), log_retries=False)
         self.connect_timeout = connect_timeout
 
     def __call__(self, deadline_s: float) -> SliceReport:
