@@ -232,22 +232,15 @@ def test_a_partial_scan_or_a_holder_of_a_chip_unknown_is_never_reset_under(
     """The real /proc scan (on a fake /proc): what it could not see, or tie to a chip, may hold
     this chip, so recovery waits; once it is gone, the chip is reset."""
     from tests.unit.fakes.proc import FakeProc
+    from tests.unit.helpers.holders import refuse_fds
     from tpuboot.devices.recovery import holders_of
-    from tpuboot.holders import scan as scan_module
 
     kernel, recovery, _ = setup(tmp_path)
     recovery.holders = holders_of(recovery.binder)
     proc = FakeProc(tmp_path)
     if unseen == "unreadable":
         proc.add(200, {4: "/dev/vfio/30"})
-        real = scan_module.os.open
-
-        def refused(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
-            if str(path).endswith("/200/fd"):
-                raise PermissionError(13, "Permission denied")
-            return real(path, flags, *args, **kwargs)
-
-        monkeypatch.setattr(scan_module.os, "open", refused)
+        refuse_fds(monkeypatch, 200)
     else:
         proc.add(200, {5: "anon_inode:[vfio-device]"})  # no fdinfo naming its device: Linux before 6.18
     fatal(kernel, 1)

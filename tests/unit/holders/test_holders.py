@@ -14,7 +14,7 @@ import pytest
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.fakes.proc import BOOT, TICKS, FakeProc, device
 from tests.unit.helpers.devices import TPU7X, add_chips
-from tests.unit.helpers.holders import DOCKER_ID, chips
+from tests.unit.helpers.holders import DOCKER_ID, chips, refuse_fds
 from tests.unit.helpers.images import NoSystemctl
 from tpuboot import cli, metrics_export
 from tpuboot.checks import holders as holder_checks
@@ -153,14 +153,7 @@ def test_unreadable_fds_are_counted_and_said(tree, monkeypatch):
     add_chips(kernel, ["12"])
     proc.add(100, {4: "/dev/vfio/12"})
     proc.add(200, {4: "/dev/vfio/12"})
-    real = os.open
-
-    def open_(path, flags, *args, **kwargs):
-        if str(path).endswith("/200/fd"):
-            raise PermissionError(13, "Permission denied")
-        return real(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(scan_module.os, "open", open_)
+    refuse_fds(monkeypatch, 200)
     report = gather(kernel.root, chips(kernel))
     assert holder_pids(report) == [[100]] and report.unseen.unreadable == (200,)
     assert not report.free and report.maybe_held  # PID 200 may hold any chip

@@ -19,7 +19,7 @@ import pytest
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.fakes.proc import FakeProc
 from tests.unit.helpers.devices import add_chips
-from tests.unit.helpers.holders import chips
+from tests.unit.helpers.holders import chips, refuse_fds
 from tpuboot import cli
 from tpuboot.errors import printable
 from tpuboot.holders import bounded
@@ -202,14 +202,7 @@ def test_wait_free_and_who_do_not_exit_as_if_free_when_a_process_could_not_be_re
     kernel, proc = tree
     add_chips(kernel, ["12"])
     proc.add(200, {4: "/dev/vfio/12"})
-    real = os.open
-
-    def refused(path, flags, *args, **kwargs):
-        if str(path).endswith("/200/fd"):
-            raise PermissionError(13, "Permission denied")
-        return real(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(scan_module.os, "open", refused)
+    refuse_fds(monkeypatch, 200)
     assert cli.main(["--root", str(kernel.top), "who"]) == 1
     out = capsys.readouterr().out
     assert "    free" in out and "not seen: the open files of 1 process (PID 200)" in out
