@@ -6,9 +6,11 @@ of a scratch directory open (``--files``), three of them also holding the node; 
 all (and removes the node and the scratch files) whatever happens. This host has no TPU: the
 bench runs itself again in a private mount namespace (``unshare -m``) where a stand-in sysfs
 (one v5p function bound to vfio-pci in IOMMU group ``GROUP``) is bind-mounted over
-/sys/bus/pci and /sys/kernel/iommu_groups, and the node is a regular file at
-``/dev/vfio/<group>``; `tpuboot who` then runs as on a TPU host, without ``--root``, on the
-host's real /proc. Each tool runs ``--runs`` times in turn (ABC ABC ...)
+/sys/bus/pci and /sys/kernel/iommu_groups, and the node is a character device at
+``/dev/vfio/<group>`` with /dev/full's number (a real group node needs vfio-pci; tpuboot matches a
+node by its number, and nothing else on the host holds /dev/full); `tpuboot who` then runs as on
+a TPU host, without ``--root``, on the host's real /proc. Each tool runs ``--runs`` times in turn
+(ABC ABC ...)
 after one warm-up round; the table gives medians and ratios (tpuboot / the tool). Goal: at
 most fuser's time. Every tool must name the same three holders, or the bench says so.
 
@@ -27,6 +29,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -102,7 +105,7 @@ def crowd(processes: int, files: int) -> Iterator[set[int]]:
     scratch = Path(tempfile.mkdtemp(prefix="tpuboot-bench-holders-"))
     made_vfio = not os.path.isdir("/dev/vfio")
     os.makedirs("/dev/vfio", exist_ok=True)
-    Path(NODE).write_text("")
+    os.mknod(NODE, 0o600 | stat.S_IFCHR, os.stat("/dev/full").st_rdev)
     paths = []
     for n in range(files):
         path = scratch / f"f{n}"
