@@ -26,8 +26,6 @@ from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 
 DELETED = " (deleted)"
-#: Link text of fds that are never a device node: written by the kernel, not by any name a user picks.
-_NOT_FILES = ("socket:[", "pipe:[", "anon_inode:", "net:[", "mnt:[")
 
 
 @dataclass
@@ -111,45 +109,57 @@ def hides_processes(root: Root) -> bool:
 
 
 def _held(root: Root, proc: str, pid: int, targets: Targets) -> Held:
-    """What one process holds. Its fd directory is opened once and each link read relative to
+    """What one process holds. Its fd directory is opened once and each fd looked at relative to
     it: no path walk through /proc per fd."""
     dir_fd = os.open(f"{proc}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     held = Held()
+    look = _by_number if root.is_host else _by_text
     try:
         for fd in os.listdir(dir_fd):
-            try:
-                target = os.readlink(fd, dir_fd=dir_fd)
-            except OSError:
-                continue
-            if target == VFIO_DEVICE_FD:
-                _device_fd(root, pid, fd, targets, held)
-            elif target.startswith(_NOT_FILES):
-                continue
-            elif root.is_host:
-                _by_number(fd, dir_fd, target, targets, held)
-            else:
-                _by_text(target, targets, held)
+            look(root, pid, fd, dir_fd, targets, held)
     finally:
         os.close(dir_fd)
     return held
 
 
-def _by_number(fd: str, dir_fd: int, target: str, targets: Targets, held: Held) -> None:
+def _by_number(root: Root, pid: int, fd: str, dir_fd: int, targets: Targets, held: Held) -> None:
+    """The host: one stat of what the fd has open (through the fd, whatever its name there);
+    its link is read only for a character device of no chip and an anonymous inode (a VFIO
+    device fd's, or a socket's, an eventfd's...), which have no file type bits."""
     try:
         st = os.stat(fd, dir_fd=dir_fd)
     except OSError:
         return
-    if not stat.S_ISCHR(st.st_mode):
+    kind = stat.S_IFMT(st.st_mode)
+    if kind == stat.S_IFCHR:
+        key = targets.by_number.get(st.st_rdev)
+        if key is not None:
+            held.keys.add(key)
+        elif os.major(st.st_rdev) in targets.majors and st.st_rdev not in targets.others:
+            number = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+            held.unknown.add(
+                f"{_link(fd, dir_fd)} (char {number}), a VFIO or accel device of no chip present"
+            )
+    elif kind == 0 and _link(fd, dir_fd) == VFIO_DEVICE_FD:
+        _device_fd(root, pid, fd, targets, held)
+
+
+def _link(fd: str, dir_fd: int) -> str:
+    try:
+        return os.readlink(fd, dir_fd=dir_fd)
+    except OSError:
+        return "?"
+
+
+def _by_text(root: Root, pid: int, fd: str, dir_fd: int, targets: Targets, held: Held) -> None:
+    """A --root tree: the link's text, as it is."""
+    try:
+        target = os.readlink(fd, dir_fd=dir_fd)
+    except OSError:
         return
-    key = targets.by_number.get(st.st_rdev)
-    if key is not None:
-        held.keys.add(key)
-    elif os.major(st.st_rdev) in targets.majors and st.st_rdev not in targets.others:
-        number = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
-        held.unknown.add(f"{target} (char {number}), a VFIO or accel device of no chip present")
-
-
-def _by_text(target: str, targets: Targets, held: Held) -> None:
+    if target == VFIO_DEVICE_FD:
+        _device_fd(root, pid, fd, targets, held)
+        return
     name = target[: -len(DELETED)] if target.endswith(DELETED) else target
     key = targets.by_text.get(name)
     if key is not None:
