@@ -239,8 +239,9 @@ def test_a_scan_that_cannot_list_proc_sees_nothing_and_says_so(tree):
 
 @pytest.fixture
 def patient(monkeypatch) -> None:
-    """A second of patience: long enough that a loaded host does not make a plain read look stuck."""
-    monkeypatch.setattr(bounded, "PATIENCE", 1.0)
+    """Five seconds of patience: long enough that a loaded host does not make a plain read of
+    a two-process tree look stuck, short enough for the blocked one to be left behind."""
+    monkeypatch.setattr(bounded, "PATIENCE", 5.0)
 
 
 def test_a_process_whose_read_blocks_is_not_seen_and_the_scan_goes_on(tree, monkeypatch, patient):
