@@ -26,7 +26,7 @@ from tpuboot.devices.vfio import Binder
 from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile, find_locks
 from tpuboot.holders.procfs import Process, ProcReader, iso
-from tpuboot.holders.scan import Opened, scan
+from tpuboot.holders.scan import Opened, Unseen, scan
 from tpuboot.holders.targets import Targets, targets
 from tpuboot.paths import Root
 
@@ -57,53 +57,6 @@ class ChipHolders:
             "nodes": list(c.nodes),
             "holders": [h.as_dict() for h in self.holders],
         }
-
-
-@dataclass(frozen=True)
-class Unseen:
-    """What a scan could not see: each could hide a holder of any chip."""
-
-    unreadable: tuple[int, ...] = ()  # PIDs whose open files could not be read (not root)
-    unanswered: tuple[int, ...] = ()  # PIDs whose reads blocked (a stuck process, a dead FUSE server)
-    not_reached: tuple[int, ...] = ()  # PIDs the scan had no time for
-    listed: bool = True  # /proc could be listed at all
-    hidden: bool = False  # /proc hides other users' processes from this one (hidepid)
-
-    def __bool__(self) -> bool:
-        return bool(self.unreadable or self.unanswered or self.not_reached or not self.listed or self.hidden)
-
-    def phrases(self) -> list[str]:
-        """What was not seen, one phrase each, with what to do."""
-        said = []
-        if not self.listed:
-            said.append("/proc could not be listed, so no process was seen")
-        if self.hidden:
-            said.append(
-                "/proc hides other users' processes (hidepid) from this user (run as root to see them)"
-            )
-        if self.unreadable:
-            said.append(f"{_pids(self.unreadable)} could not be read (run as root to see them)")
-        if self.unanswered:
-            said.append(
-                f"{_pids(self.unanswered)} did not answer (stuck in the kernel, or a file server that hangs)"
-            )
-        if self.not_reached:
-            said.append(f"{_pids(self.not_reached)} were not reached in the scan's time")
-        return said
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "unreadable_pids": list(self.unreadable),
-            "unanswered_pids": list(self.unanswered),
-            "not_reached_pids": list(self.not_reached),
-            "proc_listed": self.listed,
-            "proc_hides_processes": self.hidden,
-        }
-
-
-def _pids(pids: Sequence[int]) -> str:
-    listed = ", ".join(str(pid) for pid in pids[:5]) + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
-    return f"the open files of {len(pids)} process{'es' if len(pids) != 1 else ''} (PID {listed})"
 
 
 @dataclass(frozen=True)
@@ -191,14 +144,7 @@ def gather(root: Root, chips: Sequence[Chip]) -> Report:
         for pid, what in sorted(opened.unknown.items())
         if pid in processes
     )
-    unseen = Unseen(
-        tuple(opened.unreadable),
-        tuple(opened.unanswered),
-        tuple(opened.not_reached),
-        opened.listed,
-        opened.hidden,
-    )
-    return Report(held, container, locks, unknown, unseen)
+    return Report(held, container, locks, unknown, opened.unseen())
 
 
 # --- text --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tpuboot.holders.bounded import each_within
@@ -36,6 +37,53 @@ class Held:
     unknown: set[str] = field(default_factory=set)  # why: one phrase per fd kind
 
 
+@dataclass(frozen=True)
+class Unseen:
+    """What a scan could not see: each could hide a holder of any chip."""
+
+    unreadable: tuple[int, ...] = ()  # PIDs whose open files could not be read (not root)
+    unanswered: tuple[int, ...] = ()  # PIDs whose reads blocked (a stuck process, a dead FUSE server)
+    not_reached: tuple[int, ...] = ()  # PIDs the scan had no time for
+    listed: bool = True  # /proc could be listed at all
+    hidden: bool = False  # /proc hides other users' processes from this one (hidepid)
+
+    def __bool__(self) -> bool:
+        return bool(self.unreadable or self.unanswered or self.not_reached or not self.listed or self.hidden)
+
+    def phrases(self) -> list[str]:
+        """What was not seen, one phrase each, with what to do."""
+        said = []
+        if not self.listed:
+            said.append("/proc could not be listed, so no process was seen")
+        if self.hidden:
+            said.append(
+                "/proc hides other users' processes (hidepid) from this user (run as root to see them)"
+            )
+        if self.unreadable:
+            said.append(f"{_pids(self.unreadable)} could not be read (run as root to see them)")
+        if self.unanswered:
+            said.append(
+                f"{_pids(self.unanswered)} did not answer (stuck in the kernel, or a file server that hangs)"
+            )
+        if self.not_reached:
+            said.append(f"{_pids(self.not_reached)} were not reached in the scan's time")
+        return said
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "unreadable_pids": list(self.unreadable),
+            "unanswered_pids": list(self.unanswered),
+            "not_reached_pids": list(self.not_reached),
+            "proc_listed": self.listed,
+            "proc_hides_processes": self.hidden,
+        }
+
+
+def _pids(pids: Sequence[int]) -> str:
+    listed = ", ".join(str(pid) for pid in pids[:5]) + (f" and {len(pids) - 5} more" if len(pids) > 5 else "")
+    return f"the open files of {len(pids)} process{'es' if len(pids) != 1 else ''} (PID {listed})"
+
+
 @dataclass
 class Opened:
     """The scan's result: each PID with what it holds, and whom it could not see."""
@@ -52,10 +100,11 @@ class Opened:
     def holders_of(self, node: str) -> list[int]:
         return sorted(pid for pid, held in self.nodes.items() if node in held)
 
-    @property
-    def complete(self) -> bool:
-        """Every process was seen: no holder can hide in what the scan missed."""
-        return self.listed and not (self.hidden or self.unreadable or self.unanswered or self.not_reached)
+    def unseen(self) -> Unseen:
+        """What the scan could not see."""
+        return Unseen(
+            tuple(self.unreadable), tuple(self.unanswered), tuple(self.not_reached), self.listed, self.hidden
+        )
 
 
 class _Refused:

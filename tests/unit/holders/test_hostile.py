@@ -457,7 +457,8 @@ def test_a_proc_mounted_with_hidepid_is_known_to_hide_processes(tmp_path, option
 
 
 def test_a_hidden_proc_is_not_seen_and_said(tree):
-    from tpuboot.holders.report import Report, Unseen
+    from tpuboot.holders.report import Report
+    from tpuboot.holders.scan import Unseen
 
     report = Report([], (), [], unseen=Unseen(hidden=True))
     assert not report.free and report.maybe_held
