@@ -99,8 +99,39 @@ def lock_table(root: Root) -> LockTable:
     return table
 
 
-def find_locks(root: Root, reader: ProcReader, table: LockTable | None = None) -> list[LockFile]:
-    """Every libtpu lock file with its owner, mode and holder."""
+@dataclass(frozen=True)
+class Locked:
+    """The lock files present and /proc/locks as one scan saw them: the PIDs to read first."""
+
+    files: tuple[tuple[str, os.stat_result], ...]
+    table: LockTable
+
+    @staticmethod
+    def _key(st: os.stat_result) -> tuple[int, int, int]:
+        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+
+    def holder_pids(self) -> set[int]:
+        pids = (self.table.get(self._key(st)) for _, st in self.files)
+        return {pid for pid in pids if pid is not None}
+
+    def described(self, reader: ProcReader, holders: dict[int, Process]) -> list[LockFile]:
+        """Each file with its owner, mode and holder; ``holders`` has the processes already read
+        (one read of each process per scan, whether it holds a chip, a lock or both)."""
+        found = []
+        for path, st in self.files:
+            key = self._key(st)
+            pid = self.table.get(key)
+            holder = holders.get(pid) if pid is not None else None
+            mode = f"{stat.S_IMODE(st.st_mode):04o}"
+            owner = reader.users.name(st.st_uid)
+            found.append(
+                LockFile(path, st.st_uid, owner, mode, key in self.table, pid, holder, st.st_dev, st.st_ino)
+            )
+        return found
+
+
+def locked(root: Root, table: LockTable | None = None) -> Locked:
+    """The libtpu lock files present and which PID holds each (not yet who that process is)."""
     table = lock_table(root) if table is None else table
     files = []
     for path in lock_paths(root):
@@ -108,14 +139,4 @@ def find_locks(root: Root, reader: ProcReader, table: LockTable | None = None) -
             files.append((path, os.lstat(root.path(path, follow=False))))
         except OSError:
             continue  # removed meanwhile
-    pids = {table.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)) for _, st in files}
-    holders = reader.processes(pid for pid in pids if pid is not None)
-    found = []
-    for path, st in files:
-        key = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-        pid = table.get(key)
-        holder = holders.get(pid) if pid is not None else None
-        mode = f"{stat.S_IMODE(st.st_mode):04o}"
-        owner = reader.users.name(st.st_uid)
-        found.append(LockFile(path, st.st_uid, owner, mode, key in table, pid, holder, st.st_dev, st.st_ino))
-    return found
+    return Locked(tuple(files), table)

@@ -24,7 +24,7 @@ from tpuboot.devices.survey import survey
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
 from tpuboot.errors import printable
-from tpuboot.holders.locks import LockFile, find_locks
+from tpuboot.holders.locks import LockFile, locked
 from tpuboot.holders.procfs import Process, ProcReader, iso
 from tpuboot.holders.scan import Opened, Unseen, scan
 from tpuboot.holders.targets import Targets, targets
@@ -135,8 +135,9 @@ def gather(root: Root, chips: Sequence[Chip]) -> Report:
     wanted: Targets = targets(root, chips)
     opened = scan(root, wanted)
     reader = ProcReader(root)
-    locks = find_locks(root, reader)
-    processes = reader.processes([*opened.nodes, *opened.unknown])
+    lock_files = locked(root)
+    processes = reader.processes([*opened.nodes, *opened.unknown, *lock_files.holder_pids()])
+    locks = lock_files.described(reader, processes)
     held = [ChipHolders(chip, _holders(opened, processes, wanted.keys_of(chip))) for chip in chips]
     container = _holders(opened, processes, [VFIO_CONTAINER])
     unknown = tuple(

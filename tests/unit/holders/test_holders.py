@@ -234,6 +234,27 @@ def test_lock_files_fixed_and_per_user_with_their_holders(tree):
     assert any("lock /tmp/libtpu_lockfile_1001" in line and line.endswith("not held") for line in text)
 
 
+def test_a_process_holding_a_chip_and_the_lock_is_read_once(tree, monkeypatch):
+    """One scan reads each process once, whatever it holds: chip and lock holders are one set."""
+    kernel, proc = tree
+    add_chips(kernel, ["12"])
+    lock = kernel.top / "tmp/libtpu_lockfile"
+    lock.write_text("")
+    proc.add(100, {3: "/tmp/libtpu_lockfile", 4: "/dev/vfio/12"})
+    proc.lock(100, lock)
+    read: list[int] = []
+    original = ProcReader.process
+
+    def counted(self, pid, command=True):
+        read.append(pid)
+        return original(self, pid, command)
+
+    monkeypatch.setattr(ProcReader, "process", counted)
+    report = gather(kernel.root, chips(kernel))
+    assert read == [100]
+    assert report.locks[0].holder is report.chips[0].holders[0].process
+
+
 def test_the_lock_table_skips_lines_it_cannot_read(tree):
     kernel, _ = tree
     lines = ["garbage", "1: POSIX ADVISORY WRITE x 00:01:2 0 EOF", "2: FLOCK ADVISORY WRITE 7 00:1a:99 0 EOF"]
