@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from tpuboot.errors import LinkLoop, TpubootError, loop_fix
-from tpuboot.paths import MAX_SYMLINK_HOPS, Root, split
+from tpuboot.paths import MAX_FILE_BYTES, MAX_SYMLINK_HOPS, Root, split
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_TRIES = 8
@@ -127,10 +127,11 @@ def write_file(
         os.close(parent)
 
 
-def read_file(root: Root, path: str, *, limit: int | None = None) -> bytes | None:
+def read_file(root: Root, path: str, *, limit: int = MAX_FILE_BYTES) -> bytes | None:
     """The content of ``path`` (symlink-safe like write_file), or None if it does not exist.
 
-    ``limit`` bounds what is read: a longer file raises FileReadError.
+    ``limit`` bounds what is read (a configuration or state file is never bigger than
+    :data:`~tpuboot.paths.MAX_FILE_BYTES`): a longer file raises FileReadError.
     """
     try:
         parent, name = _resolve(root, path, create=False, error=FileReadError)
@@ -149,10 +150,10 @@ def read_file(root: Root, path: str, *, limit: int | None = None) -> bytes | Non
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise FileReadError(f"cannot read {path}: not a regular file; remove it")
-        content = _read_all(fd, None if limit is None else limit + 1)
+        content = _read_all(fd, limit + 1)
     finally:
         os.close(fd)
-    if limit is not None and len(content) > limit:
+    if len(content) > limit:
         raise FileReadError(f"cannot read {path}: larger than {limit} bytes; remove it")
     return content
 
@@ -385,11 +386,11 @@ def _same(
         os.close(fd)
 
 
-def _read_all(fd: int, limit: int | None) -> bytes:
+def _read_all(fd: int, limit: int) -> bytes:
     chunks = []
     total = 0
-    while limit is None or total < limit:
-        chunk = os.read(fd, 1 << 16 if limit is None else min(1 << 16, limit - total))
+    while total < limit:
+        chunk = os.read(fd, min(1 << 16, limit - total))
         if not chunk:
             break
         chunks.append(chunk)

@@ -177,7 +177,7 @@ def load(root: Root) -> dict[str, object] | None:
     """What the running (or last) daemon wrote, in the shape :meth:`Budget.as_dict` gives; None
     when there is no record. A damaged one (not JSON, another shape, a time that is no number of
     seconds, a name that is no phase's) is a FileReadError, in one line with its fix."""
-    raw = read_file(root, BUDGET_PATH, limit=1 << 20)
+    raw = read_file(root, BUDGET_PATH)
     if raw is None:
         return None
     try:

@@ -45,7 +45,6 @@ CONTAINERD = ("/usr/bin/containerd", "/usr/sbin/containerd", "/usr/local/bin/con
 DOCKER_CDI_FIRST, DOCKER_CDI_DEFAULT = (25, 0), (28, 2)
 CONTAINERD_CDI_FIRST, CONTAINERD_CDI_DEFAULT = (1, 7), (2, 0)
 CRI_TABLES = (("plugins", "io.containerd.grpc.v1.cri"), ("plugins", "io.containerd.cri.v1.runtime"))
-MAX_FILE = 1 << 20
 LIFT_MEMLOCK = "--ulimit memlock=-1:-1"
 
 #: ``version_of(path)``: the version a program prints (``dockerd --version``), None if unknown.
@@ -152,7 +151,7 @@ class CdiChecks:
         ]
 
     def _text(self, path: str) -> str | None:
-        data = read_file(self.root, path, limit=MAX_FILE)
+        data = read_file(self.root, path)
         return None if data is None else data.decode()
 
     def _installed(self, paths: tuple[str, ...]) -> str | None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +64,7 @@ from tpuboot.errors import MetadataError
 from tpuboot.gce.client import MetadataClient
 from tpuboot.gce.keys import MACHINE_TYPE
 from tpuboot.gce.replies import MetadataAbsent, MetadataUnanswered, Reply
+from tpuboot.holders.procfs import boot_time
 from tpuboot.paths import Root
 from tpuboot.wiring import metadata_settings
 
@@ -73,7 +73,6 @@ from tpuboot.wiring import metadata_settings
 # the documented (privileged) workloads: their CDI checks say so without failing the doctor.
 ADVISORY = frozenset({"tpu-env-fresh", "cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"})
 
-MAX_FILE = 1 << 20
 
 #: How long doctor waits for the metadata server, per key.
 METADATA_DEADLINE = 2.0
@@ -391,7 +390,7 @@ class Doctor:
     # --- the runtime environment -------------------------------------------------------------------
 
     def _read(self, path: str) -> str | None:
-        data = read_file(self.root, path, limit=MAX_FILE)
+        data = read_file(self.root, path)
         return None if data is None else data.decode("utf-8", "replace")
 
     @functools.cached_property
@@ -444,7 +443,7 @@ class Doctor:
             if cached == text:
                 return passed(f"{path} matches the last value fetched from metadata{age}")
             return failed(f"{path} differs from the last value fetched from metadata{age}", fix)
-        booted = self._boot_time()
+        booted = boot_time(self.root)
         if booted is None:
             return skipped(f"no cache record {cache} and no boot time to compare {path} with")
         mtime = self.root.path(path).stat().st_mtime
@@ -458,11 +457,6 @@ class Doctor:
         except ValueError:
             return ""
         return f" ({max(0, int(self.now() - when))} s ago)"
-
-    def _boot_time(self) -> float | None:
-        text = self._read("/proc/stat")
-        match = re.search(r"^btime ([0-9]{1,20})$", text or "", re.M)
-        return float(match.group(1)) if match else None
 
     def check_environment(self) -> CheckResult:
         path, wanted = self.config.env.environment_path, self.config.env.environment

@@ -21,7 +21,7 @@ from tpuboot.checks.parsers.grub import GRUB_DEFAULT, GRUB_DROPIN_DIR, TPUBOOT_D
 from tpuboot.checks.registry import Check, CheckResult, failed, passed, skipped, warned
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.kernel_params import TPU_PARAMS, X86, word
-from tpuboot.paths import MAX_FILE_BYTES, Root
+from tpuboot.paths import Root
 
 
 def kernel_arch(root: Root) -> str:
@@ -47,7 +47,7 @@ class Cmdline:
 
 def _running_cmdline(root: Root) -> list[Param] | None:
     """``/proc/cmdline`` as the kernel parsed it, or None on a tree that is not running."""
-    data = read_file(root, "/proc/cmdline", limit=MAX_FILE_BYTES)
+    data = read_file(root, "/proc/cmdline")
     return None if data is None else kernel_params(data)
 
 

@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 VBAR = "vBar"
 TELEMETRY = "telemetry"
 IMAGE_KEY = "VBARCONTROL_AGENT_DOCKER_URL"
-#: A collector configuration is a few KiB; this bounds what is read to hash it.
-MAX_TELEMETRY_CONFIG = 1 << 20
 
 
 class AgentSection(Protocol):
@@ -131,7 +129,7 @@ def config_file_mount(section: TelemetryConfig, root: Root) -> Mounts:
     binds = ((section.config_path, target),)
     key = f"{section.name}.config_path"
     try:
-        data = read_file(root, section.config_path, limit=MAX_TELEMETRY_CONFIG)
+        data = read_file(root, section.config_path)
     except FileReadError as exc:
         return Mounts(binds, problem=f"{key}: {exc}")
     if data is None:

@@ -251,7 +251,7 @@ def load_baselines(root: Root) -> dict[str, dict[str, int]]:
     from tpuboot.atomicfile import FileReadError, read_file
 
     try:
-        data = json.loads(read_file(root, BASELINE_PATH, limit=1 << 20) or b"{}")
+        data = json.loads(read_file(root, BASELINE_PATH) or b"{}")
     except (FileReadError, ValueError, RecursionError):  # RecursionError: "[[[[..." nested deep
         return {}
     if not isinstance(data, dict):

@@ -153,7 +153,7 @@ class Breaker:
         """The record: a damaged one (unreadable, not JSON, or not of the shape :meth:`record`
         writes) is forgotten whole, as if there were none, and said once (it does not block resets)."""
         try:
-            raw = read_file(self.root, BREAKER_PATH, limit=1 << 20)
+            raw = read_file(self.root, BREAKER_PATH)
         except FileReadError as exc:
             self._damaged(str(exc), None)
             return {}

@@ -53,8 +53,6 @@ from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.env.etc_environment")
 
-#: /etc/environment is a few hundred bytes; refuse to load something absurd into memory.
-MAX_ENVIRONMENT_BYTES = 1 << 20
 #: The lines tpuboot wrote and still owns, one a line. Where debian/tpuboot.postrm reads them,
 #: whatever env.cache_dir says: the package's purge knows only this path.
 ENVIRONMENT_RECORD = "/var/lib/tpuboot/environment.lines"
@@ -206,7 +204,7 @@ def plan_environment(
 
 def read_record(root: Root, record: str = ENVIRONMENT_RECORD) -> dict[str, list[str]]:
     """key -> the lines recorded for it, in file order (a missing record: empty)."""
-    raw = read_file(root, record, limit=MAX_ENVIRONMENT_BYTES)
+    raw = read_file(root, record)
     lines: dict[str, list[str]] = {}
     for line in (raw or b"").decode("utf-8", "surrogateescape").splitlines():
         match = PAM_ASSIGNMENT.match(line)
@@ -226,7 +224,7 @@ def ensure_environment(
     """Make ``path`` (normally /etc/environment) set ``wanted`` where no admin has set it; the
     lines tpuboot wrote, by key (empty: none written). ``record`` is kept in step."""
     wanted = _writable(path, wanted)
-    raw = read_file(root, path, limit=MAX_ENVIRONMENT_BYTES)
+    raw = read_file(root, path)
     text = (raw or b"").decode("utf-8", "surrogateescape")
     recorded = read_record(root, record)
     plan = plan_environment(text, wanted, {key: frozenset(lines) for key, lines in recorded.items()})

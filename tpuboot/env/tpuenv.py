@@ -38,11 +38,12 @@ import yaml
 
 from tpuboot.env.assignment import NAME, WHOLE_NAME
 from tpuboot.errors import TpubootError, shown
+from tpuboot.paths import MAX_FILE_BYTES
 
 log = logging.getLogger("tpuboot.env.tpuenv")
 
 #: Real tpu-env values are about 1 KiB; this bounds parse time and memory.
-MAX_TPU_ENV_BYTES = 1 << 20
+MAX_TPU_ENV_BYTES = MAX_FILE_BYTES
 #: Nesting allowed in the YAML at all (nested values are skipped anyway); stops deep-nesting recursion.
 MAX_DEPTH = 16
 #: The kernel's limit on one environment string, ``NAME=value`` and its NUL: MAX_ARG_STRLEN, 32

@@ -10,13 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tpuboot.atomicfile import read_file
-from tpuboot.paths import MAX_FILE_BYTES, Root
+from tpuboot.paths import Root
 
 
 def read_text(root: Root, path: str) -> str | None:
     """The text of ``path`` under ``root`` (absolute symlinks followed under it, as in an image
     tree), or None if it does not exist."""
-    data = read_file(root, path, limit=MAX_FILE_BYTES)
+    data = read_file(root, path)
     return None if data is None else data.decode("utf-8")
 
 

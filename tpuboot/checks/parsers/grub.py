@@ -38,7 +38,7 @@ from tpuboot.checks.parsers.cmdline import CmdlineUnknown, Param, grub_linux_lin
 from tpuboot.env.assignment import NAME, NAME_RE
 from tpuboot.errors import TpubootError
 from tpuboot.kernel_params import X86
-from tpuboot.paths import MAX_FILE_BYTES, Root
+from tpuboot.paths import Root
 
 GRUB_DEFAULT = "/etc/default/grub"
 GRUB_DROPIN_DIR = "/etc/default/grub.d"
@@ -399,7 +399,7 @@ def next_boot(root: Root, arch: str) -> NextBoot | None:
         return None
     env: dict[str, str | _Unknown] = {}
     for path in files:
-        data = read_file(root, path, limit=MAX_FILE_BYTES)
+        data = read_file(root, path)
         if data is None:
             continue
         try:
