@@ -32,7 +32,15 @@ from tpuboot.eventloop import nothing
 from tpuboot.gce.failures import FailureLog
 from tpuboot.gce.keys import is_path
 from tpuboot.gce.replies import Change, MetadataAbsent, MetadataRefused, MetadataUnanswered, Reply, Retryable
-from tpuboot.gce.settings import DEFAULT_URL, HOST_ENV, MIN_POLL_INTERVAL, MetadataSettings, metadata_base_url
+from tpuboot.gce.settings import (
+    DEFAULT_MAX_BODY,
+    DEFAULT_TIMEOUT,
+    DEFAULT_URL,
+    HOST_ENV,
+    MIN_POLL_INTERVAL,
+    MetadataSettings,
+    metadata_base_url,
+)
 from tpuboot.gce.transport import Transport, exchange
 from tpuboot.gce.watch import watch
 
@@ -48,8 +56,8 @@ class MetadataClient:
         self,
         base_url: str = DEFAULT_URL,
         *,
-        timeout: float = 5.0,
-        max_body: int = 1 << 20,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_body: int = DEFAULT_MAX_BODY,
         backoff: Backoff | None = None,
         rng: random.Random | None = None,
         min_poll_interval: float = MIN_POLL_INTERVAL,

@@ -16,11 +16,16 @@ from dataclasses import dataclass
 
 from tpuboot.errors import ConfigError
 from tpuboot.gce.keys import API_ROOT
+from tpuboot.paths import MAX_FILE_BYTES
 
 DEFAULT_HOST = "169.254.169.254"
 DEFAULT_URL = f"http://{DEFAULT_HOST}/{API_ROOT}"
 HOST_ENV = "GCE_METADATA_HOST"
 LEGACY_HOST_ENV = "GCE_METADATA_ROOT"
+#: Each try's deadline (s) and the largest body read: the defaults of config ``metadata.timeout``
+#: and ``metadata.max_body``, and of a client built without a config.
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_MAX_BODY = MAX_FILE_BYTES
 #: A watch never asks more often than this (seconds), whatever the server answers.
 MIN_POLL_INTERVAL = 1.0
 
@@ -33,8 +38,8 @@ class MetadataSettings:
     the config's ``metadata`` section as the client uses it."""
 
     host: str | None = None
-    timeout: float = 5.0
-    max_body: int = 1 << 20
+    timeout: float = DEFAULT_TIMEOUT
+    max_body: int = DEFAULT_MAX_BODY
 
 
 def metadata_base_url(config_host: str | None = None, environ: Mapping[str, str] | None = None) -> str:
