@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tpuboot.devices.pci import PCI_DEVICES
+from tpuboot.devices.pci import PCI_DEVICES, is_function_name
 from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_decimal, ascii_int
 from tpuboot.paths import Root
@@ -32,7 +32,6 @@ PORT_FILES = {
     "nonfatal": "aer_rootport_total_err_nonfatal",
     "fatal": "aer_rootport_total_err_fatal",
 }
-_DBDF_NAME = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 #: A link at this fraction of its maximum bandwidth or less is a failure, not just a doubt: a
 #: chip trained at x8 of x16, or one PCIe generation down, moves data at half the rate.
 FAIL_FRACTION = 0.5
@@ -217,11 +216,11 @@ def sole_port(root: Root, address: str) -> str | None:
     except OSError:
         return None
     parts = target.split("/")
-    if len(parts) < 2 or not _DBDF_NAME.fullmatch(parts[-2]):
+    if len(parts) < 2 or not is_function_name(parts[-2]):
         return None
     port = parts[-2]
     try:
-        below = [n for n in os.listdir(root.path(f"{PCI_DEVICES}/{port}")) if _DBDF_NAME.fullmatch(n)]
+        below = [n for n in os.listdir(root.path(f"{PCI_DEVICES}/{port}")) if is_function_name(n)]
     except OSError:
         return None
     base = address.rpartition(".")[0]

@@ -19,7 +19,16 @@ IOMMU_GROUPS = "/sys/kernel/iommu_groups"
 UEVENT_MOST = 4096
 
 # domain:bus:device.function; device is 5 bits (00-1f), function 3 bits (0-7).
-_DBDF = re.compile(r"(?:(?P<domain>[0-9a-f]{4}):)?(?P<bus>[0-9a-f]{2}):(?P<dev>[01][0-9a-f])\.(?P<fn>[0-7])")
+_BUS_DEVICE_FUNCTION = r"(?P<bus>[0-9a-f]{2}):(?P<dev>[01][0-9a-f])\.(?P<fn>[0-7])"
+#: What a user may write: the domain is optional (0000), and has its usual 4 digits.
+_DBDF = re.compile(rf"(?:(?P<domain>[0-9a-f]{{4}}):)?{_BUS_DEVICE_FUNCTION}")
+#: What sysfs names a function: a domain of 4 digits or more (a VMD domain has 5).
+_FUNCTION_NAME = re.compile(rf"[0-9a-f]{{4,}}:{_BUS_DEVICE_FUNCTION}")
+
+
+def is_function_name(name: str) -> bool:
+    """Whether ``name`` (an entry of /sys/bus/pci/devices, or of a bridge's directory) is a PCI function."""
+    return _FUNCTION_NAME.fullmatch(name) is not None
 
 
 def parse_dbdf(text: str) -> str:

@@ -1,7 +1,7 @@
 import pytest
 
 from tpuboot.config import MatchRule
-from tpuboot.devices.pci import PciFunction, parse_dbdf
+from tpuboot.devices.pci import PciFunction, is_function_name, parse_dbdf
 from tpuboot.devices.table import DeviceTable, PciIds
 from tpuboot.errors import UsageError
 from tpuboot.paths import Root
@@ -94,3 +94,20 @@ def test_a_function_without_readable_ids_reads_as_gone(tmp_path, text):
         PciFunction(Root(tmp_path), "0000:00:04.0").ids()
     with pytest.raises(FileNotFoundError):
         PciFunction(Root(tmp_path), "0000:00:05.0").ids()  # unplugged
+
+
+@pytest.mark.parametrize(
+    ("name", "is_one"),
+    [
+        ("0000:00:04.0", True),
+        ("10000:e1:1f.7", True),  # a VMD domain has 5 digits
+        ("0000:00:20.0", False),  # the device number is 5 bits
+        ("0000:00:04.8", False),
+        ("00:04.0", False),  # sysfs always names the domain
+        ("0000:00:04.0 ", False),
+        ("pci0000:00", False),
+        ("0000:0G:04.0", False),
+    ],
+)
+def test_function_names_as_sysfs_gives_them(name, is_one):
+    assert is_function_name(name) is is_one
