@@ -47,7 +47,7 @@ class Context:
         return self._config
 
     def binder(self) -> Binder:
-        return Binder(self.root, DeviceTable(self.config.devices), self.config.vfio)
+        return Binder.of(self.root, self.config)
 
 
 def _addresses(texts: Sequence[str]) -> list[str]:

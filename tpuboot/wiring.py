@@ -49,7 +49,7 @@ def build(
     """The daemon, its binds of the TPUs present already running. Seams (tests): ``binder`` (a
     fake kernel's), ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client
     for every part), ``docker`` (a dockerd client factory), ``loop`` (one that counts its wake-ups)."""
-    binder = binder or Binder(root, DeviceTable(config.devices), config.vfio)
+    binder = binder or Binder.of(root, config)
     from time import CLOCK_BOOTTIME, clock_gettime  # the boot budget's clock; its module comes later
 
     from tpuboot.devices.udev import new_executor, open_udev_monitor, start_coldplug

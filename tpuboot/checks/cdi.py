@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from tpuboot.atomicfile import read_file
 from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.containers.cdi import SPEC_DIR, SPEC_PATH, current_chips, render
+from tpuboot.containers.dockerapi import DOCKERD
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.vfio import Binder
 from tpuboot.paths import Root
@@ -39,7 +40,6 @@ DAEMON_JSON = "/etc/docker/daemon.json"
 CONTAINERD_TOML = "/etc/containerd/config.toml"
 #: podman's containers.conf, in the order read (a later one wins).
 CONTAINERS_CONF = ("/usr/share/containers/containers.conf", "/etc/containers/containers.conf")
-DOCKERD = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
 PODMAN = ("/usr/bin/podman",)
 CONTAINERD = ("/usr/bin/containerd", "/usr/sbin/containerd", "/usr/local/bin/containerd")
 DOCKER_CDI_FIRST, DOCKER_CDI_DEFAULT = (25, 0), (28, 2)

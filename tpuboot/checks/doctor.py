@@ -46,7 +46,7 @@ from tpuboot.devices.chips import chips_present
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, module_state
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.survey import TpuStatus, survey
-from tpuboot.devices.table import DeviceTable, generations_of_kind
+from tpuboot.devices.table import generations_of_kind
 from tpuboot.devices.vfio import (
     IOMMU_OFF_FIX,
     UNSAFE_INTERRUPTS,
@@ -156,7 +156,7 @@ class Doctor:
         self.container_state = container_state
         self.now = now
         self.systemd = systemd  # who answers the image checks' ``systemctl show`` (None: systemctl)
-        self.binder = Binder(root, DeviceTable(config.devices), config.vfio)
+        self.binder = Binder.of(root, config)
         self._tpus: list[TpuStatus] | None = None
         self._slice: Reading | None = None
         holders = HolderChecks(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpuboot import subproc
-from tpuboot.config import VfioConfig
+from tpuboot.config import Config, VfioConfig
 from tpuboot.devices.pci import DRIVERS_PROBE, PCI_DRIVERS, PciFunction, group_members
 from tpuboot.devices.table import DeviceTable, Kind
 from tpuboot.errors import DeviceError, IommuOffError, TpubootError, TransientDeviceError
@@ -162,6 +162,11 @@ class Binder:
         self.load_module = load_module or self._host_modprobe
         self.machine = machine or os.uname().machine  # what platform.machine() reads, without its import
         self.stop = stop or threading.Event()
+
+    @classmethod
+    def of(cls, root: Root, config: Config) -> Binder:
+        """The binder the configuration describes (its device table and vfio section)."""
+        return cls(root, DeviceTable(config.devices), config.vfio)
 
     def _host_modprobe(self, module: str) -> None:
         if not self.root.is_host:

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from tpuboot.config import Config
 from tpuboot.devices.chips import VFIO_CONTAINER, Chip, chips_present
 from tpuboot.devices.survey import survey
-from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
 from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile, locked
@@ -126,7 +125,7 @@ def _holders(opened: Opened, processes: dict[int, Process], keys: Iterable[str])
 
 
 def chips_of(root: Root, config: Config) -> list[Chip]:
-    binder = Binder(root, DeviceTable(config.devices), config.vfio)
+    binder = Binder.of(root, config)
     return chips_present(root, binder.table, survey(binder))
 
 
