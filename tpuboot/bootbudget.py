@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from tpuboot.atomicfile import FileReadError, FileWriteError, read_file, write_file
 from tpuboot.errors import shown
-from tpuboot.numbers import ascii_int
+from tpuboot.kernelfiles import stat_fields
 from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.bootbudget")
@@ -53,13 +53,8 @@ def boottime() -> float:
 
 def process_start(root: Root) -> float | None:
     """When this process started, in seconds of the boot-time clock; None if /proc cannot say."""
-    try:
-        text = root.path("/proc/self/stat").read_text(errors="replace")
-        fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
-        ticks = ascii_int(fields[19])  # starttime: field 22 of proc(5)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
+    fields = stat_fields(root, "self")
+    return None if fields is None else int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 
+from tpuboot.numbers import ascii_int
 from tpuboot.paths import MAX_FILE_BYTES, Root
 
 
@@ -44,3 +45,16 @@ def read_text(root: Root, path: str, limit: int = MAX_FILE_BYTES) -> str | None:
     """:func:`read_bytes` as text (bytes that are not UTF-8 replaced)."""
     data = read_bytes(root, path, limit)
     return None if data is None else data.decode("utf-8", "replace")
+
+
+def stat_fields(root: Root, pid: int | str) -> list[str] | None:
+    """/proc/PID/stat (PID may be ``self``) after the command, which may hold spaces and
+    parentheses: field 3 (state) onwards, so ``[19]`` is the start time in clock ticks after boot;
+    None unless the parent PID and the start time are ASCII digits, as the kernel writes them."""
+    text = read_text(root, f"/proc/{pid}/stat")
+    if text is None or ")" not in text:
+        return None
+    fields = text.rpartition(")")[2].split()
+    if len(fields) < 20 or ascii_int(fields[1]) is None or ascii_int(fields[19]) is None:
+        return None
+    return fields

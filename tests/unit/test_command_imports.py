@@ -59,7 +59,7 @@ METADATA = {"tpuboot.backoff", "tpuboot.gce.client", "tpuboot.gce.failures", "tp
 ENV_READ = {"tpuboot.env", "tpuboot.env.assignment", "tpuboot.env.cache", "tpuboot.env.identity",
             "tpuboot.env.etc_environment", "tpuboot.env.tpuenv", "yaml", "json"}  # fmt: skip
 ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync", "tpuboot.env.writers",
-                  "tpuboot.atomicfile"}  # fmt: skip
+                  "tpuboot.atomicfile", "tpuboot.kernelfiles"}  # fmt: skip
 #: What records metrics: plain Python, no prometheus_client.
 METRICS = {"tpuboot.metrics"}
 #: What shows them in Prometheus' format (a textfile, the daemon's endpoint): prometheus_client,

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from tpuboot.holders.bounded import each_within
-from tpuboot.kernelfiles import read_text
+from tpuboot.kernelfiles import read_text, stat_fields
 from tpuboot.numbers import ascii_hex, ascii_int
 from tpuboot.paths import Root
 
@@ -88,18 +88,6 @@ def iso(when: float | None) -> str | None:
     if when is None:
         return None
     return datetime.datetime.fromtimestamp(when, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def stat_fields(root: Root, pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command (which may hold spaces and parentheses): field 3 onwards;
-    None unless it has the fields `who` reads, in the kernel's form."""
-    text = read_text(root, f"/proc/{pid}/stat")
-    if text is None or ")" not in text:
-        return None
-    fields = text.rpartition(")")[2].split()
-    if len(fields) < 20 or ascii_int(fields[1]) is None or ascii_int(fields[19]) is None:
-        return None
-    return fields
 
 
 def start_ticks(root: Root, pid: int) -> int | None:
