@@ -68,10 +68,10 @@ from tpuboot.holders.procfs import boot_time
 from tpuboot.paths import Root
 from tpuboot.wiring import metadata_settings
 
-#: A FAIL of these is reported but does not make `tpuboot doctor` fail.
-# A host whose engines cannot give a container the chips without --privileged is still ready for
-# the documented (privileged) workloads: their CDI checks say so without failing the doctor.
-ADVISORY = frozenset({"tpu-env-fresh", "cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"})
+#: A FAIL of these is reported but does not make `tpuboot doctor` fail: whether tpu-env is the
+#: latest fetched (a job can run on the file it has) and the engines' CDI support
+#: (:attr:`~tpuboot.checks.cdi.CdiChecks.ADVISORY`).
+ADVISORY = frozenset({"tpu-env-fresh"}) | CdiChecks.ADVISORY
 
 
 #: How long doctor waits for the metadata server, per key.
