@@ -68,6 +68,7 @@ EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.met
                     "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
 # prepare-image's: its pull step over the Docker engine, without the supervision.
 CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
+              "tpuboot.containers.dockerwire",
               "tpuboot.references", "tpuboot.containers.agents", "tpuboot.containers.engine",
               "tpuboot.containers.liveness", "tpuboot.containers.credentials", "tpuboot.netio",
               "tpuboot.numbers", "json",
@@ -75,7 +76,8 @@ CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.contai
 # doctor's container checks: the agents and the Docker engine, not the supervision (nor its metrics).
 DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot.containers.engine",
                      "tpuboot.containers.liveness",
-                     "tpuboot.containers.docker", "tpuboot.containers.dockerapi", "tpuboot.containers.gke",
+                     "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
+                     "tpuboot.containers.dockerwire", "tpuboot.containers.gke",
                      "tpuboot.checks.containers"}  # fmt: skip
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
 CHIPS = SURVEY - {"tpuboot.devices.health", "json"}
@@ -83,7 +85,7 @@ HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", 
            "tpuboot.holders.report", "tpuboot.holders.scan", "tpuboot.holders.bounded",
            "tpuboot.holders.targets", "tpuboot.kernelfiles", "tpuboot.numbers"}  # fmt: skip
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
-           "tpuboot.containers.engine",
+           "tpuboot.containers.dockerwire", "tpuboot.containers.engine",
            "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
 CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.registry", "tpuboot.checks.kernel",
           "tpuboot.checks.limits", "tpuboot.checks.udev", "tpuboot.checks.leftovers",

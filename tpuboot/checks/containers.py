@@ -19,7 +19,8 @@ from tpuboot.checks.registry import CheckResult, failed, passed, skipped
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.docker import DockerEngine
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable, dockerd_installed
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, dockerd_installed
+from tpuboot.containers.dockerwire import Unreachable
 from tpuboot.containers.engine import ContainerEngine, EngineError, EngineNotFound, EngineUnreachable
 from tpuboot.containers.gke import GkeAnswer, Metadata, ask_gke
 from tpuboot.containers.liveness import EndpointProbe, probe

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from tpuboot.containers.dockerapi import DockerAPI, EventStream, NotFound
+from tpuboot.containers.dockerapi import DockerAPI
+from tpuboot.containers.dockerwire import EventStream, NotFound
 from tpuboot.containers.engine import MANAGED_LABEL, Container, ContainerSpec, RegistryAuth
 
 ENGINE_NAME = "dockerd"

@@ -18,9 +18,10 @@ of start-up on a slow CPU, for a dozen HTTP requests.
   one, and it holds in wall-clock time (:class:`tpuboot.netio.DeadlineSocket`): a dockerd that
   trickles an answer a byte at a time cannot hold a call past it. A pull streams for as long
   as the image takes, each read within ``timeout``, the whole within ``pull_timeout``.
-- What dockerd sends is bounded and checked: a line of a stream over :data:`MAX_LINE`, a line
-  that is not JSON, a body shorter than its Content-Length or over :data:`MAX_BODY`, a
-  Content-Length that is not ASCII digits, a broken chunked encoding: each is a one-line
+- What dockerd sends is bounded and checked (:mod:`tpuboot.containers.dockerwire`): a line of
+  a stream over ``MAX_LINE``, a line that is not JSON, a body shorter than its Content-Length
+  or over :data:`MAX_BODY`, a Content-Length that is not ASCII digits, a broken chunked
+  encoding: each is a one-line
   :class:`ProtocolError` (an :class:`Unreachable`: the caller drops the connection and comes
   back later), read in bounded memory.
 - An HTTP error answer is an :class:`APIError` with dockerd's own ``message``; 404 is
@@ -31,26 +32,27 @@ of start-up on a slow CPU, for a dozen HTTP requests.
 from __future__ import annotations
 
 import base64
-import contextlib
 import http.client
 import json
 import re
-import socket
-import threading
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
-from tpuboot.containers.engine import (
-    EngineError,
-    EngineNotFound,
-    EngineProtocolError,
-    EngineUnreachable,
-    RegistryAuth,
+from tpuboot.containers.dockerwire import (
+    MAX_ERROR_BODY,
+    APIError,
+    DockerError,
+    EventStream,
+    ProtocolError,
+    UnixConnection,
+    Unreachable,
+    api_error,
+    json_objects,
+    read_body,
+    why,
 )
-from tpuboot.netio import DeadlineSocket
-from tpuboot.numbers import ascii_int
+from tpuboot.containers.engine import RegistryAuth
 
 if TYPE_CHECKING:
     from tpuboot.paths import Root
@@ -87,10 +89,6 @@ TIMEOUT = 60.0
 PULL_TIMEOUT = 3600.0
 #: Cap on a plain (not streamed) answer: inspect data is a few KiB.
 MAX_BODY = 16 << 20
-#: Cap on one line of a stream (an event or a pull's progress is well under 4 KiB).
-MAX_LINE = 1 << 20
-#: Cap on the body of an error answer kept for its message.
-MAX_ERROR_BODY = 64 << 10
 
 
 #: The header of a pull's credentials (the Engine API's ``AuthConfig``, base64url JSON).
@@ -104,31 +102,6 @@ def auth_header(auth: RegistryAuth) -> str:
     (``base64.URLEncoding``)."""
     data = {"username": auth.username, "password": auth.password, "serveraddress": auth.registry}
     return base64.urlsafe_b64encode(json.dumps(data).encode()).decode("ascii")
-
-
-class DockerError(EngineError):
-    """Anything this client raises."""
-
-
-class Unreachable(DockerError, EngineUnreachable):
-    """dockerd is not there: no socket, connection refused, dropped or timed out."""
-
-
-class ProtocolError(Unreachable, EngineProtocolError):
-    """dockerd's answer broke the Engine API or HTTP: treated as dockerd not there (reconnect later)."""
-
-
-class APIError(DockerError):
-    """dockerd answered with an error; ``explanation`` is its message."""
-
-    def __init__(self, status: int, explanation: str) -> None:
-        super().__init__(f"{explanation} (HTTP {status})")
-        self.status = status
-        self.explanation = explanation
-
-
-class NotFound(APIError, EngineNotFound):
-    """404: no such container or image."""
 
 
 def _key(version: str) -> tuple[int, int]:
@@ -149,181 +122,6 @@ def negotiate(newest: str, oldest: str | None) -> str:
             f"dockerd speaks Engine API {newest} at most and tpuboot needs {OLDEST_API}: upgrade Docker"
         )
     return chosen
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    """HTTP over an AF_UNIX stream socket; the host name is only the Host header."""
-
-    def __init__(self, socket_path: str, timeout: float | None, deadline: float | None = None) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = socket_path
-        #: The socket, also after http.client handed it to a response and forgot it.
-        self.unix_sock: socket.socket | None = None
-        #: When (monotonic) every receive and send of this connection ends; None: never.
-        self.deadline = deadline
-
-    def connect(self) -> None:
-        sock = DeadlineSocket(socket.AF_UNIX, socket.SOCK_STREAM, deadline=lambda: self.deadline)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = self.unix_sock = sock
-
-
-def _api_error(status: int, body: bytes) -> APIError:
-    """dockerd's error answer ``{"message": ...}`` as an exception (a plain-text body as is)."""
-    try:
-        message = str(json.loads(body)["message"])
-    except (ValueError, KeyError, TypeError):
-        message = body.decode("utf-8", "replace").strip() or http.client.responses.get(status, "error")
-    return (NotFound if status == 404 else APIError)(status, message)
-
-
-def _chunking_error(exc: BaseException) -> ProtocolError | None:
-    """A broken chunked encoding as one line, None if ``exc`` is another failure.
-
-    http.client raises ValueError or LineTooLong for a chunk size that is not hex, and wraps
-    that ValueError in an IncompleteRead in some paths: the cause tells it from a dropped stream.
-    """
-    error: BaseException | None = exc
-    for _ in range(4):  # the ValueError sits two or three exceptions down the chain
-        if error is None:
-            break
-        if isinstance(error, ValueError) and str(error).endswith(": b''"):
-            return None  # no size line at all: the connection ended (dockerd went away), not garbled
-        if isinstance(error, (ValueError, http.client.LineTooLong)):
-            return ProtocolError(
-                f"dockerd sent a malformed chunked encoding ({_why(error)[:80]}); is it dockerd?"
-            )
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def _json_objects(response: http.client.HTTPResponse, what: str = "a stream") -> Iterator[Any]:
-    """Each JSON object of a streamed answer: dockerd writes one per line (pull progress, events).
-
-    ``read1`` returns what has arrived (http.client undoes the chunked encoding), so an event is
-    seen as soon as dockerd sends it. A line is at most :data:`MAX_LINE` bytes and must be JSON
-    (:class:`ProtocolError`); OSError and HTTPException (dropped, cut short) pass through.
-    """
-    pending = bytearray()
-    while True:
-        try:
-            chunk = response.read1(65536)
-        except (ValueError, http.client.HTTPException) as exc:
-            raise _chunking_error(exc) or exc from None
-        if not chunk:
-            break
-        pending += chunk
-        start = 0
-        while (end := pending.find(b"\n", start)) >= 0:
-            if pending[start:end].strip():
-                yield _json_line(bytes(pending[start:end]), what)
-            start = end + 1
-        del pending[:start]
-        if len(pending) > MAX_LINE:
-            raise ProtocolError(
-                f"dockerd sent {what} with a line over {MAX_LINE} bytes and no newline; is it dockerd?"
-            )
-    if pending.strip():
-        yield _json_line(bytes(pending), what)
-
-
-def _json_line(line: bytes, what: str) -> Any:
-    try:
-        return json.loads(line)
-    except ValueError:
-        raise ProtocolError(f"dockerd sent {what} with a line that is not JSON: {line[:60]!r}") from None
-
-
-def _read_body(response: http.client.HTTPResponse, cap: int, what: str) -> bytes:
-    """The whole body in bounded memory, checked against its Content-Length (ASCII digits, <= ``cap``)."""
-    declared: int | None = None
-    if "chunked" not in (response.getheader("Transfer-Encoding") or "").lower():
-        for value in response.headers.get_all("Content-Length") or []:
-            length = ascii_int(value.strip(" \t"))
-            if length is None:
-                raise ProtocolError(f"dockerd sent Content-Length {value[:40]!r} for {what}, not a number")
-            if declared is not None and length != declared:
-                raise ProtocolError(f"dockerd sent two Content-Lengths for {what} ({declared}, {length})")
-            declared = length
-    if declared is not None and declared > cap:
-        raise ProtocolError(f"dockerd announced {declared} bytes for {what}, over the {cap}-byte cap")
-    if response.status in (204, 304):
-        return b""
-    body = bytearray()
-    try:
-        while declared is None or len(body) < declared:
-            want = 65536 if declared is None else min(65536, declared - len(body))
-            chunk = response.read(want)
-            if not chunk:
-                break
-            body += chunk
-            if len(body) > cap:
-                raise ProtocolError(f"dockerd sent over {cap} bytes for {what}")
-    except (ValueError, http.client.HTTPException) as exc:
-        raise _chunking_error(exc) or exc from None
-    if declared is not None and len(body) < declared:
-        raise ProtocolError(f"dockerd's answer to {what} ended after {len(body)} of {declared} bytes")
-    return bytes(body)
-
-
-class EventStream:
-    """An open ``GET /events`` answer: iterate for events; :meth:`close` from any thread ends it.
-
-    The iteration ends, without an error, when the stream does: dockerd ended it, went away, or
-    :meth:`close` cut it. Closing shuts the socket down, which makes a read blocked in another
-    thread return at once; that thread then releases the connection (closing the answer under a
-    read in progress would break the read, not end it).
-    """
-
-    def __init__(self, sock: socket.socket, response: http.client.HTTPResponse) -> None:
-        self._sock = sock
-        self._response = response
-        self._lock = threading.Lock()
-        self._reading = False
-        self._closed = False
-        self._released = False
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        with self._lock:
-            if self._closed or self._reading:
-                return
-            self._reading = True
-        try:
-            for event in _json_objects(self._response, "an event"):
-                if isinstance(event, dict):
-                    yield event
-        except ProtocolError:
-            if self._closed:
-                return
-            raise
-        except (OSError, http.client.HTTPException):
-            return
-        finally:
-            with self._lock:
-                self._reading = False
-            self._release()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            reading = self._reading
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        if not reading:
-            self._release()
-
-    def _release(self) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-        self._response.close()
-        self._sock.close()
 
 
 class DockerAPI:
@@ -407,13 +205,13 @@ class DockerAPI:
         headers = {AUTH_HEADER: auth_header(auth)} if auth is not None else None
         conn, response = self._open("POST", "/images/create", query, total=self.pull_timeout, headers=headers)
         try:
-            for message in _json_objects(response, "pull progress"):
+            for message in json_objects(response, "pull progress"):
                 if isinstance(message, dict) and (message.get("error") or message.get("errorDetail")):
                     detail = message.get("errorDetail") or {}
                     text = message.get("error") or (detail.get("message") if isinstance(detail, dict) else "")
                     raise APIError(response.status, str(text or detail))
         except (OSError, http.client.HTTPException) as exc:
-            raise Unreachable(f"{self.socket_path}: pull cut short ({_why(exc)})") from exc
+            raise Unreachable(f"{self.socket_path}: pull cut short ({why(exc)})") from exc
         finally:
             conn.close()
 
@@ -447,7 +245,7 @@ class DockerAPI:
         versioned: bool = True,
         total: float | None = None,
         headers: dict[str, str] | None = None,
-    ) -> tuple[_UnixConnection, http.client.HTTPResponse]:
+    ) -> tuple[UnixConnection, http.client.HTTPResponse]:
         """Send one request on a new connection; the answer if it is a success, else raise.
 
         Each read waits ``timeout`` at most and the whole exchange, body included, ends within
@@ -459,19 +257,19 @@ class DockerAPI:
             sent.update(headers or {})
             data = json.dumps(body).encode() if body is not None else None
             deadline = time.monotonic() + (self.timeout if total is None else total)
-            conn = _UnixConnection(self.socket_path, self.timeout, deadline)
+            conn = UnixConnection(self.socket_path, self.timeout, deadline)
             try:
                 conn.request(method, url, body=data, headers=sent)
                 response = conn.getresponse()
                 if response.status < 400:
                     return conn, response
-                error = _api_error(response.status, _read_body(response, MAX_ERROR_BODY, f"{method} {path}"))
+                error = api_error(response.status, read_body(response, MAX_ERROR_BODY, f"{method} {path}"))
             except ProtocolError:
                 conn.close()
                 raise
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
-                raise Unreachable(f"{self.socket_path}: {_why(exc)}") from exc
+                raise Unreachable(f"{self.socket_path}: {why(exc)}") from exc
             conn.close()
             # Refused before it did anything (dockerd's version check comes first): safe to resend.
             if not (versioned and attempt == 1 and error.status == 400 and _REFUSED.match(error.explanation)):
@@ -491,11 +289,11 @@ class DockerAPI:
         """One request and its whole JSON answer (None when there is no body: 204, 304)."""
         conn, response = self._open(method, path, query, body, versioned=versioned)
         try:
-            data = _read_body(response, self.max_body, f"{method} {path}")
+            data = read_body(response, self.max_body, f"{method} {path}")
         except ProtocolError:
             raise
         except (OSError, http.client.HTTPException) as exc:
-            raise Unreachable(f"{self.socket_path}: {_why(exc)}") from exc
+            raise Unreachable(f"{self.socket_path}: {why(exc)}") from exc
         finally:
             conn.close()
         if not data.strip():
@@ -513,11 +311,6 @@ def _object(answer: Any, what: str) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise ProtocolError(f"dockerd answered the {what} with {type(answer).__name__}, not an object")
     return answer
-
-
-def _why(exc: BaseException) -> str:
-    """An exception's message, or its type when it has none (``IncompleteRead(b'')``...)."""
-    return str(exc) or type(exc).__name__
 
 
 def _quote(name: str) -> str:

@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass
 
 from tpuboot.config import Config
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, DockerError, NotFound
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
+from tpuboot.containers.dockerwire import DockerError, NotFound
 from tpuboot.devices.chips import VFIO_CONTAINER
 from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile

@@ -24,7 +24,8 @@ from tpuboot.configfields import option, parse_bool, parse_section, parse_str
 from tpuboot.containers.agents import AGENTS, Agent, AgentSection
 from tpuboot.containers.credentials import TokenUnavailable
 from tpuboot.containers.docker import DockerEngine
-from tpuboot.containers.dockerapi import DockerAPI, DockerError
+from tpuboot.containers.dockerapi import DockerAPI
+from tpuboot.containers.dockerwire import DockerError
 from tpuboot.containers.engine import MANAGED_LABEL
 from tpuboot.containers.service import Containers
 from tpuboot.errors import ConfigError, TpubootError

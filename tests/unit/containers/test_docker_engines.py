@@ -26,7 +26,7 @@ from tpuboot.checks.containers import docker_container_state
 from tpuboot.checks.doctor import Doctor
 from tpuboot.config import Config
 from tpuboot.containers.credentials import TOKEN_USERNAME
-from tpuboot.containers.dockerapi import DockerError
+from tpuboot.containers.dockerwire import DockerError
 from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.supervisor import StartFailed, Supervisor
 from tpuboot.paths import Root

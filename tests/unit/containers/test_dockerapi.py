@@ -14,17 +14,8 @@ import pytest
 
 from harness.polling import wait_until
 from tests.unit.fakes.dockerd import ENGINES, FakeDockerd, fake_dockerd
-from tpuboot.containers.dockerapi import (
-    NEWEST_API,
-    APIError,
-    DockerAPI,
-    DockerError,
-    NotFound,
-    Unreachable,
-    _UnixConnection,
-    auth_header,
-    negotiate,
-)
+from tpuboot.containers.dockerapi import NEWEST_API, DockerAPI, auth_header, negotiate
+from tpuboot.containers.dockerwire import APIError, DockerError, NotFound, UnixConnection, Unreachable
 from tpuboot.containers.engine import RegistryAuth
 
 
@@ -62,7 +53,7 @@ def test_the_version_is_asked_once_before_the_first_call() -> None:
 
 def raw_get(fake: FakeDockerd, path: str) -> tuple[int, dict[str, Any]]:
     """One GET as any client would send it, no negotiation: the fake's own answer."""
-    conn = _UnixConnection(str(fake.socket_path), 5)
+    conn = UnixConnection(str(fake.socket_path), 5)
     try:
         conn.request("GET", path)
         response = conn.getresponse()
@@ -376,7 +367,7 @@ def test_closing_the_stream_from_another_thread_ends_a_blocked_read_at_once(dock
 
 
 def test_streamed_objects_split_or_joined_across_reads_come_out_whole() -> None:
-    from tpuboot.containers.dockerapi import _json_objects
+    from tpuboot.containers.dockerwire import json_objects
 
     class Pieces:
         def __init__(self, *pieces: bytes) -> None:
@@ -386,4 +377,4 @@ def test_streamed_objects_split_or_joined_across_reads_come_out_whole() -> None:
             return self.pieces.pop(0) if self.pieces else b""
 
     pieces = Pieces(b'{"a":', b'1}\n{"b"', b":2}\r\n\n", b'{"c":3}\n{"d":4}')
-    assert list(_json_objects(pieces)) == [{"a": 1}, {"b": 2}, {"c": 3}, {"d": 4}]  # type: ignore[arg-type]
+    assert list(json_objects(pieces)) == [{"a": 1}, {"b": 2}, {"c": 3}, {"d": 4}]  # type: ignore[arg-type]

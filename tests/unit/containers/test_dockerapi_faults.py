@@ -21,14 +21,8 @@ from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
 from tests.unit.helpers.deadlines import MARGIN, TRICKLE, timed
 from tpuboot.backoff import RestartPolicy
 from tpuboot.containers.docker_runtime import DockerRuntime
-from tpuboot.containers.dockerapi import (
-    MAX_BODY,
-    MAX_LINE,
-    DockerAPI,
-    DockerError,
-    ProtocolError,
-    Unreachable,
-)
+from tpuboot.containers.dockerapi import MAX_BODY, DockerAPI
+from tpuboot.containers.dockerwire import MAX_LINE, DockerError, ProtocolError, Unreachable
 from tpuboot.containers.engine import ContainerSpec
 from tpuboot.containers.supervisor import Supervisor
 from tpuboot.references import RegistryAllowlist

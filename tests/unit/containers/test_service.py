@@ -20,7 +20,8 @@ from tpuboot.config import Config, TelemetryConfig
 from tpuboot.containers.agents import TELEMETRY_AGENT
 from tpuboot.containers.docker import split_image
 from tpuboot.containers.docker_runtime import DockerRuntime
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, Unreachable
+from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
+from tpuboot.containers.dockerwire import Unreachable
 from tpuboot.containers.engine import CONFIG_LABEL, MANAGED_LABEL, ContainerSpec
 from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import CannotStart, RuntimeUnavailable, Supervisor
