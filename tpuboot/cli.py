@@ -241,7 +241,7 @@ def cmd_who(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.config.metrics.textfile_dir is not None:
         from tpuboot import metrics
 
-        metrics.holders(report)
+        metrics.holders(report.holder_counts(), report.lock_states())
     if args.json:
         _print_json(report.as_dict())
     else:

@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, get_args
 
 if TYPE_CHECKING:
     from tpuboot.bootbudget import Phase
-    from tpuboot.holders.report import Report
 
 log = logging.getLogger("tpuboot.metrics")
 T = TypeVar("T")
@@ -117,11 +116,10 @@ class Metrics:
         with self.lock:
             self.tpus = {labels: counts.get(labels, 0) for labels in (*self.tpus, *counts)}
 
-    def set_holders(self, report: Report) -> None:
-        """Holders per chip and state, and each lock file; label sets no longer seen drop to 0
-        (a lock file removed since: its series goes)."""
-        counts = holder_counts(report)
-        locks = lock_states(report)
+    def set_holders(self, counts: dict[tuple[str, str], int], locks: dict[str, bool]) -> None:
+        """Holders per (chip, process state), and each lock file's state
+        (:meth:`tpuboot.holders.report.Report.holder_counts`, ``lock_states``); label sets no longer
+        seen drop to 0 (a lock file removed since: its series goes)."""
         with self.lock:
             self.chip_holders = {key: counts.get(key, 0) for key in (*self.chip_holders, *counts)}
             self.libtpu_lock_held = {path: 1.0 if held else 0.0 for path, held in locks.items()}
@@ -145,22 +143,6 @@ def _copied(value: Any) -> Any:
     if isinstance(value, Durations):
         return Durations(list(value.counts), value.total, value.created)
     return value
-
-
-def holder_counts(report: Report) -> dict[tuple[str, str], int]:
-    """(chip's base address, process state): holders; every chip has its ("running") series."""
-    counts: dict[tuple[str, str], int] = {}
-    for c in report.chips:
-        counts.setdefault((c.chip.address, "running"), 0)
-        for h in c.holders:
-            key = (c.chip.address, h.process.state)
-            counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def lock_states(report: Report) -> dict[str, bool]:
-    """Each libtpu lock file and whether a process holds it."""
-    return {lock.path: lock.held for lock in report.locks}
 
 
 _current = Metrics()
@@ -229,9 +211,9 @@ def tpus(devices: Iterable[tuple[str, str]]) -> None:
 
 
 @_safe
-def holders(report: Report) -> None:
+def holders(counts: dict[tuple[str, str], int], locks: dict[str, bool]) -> None:
     """What `tpuboot who` found: holders per chip and state, and the libtpu lock files."""
-    _current.set_holders(report)
+    _current.set_holders(counts, locks)
 
 
 @_safe

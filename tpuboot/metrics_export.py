@@ -34,7 +34,7 @@ from tpuboot.devices.chips import base_address
 from tpuboot.devices.health import AER_FILES, read_healths
 from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.table import DeviceTable
-from tpuboot.metrics import BIND_BUCKETS, TEXTFILE_NAME, Count, Metrics, current, holder_counts, lock_states
+from tpuboot.metrics import BIND_BUCKETS, TEXTFILE_NAME, Count, Metrics, current
 from tpuboot.metrics_server import MetricsServer, QuietHandler
 from tpuboot.paths import Root
 
@@ -300,8 +300,8 @@ class HolderCollector:
             log.debug("metrics: holders not scanned: %s", exc)
             yield from holder_families({}, {})
             return
-        locks = {path: 1.0 if held else 0.0 for path, held in lock_states(report).items()}
-        yield from holder_families(holder_counts(report), locks)
+        locks = {path: 1.0 if held else 0.0 for path, held in report.lock_states().items()}
+        yield from holder_families(report.holder_counts(), locks)
 
 
 def watch_holders(root: Root, config: Config) -> None:

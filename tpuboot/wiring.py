@@ -118,8 +118,9 @@ def build(
     recovery = None
     if config.recovery.automatic:
         from tpuboot.devices.recovery import AutoRecovery
+        from tpuboot.holders.report import blockers_of
 
-        recovery = AutoRecovery(binder, config.recovery.max_resets_per_hour)
+        recovery = AutoRecovery(binder, config.recovery.max_resets_per_hour, blockers_of(root))
     notifier = notifier or Notifier()
     parts = (env, containers, guest_attrs, metadata, endpoint)
     return Daemon(loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi, recovery=recovery)

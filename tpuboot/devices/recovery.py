@@ -35,17 +35,6 @@ HolderLookup = Callable[[Chip], list[str]]
 WEDGED = ("lost", "fatal")
 
 
-def holders_of(binder: Binder) -> HolderLookup:
-    """The /proc scan of tpuboot who, for one chip."""
-
-    def lookup(chip: Chip) -> list[str]:
-        from tpuboot.holders.report import gather
-
-        return gather(binder.root, [chip]).blockers(chip)
-
-    return lookup
-
-
 def wedged(chip: Chip, health: Mapping[str, Health]) -> str | None:
     """Why ``chip`` needs a reset (doctor's words for it), or None when it does not; ``health``
     holds a reading of each of its functions."""
@@ -59,10 +48,12 @@ def wedged(chip: Chip, health: Mapping[str, Health]) -> str | None:
 class AutoRecovery:
     """The daemon's side of ``recovery.automatic``; :meth:`check` is its tick's work."""
 
-    def __init__(self, binder: Binder, max_resets_per_hour: int, holders: HolderLookup | None = None) -> None:
+    def __init__(self, binder: Binder, max_resets_per_hour: int, holders: HolderLookup) -> None:
+        """``holders``: who may hold a chip (the daemon's is :func:`tpuboot.holders.report.blockers_of`;
+        the devices package does not scan /proc itself)."""
         self.binder = binder
         self.ladder = Ladder(binder, Breaker(binder.root, max_resets_per_hour))
-        self.holders = holders or holders_of(binder)
+        self.holders = holders
         self._said: dict[str, str] = {}  # chip → the last thing said about leaving it be
 
     def chips(self, tpus: Sequence[TpuStatus]) -> list[Chip]:

@@ -15,7 +15,7 @@ Text a user controls (command lines, unit, user and file names) is escaped where
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tpuboot.config import Config
@@ -80,6 +80,20 @@ class Report:
         """Something may hold any chip: a holder of an unknown chip, or processes not seen."""
         return bool(self.unknown) or bool(self.unseen)
 
+    def holder_counts(self) -> dict[tuple[str, str], int]:
+        """(chip's base address, process state): holders; every chip has its ("running") series."""
+        counts: dict[tuple[str, str], int] = {}
+        for c in self.chips:
+            counts.setdefault((c.chip.address, "running"), 0)
+            for h in c.holders:
+                key = (c.chip.address, h.process.state)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def lock_states(self) -> dict[str, bool]:
+        """Each libtpu lock file and whether a process holds it."""
+        return {lock.path: lock.held for lock in self.locks}
+
     def blockers(self, chip: Chip) -> list[str]:
         """Why ``chip`` may not be free, one line each: its holders, holders of a chip unknown,
         and what the scan could not see; [] only when it is certainly free."""
@@ -127,6 +141,11 @@ def _holders(opened: Opened, processes: dict[int, Process], keys: Iterable[str])
 def chips_of(root: Root, config: Config) -> list[Chip]:
     binder = Binder.of(root, config)
     return chips_present(root, binder.table, survey(binder))
+
+
+def blockers_of(root: Root) -> Callable[[Chip], list[str]]:
+    """Who may hold one chip, by the /proc scan of `tpuboot who` (automatic recovery asks it)."""
+    return lambda chip: gather(root, [chip]).blockers(chip)
 
 
 def gather(root: Root, chips: Sequence[Chip]) -> Report:

@@ -233,10 +233,10 @@ def test_a_partial_scan_or_a_holder_of_a_chip_unknown_is_never_reset_under(
     this chip, so recovery waits; once it is gone, the chip is reset."""
     from tests.unit.fakes.proc import FakeProc
     from tests.unit.helpers.holders import refuse_fds
-    from tpuboot.devices.recovery import holders_of
+    from tpuboot.holders.report import blockers_of
 
     kernel, recovery, _ = setup(tmp_path)
-    recovery.holders = holders_of(recovery.binder)
+    recovery.holders = blockers_of(recovery.binder.root)
     proc = FakeProc(tmp_path)
     if unseen == "unreadable":
         proc.add(200, {4: "/dev/vfio/30"})

@@ -281,7 +281,8 @@ def test_holder_metrics_per_chip_and_state_and_lock(tree):
     proc.add(101, {4: "/dev/vfio/12"})
     proc.lock(101, lock)
     with metrics.use(metrics.Metrics()) as m:
-        metrics.holders(gather(kernel.root, chips(kernel)))
+        report = gather(kernel.root, chips(kernel))
+        metrics.holders(report.holder_counts(), report.lock_states())
         value = metrics_export.registry_of(m).get_sample_value
         assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "stopped"}) == 1
         assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "sleeping"}) == 1
@@ -289,7 +290,8 @@ def test_holder_metrics_per_chip_and_state_and_lock(tree):
         assert value("tpuboot_libtpu_lock_held", {"path": "/tmp/libtpu_lockfile"}) == 1
         proc.remove(100)
         lock.unlink()
-        metrics.holders(gather(kernel.root, chips(kernel)))
+        report = gather(kernel.root, chips(kernel))
+        metrics.holders(report.holder_counts(), report.lock_states())
         assert value("tpuboot_chip_holders", {"chip": "0000:00:04", "state": "stopped"}) == 0
         assert value("tpuboot_libtpu_lock_held", {"path": "/tmp/libtpu_lockfile"}) is None
 

@@ -185,3 +185,26 @@ def test_no_test_module_imports_another() -> None:
         f"{a} imports {b}" for a, targets in edges.items() if is_test(a) for b in targets if is_test(b)
     )
     assert not found, found
+
+
+def packages(edges: dict[str, set[str]], top: str) -> dict[str, set[str]]:
+    """The module graph folded to tpuboot's sub-packages (``tpuboot.devices``...); a top-level
+    module (``tpuboot.cli``) stands for itself."""
+
+    def package(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else name
+
+    folded: dict[str, set[str]] = {}
+    for name, targets in edges.items():
+        if name.startswith(top):
+            here = package(name)
+            folded.setdefault(here, set()).update(package(t) for t in targets if package(t) != here)
+    return folded
+
+
+def test_the_sub_packages_have_no_cycle() -> None:
+    """Sub-packages layer (devices under holders under the checks...): a package that imports
+    another which imports it back cannot be read, moved or tested alone (issue 32)."""
+    found = cycles(packages(graph(PACKAGE), "tpuboot"))
+    assert not found, "package cycles: " + "; ".join(" -> ".join(cycle) for cycle in found)
