@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.unit.fakes.dockerd import fake_dockerd
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.fakes.proc import FakeProc
 from tests.unit.helpers.devices import V5P, add_tpu
@@ -36,8 +40,12 @@ TPU_ENV = {"ACCELERATOR_TYPE": "v5p-8", "TOPOLOGY": "2x2x1", "CHIPS_PER_HOST_BOU
 
 @pytest.fixture
 def kernel(tmp_path: Path) -> FakeKernel:
+    return tpu_vm(tmp_path / "root")
+
+
+def tpu_vm(top: Path) -> FakeKernel:
     """A v5p-8 worker as tpuboot leaves it: 4 chips bound to vfio-pci, its tpu-env written."""
-    k = FakeKernel(tmp_path / "root")
+    k = FakeKernel(top)
     k.load_module("vfio-pci")
     for i, address in enumerate(ADDRESSES):
         add_tpu(k, address, V5P, driver="vfio-pci", group=str(4 + i))
@@ -143,6 +151,30 @@ def test_vbar_answers_fails_or_is_not_tpubootss_to_run(kernel):
     assert off == npd.Answer(npd.OK, "not judged here: vbar.enabled is false in the configuration")
 
 
+def test_the_vbar_rule_asks_dockerd_and_vbars_endpoint_as_on_a_host(capsys):
+    """The rule as it runs: dockerd's API over its socket, a connect to vBar's endpoint."""
+    name = "tpuboot-vbar-control-agent"
+    with fake_dockerd() as dockerd, socket.socket(socket.AF_UNIX) as vbar_socket:
+        kernel = tpu_vm(Path(dockerd.root))
+        (kernel.top / "etc/tpuboot/tpuboot.yaml").write_text(
+            NOT_GKE + "vbar: {endpoint: 'unix:/run/vbar.sock'}\n"
+        )
+        daemon_runs(kernel)
+        vbar_socket.bind(str(kernel.p("/run/vbar.sock")))
+        vbar_socket.listen()
+        assert run(kernel, "vbar", capsys) == (npd.PROBLEM, f"container {name} does not exist")
+        dockerd.add_container(name, "example.invalid/vbar:1")
+        assert run(kernel, "vbar", capsys) == (npd.OK, f"container {name} is running")
+        vbar_socket.close()
+        status, line = run(kernel, "vbar", capsys)
+        assert (
+            status == npd.PROBLEM
+            and line == "vBar runs but does not answer at unix:/run/vbar.sock (connection refused)"
+        )
+        dockerd.die(name, 1)
+        assert run(kernel, "vbar", capsys) == (npd.PROBLEM, f"container {name} is exited (exit code 1)")
+
+
 def test_vbar_is_unknown_when_nobody_can_tell_whether_this_is_a_gke_node(kernel, capsys):
     (kernel.top / "etc/tpuboot/tpuboot.yaml").write_text("gke: auto\n")
     daemon_runs(kernel)
@@ -170,10 +202,10 @@ def test_an_unreadable_root_a_bad_config_or_a_check_that_raises_is_unknown_in_on
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(Doctor, "check_tpus_bound", broken)
-    monkeypatch.setattr(os, "environ", {**os.environ})  # nothing of the run leaks
-    assert run(kernel, "chips", capsys) == (npd.UNKNOWN, "unexpected OSError: [Errno 5] Input/output error")
+    assert cli.main(["--root", str(kernel.top), "npd", "chips"]) == npd.UNKNOWN
     captured = capsys.readouterr()
-    assert "Traceback" not in captured.out + captured.err
+    assert captured.out == "unexpected OSError: [Errno 5] Input/output error\n"
+    assert "Traceback" not in captured.err  # nor on stderr, without --verbose
 
 
 def test_a_temporary_rule_that_cannot_tell_makes_no_event(kernel, capsys):
@@ -266,6 +298,27 @@ def test_a_config_keeps_npd_rules(name):
         assert c["type"].startswith("TPU") and c["reason"].isidentifier() and c["message"]
     # NPD's timeout is 5 s and every rule runs every 30 s on every node.
     assert seconds(plugin["timeout"]) <= 5 and seconds(plugin["invoke_interval"]) >= 30
+
+
+def test_every_shipped_rule_runs_as_npd_runs_it(kernel):
+    """Each rule's path and args, as NPD executes them (a process, its stdout, its exit status), on
+    the healthy tree: /usr/bin/tpuboot is this tree's `python -m tpuboot`, the root $TPUBOOT_ROOT.
+    Every rule is OK there but vBar's, unknown: no daemon runs in the tree to supervise it."""
+    expected = {name: npd.OK for name in npd.BY_NAME} | {"vbar": npd.UNKNOWN}
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TPUBOOT_ROOT": str(kernel.top)}
+    for name in sorted(npd.plugin_configs()):
+        for rule in load(name)["rules"]:
+            assert rule["path"] == npd.TPUBOOT
+            done = subprocess.run(
+                [sys.executable, "-m", "tpuboot", *rule["args"]],
+                capture_output=True,
+                env=env,
+                cwd=REPO,
+                timeout=120,
+                check=False,
+            )
+            assert done.returncode == expected[rule["args"][1]], (rule, done.stdout, done.stderr)
+            assert done.stdout.count(b"\n") == 1 and len(done.stdout) <= npd.MAX_OUTPUT + 1, done.stdout
 
 
 def test_every_condition_is_in_a_config_and_every_type_is_unique():
