@@ -105,11 +105,11 @@ class Look:
 Judge = Callable[[Look], Answer]
 
 
-def doctor_view(*checks: str, daemon: bool = False) -> Judge:
+def doctor_view(*checks: str, supervised: str | None = None) -> Judge:
     """A condition that is doctor's ``checks``: a FAIL is the problem (its detail the message);
     all SKIP is OK ("not judged here"), unless a SKIP is for want of the metadata server's answer
-    (unknown). ``daemon``: what is judged needs tpuboot's daemon (it supervises it), so a judgement
-    made while the daemon is stopped is unknown."""
+    (unknown). ``supervised``: what is judged is kept running by tpuboot's daemon, so a judgement
+    made while the daemon is stopped holds only until it stops: unknown."""
 
     def judge(look: Look) -> Answer:
         results = [look.check(name) for name in checks]
@@ -118,8 +118,10 @@ def doctor_view(*checks: str, daemon: bool = False) -> Judge:
             if look.asks_metadata and look.doctor.metadata.down is not None:
                 return Answer(UNKNOWN, f"cannot tell: {results[0].detail}")
             return Answer(OK, f"not judged here: {results[0].detail}")
-        if daemon and not look.daemon_running():
-            return Answer(UNKNOWN, "tpuboot is not running (it supervises this): systemctl start tpuboot")
+        if supervised is not None and not look.daemon_running():
+            return Answer(
+                UNKNOWN, f"tpuboot is not running to supervise {supervised}: systemctl start tpuboot"
+            )
         fails = [r for r in judged if r.status == "FAIL"]
         if fails:
             return Answer(PROBLEM, fails[0].detail)
@@ -198,7 +200,7 @@ CONDITIONS: tuple[Condition, ...] = (
         "TPUVbarUnreachable",
         "TPUVbarNotAnswering",
         ("TPUVbarAnswering", "vBar runs and answers, or is not tpuboot's to run here"),
-        doctor_view("vbar-running", "vbar-endpoint", daemon=True),
+        doctor_view("vbar-running", "vbar-endpoint", supervised="vBar"),
         "systemctl restart tpuboot; journalctl -u tpuboot AGENT=vBar says why it stopped",
         metadata=True,
     ),
