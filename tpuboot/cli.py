@@ -512,6 +512,29 @@ def cmd_doctor(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed_required(verdicts) else EXIT_OK
 
 
+def npd_main(args: argparse.Namespace) -> int:
+    """`tpuboot npd CONDITION` speaks node-problem-detector's plugin protocol, not the CLI's: one
+    line on stdout (the condition's message), exit 0 OK, 1 problem, 2 unknown. Whatever stops the
+    answer (a root or a configuration it cannot read, a check that raises) is unknown, in one line:
+    NPD would put a traceback in the node's condition."""
+    from tpuboot.checks import npd
+
+    condition = npd.BY_NAME.get(args.condition)
+    try:
+        if condition is None:
+            raise UsageError(f"no condition {args.condition!r}; the conditions are {', '.join(npd.BY_NAME)}")
+        ctx = Context(args)
+        answer = npd.judge(ctx.root, ctx.config, condition)
+    except Exception as exc:  # unknown, said in one line; the traceback with --verbose, on stderr
+        log.debug("npd %s: cannot answer", args.condition, exc_info=True)
+        what = str(exc) if isinstance(exc, TpubootError) else f"unexpected {type(exc).__name__}: {exc}"
+        answer = npd.Answer(npd.UNKNOWN, what)
+    if condition is not None:
+        answer = npd.for_rule(condition, answer)
+    print(answer.line, flush=True)
+    return answer.status
+
+
 def cmd_cdi(ctx: Context, args: argparse.Namespace) -> int:
     """The CDI spec the daemon keeps, read from sysfs now: printed, or written to --output (under
     --root, a file in the tree, as every path tpuboot touches there)."""
@@ -622,6 +645,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("doctor", cmd_doctor, "check that this TPU VM is ready for a workload, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command(
+        "npd", cmd_npd, "answer one node-problem-detector rule: one line, exit 0 ok, 1 problem, 2 unknown"
+    )
+    p.add_argument("condition", metavar="CONDITION", help="the rule: a condition doc/kubernetes.md lists")
     p = command("cdi", cmd_cdi, "print the CDI spec of the bound chips (containers without --privileged)")
     p.add_argument("--format", choices=("json", "yaml"), default="json", help="output format (default json)")
     p.add_argument("--output", metavar="FILE", help="write the spec to FILE (atomically), not to stdout")
@@ -643,9 +670,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_npd(ctx: Context, args: argparse.Namespace) -> int:
+    """Never called with a context: :func:`main` hands `npd` to :func:`npd_main` before one is made."""
+    return npd_main(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logs.setup(args.verbose)
+    if args.command == "npd":  # its own protocol: every failure is its one line and exit 2
+        return npd_main(args)
     ctx: Context | None = None
     try:
         ctx = Context(args)

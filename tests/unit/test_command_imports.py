@@ -150,6 +150,8 @@ CASES = {
         CORE | METADATA | {"tpuboot.gce.lookup"},
     ),
     "doctor": (["doctor"], None, DOCTOR),
+    # doctor's checks and the reset breaker's record, each rule's view of them (tpuboot/checks/npd.py).
+    "npd": (["npd", "pcie"], None, DOCTOR | {"tpuboot.checks.npd", "tpuboot.devices.reset"}),
     "cdi": (["cdi"], None, CORE | CDI | {"tpuboot.atomicfile", "dataclasses", "inspect", "typing"}),
     "prepare-image": (["prepare-image"], None, PREPARE),
     "slice": (["slice", "--timeout", "0.2"], None, SLICE),

@@ -82,6 +82,10 @@ class Checks:
     def names(self) -> list[str]:
         return list(self._checks)
 
+    def __getitem__(self, name: str) -> Check:
+        """Check ``name`` itself, which raises what it raises (:meth:`run` makes that a FAIL)."""
+        return self._checks[name]
+
     def select(self, patterns: Sequence[str]) -> list[str]:
         """The names matching any of ``patterns`` (shell-style: ``leftover-*``), in run order; a
         pattern matching none is a UsageError."""

@@ -121,6 +121,8 @@ EXPECTED_FILES = {
     "/usr/lib/systemd/system/containerd.service.d/50-tpuboot.conf": "-rw-r--r--",
     "/usr/share/man/man8/tpuboot.8.gz": "-rw-r--r--",
     "/usr/share/tpuboot/prometheus/tpuboot.rules.yml": "-rw-r--r--",
+    "/usr/share/tpuboot/node-problem-detector/tpu-conditions.json": "-rw-r--r--",
+    "/usr/share/tpuboot/node-problem-detector/tpu-events.json": "-rw-r--r--",
     "/usr/share/doc/tpuboot/copyright": "-rw-r--r--",
     # Named from setup.cfg's metadata: a build that missed it would ship UNKNOWN-0.0.0.dist-info.
     f"/usr/lib/python3/dist-packages/tpuboot-{tpuboot.__version__}.dist-info/METADATA": "-rw-r--r--",
