@@ -232,16 +232,34 @@ def one_line(text: str) -> str:
     return "".join(kept) + "..."
 
 
-def judge(root: Root, config: Config, condition: Condition, **look: object) -> Answer:
+def judge(
+    root: Root,
+    config: Config,
+    condition: Condition,
+    *,
+    metadata: MetadataReader | None = None,
+    systemd: Systemd | None = None,
+    container_state: ContainerProbe = docker_container_state,
+    endpoint_probe: EndpointProbe = probe,
+) -> Answer:
     """``condition``'s answer for this root: unknown when sysfs cannot be read (every condition is
-    about the chips on it); ``look`` reaches :class:`Look` (a test's probes)."""
+    about the chips on it); the keywords reach :class:`Look` (a test's probes)."""
     try:
         os.listdir(root.path(PCI_DEVICES))
     except OSError as exc:
         return Answer(UNKNOWN, f"cannot read {PCI_DEVICES}: {exc.strerror or exc}")
-    if condition.metadata and root.is_host and "metadata" not in look:
-        look["metadata"] = metadata_lookup(config.metadata)
-    return condition.judge(Look(root, config, asks_metadata=condition.metadata, **look))  # type: ignore[arg-type]
+    if condition.metadata and root.is_host and metadata is None:
+        metadata = metadata_lookup(config.metadata)
+    look = Look(
+        root,
+        config,
+        metadata=metadata,
+        asks_metadata=condition.metadata,
+        systemd=systemd,
+        container_state=container_state,
+        endpoint_probe=endpoint_probe,
+    )
+    return condition.judge(look)
 
 
 #: How NPD in a container reaches the host's tpuboot (examples/kubernetes/): chroot into the host's
