@@ -27,6 +27,9 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
 - ``tpuboot_automatic_resets_total{chip,result}``: resets the daemon made (``recovery.automatic``)
   of a chip that fell off the bus or logged a fatal error, by result (recovered, failed)
 - ``tpuboot_boot_phase_seconds{phase}``: when each phase of this boot ended (tpuboot/bootbudget.py)
+- ``tpuboot_slice_identity_info{worker,digest}`` 1: this worker's index in tpu-env and the digest
+  of its slice-wide keys (tpuboot/slice/published.py), for a comparison across the slice; no
+  series before tpu-env is written
 - PCIe health of every TPU function, read from sysfs at scrape time (:class:`PcieCollector`):
   ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
   (current over maximum), ``tpuboot_pcie_link_width{link}`` and
@@ -108,6 +111,7 @@ class Metrics:
         self.chip_holders: dict[tuple[str, str], int] = {}
         self.libtpu_lock_held: dict[str, float] = {}
         self.boot_phase: dict[str, float] = {}
+        self.slice_identity: tuple[str, str] | None = None  # (worker, digest) of tpu-env
 
     def set_tpus(self, devices: Iterable[tuple[str, str]]) -> None:
         """(generation, state) of every TPU now; label sets no longer seen drop to 0."""
@@ -289,3 +293,11 @@ def boot_phases(phases: Iterable[Phase]) -> None:
         ends[phase.name] = max(ends.get(phase.name, 0.0), phase.seconds)
     with _current.lock:
         _current.boot_phase.update(ends)
+
+
+@_safe
+def slice_identity(worker: int | None, digest: str | None) -> None:
+    """tpu-env as written now: this worker's index ("" when tpu-env has none) and its slice-wide
+    digest; ``digest`` None when tpu-env holds no values (the series goes)."""
+    with _current.lock:
+        _current.slice_identity = None if digest is None else ("" if worker is None else str(worker), digest)

@@ -117,6 +117,14 @@ class Recorded:
         for (chip, result), counted in m.automatic_resets.items():
             resets.add_metric([chip, result], counted.value, created=counted.created)
         yield resets
+        identity = InfoMetricFamily(
+            "tpuboot_slice_identity",
+            "This worker's index in tpu-env and the digest of tpu-env's slice-wide keys (doc/slice.md).",
+            labels=["worker", "digest"],
+        )
+        if m.slice_identity is not None:
+            identity.add_metric(list(m.slice_identity), {})
+        yield identity
         phases = [((phase,), seconds) for phase, seconds in m.boot_phase.items()]
         yield gauges(
             "tpuboot_boot_phase_seconds",

@@ -102,7 +102,10 @@ PARSED = {"yaml"}
 TEXTFILE_BIND = CORE | PARSED | EXPORT | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
-    "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
+    "tpuboot.checks.holders", "tpuboot.checks.cdi",
+    # slice-identity: tpuboot slice's judgement of the identity, without the sweep
+    "tpuboot.slice", "tpuboot.slice.facts", "tpuboot.slice.identity", "tpuboot.slice.resolve",
+    "tpuboot.slice.workers"}  # fmt: skip
 
 #: `slice` and `wait-slice`: the metadata client, tpu-env's parser, the slice reading, /proc's holders.
 SLICE = CORE | METADATA | HOLDERS | SURVEY - {"tpuboot.devices.health", "json"} | {

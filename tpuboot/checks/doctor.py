@@ -27,7 +27,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tpuboot.atomicfile import read_file
@@ -66,6 +66,8 @@ from tpuboot.gce.keys import MACHINE_TYPE
 from tpuboot.gce.replies import MetadataAbsent, MetadataUnanswered, Reply
 from tpuboot.holders.procfs import boot_time
 from tpuboot.paths import Root
+from tpuboot.slice.facts import read_facts
+from tpuboot.slice.identity import judge, one_check
 from tpuboot.wiring import metadata_settings
 
 #: A FAIL of these is reported but does not make `tpuboot doctor` fail: whether tpu-env is the
@@ -174,6 +176,7 @@ class Doctor:
                     ("metadata-server", self.check_metadata_server),
                     ("chip-count", self.check_chip_count),
                     ("slice", self.check_slice),
+                    ("slice-identity", self.check_slice_identity),
                     ("tpu-env", self.check_tpu_env),
                     ("tpu-env-fresh", self.check_tpu_env_fresh),
                     ("environment", self.check_environment),
@@ -386,6 +389,19 @@ class Doctor:
         if found.worker is not None:
             parts.append(f"this host is worker {found.worker}")
         return passed(", ".join(parts))
+
+    def check_slice_identity(self) -> CheckResult:
+        """Who this worker is in its slice, judged as ``tpuboot slice`` judges it (worker-id,
+        worker-list, own-address, multislice: tpuboot/slice/identity.py); the peer sweep is network
+        I/O, left to ``tpuboot slice``. tpu-env's own trouble is the tpu-env check's."""
+        try:
+            facts = read_facts(
+                self.metadata, self.root, self.config.env.tpu_env_path, deadline_s=self.metadata.deadline_s
+            )
+        except MetadataError:
+            return skipped(f"{UNANSWERED}: no worker list to judge")
+        identity = judge(facts)
+        return one_check(replace(identity, findings=[f for f in identity.findings if f.name != "tpu-env"]))
 
     # --- the runtime environment -------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
+from tpuboot.checks.registry import CheckResult, Status, failed, passed, skipped, warned
 from tpuboot.checks.slices import env_value, read_slice
 from tpuboot.errors import shown
 from tpuboot.numbers import ascii_int
@@ -174,3 +174,20 @@ def judge(facts: Facts) -> Identity:
     findings.append(_named("own-address", _own_address(facts, worker, workers)))
     findings.append(_named("multislice", _multislice(env)))
     return Identity(worker, workers, env, findings)
+
+
+def one_check(identity: Identity) -> CheckResult:
+    """The identity's findings as one verdict (doctor's ``slice-identity``): the FAILs, else the
+    WARNs, else what passed; SKIP on a single host (no worker list: only its number to say).
+    Unnamed, as a check is."""
+    judged = [f for f in identity.findings if f.status != "SKIP"]
+    if not identity.workers and all(f.name == "worker-id" and f.status == "PASS" for f in judged):
+        return skipped("a single host: no worker list to judge" + "".join(f" ({f.detail})" for f in judged))
+    worst: tuple[Status, ...] = ("FAIL", "WARN", "PASS")
+    for status in worst:
+        found = [f for f in identity.findings if f.status == status]
+        if found:
+            detail = "; ".join(f"{f.name}: {f.detail}" for f in found)
+            fix = next((f.fix for f in found if f.fix), "") if status != "PASS" else ""
+            return CheckResult("", status, detail, fix)
+    return skipped("; ".join(f.detail for f in identity.findings) or "nothing to judge")
