@@ -281,13 +281,14 @@ def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_slice(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.slice.command import SliceLook, render
+    from tpuboot.slice.command import SliceLook, record, render
 
     looker = SliceLook(ctx.root, ctx.config, args.connect_timeout)
     try:
         report = looker(args.timeout)
     finally:
         looker.close()
+    record(ctx.root, ctx.config.metrics, report)
     if args.json:
         _print_json(report.as_dict())
     else:
@@ -296,15 +297,17 @@ def cmd_slice(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_wait_slice(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.slice.command import SliceLook, wait
+    from tpuboot.slice.command import Remembered, SliceLook, record, wait
 
     looker = SliceLook(ctx.root, ctx.config, args.connect_timeout)
+    remembered = Remembered(looker)
     try:
         wrong = wait(
-            looker, args.timeout, args.interval, lambda line: print(line, file=sys.stderr, flush=True)
+            remembered, args.timeout, args.interval, lambda line: print(line, file=sys.stderr, flush=True)
         )
     finally:
         looker.close()
+    record(ctx.root, ctx.config.metrics, remembered.last)
     if not wrong:
         print("the slice holds: identity agrees and every peer's path is open")
         return EXIT_OK

@@ -27,6 +27,9 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
 - ``tpuboot_automatic_resets_total{chip,result}``: resets the daemon made (``recovery.automatic``)
   of a chip that fell off the bus or logged a fatal error, by result (recovered, failed)
 - ``tpuboot_boot_phase_seconds{phase}``: when each phase of this boot ended (tpuboot/bootbudget.py)
+- in ``tpuboot-slice.prom``, the last look of `tpuboot slice` or `wait-slice`:
+  ``tpuboot_slice_paths{state}`` (peer paths by state: open, refused, dropped, unreachable,
+  error), ``tpuboot_slice_failures`` (its FAILs) and ``tpuboot_slice_last_sweep_timestamp_seconds``
 - ``tpuboot_slice_identity_info{worker,digest}`` 1: this worker's index in tpu-env and the digest
   of its slice-wide keys (tpuboot/slice/published.py), for a comparison across the slice; no
   series before tpu-env is written
@@ -61,6 +64,8 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 TEXTFILE_NAME = "tpuboot.prom"
+#: The last look of `tpuboot slice` or `wait-slice`, beside the commands' own file.
+SLICE_TEXTFILE_NAME = "tpuboot-slice.prom"
 #: The ``result`` label of a bind attempt.
 BindOutcome = Literal["bound", "already_bound", "failed_transient", "failed"]
 BIND_RESULTS: tuple[BindOutcome, ...] = get_args(BindOutcome)

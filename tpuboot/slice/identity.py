@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from tpuboot.checks.registry import CheckResult, Status, failed, passed, skipped, warned
 from tpuboot.checks.slices import env_value, read_slice
-from tpuboot.errors import shown
+from tpuboot.errors import printable, shown
 from tpuboot.numbers import ascii_int
 from tpuboot.slice.facts import Facts
 from tpuboot.slice.resolve import resolve
@@ -129,7 +129,7 @@ def _own_address(facts: Facts, worker: int | None, workers: list[Worker]) -> Che
         return passed(f"{own} stands at index {worker}")
     elsewhere = [w.index for w in workers if w.address == own]
     where = f"; it stands at index {elsewhere[0]}" if elsewhere else "; it is not in the list"
-    return failed(f"this host is {own}, but worker {worker}'s entry is {listed}{where}", RECREATE)
+    return failed(f"this host is {printable(own)}, but worker {worker}'s entry is {listed}{where}", RECREATE)
 
 
 def _multislice(env: Mapping[str, str]) -> CheckResult:
@@ -156,7 +156,7 @@ def _multislice(env: Mapping[str, str]) -> CheckResult:
     host = coordinator.rsplit(":", 1)[0] if coordinator.count(":") == 1 else coordinator
     if resolve(host, family=socket.AF_UNSPEC) is None:
         return failed(f"MEGASCALE_COORDINATOR_ADDRESS {shown(coordinator)} does not resolve", ENV_FIX)
-    return passed(f"slice {slice_id} of {slices}, coordinator {coordinator}")
+    return passed(f"slice {slice_id} of {slices}, coordinator {printable(coordinator)}")
 
 
 def judge(facts: Facts) -> Identity:
