@@ -5,7 +5,9 @@ host to") and tpuboot's own outputs, on the running system: every TPU bound to v
 /dev/vfio nodes' mode, allow_unsafe_interrupts where tpuboot sets it, the IOMMU groups viable,
 tpu-env present, parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry
 collector running (not on GKE), the number of usable chips the machine type or the slice implies,
-and the slice tpu-env describes (:mod:`tpuboot.checks.slices`). The image settings (kernel command line,
+the slice tpu-env describes (:mod:`tpuboot.checks.slices`) and this worker's identity in it as
+``tpuboot slice`` judges it (:mod:`tpuboot.slice.identity`; the peer sweep, network I/O, stays
+there). The image settings (kernel command line,
 transparent huge pages, limits for logins and the container runtimes, the accel udev rule) are
 :mod:`tpuboot.checks.image`'s checks, run as they are.
 
