@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, get_args
 if TYPE_CHECKING:
     from tpuboot.bootbudget import Phase
     from tpuboot.holders.report import Report
+    from tpuboot.slice.published import Published
 
 log = logging.getLogger("tpuboot.metrics")
 T = TypeVar("T")
@@ -301,8 +302,10 @@ def boot_phases(phases: Iterable[Phase]) -> None:
 
 
 @_safe
-def slice_identity(worker: int | None, digest: str | None) -> None:
-    """tpu-env as written now: this worker's index ("" when tpu-env has none) and its slice-wide
-    digest; ``digest`` None when tpu-env holds no values (the series goes)."""
+def slice_identity(mine: Published | None) -> None:
+    """What tpu-env as written now publishes: this worker's index ("" when tpu-env has none) and its
+    slice-wide digest; None when tpu-env holds no values (the series goes)."""
     with _current.lock:
-        _current.slice_identity = None if digest is None else ("" if worker is None else str(worker), digest)
+        _current.slice_identity = (
+            None if mine is None else ("" if mine.worker is None else str(mine.worker), mine.digest)
+        )

@@ -115,11 +115,11 @@ class EnvService:
                 words = f" {mine.attribute()}" if mine is not None else ""
                 self._attribute = f"source={result.source} keys={result.keys} updated={when}{words}"
                 self._held = True
-                metrics.slice_identity(*((mine.worker, mine.digest) if mine else (None, None)))
+                metrics.slice_identity(mine)
             elif result.source == "absent" or not self._held:  # a failure keeps what the file holds
                 self._attribute = f"source={result.source}"
                 self._held = False
-                metrics.slice_identity(None, None)
+                metrics.slice_identity(None)
             state: EnvState = result.source
             self._status = Status(state, result.status)
         if self.on_values is not None:
