@@ -8,20 +8,21 @@ Debian's packages in the same guests, never active beside tpuboot): ``driverctl`
 footprint. Usage, from the repository root (root is needed for the image build and QEMU)::
 
     sudo .venv/bin/python -m bench.run [--json FILE] [--markdown FILE]
-                                       [--only hotplug,cdi,coldplug,cli,icount,idle,fleet,holders]
+                                       [--only hotplug,cdi,coldplug,cli,icount,idle,fleet,holders,slice]
                                        [--reps 6] [--coldplug-reps 5] [--cli-runs 10]
                                        [--icount-runs 5]
 
 About 7 minutes with warm caches (.cache/vm), more while other QEMU guests share the host: the
 .deb and one guest image are built, then one QEMU guest (TCG, 2 vCPUs) per scenario family, and
-the fleet and holders families run on the host after the last guest is gone.
+the fleet, holders and slice families run on the host after the last guest is gone.
 
 One module per family, whose docstring says how it times and against what, each with a
 ``run_family`` that adds its rows to the report (``bench/table.py``): ``bench/hotplug.py``,
 ``bench/cdi.py``, ``bench/coldplug.py``, ``bench/cli.py``, ``bench/icount.py`` (the cli and
 coldplug commands in a guest whose clock counts instructions), ``bench/idle.py``,
-``bench/fleet.py`` (64 simulated hosts against one failing metadata server emulator) and
-``bench/holders.py`` (``tpuboot who`` against ``fuser -v`` and ``lsof``). ``bench/guest.py``
+``bench/fleet.py`` (64 simulated hosts against one failing metadata server emulator),
+``bench/holders.py`` (``tpuboot who`` against ``fuser -v`` and ``lsof``) and ``bench/slice_sweep.py``
+(the slice's peer sweep against a serial one, in network namespaces). ``bench/guest.py``
 drives the guest and arms one side at a time; the guest side is ``bench/in_guest/``
 (``bind_guest.py`` and its modules).
 
@@ -43,7 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench import cdi, cli, coldplug, fleet, holders, hotplug, icount, peers
+from bench import cdi, cli, coldplug, fleet, holders, hotplug, icount, peers, slice_sweep
 from bench.guest import HostLoad, bench_install_hook, booted, tree_revision
 from bench.icount import IcountVM
 from bench.idle import IdleFamily, idle_install_hook
@@ -112,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         holders.run_family(report)
         crowd["holders"] = round(load.others_cores(), 2)
         log.info("holders: measured in %.0f s", time.monotonic() - t)
+    if "slice" in args.families:
+        t, load = time.monotonic(), HostLoad()
+        slice_sweep.run_family(report)
+        crowd["slice"] = round(load.others_cores(), 2)
+        log.info("slice: measured in %.0f s", time.monotonic() - t)
     report.raw["total_s"] = time.monotonic() - started
     report.raw["revision"] = revision
     report.raw["host_cores_used_by_others"] = crowd

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # In the order of the table.
-FAMILIES = ("hotplug", "cdi", "coldplug", "cli", "icount", "idle", "fleet", "holders")
+FAMILIES = ("hotplug", "cdi", "coldplug", "cli", "icount", "idle", "fleet", "holders", "slice")
 
 
 @dataclass

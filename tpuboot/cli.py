@@ -20,10 +20,10 @@ from tpuboot.gce.keys import KINDS as METADATA_KINDS
 from tpuboot.paths import ROOT_ENV, Root
 
 if TYPE_CHECKING:
-    from tpuboot.checks.registry import CheckResult
     from tpuboot.devices.chips import Chip
     from tpuboot.devices.reset import Breaker
     from tpuboot.holders.report import Report
+    from tpuboot.verdicts import CheckResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_ABSENT = 3  # `metadata get`: the key is not set and no --default was given
@@ -281,13 +281,14 @@ def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_slice(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.slice.command import SliceLook, render
+    from tpuboot.slice.command import SliceLook, record, render
 
     looker = SliceLook(ctx.root, ctx.config, args.connect_timeout)
     try:
         report = looker(args.timeout)
     finally:
         looker.close()
+    record(ctx.root, ctx.config.metrics, report)
     if args.json:
         _print_json(report.as_dict())
     else:
@@ -296,15 +297,17 @@ def cmd_slice(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_wait_slice(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.slice.command import SliceLook, wait
+    from tpuboot.slice.command import Remembered, SliceLook, record, wait
 
     looker = SliceLook(ctx.root, ctx.config, args.connect_timeout)
+    remembered = Remembered(looker)
     try:
         wrong = wait(
-            looker, args.timeout, args.interval, lambda line: print(line, file=sys.stderr, flush=True)
+            remembered, args.timeout, args.interval, lambda line: print(line, file=sys.stderr, flush=True)
         )
     finally:
         looker.close()
+    record(ctx.root, ctx.config.metrics, remembered.last)
     if not wrong:
         print("the slice holds: identity agrees and every peer's path is open")
         return EXIT_OK

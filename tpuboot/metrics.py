@@ -27,6 +27,12 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
 - ``tpuboot_automatic_resets_total{chip,result}``: resets the daemon made (``recovery.automatic``)
   of a chip that fell off the bus or logged a fatal error, by result (recovered, failed)
 - ``tpuboot_boot_phase_seconds{phase}``: when each phase of this boot ended (tpuboot/bootbudget.py)
+- in ``tpuboot-slice.prom``, the last look of `tpuboot slice` or `wait-slice`:
+  ``tpuboot_slice_paths{state}`` (peer paths by state: open, refused, dropped, unreachable,
+  error), ``tpuboot_slice_failures`` (its FAILs) and ``tpuboot_slice_last_sweep_timestamp_seconds``
+- ``tpuboot_slice_identity_info{worker,digest}`` 1: this worker's index in tpu-env and the digest
+  of its slice-wide keys (tpuboot/env/published.py), for a comparison across the slice; no
+  series before tpu-env is written
 - PCIe health of every TPU function, read from sysfs at scrape time (:class:`PcieCollector`):
   ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
   (current over maximum), ``tpuboot_pcie_link_width{link}`` and
@@ -57,6 +63,8 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 TEXTFILE_NAME = "tpuboot.prom"
+#: The last look of `tpuboot slice` or `wait-slice`, beside the commands' own file.
+SLICE_TEXTFILE_NAME = "tpuboot-slice.prom"
 #: The ``result`` label of a bind attempt.
 BindOutcome = Literal["bound", "already_bound", "failed_transient", "failed"]
 BIND_RESULTS: tuple[BindOutcome, ...] = get_args(BindOutcome)
@@ -107,6 +115,7 @@ class Metrics:
         self.chip_holders: dict[tuple[str, str], int] = {}
         self.libtpu_lock_held: dict[str, float] = {}
         self.boot_phase: dict[str, float] = {}
+        self.slice_identity: tuple[str, str] | None = None  # (worker, digest) of tpu-env
 
     def set_tpus(self, devices: Iterable[tuple[str, str]]) -> None:
         """(generation, state) of every TPU now; label sets no longer seen drop to 0."""
@@ -271,3 +280,12 @@ def boot_phases(phases: Iterable[Phase]) -> None:
         ends[phase.name] = max(ends.get(phase.name, 0.0), phase.seconds)
     with _current.lock:
         _current.boot_phase.update(ends)
+
+
+@_safe
+def slice_identity(mine: tuple[int | None, str] | None) -> None:
+    """What tpu-env as written now publishes (:class:`tpuboot.env.published.Published`): this
+    worker's index (None when tpu-env has none) and its slice-wide digest; None when tpu-env holds
+    no values (the series goes)."""
+    with _current.lock:
+        _current.slice_identity = None if mine is None else ("" if mine[0] is None else str(mine[0]), mine[1])

@@ -3,7 +3,8 @@
 A registry per :class:`~tpuboot.metrics.Metrics` (never the global one) shows its recorded values,
 plus what is read when Prometheus scrapes (:class:`PcieCollector`, :class:`HolderCollector`); the
 daemon serves it on loopback (:func:`serve`, from the endpoint's own thread: tpuboot/daemon.py) and
-the one-shot commands write it as a node_exporter textfile (:func:`write_textfile`). The names and
+the one-shot commands write it as a node_exporter textfile (:func:`write_textfile`; the last look at
+the slice in a file of its own, :func:`write_slice_textfile`). The names and
 what each means: tpuboot/metrics.py.
 """
 
@@ -14,7 +15,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 from wsgiref.simple_server import make_server
@@ -34,7 +35,14 @@ from tpuboot.devices.chips import base_address
 from tpuboot.devices.health import AER_FILES, read_healths
 from tpuboot.devices.pci import PciFunction, list_addresses
 from tpuboot.devices.table import DeviceTable
-from tpuboot.metrics import BIND_BUCKETS, TEXTFILE_NAME, Count, Metrics, current
+from tpuboot.metrics import (
+    BIND_BUCKETS,
+    SLICE_TEXTFILE_NAME,
+    TEXTFILE_NAME,
+    Count,
+    Metrics,
+    current,
+)
 from tpuboot.metrics_server import MetricsServer, QuietHandler
 from tpuboot.paths import Root
 
@@ -117,6 +125,14 @@ class Recorded:
         for (chip, result), counted in m.automatic_resets.items():
             resets.add_metric([chip, result], counted.value, created=counted.created)
         yield resets
+        identity = InfoMetricFamily(
+            "tpuboot_slice_identity",
+            "This worker's index in tpu-env and the digest of tpu-env's slice-wide keys (doc/slice.md).",
+            labels=["worker", "digest"],
+        )
+        if m.slice_identity is not None:
+            identity.add_metric(list(m.slice_identity), {})
+        yield identity
         phases = [((phase,), seconds) for phase, seconds in m.boot_phase.items()]
         yield gauges(
             "tpuboot_boot_phase_seconds",
@@ -363,12 +379,58 @@ def serve(config: MetricsConfig) -> MetricsServer | None:
 def write_textfile(root: Root, config: MetricsConfig) -> str | None:
     """Write the current metrics to ``<textfile_dir>/tpuboot.prom`` atomically, for node_exporter's
     textfile collector; returns the path, None when no directory is configured or on failure (warned)."""
+    return _write_textfile(root, config, TEXTFILE_NAME, lambda: exposition(current()))
+
+
+def _write_textfile(root: Root, config: MetricsConfig, name: str, text: Callable[[], bytes]) -> str | None:
+    """``text()`` to ``<textfile_dir>/<name>``, atomically (node_exporter never reads half a file)."""
     if not config.textfile_dir:
         return None
-    path = config.textfile_dir.rstrip("/") + "/" + TEXTFILE_NAME
+    path = config.textfile_dir.rstrip("/") + "/" + name
     try:
-        write_file(root, path, exposition(current()), mode=0o644)
+        write_file(root, path, text(), mode=0o644)
     except Exception as exc:  # a metrics file never fails a command
         log.warning("metrics: %s", exc)
         return None
     return path
+
+
+@dataclass(frozen=True, eq=False)  # a collector: the registry keys it by identity
+class SliceSweep:
+    """What the last ``tpuboot slice`` or ``wait-slice`` look found: the peer paths by state (every
+    state of :data:`tpuboot.slice.sweep.STATES` present, 0 or more), its FAILs, and when it ended."""
+
+    paths: Mapping[str, int]
+    failures: int
+    when: float
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield gauges(
+            "tpuboot_slice_paths",
+            "Paths to the slice's peers in the last sweep (tpuboot slice), by state.",
+            ["state"],
+            [((state,), float(count)) for state, count in self.paths.items()],
+        )
+        yield GaugeMetricFamily(
+            "tpuboot_slice_failures",
+            "Findings of the last tpuboot slice look that failed.",
+            value=self.failures,
+        )
+        yield GaugeMetricFamily(
+            "tpuboot_slice_last_sweep_timestamp_seconds",
+            "When the last tpuboot slice look ended (unix seconds).",
+            value=self.when,
+        )
+
+
+def slice_exposition(sweep: SliceSweep) -> bytes:
+    """The last look at the slice in Prometheus' text format (``tpuboot-slice.prom``)."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(cast("Collector", sweep))
+    return generate_latest(registry)
+
+
+def write_slice_textfile(root: Root, config: MetricsConfig, sweep: SliceSweep) -> str | None:
+    """The last look at the slice to ``<textfile_dir>/tpuboot-slice.prom``, a file of its own: the
+    look is on demand, and another command's ``tpuboot.prom`` must not drop it."""
+    return _write_textfile(root, config, SLICE_TEXTFILE_NAME, lambda: slice_exposition(sweep))

@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from tpuboot import subproc
 from tpuboot.atomicfile import remove_file, remove_files_in
 from tpuboot.checks.image import run_checks
-from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.credentials import ANONYMOUS, ServiceAccountCredentials
@@ -52,6 +51,7 @@ from tpuboot.errors import LinkLoop, TpubootError, loop_fix
 from tpuboot.metrics import TEXTFILE_NAME
 from tpuboot.paths import Root
 from tpuboot.references import ImageRefused, RegistryAllowlist
+from tpuboot.verdicts import CheckResult, failed, passed, skipped, warned
 
 log = logging.getLogger("tpuboot.prepare")
 

@@ -87,7 +87,7 @@ HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", 
 RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
            "tpuboot.containers.dockerwire", "tpuboot.containers.engine",
            "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
-CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.checks.registry", "tpuboot.checks.kernel",
+CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.verdicts", "tpuboot.checks.kernel",
           "tpuboot.checks.limits", "tpuboot.checks.udev", "tpuboot.checks.leftovers",
           "tpuboot.checks.parsers", "tpuboot.checks.parsers.boot_runners", "tpuboot.checks.parsers.cmdline",
           "tpuboot.checks.parsers.files", "tpuboot.checks.parsers.grub", "tpuboot.checks.parsers.pam",
@@ -101,12 +101,15 @@ CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", 
 PARSED = {"yaml"}
 TEXTFILE_BIND = CORE | PARSED | EXPORT | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLDERS | CDI | {
-    "tpuboot.checks.doctor", "tpuboot.checks.slices", "tpuboot.checks.pcie",
-    "tpuboot.checks.holders", "tpuboot.checks.cdi"}  # fmt: skip
+    "tpuboot.checks.doctor", "tpuboot.slice.shape", "tpuboot.checks.pcie",
+    "tpuboot.checks.holders", "tpuboot.checks.cdi",
+    # slice-identity: tpuboot slice's judgement of the identity, without the sweep
+    "tpuboot.slice", "tpuboot.slice.facts", "tpuboot.slice.identity", "tpuboot.slice.resolve",
+    "tpuboot.slice.workers"}  # fmt: skip
 
 #: `slice` and `wait-slice`: the metadata client, tpu-env's parser, the slice reading, /proc's holders.
 SLICE = CORE | METADATA | HOLDERS | SURVEY - {"tpuboot.devices.health", "json"} | {
-    "tpuboot.checks", "tpuboot.checks.registry", "tpuboot.checks.slices", "tpuboot.env",
+    "tpuboot.verdicts", "tpuboot.slice.shape", "tpuboot.env",
     "tpuboot.env.assignment", "tpuboot.env.tpuenv", "tpuboot.holders.sockets", "tpuboot.numbers",
     "tpuboot.slice", "tpuboot.slice.command", "tpuboot.slice.facts", "tpuboot.slice.identity",
     "tpuboot.slice.ports", "tpuboot.slice.resolve", "tpuboot.slice.sweep", "tpuboot.slice.verdict",

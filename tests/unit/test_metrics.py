@@ -85,6 +85,7 @@ def test_every_metric_is_named_by_convention(fresh):
         "tpuboot_container_restarts": "counter",
         "tpuboot_chip_holders": "gauge",
         "tpuboot_libtpu_lock_held": "gauge",
+        "tpuboot_slice_identity_info": "gauge",  # no series before tpu-env is written
     }
     assert value(fresh, "tpuboot_build_info", version=__version__) == 1
     assert value(fresh, "tpuboot_container_restarts_total", container="vbar") == 1
@@ -240,6 +241,32 @@ def test_one_shot_commands_write_a_textfile(fresh, emulator: MetadataEmulator, k
     assert cli.main(["--root", top, "--config", "/tpuboot.yaml", "bind", "00:02.0"]) == cli.EXIT_FAILED
     assert samples(prom.read_text())[("tpuboot_bind_attempts_total", (("result", "failed"),))] == 1
     assert not list(prom.parent.glob(".*")), "no temporary file left behind"
+
+
+def test_the_slice_textfile_has_every_state_and_its_own_name(fresh, tmp_path):
+    """`tpuboot slice`'s last look: a file beside tpuboot.prom, every state a series (0 included),
+    Prometheus' conventions (a gauge per count, the time in unix seconds)."""
+    root = Root(tmp_path)
+    (tmp_path / "textfiles").mkdir()
+    sweep = metrics_export.SliceSweep({"open": 2, "refused": 60, "dropped": 1}, 1, 1_700_000_000.0)
+    config = MetricsConfig(textfile_dir="/textfiles")
+    assert metrics_export.write_slice_textfile(root, config, sweep) == "/textfiles/tpuboot-slice.prom"
+    text = (tmp_path / "textfiles/tpuboot-slice.prom").read_text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {name: f.type for name, f in families.items()} == {
+        "tpuboot_slice_paths": "gauge",
+        "tpuboot_slice_failures": "gauge",
+        "tpuboot_slice_last_sweep_timestamp_seconds": "gauge",
+    }
+    assert samples(text) == {
+        ("tpuboot_slice_paths", (("state", "open"),)): 2,
+        ("tpuboot_slice_paths", (("state", "refused"),)): 60,
+        ("tpuboot_slice_paths", (("state", "dropped"),)): 1,
+        ("tpuboot_slice_failures", ()): 1,
+        ("tpuboot_slice_last_sweep_timestamp_seconds", ()): 1_700_000_000,
+    }
+    assert not (tmp_path / "textfiles/tpuboot.prom").exists()
+    assert metrics_export.write_slice_textfile(root, MetricsConfig(), sweep) is None  # no directory
 
 
 def test_no_textfile_without_a_directory(fresh, kernel, tmp_path):

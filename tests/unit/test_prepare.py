@@ -14,12 +14,12 @@ import pytest
 
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
 from tpuboot import cli
-from tpuboot.checks.registry import CheckResult
 from tpuboot.config import Config, EnvConfig, MetricsConfig, TelemetryConfig, VbarConfig
 from tpuboot.containers.docker import DockerEngine
 from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.paths import Root
 from tpuboot.prepare import Preparer
+from tpuboot.verdicts import CheckResult
 
 VBAR = VbarConfig().image
 SHIPPED_DROPIN = (Path(__file__).resolve().parents[2] / "conf/grub.d/tpuboot.cfg").read_text()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tpuboot.checks.slices import read_slice
 from tpuboot.configfields import parse_hex_id, parse_seconds
 from tpuboot.env.tpuenv import parse_tpu_env
 from tpuboot.errors import ConfigError, shown
 from tpuboot.references import ImageRefused, RegistryAllowlist
+from tpuboot.slice.shape import read_slice
 
 LONG = "x" * 5000 + "'\n"
 

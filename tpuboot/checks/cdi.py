@@ -29,12 +29,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tpuboot.atomicfile import read_file
-from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.containers.cdi import SPEC_DIR, SPEC_PATH, current_chips, render
 from tpuboot.containers.dockerapi import DOCKERD
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.vfio import Binder
 from tpuboot.paths import Root
+from tpuboot.verdicts import CheckResult, failed, passed, skipped, warned
 
 DAEMON_JSON = "/etc/docker/daemon.json"
 CONTAINERD_TOML = "/etc/containerd/config.toml"

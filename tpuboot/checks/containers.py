@@ -15,7 +15,6 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from tpuboot.checks.registry import CheckResult, failed, passed, skipped
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.docker import DockerEngine
@@ -27,6 +26,7 @@ from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.errors import MetadataError
 from tpuboot.numbers import ascii_signed
 from tpuboot.paths import Root
+from tpuboot.verdicts import CheckResult, failed, passed, skipped
 
 RUNNING, ABSENT = "running", "absent"
 #: What a check that needs the metadata server says when it did not answer: the reason is said once,
@@ -79,7 +79,7 @@ def _dockerd_fix(root: Root) -> str:
 
 
 class ContainerChecks:
-    """The agents' checks for one system, named for :class:`tpuboot.checks.registry.Checks`."""
+    """The agents' checks for one system, named for :class:`tpuboot.verdicts.Checks`."""
 
     def __init__(
         self,

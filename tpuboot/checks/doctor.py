@@ -5,7 +5,9 @@ host to") and tpuboot's own outputs, on the running system: every TPU bound to v
 /dev/vfio nodes' mode, allow_unsafe_interrupts where tpuboot sets it, the IOMMU groups viable,
 tpu-env present, parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry
 collector running (not on GKE), the number of usable chips the machine type or the slice implies,
-and the slice tpu-env describes (:mod:`tpuboot.checks.slices`). The image settings (kernel command line,
+the slice tpu-env describes (:mod:`tpuboot.slice.shape`) and this worker's identity in it as
+``tpuboot slice`` judges it (:mod:`tpuboot.slice.identity`; the peer sweep, network I/O, stays
+there). The image settings (kernel command line,
 transparent huge pages, limits for logins and the container runtimes, the accel udev rule) are
 :mod:`tpuboot.checks.image`'s checks, run as they are.
 
@@ -27,7 +29,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tpuboot.atomicfile import read_file
@@ -38,8 +40,6 @@ from tpuboot.checks.image import run_checks
 from tpuboot.checks.kernel import kernel_arch
 from tpuboot.checks.parsers.systemd import Systemd
 from tpuboot.checks.pcie import check_pcie_health
-from tpuboot.checks.registry import CheckResult, Checks, failed, holding_root, passed, skipped, warned
-from tpuboot.checks.slices import Reading, read_slice
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.devices.chips import chips_present
@@ -66,6 +66,10 @@ from tpuboot.gce.keys import MACHINE_TYPE
 from tpuboot.gce.replies import MetadataAbsent, MetadataUnanswered, Reply
 from tpuboot.holders.procfs import boot_time
 from tpuboot.paths import Root
+from tpuboot.slice.facts import read_facts
+from tpuboot.slice.identity import judge, one_check
+from tpuboot.slice.shape import Reading, read_slice
+from tpuboot.verdicts import CheckResult, Checks, failed, holding_root, passed, skipped, warned
 from tpuboot.wiring import metadata_settings
 
 #: A FAIL of these is reported but does not make `tpuboot doctor` fail: whether tpu-env is the
@@ -174,6 +178,7 @@ class Doctor:
                     ("metadata-server", self.check_metadata_server),
                     ("chip-count", self.check_chip_count),
                     ("slice", self.check_slice),
+                    ("slice-identity", self.check_slice_identity),
                     ("tpu-env", self.check_tpu_env),
                     ("tpu-env-fresh", self.check_tpu_env_fresh),
                     ("environment", self.check_environment),
@@ -386,6 +391,19 @@ class Doctor:
         if found.worker is not None:
             parts.append(f"this host is worker {found.worker}")
         return passed(", ".join(parts))
+
+    def check_slice_identity(self) -> CheckResult:
+        """Who this worker is in its slice, judged as ``tpuboot slice`` judges it (worker-id,
+        worker-list, own-address, multislice: tpuboot/slice/identity.py); the peer sweep is network
+        I/O, left to ``tpuboot slice``. tpu-env's own trouble is the tpu-env check's."""
+        try:
+            facts = read_facts(
+                self.metadata, self.root, self.config.env.tpu_env_path, deadline_s=self.metadata.deadline_s
+            )
+        except MetadataError:
+            return skipped(f"{UNANSWERED}: no worker list to judge")
+        identity = judge(facts)
+        return one_check(replace(identity, findings=[f for f in identity.findings if f.name != "tpu-env"]))
 
     # --- the runtime environment -------------------------------------------------------------------
 

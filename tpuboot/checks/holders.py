@@ -19,7 +19,6 @@ import os
 from collections.abc import Callable, Sequence
 
 from tpuboot.checks.parsers.systemd import Systemd
-from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.config import Config
 from tpuboot.devices.chips import Chip
 from tpuboot.errors import printable
@@ -29,6 +28,7 @@ from tpuboot.holders.report import Report, describe, gather, lock_holder
 from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
+from tpuboot.verdicts import CheckResult, failed, passed, skipped, warned
 
 #: The container engines whose limits their containers inherit, by unit.
 ENGINES = (("dockerd", "docker.service"), ("containerd", "containerd.service"))

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 from tpuboot.checks import kernel, leftovers, limits, udev
 from tpuboot.checks.parsers.systemd import Systemd
-from tpuboot.checks.registry import CheckResult, Checks
 from tpuboot.paths import Root
+from tpuboot.verdicts import CheckResult, Checks
 
 IMAGE_CHECKS = Checks([*kernel.CHECKS, *limits.CHECKS, *udev.CHECKS, *leftovers.CHECKS])
 

@@ -18,10 +18,10 @@ from tpuboot.atomicfile import read_file
 from tpuboot.checks.parsers.cmdline import Param, kernel_params
 from tpuboot.checks.parsers.files import read_text
 from tpuboot.checks.parsers.grub import GRUB_DEFAULT, GRUB_DROPIN_DIR, TPUBOOT_DROPIN, Unreadable, next_boot
-from tpuboot.checks.registry import Check, CheckResult, failed, passed, skipped, warned
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.kernel_params import TPU_PARAMS, X86, word
 from tpuboot.paths import Root
+from tpuboot.verdicts import Check, CheckResult, failed, passed, skipped, warned
 
 
 def kernel_arch(root: Root) -> str:

@@ -24,13 +24,13 @@ from tpuboot.checks.parsers.files import layered, read_text, texts
 from tpuboot.checks.parsers.grub import CMDLINE_VARS, GRUB_DEFAULT, TPUBOOT_DROPIN, NextBoot, Unreadable
 from tpuboot.checks.parsers.pam import PAM_LIMITS, entries
 from tpuboot.checks.parsers.udev import UDEV_RULES_DIRS, Rule, program_paths, run_programs, udev_rules
-from tpuboot.checks.registry import Check, CheckResult, failed, passed, skipped, warned
 from tpuboot.checks.udev import TPUBOOT_UDEV_RULE, names_accel
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.env.assignment import PAM_ASSIGNMENT
 from tpuboot.gce.keys import API_ROOT, INSTANCE
 from tpuboot.kernel_params import TPU_PARAMS, word
 from tpuboot.paths import Root
+from tpuboot.verdicts import Check, CheckResult, failed, passed, skipped, warned
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from tpuboot.checks.parsers.systemd import (
     unit_dropins,
     unit_file,
 )
-from tpuboot.checks.registry import Check, CheckResult, failed, passed, skipped
 from tpuboot.paths import Root
+from tpuboot.verdicts import Check, CheckResult, failed, passed, skipped
 
 MIN_NOFILE = 100_000
 ITEMS = {"memlock": UNLIMITED, "nofile": MIN_NOFILE}  # what the TPU runtime needs of each

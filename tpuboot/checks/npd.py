@@ -27,7 +27,6 @@ from tpuboot.checks.containers import ContainerProbe, docker_container_state
 from tpuboot.checks.doctor import Doctor, MetadataReader, metadata_lookup
 from tpuboot.checks.holders import main_pid
 from tpuboot.checks.parsers.systemd import Systemd
-from tpuboot.checks.registry import CheckResult
 from tpuboot.config import Config
 from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.devices.pci import PCI_DEVICES
@@ -35,6 +34,7 @@ from tpuboot.devices.reset import Breaker
 from tpuboot.errors import printable
 from tpuboot.numbers import ascii_decimal
 from tpuboot.paths import Root
+from tpuboot.verdicts import CheckResult
 
 OK, PROBLEM, UNKNOWN = 0, 1, 2
 #: NPD's default message length; the configs set it, the command keeps within it.

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
 from tpuboot.devices.health import judge, read_healths
 from tpuboot.devices.survey import TpuStatus
 from tpuboot.paths import Root
+from tpuboot.verdicts import CheckResult, failed, passed, skipped, warned
 
 
 def check_pcie_health(root: Root, tpus: Sequence[TpuStatus]) -> CheckResult:

@@ -7,8 +7,8 @@ import fnmatch
 
 from tpuboot.checks.parsers.files import layered, texts
 from tpuboot.checks.parsers.udev import UDEV_RULES_DIRS, Rule, udev_rules
-from tpuboot.checks.registry import Check, CheckResult, failed, passed
 from tpuboot.paths import Root
+from tpuboot.verdicts import Check, CheckResult, failed, passed
 
 TPUBOOT_UDEV_RULE = "70-tpuboot.rules"
 

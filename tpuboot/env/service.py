@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Final, Literal
 
+from tpuboot import metrics
 from tpuboot.component import Report, Status
+from tpuboot.env.published import Published, published
 from tpuboot.env.results import Source, SyncResult
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.watch import watch_tpu_env
@@ -77,7 +79,8 @@ class EnvService:
             return self._held
 
     def attribute(self) -> str:
-        """tpuboot/tpu-env: where the file's values came from, how many, and when (UTC)."""
+        """tpuboot/tpu-env: where the file's values came from, how many, when (UTC), and what this
+        worker publishes for a comparison across the slice (tpuboot/env/published.py)."""
         with self._lock:
             return self._attribute
 
@@ -97,16 +100,26 @@ class EnvService:
         if self.watch:
             watch_tpu_env(self.sync, self.stopping, self.result)
 
+    def _published(self) -> Published | None:
+        """What tpu-env as written now publishes; None if tpuboot holds no values of it."""
+        values = self.sync.parsed_values()
+        return None if values is None else published(values)
+
     def result(self, result: SyncResult) -> None:
-        """Take one sync's result: the status, the guest attribute, the containers told."""
+        """Take one sync's result: the status, the guest attribute and identity metric, the
+        containers told."""
+        mine = self._published() if result.source in HELD else None
         with self._lock:
             if result.source in HELD:  # when written: a reader computes the age
                 when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.clock()))
-                self._attribute = f"source={result.source} keys={result.keys} updated={when}"
+                words = f" {mine.attribute()}" if mine is not None else ""
+                self._attribute = f"source={result.source} keys={result.keys} updated={when}{words}"
                 self._held = True
+                metrics.slice_identity(None if mine is None else (mine.worker, mine.digest))
             elif result.source == "absent" or not self._held:  # a failure keeps what the file holds
                 self._attribute = f"source={result.source}"
                 self._held = False
+                metrics.slice_identity(None)
             state: EnvState = result.source
             self._status = Status(state, result.status)
         if self.on_values is not None:

@@ -443,3 +443,13 @@ def render_docker_env_file(values: Mapping[str, str]) -> tuple[str, dict[str, st
         else:
             skipped[key] = why
     return "".join(lines), skipped
+
+
+def env_value(env: Mapping[str, str], key: str) -> str | None:
+    """tpu-env's ``KEY``, else ``TPU_KEY`` (the name GKE and VMs made through Compute Engine use);
+    an empty value is no value."""
+    for name in (key, f"TPU_{key}"):
+        value = (env.get(name) or "").strip()
+        if value:
+            return value
+    return None

@@ -5,5 +5,6 @@ worker's identity is wrong or a firewall drops one port. :mod:`~tpuboot.slice.wo
 worker list, :mod:`~tpuboot.slice.identity` judges who this worker is, :mod:`~tpuboot.slice.ports`
 says which ports each role needs, :mod:`~tpuboot.slice.sweep` connects to every peer at once,
 :mod:`~tpuboot.slice.verdict` puts the findings together and :mod:`~tpuboot.slice.wait` repeats it
-until all hold. doc/slice.md explains each finding and its fix.
+until all hold; :mod:`~tpuboot.env.published` is what each worker publishes for the comparison no
+single worker can make. doc/slice.md explains each finding and its fix.
 """

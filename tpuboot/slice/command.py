@@ -8,10 +8,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from tpuboot.config import Config
+from tpuboot.config import Config, MetricsConfig
 from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 from tpuboot.slice.facts import read_facts
+from tpuboot.slice.sweep import STATES
 from tpuboot.slice.verdict import SliceReport, look
 from tpuboot.slice.wait import wait_slice
 from tpuboot.wiring import metadata_settings
@@ -53,8 +54,35 @@ class SliceLook:
         self.client.close()
 
 
+class Remembered:
+    """A looker that keeps its last report, for the metrics of the last look."""
+
+    def __init__(self, looker: Callable[[float], SliceReport]) -> None:
+        self.looker = looker
+        self.last: SliceReport | None = None
+
+    def __call__(self, deadline_s: float) -> SliceReport:
+        self.last = self.looker(deadline_s)
+        return self.last
+
+
+def record(root: Root, config: MetricsConfig, report: SliceReport | None) -> None:
+    """The look's paths by state and its FAILs to ``tpuboot-slice.prom`` when
+    ``metrics.textfile_dir`` is set (prometheus_client is loaded only then)."""
+    if config.textfile_dir is None or report is None:
+        return
+    from tpuboot.metrics_export import SliceSweep, write_slice_textfile
+
+    paths = {state: sum(o.state == state for o in report.paths) for state in STATES}
+    failures = sum(f.status == "FAIL" for f in report.findings)
+    write_slice_textfile(root, config, SliceSweep(paths, failures, time.time()))
+
+
 def render(report: SliceReport) -> list[str]:
-    """One line per finding, the fix after a FAIL or WARN (doctor's form)."""
+    """One line per finding, the fix after a FAIL or WARN (doctor's form). What came from metadata
+    is printable in every detail already (quoted by :func:`~tpuboot.errors.shown`, passed through
+    :func:`~tpuboot.errors.printable`, or checked as an address or host name first), so a value
+    cannot forge a line or move the terminal's cursor."""
     lines = []
     for f in report.findings:
         fix = f"  fix: {f.fix}" if f.status in ("FAIL", "WARN") and f.fix else ""

@@ -3,8 +3,8 @@
 The failures users meet first (doc/slice.md): a host whose metadata came up blank starts as a
 second worker 0 (marin #8743), a worker list of the wrong length ("Expected 4 worker addresses,
 got 1", Lightning #20244), a host whose own address is not at its own index, incomplete or stale
-``MEGASCALE_*`` values. Each is one :class:`~tpuboot.checks.registry.CheckResult` with its fix;
-the slice's size comes from :func:`tpuboot.checks.slices.read_slice` (tpu-env and machine type).
+``MEGASCALE_*`` values. Each is one :class:`~tpuboot.verdicts.CheckResult` with its fix;
+the slice's size comes from :func:`tpuboot.slice.shape.read_slice` (tpu-env and machine type).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from tpuboot.checks.registry import CheckResult, failed, passed, skipped, warned
-from tpuboot.checks.slices import env_value, read_slice
-from tpuboot.errors import shown
+from tpuboot.env.tpuenv import env_value
+from tpuboot.errors import printable, shown
 from tpuboot.numbers import ascii_int
 from tpuboot.slice.facts import Facts
 from tpuboot.slice.resolve import resolve
+from tpuboot.slice.shape import read_slice
 from tpuboot.slice.workers import (
     ENDPOINTS_FIX,
     Worker,
@@ -27,6 +27,7 @@ from tpuboot.slice.workers import (
     parse_endpoints,
     parse_hostnames,
 )
+from tpuboot.verdicts import CheckResult, Status, failed, passed, skipped, warned
 
 RECREATE = "recreate this VM's slice: the TPU API sets agent-worker-number and worker-network-endpoints"
 ENV_FIX = "tpuboot env rewrites tpu-env from the metadata server; if it is wrong there, recreate the slice"
@@ -129,7 +130,7 @@ def _own_address(facts: Facts, worker: int | None, workers: list[Worker]) -> Che
         return passed(f"{own} stands at index {worker}")
     elsewhere = [w.index for w in workers if w.address == own]
     where = f"; it stands at index {elsewhere[0]}" if elsewhere else "; it is not in the list"
-    return failed(f"this host is {own}, but worker {worker}'s entry is {listed}{where}", RECREATE)
+    return failed(f"this host is {printable(own)}, but worker {worker}'s entry is {listed}{where}", RECREATE)
 
 
 def _multislice(env: Mapping[str, str]) -> CheckResult:
@@ -156,7 +157,7 @@ def _multislice(env: Mapping[str, str]) -> CheckResult:
     host = coordinator.rsplit(":", 1)[0] if coordinator.count(":") == 1 else coordinator
     if resolve(host, family=socket.AF_UNSPEC) is None:
         return failed(f"MEGASCALE_COORDINATOR_ADDRESS {shown(coordinator)} does not resolve", ENV_FIX)
-    return passed(f"slice {slice_id} of {slices}, coordinator {coordinator}")
+    return passed(f"slice {slice_id} of {slices}, coordinator {printable(coordinator)}")
 
 
 def judge(facts: Facts) -> Identity:
@@ -174,3 +175,20 @@ def judge(facts: Facts) -> Identity:
     findings.append(_named("own-address", _own_address(facts, worker, workers)))
     findings.append(_named("multislice", _multislice(env)))
     return Identity(worker, workers, env, findings)
+
+
+def one_check(identity: Identity) -> CheckResult:
+    """The identity's findings as one verdict (doctor's ``slice-identity``): the FAILs, else the
+    WARNs, else what passed; SKIP on a single host (no worker list: only its number to say).
+    Unnamed, as a check is."""
+    judged = [f for f in identity.findings if f.status != "SKIP"]
+    if not identity.workers and all(f.name == "worker-id" and f.status == "PASS" for f in judged):
+        return skipped("a single host: no worker list to judge" + "".join(f" ({f.detail})" for f in judged))
+    worst: tuple[Status, ...] = ("FAIL", "WARN", "PASS")
+    for status in worst:
+        found = [f for f in identity.findings if f.status == status]
+        if found:
+            detail = "; ".join(f"{f.name}: {f.detail}" for f in found)
+            fix = next((f.fix for f in found if f.fix), "") if status != "PASS" else ""
+            return CheckResult("", status, detail, fix)
+    return skipped("; ".join(f.detail for f in identity.findings) or "nothing to judge")

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 OPEN, REFUSED, DROPPED, UNREACHABLE, ERROR = "open", "refused", "dropped", "unreachable", "error"
+#: Every state a path can end in (the metrics count each, 0 included).
+STATES = (OPEN, REFUSED, DROPPED, UNREACHABLE, ERROR)
 #: States in which the path is open: a job can reach the port once its listener is up.
 PASSABLE = (OPEN, REFUSED)
 #: At most this many connects in flight (each holds an fd until it ends).

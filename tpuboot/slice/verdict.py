@@ -1,12 +1,11 @@
 """One look at the slice: the identity's findings, every peer's paths swept at once, and this host's
-own slice ports; each a named :class:`~tpuboot.checks.registry.CheckResult` with its fix.
+own slice ports; each a named :class:`~tpuboot.verdicts.CheckResult` with its fix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tpuboot.checks.registry import CheckResult, failed, passed, skipped
 from tpuboot.holders.procfs import ProcReader
 from tpuboot.holders.report import describe
 from tpuboot.holders.sockets import port_holders
@@ -16,6 +15,7 @@ from tpuboot.slice.identity import Identity, judge
 from tpuboot.slice.ports import ports_of
 from tpuboot.slice.resolve import resolve
 from tpuboot.slice.sweep import DROPPED, PASSABLE, UNREACHABLE, Outcome, Target, sweep
+from tpuboot.verdicts import CheckResult, failed, passed, skipped
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,14 @@ def test_a_healthy_vm_passes_every_check(kernel):
     # telemetry collector is off by default; no engine, job unit or chip holder runs (memlock).
     skips = {n for n, s in found.items() if s == "SKIP"}
     container_checks = {"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"}
-    assert skips == {"docker-limits", "containerd-limits", "telemetry-running", "memlock", *container_checks}
+    assert skips == {
+        "docker-limits",
+        "containerd-limits",
+        "telemetry-running",
+        "memlock",
+        "slice-identity",  # a single host: no worker list
+        *container_checks,
+    }
     for name in (
         *imagecheck.IMAGE_CHECKS.names,
         "tpus-bound",
@@ -401,7 +408,8 @@ def test_a_worker_of_a_multi_host_slice_expects_its_own_four_chips(kernel):
             "WORKER_ID": "5",
         },
     )
-    verdicts = doctor(kernel)
+    endpoints = ",".join(f"w-{i}:{i}:127.10.{i // 200}.{i % 200 + 1}" for i in range(128))
+    verdicts = doctor(kernel, metadata=slice_metadata("5", endpoints, own="127.10.0.6"))
     assert failing(verdicts) == []
     assert result_of(verdicts, "chip-count").detail == (
         "4 chips usable, as CHIPS_PER_HOST_BOUNDS 2,2,1 implies (128 hosts of 4 chips)"
@@ -416,7 +424,7 @@ def test_a_worker_of_a_multi_host_slice_expects_its_own_four_chips(kernel):
 def test_a_slice_that_contradicts_itself_fails_with_the_fix(kernel, capsys):
     set_tpu_env(kernel.top, {**TPU_ENV, "WORKER_ID": "4"})
     verdicts = doctor(kernel)
-    assert failing(verdicts) == ["slice"]
+    assert failing(verdicts) == ["slice", "slice-identity"]  # worker 4 of a 1-host slice, both say
     bad = result_of(verdicts, "slice")
     assert bad.detail == "WORKER_ID 4 is outside the slice: its 1 host is worker 0"
     assert bad.fix.startswith("correct the tpu-env instance attribute") and "tpuboot env" in bad.fix
@@ -627,3 +635,61 @@ def test_the_metadata_server_check_passes_on_an_answer_and_skips_under_root(kern
     tree = Doctor(kernel.root, make_config(), systemd=NoSystemctl(), container_state=lambda r, n: "running")
     skipped = result_of(tree.run(), "metadata-server")
     assert (skipped.status, skipped.detail) == ("SKIP", "not asked: --root names another tree, not this host")
+
+
+SLICE_OF_TWO = {
+    "ACCELERATOR_TYPE": "v5p-16",
+    "TOPOLOGY": "2x2x2",
+    "CHIPS_PER_HOST_BOUNDS": "2,2,1",
+    "HOST_BOUNDS": "1,1,2",
+    "WORKER_ID": "1",
+}
+
+
+def slice_metadata(number: str, endpoints: str, own: str = "127.10.0.12") -> Values:
+    return Values(
+        {
+            "instance/attributes/agent-worker-number": number,
+            "instance/attributes/worker-network-endpoints": endpoints,
+            "instance/network-interfaces/0/ip": own,
+        }
+    )
+
+
+def test_slice_identity_skips_a_single_host_and_a_silent_server(kernel):
+    single = result_of(doctor(kernel), "slice-identity")
+    assert (single.status, single.detail) == (
+        "SKIP",
+        "a single host: no worker list to judge (this host is worker 0 of 1)",
+    )
+    silent = result_of(doctor(kernel, metadata=Silent()), "slice-identity")
+    assert silent.status == "SKIP" and "see the metadata-server check" in silent.detail
+
+
+def test_slice_identity_passes_a_worker_at_its_place(kernel):
+    set_tpu_env(kernel.top, SLICE_OF_TWO)
+    metadata = slice_metadata("1", "w-0:0:127.10.0.11,w-1:1:127.10.0.12")
+    found = result_of(doctor(kernel, metadata=metadata), "slice-identity")
+    assert (found.status, found.detail) == (
+        "PASS",
+        "worker-id: this host is worker 1 of 2; worker-list: worker-network-endpoints: 2 workers, no "
+        "duplicate; own-address: 127.10.0.12 stands at index 1",
+    )
+
+
+@pytest.mark.parametrize(
+    ("number", "endpoints", "own", "said"),
+    [
+        ("", "w-0:0:127.10.0.11,w-1:1:127.10.0.12", "127.10.0.12", "worker-id: agent-worker-number is blank"),
+        ("1", "w-0:0:127.10.0.11", "127.10.0.12", "worker-list: worker-network-endpoints has 1 workers"),
+        ("1", "w-0:0:127.10.0.12,w-1:1:127.10.0.11", "127.10.0.12", "own-address: this host is 127.10.0.12"),
+        ("1", "w-0:0:127.10.0.11,w-1:1:127.10.0.11", "127.10.0.12", "worker-list: worker-network-end"),
+    ],
+)
+def test_slice_identity_fails_each_wrong_identity_with_a_fix(kernel, number, endpoints, own, said):
+    set_tpu_env(kernel.top, SLICE_OF_TWO)
+    verdicts = doctor(kernel, metadata=slice_metadata(number, endpoints, own))
+    found = result_of(verdicts, "slice-identity")
+    assert found.status == "FAIL" and found.detail.startswith(said), found
+    assert found.fix.startswith("recreate")
+    assert "slice-identity" in failing(verdicts)

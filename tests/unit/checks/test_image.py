@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from tests.unit.helpers.images import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, Answering, NoSystemctl, write
-from tpuboot.checks import registry
+from tpuboot import verdicts
 from tpuboot.checks.image import run_checks
 from tpuboot.checks.parsers.rlimits import UNLIMITED, Limit
 from tpuboot.checks.parsers.systemd import Systemd, parse_rlimit
-from tpuboot.checks.registry import CheckResult, Checks
 from tpuboot.paths import Root
+from tpuboot.verdicts import CheckResult, Checks
 
 DOCKER_UNIT = "[Unit]\nDescription=Docker\n\n[Service]\nExecStart=/usr/bin/dockerd\nLimitNPROC=infinity\n"
 
@@ -499,13 +499,13 @@ def test_results_are_frozen_and_serialisable():
 
 def test_registry_names_results_and_isolates_a_failing_check(tree):
     def first(root: Root) -> CheckResult:
-        return registry.passed("ok")
+        return verdicts.passed("ok")
 
     def broken(root: Root) -> CheckResult:
-        return registry.passed(root.path("/etc/secret").read_text())
+        return verdicts.passed(root.path("/etc/secret").read_text())
 
     def last(root: Root) -> CheckResult:
-        return registry.skipped("n/a")
+        return verdicts.skipped("n/a")
 
     checks = Checks([("first", first), ("broken", broken), ("last", last)])
     results = checks.run(Root(tree))

@@ -18,9 +18,9 @@ from tests.unit.helpers.images import BASELINE, BIND_SCRIPT, REPO, VFIO_RULES
 from tpuboot import cli
 from tpuboot.checks.doctor import Doctor
 from tpuboot.checks.image import run_checks
-from tpuboot.checks.registry import CheckResult
 from tpuboot.config import Config
 from tpuboot.paths import Root
+from tpuboot.verdicts import CheckResult
 
 TPUBOOT_RULE = (REPO / "udev/tpuboot.rules").read_text()
 ENV_VARS_SCRIPT = (BASELINE / "configure-env-vars.sh").read_text()

@@ -229,6 +229,7 @@ def test_man_page_and_the_monitoring_page_list_every_metric(tmp_path):
     with metrics.use(Metrics()) as fresh:
         metrics_export.watch_pcie(Root(tmp_path), DeviceTable())  # the daemon's collector, names and all
         exposition = metrics_export.exposition(fresh)
+    exposition += metrics_export.slice_exposition(metrics_export.SliceSweep({}, 0, 0.0))  # tpuboot-slice.prom
     families = [
         line.split()[2]
         for line in exposition.decode().splitlines()

@@ -46,12 +46,13 @@ def rules() -> list[dict[str, Any]]:
 
 
 def exported_names() -> set[str]:
-    """Every series name a fresh registry of tpuboot.metrics exposes, from its # TYPE lines (a
-    labelled metric not yet set has no sample line, but has its TYPE line)."""
+    """Every series name a fresh registry of tpuboot.metrics exposes, and the slice's textfile, from
+    their # TYPE lines (a labelled metric not yet set has no sample line, but has its TYPE line)."""
     names = set()
     with tempfile.TemporaryDirectory() as top, metrics.use(metrics.Metrics()) as fresh:
         metrics_export.watch_pcie(Root(top), DeviceTable())  # the daemon's collector: its TYPE lines too
         exposition = metrics_export.exposition(fresh)
+    exposition += metrics_export.slice_exposition(metrics_export.SliceSweep({}, 0, 0.0))  # its own textfile
     for line in exposition.decode().splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split()

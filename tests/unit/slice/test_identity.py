@@ -193,3 +193,29 @@ def test_a_missing_tpu_env_is_a_finding(
         code, out, _ = run(root, emu, capsys)
     assert code == 1
     assert "FAIL  tpu-env: /home/tpu-runtime/tpu-env is missing" in out
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "own"),
+    [
+        ("w0:0:127.0.0.1,w\x1b[2J1:1:127.0.0.2\nPASS  forged,w2:2:127.0.0.3", "127.0.0.2"),
+        ("w0:0:127.0.0.1,w\x1b]0;owned\x07:1:127.0.0.2,w2:2:127.0.0.3", "127.0.0.9\x1b[31m\nPASS  forged"),
+    ],
+)
+def test_hostile_metadata_cannot_forge_a_line_or_move_the_cursor(
+    root: Root, capsys: pytest.CaptureFixture[str], endpoints: str, own: str
+) -> None:
+    """Escape sequences and newlines in worker-network-endpoints or this host's address come out
+    escaped: one line per finding, no control character in the text output."""
+    root.path("/home/tpu-runtime/tpu-env").write_text(render_env_file(ENV))
+    attributes = {"agent-worker-number": "1", "worker-network-endpoints": endpoints}
+    with MetadataEmulator(
+        attributes, instance={"machine-type": MACHINE, "network-interfaces/0/ip": own}
+    ) as emu:
+        code, out, err = run(root, emu, capsys)
+    assert code == 1 and err == ""
+    lines = out.splitlines()
+    assert all(line[:4] in ("PASS", "FAIL", "WARN", "SKIP") for line in lines), lines
+    assert not [c for c in out if not c.isprintable() and c != "\n"]
+    assert "forged" not in "".join(line for line in lines if line.startswith("PASS"))
+    assert [line for line in lines if line.startswith("FAIL")], lines

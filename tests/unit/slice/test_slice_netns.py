@@ -163,3 +163,39 @@ def test_wait_slice_gives_up_saying_what_is_wrong(net: SliceNet) -> None:
     assert "still does not hold after 1 s" in done.stderr
     assert "worker 0 (127.10.0.1) port 8476 (jax coordinator up to jax 0.8.0): dropped" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def sweep_metrics(path: Path) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """``tpuboot-slice.prom`` as node_exporter's parser reads it: family, labels, value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        family.name: {tuple(sorted(s.labels.items())): s.value for s in family.samples}
+        for family in text_string_to_metric_families(path.read_text())
+    }
+
+
+def test_the_last_look_is_a_textfile_for_node_exporter(net: SliceNet, tmp_path: Path) -> None:
+    """With metrics.textfile_dir set, `slice` and `wait-slice` leave their last look in
+    tpuboot-slice.prom: every state counted (0 included), the FAILs, the time."""
+    textfiles = tmp_path / "textfiles"
+    textfiles.mkdir()
+    config = tmp_path / "w1-tpuboot.yaml"
+    config.write_text(config.read_text() + f"metrics: {{textfile_dir: '{textfiles}'}}\n")
+    net.listen(0, 8471, 8476)
+    net.drop(0, 8482)
+    code, _ = verdict(net, 1)
+    assert code == 1
+    found = sweep_metrics(textfiles / "tpuboot-slice.prom")
+    by_state = {dict(k)["state"]: v for k, v in found["tpuboot_slice_paths"].items()}
+    assert by_state == {"open": 2.0, "refused": 1.0, "dropped": 1.0, "unreachable": 0.0, "error": 0.0}
+    assert found["tpuboot_slice_failures"] == {(): 1.0}
+    (when,) = found["tpuboot_slice_last_sweep_timestamp_seconds"].values()
+    assert when > 1.7e9
+    net.undrop(0)
+    done = net.tpuboot(1, "wait-slice", *FAST, "--interval", "0.2", "--timeout", "30")
+    assert done.returncode == 0, done.stderr
+    again = sweep_metrics(textfiles / "tpuboot-slice.prom")
+    assert {dict(k)["state"]: v for k, v in again["tpuboot_slice_paths"].items()}["dropped"] == 0.0
+    assert again["tpuboot_slice_failures"] == {(): 0.0}
+    assert not (textfiles / "tpuboot.prom").exists()  # the slice's look has its own file

@@ -1,4 +1,4 @@
-"""The slice a host belongs to, from tpu-env and the machine type (tpuboot/checks/slices.py): the chips this
+"""The slice a host belongs to, from tpu-env and the machine type (tpuboot/slice/shape.py): the chips this
 host should have on single- and multi-host slices of every generation in the TPU table, every
 disagreement between the facts as a problem with a fix, and unknown or hostile values as
 warnings or problems, never an exception."""
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from tpuboot.checks.slices import read_slice
 from tpuboot.devices.table import (
     GENERATIONS,
     REPORT_KINDS,
@@ -15,6 +14,7 @@ from tpuboot.devices.table import (
     generation_of_machine,
     generations_of_kind,
 )
+from tpuboot.slice.shape import read_slice
 
 MACHINE = "projects/1/zones/us-east5-a/machineTypes/"
 

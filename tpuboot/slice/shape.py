@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tpuboot.devices.table import GENERATIONS, Generation, generation_named, generation_of_machine
+from tpuboot.env.tpuenv import env_value
 from tpuboot.errors import shown
 
 #: The fix for values that came wrong from metadata: the TPU API sets them per worker.
@@ -52,15 +53,6 @@ class Reading:
     slice: Slice | None
     problems: list[Problem] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-
-
-def env_value(env: Mapping[str, str], key: str) -> str | None:
-    """``KEY``, else ``TPU_KEY``; an empty value is no value."""
-    for name in (key, f"TPU_{key}"):
-        value = (env.get(name) or "").strip()
-        if value:
-            return value
-    return None
 
 
 def _number(text: str) -> int | None:
