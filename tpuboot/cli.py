@@ -353,6 +353,7 @@ def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
     import os
 
     from tpuboot.devices.reset import Breaker, Ladder, chip_to_reset, need_root
+    from tpuboot.holders import freeing
     from tpuboot.holders.report import chips_of
 
     if not args.dry_run and not ctx.root.is_host:
@@ -372,7 +373,8 @@ def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
             print(f"tpuboot: the reset would be refused: {why}", file=sys.stderr)
         return EXIT_FAILED if refused else EXIT_OK
     breaker.check(chip.address)  # before --kill ends anybody: the climb checks again, under its lock
-    _free_chip(ctx, chip, kill=args.kill)
+    for line in freeing.free(ctx.root, ctx.config, chip, kill=args.kill):
+        print(line)
     steps = ladder.climb(chip)
     for step in steps:
         outcome = "brought it back" if step.back else f"not back: {step.problem}"
@@ -388,13 +390,12 @@ def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
 
 def _reset_refusals(ctx: Context, chip: Chip, breaker: Breaker, *, kill: bool) -> list[str]:
     """What a real `tpuboot reset` of ``chip`` would refuse now, each in one line, for --dry-run:
-    not root (on the host), its breaker open, its holders as `_free_chip` judges them now (a scan
-    that could not see every process; with ``kill``, only holders tpuboot never ends)."""
+    not root (on the host), its breaker open, its holders (tpuboot/holders/freeing.py)."""
     import os
 
     from tpuboot.devices.reset import ResetRefused, need_root
-    from tpuboot.holders.release import protected, vbar_processes
-    from tpuboot.holders.report import describe, gather
+    from tpuboot.holders import freeing
+    from tpuboot.holders.report import describe
 
     refused = []
     checks = [functools.partial(breaker.check, chip.address)]
@@ -405,54 +406,10 @@ def _reset_refusals(ctx: Context, chip: Chip, breaker: Breaker, *, kill: bool) -
             check()
         except ResetRefused as exc:
             refused.append(str(exc))
-    report = gather(ctx.root, [chip])
-    if report.maybe_held:  # as _free_chip: --kill ends known holders only
-        blockers = "; ".join(report.blockers(chip))
-        return [*refused, f"chip {chip.address} may be held: {blockers}; run as root, or wait"]
-    (held,) = report.chips
-    if held.holders and not kill:
-        who = "; ".join(describe(h.process) for h in held.holders)
-        refused.append(f"chip {chip.address} is held by {who}; end it first, or pass --kill to end it first")
-    elif held.holders:
-        vbar = vbar_processes(ctx.root, ctx.config)
-        for h in held.holders:
-            why = protected(h.process, vbar)
-            if why is None:
-                print(f"--kill: would end {describe(h.process)} first")
-            else:
-                shown = f"{describe(h.process)} ({why})"
-                refused.append(f"chip {chip.address} is held by {shown}, which tpuboot never ends")
-    return refused
-
-
-def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:
-    """Nobody holds ``chip`` once this returns: its holders ended (``kill``) or ResetRefused."""
-    from tpuboot.devices.reset import ResetRefused
-    from tpuboot.holders.release import end, protected, vbar_processes
-    from tpuboot.holders.report import describe, gather
-
-    report = gather(ctx.root, [chip])
-    if report.maybe_held:  # --kill ends known holders only
-        raise ResetRefused(
-            f"chip {chip.address} may be held: {'; '.join(report.blockers(chip))}; run as root, or wait"
-        )
-    (held,) = report.chips
-    if not held.holders:
-        return
-    if not kill:
-        who = "; ".join(describe(h.process) for h in held.holders)
-        raise ResetRefused(
-            f"chip {chip.address} is held by {who}; end it first, or pass --kill to end it first"
-        )
-    vbar = vbar_processes(ctx.root, ctx.config)
-    spared = [f"{describe(h.process)} ({why})" for h in held.holders if (why := protected(h.process, vbar))]
-    if spared:
-        raise ResetRefused(f"chip {chip.address} is held by {'; '.join(spared)}, which tpuboot never ends")
-    for h in held.holders:
-        print(end(ctx.root, h.process))
-    blockers = gather(ctx.root, [chip]).blockers(chip)
-    if blockers:
-        raise ResetRefused(f"chip {chip.address} is still held: {blockers[0]}")
+    judged = freeing.judge(ctx.root, ctx.config, chip, kill=kill)
+    for p in judged.to_end:
+        print(f"--kill: would end {describe(p)} first")
+    return [*refused, *judged.refusals]
 
 
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:

@@ -143,7 +143,7 @@ CASES = {
     "reset": (
         ["reset", "--dry-run", "0000:00:04.0"],
         None,
-        CORE | SURVEY | HOLDERS | {"tpuboot.devices.reset", "json"},
+        CORE | SURVEY | HOLDERS | RELEASE | {"tpuboot.devices.reset", "tpuboot.holders.freeing", "json"},
     ),
     "image-check": (["image-check"], None, CORE | CHECKS),
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
