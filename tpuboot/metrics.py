@@ -27,6 +27,10 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
 - ``tpuboot_automatic_resets_total{chip,result}``: resets the daemon made (``recovery.automatic``)
   of a chip that fell off the bus or logged a fatal error, by result (recovered, failed)
 - ``tpuboot_boot_phase_seconds{phase}``: when each phase of this boot ended (tpuboot/bootbudget.py)
+- ``tpuboot_notice{kind}``: 1 while the metadata server warns of the host going away (kind
+  maintenance, upcoming, preempted; tpuboot/notices/), 0 while not; and
+  ``tpuboot_maintenance_window_start_timestamp_seconds``: when the scheduled maintenance window
+  opens (unix seconds; no series while none is scheduled or its start is not known)
 - PCIe health of every TPU function, read from sysfs at scrape time (:class:`PcieCollector`):
   ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
   (current over maximum), ``tpuboot_pcie_link_width{link}`` and
@@ -108,6 +112,8 @@ class Metrics:
         self.chip_holders: dict[tuple[str, str], int] = {}
         self.libtpu_lock_held: dict[str, float] = {}
         self.boot_phase: dict[str, float] = {}
+        self.notice: dict[str, float] = {}
+        self.maintenance_window_start: float | None = None
 
     def set_tpus(self, devices: Iterable[tuple[str, str]]) -> None:
         """(generation, state) of every TPU now; label sets no longer seen drop to 0."""
@@ -289,3 +295,12 @@ def boot_phases(phases: Iterable[Phase]) -> None:
         ends[phase.name] = max(ends.get(phase.name, 0.0), phase.seconds)
     with _current.lock:
         _current.boot_phase.update(ends)
+
+
+@_safe
+def notice(kind: str, active: bool, window_start: float | None = None) -> None:
+    """The notice of ``kind`` is ``active`` or not; an upcoming one's window start (unix seconds)."""
+    with _current.lock:
+        _current.notice[kind] = 1.0 if active else 0.0
+        if kind == "upcoming":
+            _current.maintenance_window_start = window_start if active else None

@@ -117,6 +117,19 @@ class Recorded:
         for (chip, result), counted in m.automatic_resets.items():
             resets.add_metric([chip, result], counted.value, created=counted.created)
         yield resets
+        notices = [((kind,), value) for kind, value in m.notice.items()]
+        yield gauges(
+            "tpuboot_notice",
+            "1 while the metadata server warns that the host goes away (maintenance, upcoming, preempted).",
+            ["kind"],
+            notices,
+        )
+        if m.maintenance_window_start is not None:
+            yield GaugeMetricFamily(
+                "tpuboot_maintenance_window_start_timestamp_seconds",
+                "When the scheduled host maintenance window opens (unix seconds).",
+                value=m.maintenance_window_start,
+            )
         phases = [((phase,), seconds) for phase, seconds in m.boot_phase.items()]
         yield gauges(
             "tpuboot_boot_phase_seconds",
