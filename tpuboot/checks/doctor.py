@@ -37,6 +37,7 @@ from tpuboot.checks.containers import UNANSWERED, ContainerChecks, ContainerProb
 from tpuboot.checks.holders import HolderChecks
 from tpuboot.checks.image import run_checks
 from tpuboot.checks.kernel import kernel_arch
+from tpuboot.checks.notices import check_notice
 from tpuboot.checks.parsers.systemd import Systemd
 from tpuboot.checks.pcie import check_pcie_health
 from tpuboot.checks.registry import CheckResult, Checks, failed, holding_root, passed, skipped, warned
@@ -72,6 +73,7 @@ from tpuboot.wiring import metadata_settings
 # A host whose engines cannot give a container the chips without --privileged is still ready for
 # the documented (privileged) workloads: their CDI checks say so without failing the doctor.
 ADVISORY = frozenset({"tpu-env-fresh", "cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"})
+# (maintenance-notice is never a FAIL: a notice is WARN, the host is fine until it goes.)
 
 MAX_FILE = 1 << 20
 
@@ -183,6 +185,7 @@ class Doctor:
                     ).named(),
                     *holders.named(),
                     *CdiChecks(root, self.binder).named(),  # containers without --privileged
+                    ("maintenance-notice", lambda: check_notice(self.root, self.config)),
                 ]
             )
         )

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpuboot.atomicfile import FileReadError, read_file, write_file
-from tpuboot.notices.parse import Notice
 from tpuboot.paths import Root
+
+if TYPE_CHECKING:  # readers (`status`, doctor, wait-maintenance) need not load the parser
+    from tpuboot.notices.parse import Notice
 
 NOTICE_PATH = "/run/tpuboot/notice"
 #: A larger file is not tpuboot's.

@@ -198,3 +198,20 @@ def test_the_daemon_says_ready_without_waiting_and_shows_a_notice_in_status_and_
         until(lambda: notifier.last_status.endswith("; preempted: shutting down"))
         assert daemon.guest_attribute_values()["notice"] == "preempted=TRUE"
         running.stop()
+
+
+def test_doctor_reads_the_file_the_daemon_writes(tree: Root) -> None:
+    from tpuboot.checks.notices import check_notice
+    from tpuboot.config import Config, NoticesConfig
+    from tpuboot.notices.parse import PREEMPTED, Notice, idle
+
+    assert check_notice(tree, Config()).status == "SKIP"
+    off = Config(notices=NoticesConfig(enabled=False))
+    assert check_notice(tree, off).detail.startswith("notices.enabled")
+    noticefile.save(tree, [idle(PREEMPTED)])
+    assert check_notice(tree, Config()).status == "PASS"
+    noticefile.save(tree, [Notice(PREEMPTED, True, "TRUE")])
+    result = check_notice(tree, Config())
+    assert (result.status, result.detail) == ("WARN", "the host is going away: preempted TRUE")
+    tree.path(noticefile.NOTICE_PATH).write_text("[garbage")
+    assert check_notice(tree, Config()).status == "WARN"
