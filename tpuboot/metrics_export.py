@@ -124,12 +124,14 @@ class Recorded:
             ["kind"],
             notices,
         )
+        window = GaugeMetricFamily(
+            "tpuboot_maintenance_window_start_timestamp_seconds",
+            "When the scheduled host maintenance window opens (unix seconds); no sample while none is.",
+            labels=[],
+        )
         if m.maintenance_window_start is not None:
-            yield GaugeMetricFamily(
-                "tpuboot_maintenance_window_start_timestamp_seconds",
-                "When the scheduled host maintenance window opens (unix seconds).",
-                value=m.maintenance_window_start,
-            )
+            window.add_metric([], m.maintenance_window_start)
+        yield window
         phases = [((phase,), seconds) for phase, seconds in m.boot_phase.items()]
         yield gauges(
             "tpuboot_boot_phase_seconds",
