@@ -35,7 +35,7 @@ from tpuboot.gce.client import MetadataClient
 from tpuboot.notices import noticefile
 from tpuboot.notices.hooks import HOOKS_DIR, ROOT, Cancel, HookUser, find_hooks, run_hooks
 from tpuboot.notices.parse import KEYS, UTC, Notice, NoticeKind, idle, parse, status_detail
-from tpuboot.notices.watch import watch_key
+from tpuboot.notices.watch import ABSENT_INTERVAL, watch_key
 from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.notices")
@@ -73,6 +73,7 @@ class Notices:
         *,
         clock: Callable[[], float] = time.monotonic,
         timeout_sec: int = 60,
+        absent_interval: float = ABSENT_INTERVAL,
         hook_started: Callable[[str], None] | None = None,
     ) -> None:
         self.root = root
@@ -80,6 +81,7 @@ class Notices:
         self.settings = settings
         self.clock = clock
         self.timeout_sec = timeout_sec
+        self.absent_interval = absent_interval
         self.hook_started = hook_started  # the bench: each hook's name as it starts
         self.stopping = threading.Event()
         self._lock = threading.Lock()  # the notices, the status, the queue and the log gate
@@ -104,7 +106,7 @@ class Notices:
             metrics.notice(kind, False)
         for kind in URGENCY:
             self._thread(f"tpuboot-notice-{kind}", watch_key, self.client, kind, self.stopping, self.seen,
-                         timeout_sec=self.timeout_sec)  # fmt: skip
+                         timeout_sec=self.timeout_sec, absent_interval=self.absent_interval)  # fmt: skip
         self._thread("tpuboot-notice-hooks", self._run_hooks)
 
     def stop(self) -> None:

@@ -5,7 +5,8 @@ One thread per key, each with the one connection its ``changes`` holds: the thre
 apart, and the server's ``wait_for_change`` watches one path (a directory long-poll of
 ``instance/`` would wake for every change of the instance's data, and its recursive answer
 carries the service-account paths too). Idle, each thread sleeps in its long-poll: no wake-up
-until the server answers (``timeout_sec``, 60 s) or a value changes.
+until the server answers (``timeout_sec``, 60 s) or a value changes. A key that is absent
+(``upcoming-maintenance`` while nothing is scheduled) is read every :data:`ABSENT_INTERVAL` s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from tpuboot.notices.parse import KEYS, NoticeKind
 
 log = logging.getLogger("tpuboot.notices.watch")
 
+#: Seconds between two reads of a key while it is absent (``upcoming-maintenance`` until a window
+#: is scheduled, hours or days ahead): a missing key has no ETag to long-poll with.
+ABSENT_INTERVAL = 30.0
 #: The wait after an unexpected exception: first, doubling up to the maximum (as tpu-env's watch).
 RETRY_FIRST = 1.0
 RETRY_MAX = 300.0
@@ -33,6 +37,7 @@ def watch_key(
     on_change: Callable[[NoticeKind, bytes | None], None],
     *,
     timeout_sec: int = 60,
+    absent_interval: float = ABSENT_INTERVAL,
 ) -> None:
     """Call ``on_change(kind, body)`` with the key's value now, then at each change (None: the key
     is absent), until ``stop`` is set and the client closed. Never raises: a bug is logged once a
@@ -40,7 +45,10 @@ def watch_key(
     backoff = RestartPolicy(RETRY_FIRST, RETRY_MAX, stable_after=math.inf)
     while not stop.is_set():
         try:
-            for change in client.changes(KEYS[kind], stop=stop, timeout_sec=timeout_sec):
+            changes = client.changes(
+                KEYS[kind], stop=stop, timeout_sec=timeout_sec, absent_interval=absent_interval
+            )
+            for change in changes:
                 on_change(kind, change.value)
                 backoff.reset()
             return  # the changes end only when stop is set or the client is closed

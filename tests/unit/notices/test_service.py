@@ -45,7 +45,7 @@ def part(
     tree: Root, emulator: MetadataEmulator, recorded: metrics.Metrics
 ) -> Iterator[tuple[Notices, list[int]]]:
     client = make_client(emulator)
-    notices = Notices(tree, client, NoticeSettings(hook_deadline=10.0), timeout_sec=30)
+    notices = Notices(tree, client, NoticeSettings(hook_deadline=10.0), timeout_sec=30, absent_interval=0.05)
     reports: list[int] = []
     notices.start(lambda: reports.append(1))
     try:
