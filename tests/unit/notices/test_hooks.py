@@ -190,3 +190,21 @@ def test_hooks_run_as_the_configured_user_with_its_groups(open_tree: Root) -> No
     assert [r.status for r in results] == [1]  # root's groups are not nobody's
     with pytest.raises(ValueError, match="no user 'no-such-user'"):
         hook_user("no-such-user")
+
+
+def test_a_hook_user_the_host_lacks_turns_the_hooks_off_never_to_root(caplog) -> None:
+    from tpuboot.config import NoticesConfig, parse_config
+    from tpuboot.errors import ConfigError
+    from tpuboot.wiring import notice_settings
+
+    settings = notice_settings(NoticesConfig(hook_user="no-such-user"))
+    assert settings.hooks is False
+    said = caplog.records[-1].getMessage()
+    assert said == "notices.hook_user: no user 'no-such-user' on this host; create it or leave it out; " + (
+        "no notice hooks run"
+    )
+    assert notice_settings(NoticesConfig(hook_user="root")).hooks is True
+    with pytest.raises(ConfigError, match=r"notices.hook_user: '-x' is not a user name"):
+        parse_config("notices: {hook_user: '-x'}\n", "f.yaml")
+    with pytest.raises(ConfigError, match=r"notices.hook_deadline"):
+        parse_config("notices: {hook_deadline: 0}\n", "f.yaml")

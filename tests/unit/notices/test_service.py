@@ -18,6 +18,7 @@ from harness.mds_emulator import UPCOMING_MAINTENANCE, MetadataEmulator
 from harness.polling import wait_until
 from tests.unit.helpers.metadata import make_client
 from tpuboot import metrics
+from tpuboot.gce.replies import Change
 from tpuboot.notices import noticefile
 from tpuboot.notices.hooks import HOOKS_DIR
 from tpuboot.notices.parse import UTC
@@ -215,3 +216,35 @@ def test_doctor_reads_the_file_the_daemon_writes(tree: Root) -> None:
     assert (result.status, result.detail) == ("WARN", "the host is going away: preempted TRUE")
     tree.path(noticefile.NOTICE_PATH).write_text("[garbage")
     assert check_notice(tree, Config()).status == "WARN"
+
+
+def test_an_absent_key_is_read_no_more_often_than_the_absent_interval() -> None:
+    """The watch's own pacing, told through the wait it asks of ``stop`` (no clock in the test):
+    a key the server lacks is read again after ``absent_interval``, a present one long-polled."""
+    from tpuboot.gce.failures import FailureLog
+    from tpuboot.gce.replies import MetadataAbsent, Reply
+    from tpuboot.gce.watch import watch
+
+    waits: list[float] = []
+
+    class Recorded(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waits.append(timeout or 0.0)
+            if len(waits) == 3:
+                self.set()
+            return self.is_set()
+
+    def poll(etag: str | None) -> Reply:
+        raise MetadataAbsent("absent")
+
+    stop = Recorded()
+    common = dict(
+        etag=None, timeout_sec=60, failures=FailureLog(), min_poll_interval=1.0, aborted=lambda: False
+    )
+    changes = list(watch(poll, "u", stop=stop, delay=lambda n: 0.5, absent_interval=30.0, **common))  # type: ignore[arg-type]
+    assert changes == [Change(None, None)]  # said once
+    assert len(waits) == 3 and all(29.0 < w <= 30.0 for w in waits)
+    waits.clear()
+    stop = Recorded()
+    list(watch(poll, "u", stop=stop, delay=lambda n: 0.5, **common))  # type: ignore[arg-type]
+    assert all(w <= 1.0 for w in waits)  # without it: the backoff alone, as for tpu-env
