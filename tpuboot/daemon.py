@@ -18,9 +18,9 @@ The concurrency rule (one rule, kept everywhere):
 - **A component's own threads** do its blocking work: the runtime-environment side (tpu-env
   sync, then the watch; it also tells the containers to look at their image again), the
   containers (the GKE check, one supervisor per container), the guest-attribute publisher, the
-  metrics server, the notices (a watch per key and the hook runner, tpuboot/notices/). Each component owns its state and guards it with its own lock (or an Event);
-  its ``status()`` returns an immutable :class:`~tpuboot.component.Status`, so any thread may read
-  it.
+  metrics server, the notices (a watch per key and the hook runner, tpuboot/notices/). Each
+  component owns its state and guards it with its own lock (or an Event); its ``status()``
+  returns an immutable :class:`~tpuboot.component.Status`, so any thread may read it.
 - **Results come back by report**: a thread never touches the loop's state; it calls
   ``report()``, which is ``loop.call_soon_threadsafe(self._changed)``, and the loop then reads every
   component's ``status()`` and derives STATUS, the guest attributes and the TPU-VM gate from that
