@@ -226,19 +226,19 @@ def test_maintenance_then_preemption_reach_the_hook_the_job_and_status(vm: VM) -
     line (each waited for as an event of its own: the file is written before the hooks run)."""
     vm.wait_until("systemctl is-active -q tpuboot", timeout=120)
     vm.wait_until("test -s /run/tpuboot/notice", timeout=60)
-    assert vm.run(["tpuboot", "wait-maintenance", "--check"]).returncode == 1  # quiet so far
+    assert vm.run(["tpuboot", "wait-maintenance", "--check"]).rc == 1  # quiet so far
     try:
         assert (
             http(vm, "PUT", NOTICE_CONTROL + "maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")[0] == 200
         )
         told = vm.run(["tpuboot", "wait-maintenance", "--kind", "maintenance", "--timeout", "60"], timeout=90)
-        assert (told.returncode, told.stdout) == (0, "maintenance TERMINATE_ON_HOST_MAINTENANCE\n")
+        assert (told.rc, told.stdout) == (0, "maintenance TERMINATE_ON_HOST_MAINTENANCE\n")
         vm.wait_until(
             f"grep -qx 'maintenance TERMINATE_ON_HOST_MAINTENANCE maintenance' {CHECKPOINT}", timeout=30
         )
         assert http(vm, "PUT", NOTICE_CONTROL + "preempted", "TRUE")[0] == 200
         told = vm.run(["tpuboot", "wait-maintenance", "--kind", "preempted", "--timeout", "60"], timeout=90)
-        assert (told.returncode, told.stdout) == (0, "preempted TRUE\n")
+        assert (told.rc, told.stdout) == (0, "preempted TRUE\n")
         vm.wait_until(f"grep -qx 'preempted TRUE preempted' {CHECKPOINT}", timeout=30)
         both = "preempted: shutting down; host maintenance now (terminate)"
         vm.wait_until(f"systemctl show -P StatusText tpuboot | grep -q '{both}'", timeout=30)

@@ -87,6 +87,7 @@ class HookResult:
     status: int
     seconds: float
     killed: bool
+    stopping: bool = False  # killed because tpuboot stopped, not at the deadline
 
 
 class Cancel:
@@ -272,12 +273,14 @@ def run_hook(
         status = proc.wait()
     finally:
         cancel.running(None)
-    return HookResult(hook.name, status, clock() - began, killed or cancel.cancelled)
+    return HookResult(hook.name, status, clock() - began, killed or cancel.cancelled, cancel.cancelled)
 
 
 def _log_result(result: HookResult, notice: Notice) -> None:
     name = printable(result.name)
-    if result.killed:
+    if result.stopping:
+        how = "killed: tpuboot is stopping"
+    elif result.killed:
         how = "killed at the deadline"
     elif result.status < 0:
         how = f"ended by signal {-result.status}"

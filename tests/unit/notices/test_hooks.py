@@ -8,6 +8,7 @@ import os
 import pwd
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -208,3 +209,23 @@ def test_a_hook_user_the_host_lacks_turns_the_hooks_off_never_to_root(caplog) ->
         parse_config("notices: {hook_user: '-x'}\n", "f.yaml")
     with pytest.raises(ConfigError, match=r"notices.hook_deadline"):
         parse_config("notices: {hook_deadline: 0}\n", "f.yaml")
+
+
+def test_a_stop_kills_the_hook_running_and_starts_no_other(tree: Root, tmp_path: Path, caplog) -> None:
+    from tpuboot.notices.hooks import Cancel
+
+    running = tmp_path / "running"
+    hook(tree, "10-hangs", f"touch {running}; exec sleep 1000")
+    hook(tree, "20-never", f"touch {tmp_path / 'ran'}")
+    cancel = Cancel()
+    results: list[object] = []
+    runner = threading.Thread(
+        target=lambda: results.extend(run_hooks(find_hooks(tree), PREEMPTION, 600.0, cancel=cancel))
+    )
+    runner.start()
+    wait_until(running.exists)
+    cancel.cancel()
+    runner.join(30)
+    assert [(r.name, r.killed, r.stopping) for r in results] == [("10-hangs", True, True)]  # type: ignore[attr-defined]
+    assert not (tmp_path / "ran").exists()
+    assert "notice hook 10-hangs: killed: tpuboot is stopping" in caplog.text
