@@ -157,14 +157,15 @@ class Notices:
             self._status = Status(NOTICE if detail else QUIET, detail)
             worth = odd is not None or notice.active or before.active
             unlogged = self._log_due(kind, now) if worth else None
-            queued = notice.active and self._hooks_due(notice, now)
-            if queued:
-                self._queue[kind] = notice
-                self._queued.notify_all()
+            due = notice.active and self._hooks_due(notice, now)
         if unlogged is not None:
             self._log(notice, before, odd, unlogged)
         metrics.notice(kind, notice.active, notice.window_start.timestamp() if notice.window_start else None)
-        self._save()
+        self._save()  # before the hooks run: a hook that asks the file (wait-maintenance) sees it
+        if due:
+            with self._queued:
+                self._queue[kind] = notice
+                self._queued.notify_all()
         self._report()
 
     def _log_due(self, kind: NoticeKind, now: float) -> int | None:

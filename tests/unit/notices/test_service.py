@@ -147,13 +147,12 @@ def test_a_hook_that_hangs_never_holds_the_next_notice_from_the_file_and_status(
 def test_stop_removes_the_file_and_ends_the_threads(tree: Root, emulator: MetadataEmulator) -> None:
     client = make_client(emulator)
     notices = Notices(tree, client, NoticeSettings(), timeout_sec=30)
-    before = threading.active_count()
     notices.start(lambda: None)
     wait_until(lambda: file_data(tree) is not None)
     notices.stop()
     client.close()
     assert file_data(tree) is None
-    wait_until(lambda: threading.active_count() == before)
+    wait_until(lambda: not any(thread.is_alive() for thread in notices._threads))
 
 
 def test_the_emulator_serves_the_keys_with_etags_and_wakes_long_polls(emulator: MetadataEmulator) -> None:
