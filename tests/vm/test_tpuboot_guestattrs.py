@@ -54,8 +54,9 @@ sleep 4
 for d in /sys/bus/pci/devices/*; do
     if [ "$(cat $d/vendor)" = {VIRTIO_RNG[0]:#06x} ] && [ "$(cat $d/device)" = {VIRTIO_RNG[1]:#06x} ] \\
             && [ -e $d/driver ]; then
+        at=$(cut -d' ' -f1 /proc/uptime)  # before the unbind: READY may follow it within ms
         echo "${{d##*/}}" > $d/driver/unbind
-        cut -d' ' -f1 /proc/uptime > {RELEASED}
+        echo "$at" > {RELEASED}
         echo "released ${{d##*/}} from virtio-pci"
     fi
 done
