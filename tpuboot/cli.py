@@ -162,6 +162,8 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
             line = f"{t.address}  {t.kind:<12} {t.driver or 'no driver':<12} {group:<10} {node}{pcie}"
             print(line + "".join(f"  ! {p}" for p in problems))
         _print_chip_holders(ctx, tpus)
+    if not args.json:
+        _print_notice(ctx)
     failing = any(f.level == "FAIL" for t in tpus if t.managed for f in judge(health[t.address]))
     return EXIT_FAILED if failing or any(t.problem and t.managed for t in tpus) else EXIT_OK
 
@@ -275,6 +277,39 @@ def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
     print(f"still held, or not every process seen, after {args.timeout:g} s:", file=sys.stderr)
     print("\n".join(render(report)), file=sys.stderr)
     return EXIT_FAILED
+
+
+# --- maintenance and preemption notices: `tpuboot wait-maintenance` (tpuboot/notices/, doc/notices.md) ---
+
+
+def cmd_wait_maintenance(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.notices import noticefile
+    from tpuboot.notices.wait import current, wait
+
+    kinds = args.kind or None
+    active = current(ctx.root, kinds) if args.check else wait(ctx.root, args.timeout, kinds)
+    if args.json:
+        _print_json(active or [])
+    else:
+        print("\n".join(noticefile.describe(n) for n in active or []), end="\n" if active else "")
+    if active:
+        return EXIT_OK
+    if active is None:  # --check, and no file: nothing watches, or the daemon has not heard yet
+        print(
+            f"tpuboot: no {noticefile.NOTICE_PATH}: is tpuboot running with notices.enabled?", file=sys.stderr
+        )
+    elif not args.check:
+        print(f"tpuboot: no notice in {args.timeout:g} s", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _print_notice(ctx: Context) -> None:
+    """`status`: the active notices, if the daemon wrote any (a line each)."""
+    from tpuboot.notices import noticefile
+    from tpuboot.notices.wait import current
+
+    for notice in current(ctx.root) or []:
+        print(f"notice: {noticefile.describe(notice)}")
 
 
 # --- the slice: `tpuboot slice` and `tpuboot wait-slice` (tpuboot/slice/, doc/slice.md) ---
@@ -588,6 +623,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_seconds, default=60.0, metavar="S", help="give up after S seconds (default 60)"
     )
     _slice_parsers(command)
+    p = command(
+        "wait-maintenance",
+        cmd_wait_maintenance,
+        "wait until the host is warned of maintenance or preemption (exit 0), from /run/tpuboot/notice",
+    )
+    p.add_argument(
+        "--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 1; default: wait)"
+    )
+    p.add_argument("--kind", action="append", choices=("maintenance", "upcoming", "preempted"),
+                   help="only this kind of notice (repeatable; default: any)")  # fmt: skip
+    p.add_argument(
+        "--check", action="store_true", help="do not wait: exit 0 if a notice is active now, else 1"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(

@@ -13,7 +13,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from tpuboot.config import Config, GuestAttributesConfig, MetadataConfig
+from tpuboot.config import Config, GuestAttributesConfig, MetadataConfig, NoticesConfig
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
 from tpuboot.errors import ConfigError
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from tpuboot.gce.guestattrs import PublisherSettings
     from tpuboot.gce.settings import MetadataSettings
     from tpuboot.metrics_server import MetricsServer
+    from tpuboot.notices.service import NoticeSettings
     from tpuboot.notify import Notifier
 
 log = logging.getLogger("tpuboot.wiring")
@@ -85,7 +86,7 @@ def build(
     cdi = SpecWriter(binder, executor, loop.call_soon_threadsafe)
     publish = config.guest_attributes.enabled != "false"
     containers_on = bool(agents_enabled(config))
-    if metadata is None and (config.env.enabled or containers_on or publish):
+    if metadata is None and (config.env.enabled or containers_on or publish or config.notices.enabled):
         try:
             settings = metadata_settings(config.metadata)
             metadata = MetadataClient.from_settings(settings, on_request=metrics.metadata_request)
@@ -112,6 +113,11 @@ def build(
         deadline = config.metadata.boot_deadline
         publishing = publisher_settings(config.guest_attributes)
         guest_attrs = Publisher(metadata, publishing, check_deadline=deadline)
+    notices = None
+    if config.notices.enabled and metadata is not None:
+        from tpuboot.notices.service import Notices
+
+        notices = Notices(root, metadata, notice_settings(config.notices))
     endpoint = None
     if config.metrics.enabled:
         endpoint = MetricsEndpoint(functools.partial(open_metrics, root, binder.table, config))
@@ -123,7 +129,9 @@ def build(
         recovery = AutoRecovery(binder, config.recovery.max_resets_per_hour, blockers_of(root))
     notifier = notifier or Notifier()
     parts = (env, containers, guest_attrs, metadata, endpoint)
-    return Daemon(loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi, recovery=recovery)
+    return Daemon(
+        loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi, recovery=recovery, notices=notices
+    )
 
 
 def open_metrics(root: Root, table: DeviceTable, config: Config) -> MetricsServer | None:
@@ -149,3 +157,17 @@ def publisher_settings(config: GuestAttributesConfig) -> PublisherSettings:
 
     enabled = {"auto": None, "true": True, "false": False}[config.enabled]
     return PublisherSettings(enabled=enabled, min_interval=config.min_interval)
+
+
+def notice_settings(config: NoticesConfig) -> NoticeSettings:
+    """The notice part's settings from the ``notices`` section, the hook user looked up now: a
+    user the host does not have turns the hooks off (never to root), and the notices go on."""
+    from tpuboot.notices.hooks import HookUser, hook_user
+    from tpuboot.notices.service import NoticeSettings
+
+    try:
+        user, hooks = hook_user(config.hook_user), True
+    except ValueError as exc:
+        log.error("%s; no notice hooks run", exc)
+        user, hooks = HookUser(), False
+    return NoticeSettings(config.hooks_dir, config.hook_deadline, user, hooks=hooks)
