@@ -247,7 +247,8 @@ def test_the_floor_keeps_every_key_the_daemon_writes_within_the_servers_quota(tm
 def test_tpuboot_run_publishes_its_state_and_the_last_word_at_stop(
     tmp_path, emulator: MetadataEmulator
 ) -> None:
-    """The wiring in `tpuboot run` (cli.cmd_run), end to end in a subprocess as systemd starts it."""
+    """The wiring in `tpuboot run` (tpuboot/commands/daemon.py), end to end in a subprocess as systemd
+    starts it."""
     import signal
 
     from tests.unit.fakes.kernel import FakeKernel
