@@ -152,9 +152,6 @@ class Notices:
                 return
             self._read.add(kind)  # the first value of each key is written to the file, even idle
             self._notices[kind] = notice
-            ordered = [self._notices[k] for k in URGENCY]
-            detail = status_detail(ordered)
-            self._status = Status(NOTICE if detail else QUIET, detail)
             worth = odd is not None or notice.active or before.active
             unlogged = self._log_due(kind, now) if worth else None
             due = notice.active and self._hooks_due(notice, now)
@@ -162,6 +159,9 @@ class Notices:
             self._log(notice, before, odd, unlogged)
         metrics.notice(kind, notice.active, notice.window_start.timestamp() if notice.window_start else None)
         self._save()  # before the hooks run: a hook that asks the file (wait-maintenance) sees it
+        with self._lock:  # and before STATUS says it: what is shown never runs ahead of the file
+            detail = status_detail([self._notices[k] for k in URGENCY])
+            self._status = Status(NOTICE if detail else QUIET, detail)
         if due:
             with self._queued:
                 self._queue[kind] = notice
