@@ -46,10 +46,11 @@ def cmd_cli(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-# Cumulative steps in the order `tpuboot run` meets them: `tpuboot bind` stops after tpuboot.cli.
+# Cumulative steps in the order `tpuboot run` meets them: `tpuboot bind` stops after its command's
+# module (tpuboot/commands/devices.py).
 IMPORT_STEPS = (
     ("yaml", "yaml"),
-    ("rest of tpuboot.cli", "tpuboot.cli"),
+    ("rest of tpuboot.cli", "tpuboot.cli, tpuboot.commands.devices"),
     ("systemd.daemon", "systemd.daemon"),
     ("pyudev", "pyudev"),
     ("requests", "requests"),
