@@ -1,15 +1,19 @@
 """tpuboot's one backoff policy: a wait that doubles from ``initial`` up to ``maximum``.
 
 Every retry in tpuboot waits by it: the metadata client's tries and watch (with full jitter above a
-floor, so a fleet booting together does not ask in lockstep), the tpu-env watch's restart after a
+floor, so a fleet booting together does not ask in lockstep), the watches' restart after a
 bug, a failed bind's next try (tpuboot/devices/manager.py) and a supervised container's restart
-(:class:`RestartPolicy`, reset after a stable run). Pure: time and randomness are passed in, so
-the policies are tested without sleeping.
+(:class:`RestartPolicy`, reset after a stable run). The policies are pure: time and randomness are
+passed in, so they are tested without sleeping; :func:`restarted` is the one loop that waits by one
+(a watch thread's restart after a bug).
 """
 
 from __future__ import annotations
 
+import math
 import random
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +21,8 @@ from typing import Protocol
 CRASH_LOOP_EXITS = 3
 #: The exponent is capped before the power: 2.0 ** 1100 would overflow a float.
 _MAX_EXPONENT = 64
+#: A watch's wait after a bug (:func:`restarted`): first, doubling up to the maximum.
+WATCH_RETRY = (1.0, 300.0)
 
 
 @dataclass(frozen=True)
@@ -82,3 +88,31 @@ class RestartPolicy:
 
     def reset(self) -> None:
         self.exits = 0
+
+
+def restarted(
+    watch: Callable[[Callable[[], None]], None],
+    stop: threading.Event,
+    on_bug: Callable[[Exception, float, bool], None],
+    retry: tuple[float, float] = WATCH_RETRY,
+) -> None:
+    """Run ``watch(progressed)`` until it returns or ``stop`` is set; never raises.
+
+    A watch thread must outlive its bugs (a daemon whose watch died would never hear the server
+    again): after an exception, ``on_bug(exc, delay, first)`` (``first``: the first of a streak,
+    so a log line is said once) and ``watch`` again after ``delay``, which doubles along the streak;
+    ``progressed()``, called by the watch at each change it handled, ends the streak. An exception
+    once ``stop`` is set is the shutdown cutting the watch short, not a bug.
+    """
+    backoff = RestartPolicy(*retry, stable_after=math.inf)
+    while not stop.is_set():
+        try:
+            watch(backoff.reset)
+            return
+        except Exception as exc:
+            if stop.is_set():
+                return
+            delay = backoff.delay_after(0.0)
+            on_bug(exc, delay, backoff.exits == 1)
+            if stop.wait(delay):
+                return

@@ -1,9 +1,10 @@
 import dataclasses
 import random
+import threading
 
 import pytest
 
-from tpuboot.backoff import CRASH_LOOP_EXITS, Backoff, RestartPolicy
+from tpuboot.backoff import CRASH_LOOP_EXITS, Backoff, RestartPolicy, restarted
 from tpuboot.config import SupervisorConfig
 from tpuboot.devices import manager
 
@@ -88,3 +89,35 @@ def test_from_config_reads_any_section_with_the_three_settings() -> None:
 
     policy = RestartPolicy.from_config(Section())
     assert [policy.delay_after(1.0) for _ in range(5)] == [2.0, 4.0, 8.0, 16.0, 16.0]
+
+
+def test_a_watch_outlives_its_bugs_and_a_change_ends_the_streak():
+    """Each bug is told with its doubling wait and whether it opens a streak; a change handled
+    (``progressed``) ends the streak; the watch returning ends the loop."""
+    stop = threading.Event()
+    script = iter(["bug", "bug", "change", "bug", "return"])
+    told: list[tuple[str, float, bool]] = []
+
+    def watch(progressed):
+        for step in script:
+            if step == "bug":
+                raise ValueError(step)
+            if step == "change":
+                progressed()
+            else:
+                return
+
+    restarted(watch, stop, lambda exc, delay, first: told.append((str(exc), delay, first)), (0.001, 0.002))
+    assert told == [("bug", 0.001, True), ("bug", 0.002, False), ("bug", 0.001, True)]
+
+
+def test_a_bug_once_stop_is_set_is_the_shutdown_not_a_bug():
+    stop = threading.Event()
+    told = []
+
+    def watch(progressed):
+        stop.set()
+        raise ConnectionError("closed under the watch")
+
+    restarted(watch, stop, lambda *args: told.append(args))
+    assert told == []

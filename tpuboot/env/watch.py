@@ -5,24 +5,19 @@ value), and ends when ``stop`` is set and the metadata client is closed (``close
 long-poll in flight; nothing polls ``stop``, so an idle watch never wakes up). Every failure the
 metadata server or the value can cause is handled where it arises; anything else is a bug, logged
 once with its traceback and reported once per streak as a failed result, and the watch starts
-again after a backoff (1 s doubling to 5 min) from the last value it wrote. This is tpuboot's one
-restart of the watch: the daemon's env service runs it as it is.
+again after a backoff (1 s doubling to 5 min, :func:`tpuboot.backoff.restarted`) from the last value
+it wrote. The daemon's env service runs it as it is.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from tpuboot.backoff import RestartPolicy
+from tpuboot.backoff import WATCH_RETRY, restarted
 from tpuboot.env.results import Bugs, SyncResult
 from tpuboot.gce.replies import Change
-
-#: The watch's wait after an unexpected exception: first, doubling up to the maximum.
-WATCH_RETRY_FIRST = 1.0
-WATCH_RETRY_MAX = 300.0
 
 
 class Watched(Protocol):
@@ -44,37 +39,28 @@ def watch_tpu_env(
     stop: threading.Event,
     on_result: Callable[[SyncResult], None],
     *,
-    retry: tuple[float, float] = (WATCH_RETRY_FIRST, WATCH_RETRY_MAX),
+    retry: tuple[float, float] = WATCH_RETRY,
 ) -> None:
     """Apply each change until ``stop`` is set; ``on_result`` after each. Never raises (see above).
 
     ``retry``: the first wait after a bug and the most it doubles to.
     """
-    backoff = RestartPolicy(*retry, stable_after=math.inf)
-    while not stop.is_set():
-        try:
-            for change in sync.changes(stop):
-                result = sync.apply(change)
-                sync.report(result)
-                on_result(result)
-                backoff.reset()
-                sync.bugs.clear()
-            return  # the changes end only when stop is set or the client is closed
-        except Exception as exc:
-            if stop.is_set():
-                return  # shutting down: the loop reports go to may be closed already
-            delay = backoff.delay_after(0.0)
-            sync.bugs(exc, f"tpu-env watch (retrying in {delay:g} s)")
-            failed = SyncResult(
-                "failed",
-                0,
-                sync.etag,
-                f"tpu-env: watch failed ({type(exc).__name__}); left {sync.tpu_env_path} as it was",
-            )
-            if backoff.exits == 1:  # once per streak: STATUS shows it, the log is not flooded
-                _tell(sync, on_result, failed)
-            if stop.wait(delay):
-                return
+
+    def watch(progressed: Callable[[], None]) -> None:
+        for change in sync.changes(stop):  # they end only when stop is set or the client is closed
+            result = sync.apply(change)
+            sync.report(result)
+            on_result(result)
+            progressed()
+            sync.bugs.clear()
+
+    def on_bug(exc: Exception, delay: float, first: bool) -> None:
+        sync.bugs(exc, f"tpu-env watch (retrying in {delay:g} s)")
+        if first:  # once per streak: STATUS shows it, the log is not flooded
+            why = f"tpu-env: watch failed ({type(exc).__name__}); left {sync.tpu_env_path} as it was"
+            _tell(sync, on_result, SyncResult("failed", 0, sync.etag, why))
+
+    restarted(watch, stop, on_bug, retry)
 
 
 def _tell(sync: Watched, on_result: Callable[[SyncResult], None], result: SyncResult) -> None:

@@ -12,11 +12,10 @@ until the server answers (``timeout_sec``, 60 s) or a value changes. A key that 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable
 
-from tpuboot.backoff import RestartPolicy
+from tpuboot.backoff import restarted
 from tpuboot.gce.client import MetadataClient
 from tpuboot.notices.parse import KEYS, NoticeKind
 
@@ -25,9 +24,6 @@ log = logging.getLogger("tpuboot.notices.watch")
 #: Seconds between two reads of a key while it is absent (``upcoming-maintenance`` until a window
 #: is scheduled, hours or days ahead): a missing key has no ETag to long-poll with.
 ABSENT_INTERVAL = 30.0
-#: The wait after an unexpected exception: first, doubling up to the maximum (as tpu-env's watch).
-RETRY_FIRST = 1.0
-RETRY_MAX = 300.0
 
 
 def watch_key(
@@ -41,24 +37,20 @@ def watch_key(
 ) -> None:
     """Call ``on_change(kind, body)`` with the key's value now, then at each change (None: the key
     is absent), until ``stop`` is set and the client closed. Never raises: a bug is logged once a
-    streak and the watch starts again after a backoff."""
-    backoff = RestartPolicy(RETRY_FIRST, RETRY_MAX, stable_after=math.inf)
-    while not stop.is_set():
-        try:
-            changes = client.changes(
-                KEYS[kind], stop=stop, timeout_sec=timeout_sec, absent_interval=absent_interval
+    streak and the watch starts again after a backoff (:func:`tpuboot.backoff.restarted`)."""
+
+    def watch(progressed: Callable[[], None]) -> None:
+        path = KEYS[kind]
+        for change in client.changes(
+            path, stop=stop, timeout_sec=timeout_sec, absent_interval=absent_interval
+        ):
+            on_change(kind, change.value)
+            progressed()
+
+    def on_bug(exc: Exception, delay: float, first: bool) -> None:
+        if first:
+            log.error(
+                "notices: the %s watch failed; retrying in %g s (please report it)", kind, delay, exc_info=exc
             )
-            for change in changes:
-                on_change(kind, change.value)
-                backoff.reset()
-            return  # the changes end only when stop is set or the client is closed
-        except Exception:
-            if stop.is_set():
-                return
-            delay = backoff.delay_after(0.0)
-            if backoff.exits == 1:
-                log.exception(
-                    "notices: the %s watch failed; retrying in %g s (please report it)", kind, delay
-                )
-            if stop.wait(delay):
-                return
+
+    restarted(watch, stop, on_bug)

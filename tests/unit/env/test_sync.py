@@ -22,12 +22,13 @@ from harness.mds_emulator import (
 )
 from harness.polling import wait_until
 from tests.unit.helpers.metadata import make_client, make_config
+from tpuboot.backoff import WATCH_RETRY
 from tpuboot.config import DEFAULT_ENVIRONMENT
 from tpuboot.env import sync as envsync
 from tpuboot.env.results import SyncResult
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import TpuEnv, render_env_file
-from tpuboot.env.watch import WATCH_RETRY_FIRST, WATCH_RETRY_MAX, watch_tpu_env
+from tpuboot.env.watch import watch_tpu_env
 from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
@@ -213,7 +214,7 @@ def run_watch(
     stop: threading.Event,
     results: list[SyncResult],
     seen: threading.Event,
-    retry: tuple[float, float] = (WATCH_RETRY_FIRST, WATCH_RETRY_MAX),
+    retry: tuple[float, float] = WATCH_RETRY,
 ) -> threading.Thread:
     def on_result(result: SyncResult) -> None:
         results.append(result)
