@@ -57,8 +57,36 @@ ENGINES = [
 ]
 
 
+#: vBar's stand-in, supervised by tpuboot (``runtime: exec``) at tpuboot's default vbar.endpoint,
+#: 127.0.0.1:8353: Python's HTTP server, which answers a request line with a status line.
+VBAR = {
+    "enabled": True,
+    "runtime": "exec",
+    "exec_argv": [
+        "/usr/bin/python3",
+        "-m",
+        "http.server",
+        "--bind",
+        "127.0.0.1",
+        "--directory",
+        "/usr/share",
+        "8353",
+    ],
+}
+#: In the container: a request to vBar through VBAR_CONTROL_SERVICE_URL's unix socket, its answer's
+#: first line printed; then a file written to /tmp/tpu_logs.
+VBAR_CLIENT = (
+    "import os, socket; url = os.environ['VBAR_CONTROL_SERVICE_URL']; "
+    "s = socket.socket(socket.AF_UNIX); s.settimeout(60); s.connect(url[len('unix://'):]); "
+    "s.sendall(b'HEAD / HTTP/1.0\\r\\n\\r\\n'); "
+    "print('vbar', url, s.makefile('rb').readline().decode().strip()); "
+    "open('/tmp/tpu_logs/probe-%d' % os.getpid(), 'w').write('written'); "
+    "[print(k + '=' + v) for k, v in sorted(os.environ.items()) if k.startswith(('TPU_', 'VBAR_'))]"
+)
+
+
 def install_hook(deb: Path, engine: Engine) -> Callable[[Path], None]:
-    base = package_install_hook(deb, guest_config())
+    base = package_install_hook(deb, guest_config(vbar=VBAR))
 
     def hook(tree: Path) -> None:
         base(tree)
@@ -152,7 +180,12 @@ def test_all_gives_every_stand_in_through_vfio_without_privileges(vm: tuple[VM, 
     assert [got[f"read {a}"] for a in addresses] == [EDU_ID_REGISTER] * 2, got
     assert got["nodes"].split() == sorted([*groups(m, addresses), "vfio"])
     assert got["memlock"] == "unlimited unlimited"
-    assert not any(key.startswith("env ") for key in got)  # all: libtpu sees the whole host
+    env = {key[4:] for key in got if key.startswith("env ")}
+    assert "TPU_VISIBLE_CHIPS=0" not in env and "TPU_VISIBLE_CHIPS=1" not in env  # all: the whole host
+    # tpu-env (the guest's metadata emulator serves the sample v5p-8) is in the spec: no metadata query
+    assert {"TPU_SKIP_MDS_QUERY=true", "TPU_ACCELERATOR_TYPE=v5p-8", "TPU_TOPOLOGY=2x2x1",
+            "TPU_CHIPS_PER_HOST_BOUNDS=2,2,1", "TPU_WORKER_ID=0",
+            "TPU_RUNTIME_METRICS_PORTS=8431,8432"} <= env, env  # fmt: skip
 
 
 def test_a_single_chip_device_gives_exactly_that_chip(vm: tuple[VM, Engine]) -> None:
@@ -166,6 +199,7 @@ def test_a_single_chip_device_gives_exactly_that_chip(vm: tuple[VM, Engine]) -> 
     assert "open /dev/vfio/" in got[f"read {first}"] and "ENOENT" in got[f"read {first}"]
     assert got["nodes"].split() == sorted([*groups(m, [second]), "vfio"])
     assert got["env TPU_VISIBLE_CHIPS=1"] == "" and "env TPU_PROCESS_BOUNDS=1,1,1" in got
+    assert "env TPU_RUNTIME_METRICS_PORTS=8432" in got and "env TPU_CHIPS_PER_HOST_BOUNDS=1,1,1" in got
 
 
 def test_the_spec_follows_a_hot_add_and_a_hot_remove(vm: tuple[VM, Engine]) -> None:
@@ -234,3 +268,56 @@ def test_a_chip_held_through_its_vfio_device_cdev_is_named_held(vm: tuple[VM, En
         assert report["unknown_chip_holders"] == []
     finally:
         m.run(["systemctl", "stop", "tpuboot-test-cdev"], timeout=60)
+
+
+def relayed(vm: VM, engine: Engine, device: str) -> tuple[str, dict[str, str]]:
+    """In an unprivileged container on its own network namespace with no interface but lo
+    (``--network none``: no route to the host at all): vBar's answer through the relay socket, and
+    the TPU_ and VBAR_ variables the spec gave."""
+    argv = [
+        engine.name, "run", "--rm", "--network", "none", "--user", "1000:1000",
+        "--device", f"google.com/tpu={device}", *engine.run_options,
+        "-v", "/usr:/usr:ro", PROBE_IMAGE, "/usr/bin/python3", "-c", VBAR_CLIENT,
+    ]  # fmt: skip
+    out = vm.run(argv, check=True, timeout=300).stdout
+    answer = next((line for line in out.splitlines() if line.startswith("vbar ")), "")
+    env = dict(
+        line.partition("=")[::2] for line in out.splitlines() if "=" in line and not line.startswith("vbar ")
+    )
+    return answer, env
+
+
+def test_a_container_without_host_networking_reaches_vbar_and_writes_its_logs(vm: tuple[VM, Engine]) -> None:
+    m, engine = vm
+    m.wait_until("test -S /run/tpuboot/vbar/vbar.sock", timeout=120)
+    m.wait_until(
+        "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8353), 5)'", timeout=120
+    )
+    before = m.run(["sh", "-c", "ls /var/log/tpuboot/tpu_logs | wc -l"], check=True).stdout.strip()
+    answer, env = relayed(m, engine, "all")
+    assert answer.startswith("vbar unix:///var/run/tpu-plugin/vbar.sock HTTP/1.0 200"), answer
+    assert env["VBAR_CONTROL_SERVICE_URL"] == "unix:///var/run/tpu-plugin/vbar.sock"
+    after = m.run(["sh", "-c", "ls /var/log/tpuboot/tpu_logs | wc -l"], check=True).stdout.strip()
+    assert int(after) == int(before) + 1  # the job's log file is on the host
+    found = {v["name"]: v for v in json.loads(m.run(["tpuboot", "doctor", "--json"], timeout=120).stdout)}
+    assert found["vbar-relay"]["status"] == "PASS", found["vbar-relay"]
+
+
+def test_without_tpu_env_the_spec_says_no_topology(vm: tuple[VM, Engine]) -> None:
+    """A boot with no tpu-env (the metadata server down, no cache): no TPU_SKIP_MDS_QUERY (libtpu
+    asks the metadata server, as on the host) and no topology; a one-chip device keeps its chip.
+    Last in the module: it restores the emulator and tpuboot."""
+    m, engine = vm
+    m.run(["systemctl", "stop", "tpuboot", "tpuboot-test-mds"], check=True, timeout=120)
+    try:
+        m.run(["rm", "-f", "/var/lib/tpuboot/tpu-env.json", "/home/tpu-runtime/tpu-env"], check=True)
+        m.run(["systemctl", "start", "--no-block", "tpuboot"], check=True, timeout=60)
+        m.wait_until(f"[ $(grep -c '\"name\"' {SPEC} 2>/dev/null) = 5 ]", timeout=120)
+        text = m.read_file(SPEC)
+        assert "TPU_SKIP_MDS_QUERY" not in text and "TPU_TOPOLOGY" not in text
+        assert "TPU_RUNTIME_METRICS_PORTS" not in text
+        got = container(m, engine, "1", [])
+        assert "env TPU_VISIBLE_CHIPS=1" in got and not any("TPU_SKIP_MDS_QUERY" in key for key in got)
+    finally:
+        m.run(["systemctl", "start", "tpuboot-test-mds"], timeout=60)
+        m.run(["systemctl", "restart", "tpuboot"], timeout=180)
