@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV, tpu_env_yaml
-from tests.unit.containers.test_cdi import Pool, chips, devices
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.daemon import make, serving, until, with_env
 from tests.unit.helpers.devices import V5P, add_tpu, binder
@@ -19,8 +19,34 @@ from tests.unit.helpers.metadata import make_client
 from tpuboot import cli
 from tpuboot.config import Config, VbarConfig
 from tpuboot.containers import cdi
-from tpuboot.devices.chips import ChipFunction
+from tpuboot.devices.chips import ChipFunction, group_chips
+from tpuboot.devices.table import DeviceTable
 from tpuboot.env.tpuenv import render_env_file
+
+
+class Pool:
+    """An executor whose jobs run when the test says."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[object, Future]] = []
+
+    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
+        future: Future = Future()
+        self.jobs.append((lambda: fn(*args), future))
+        return future
+
+    def run_one(self) -> None:
+        fn, future = self.jobs.pop(0)
+        future.set_result(fn())  # type: ignore[operator]
+
+
+def chips(*functions: ChipFunction) -> list:
+    return group_chips(functions, DeviceTable())
+
+
+def devices(spec: dict) -> dict[str, dict]:
+    return {d["name"]: d["containerEdits"] for d in spec["devices"]}
+
 
 TWO_V5P = (ChipFunction("0000:00:04.0", "TPU v5p", "4"), ChipFunction("0000:00:05.0", "TPU v5p", "5"))
 
