@@ -313,7 +313,7 @@ def test_without_tpu_env_the_spec_says_no_topology(vm: tuple[VM, Engine]) -> Non
         m.run(["rm", "-f", "/var/lib/tpuboot/tpu-env.json", "/home/tpu-runtime/tpu-env"], check=True)
         m.run(["systemctl", "start", "--no-block", "tpuboot"], check=True, timeout=60)
         m.wait_until(f"[ $(grep -c '\"name\"' {SPEC} 2>/dev/null) = 5 ]", timeout=120)
-        text = m.read_file(SPEC)
+        text = m.read_file(SPEC).decode()
         assert "TPU_SKIP_MDS_QUERY" not in text and "TPU_TOPOLOGY" not in text
         assert "TPU_RUNTIME_METRICS_PORTS" not in text
         got = container(m, engine, "1", [])
