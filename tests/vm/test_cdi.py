@@ -309,6 +309,8 @@ def test_without_tpu_env_the_spec_says_no_topology(vm: tuple[VM, Engine]) -> Non
     Last in the module: it restores the emulator and tpuboot."""
     m, engine = vm
     m.run(["systemctl", "stop", "tpuboot", "tpuboot-test-mds"], check=True, timeout=120)
+    # masked: tpuboot's drop-in Wants= the emulator, which would start with it and serve tpu-env
+    m.run(["systemctl", "mask", "--runtime", "tpuboot-test-mds"], check=True, timeout=60)
     try:
         m.run(["rm", "-f", "/var/lib/tpuboot/tpu-env.json", "/home/tpu-runtime/tpu-env"], check=True)
         m.run(["systemctl", "start", "--no-block", "tpuboot"], check=True, timeout=60)
@@ -319,5 +321,6 @@ def test_without_tpu_env_the_spec_says_no_topology(vm: tuple[VM, Engine]) -> Non
         got = container(m, engine, "1", [])
         assert "env TPU_VISIBLE_CHIPS=1" in got and not any("TPU_SKIP_MDS_QUERY" in key for key in got)
     finally:
+        m.run(["systemctl", "unmask", "--runtime", "tpuboot-test-mds"], timeout=60)
         m.run(["systemctl", "start", "tpuboot-test-mds"], timeout=60)
         m.run(["systemctl", "restart", "tpuboot"], timeout=180)
