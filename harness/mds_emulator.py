@@ -7,7 +7,9 @@ Google`` (else 403), every answer carries it, ``ETag`` on values, 404 for a miss
 ``wait_for_change``/``last_etag``/``timeout_sec`` long-polls of values and of directories (woken
 by a change under the directory), directory listings, ``?recursive=true`` as nested JSON, and
 repeated slashes read as one (google-guest-agent polls ``/computeMetadata/v1//?recursive=true``).
-Guest attributes as the real server keeps them: ``PUT``, ``GET`` and
+The notice keys as a VM sees them (``instance/maintenance-event`` ``NONE``, ``instance/preempted``
+``FALSE``, ``instance/upcoming-maintenance`` absent) until :meth:`MetadataEmulator.announce`
+changes them. Guest attributes as the real server keeps them: ``PUT``, ``GET`` and
 ``DELETE`` of ``/instance/guest-attributes/<namespace>/<key>`` when ``enable-guest-attributes``
 is true on the instance (else on the project), and 403 "Guest attributes endpoint access is
 disabled." for every guest-attributes request otherwise. Faults (``Faults``) are injectable at
@@ -103,6 +105,11 @@ ALIAS_BOMB = "\n".join(
 
 INVALID_YAML = "ACCELERATOR_TYPE: 'v5p-8\nTOPOLOGY: [2x2\n  : :\n"
 
+#: The notice keys as the real server holds them on a VM nothing is happening to:
+#: ``instance/upcoming-maintenance`` is absent until maintenance is scheduled (:meth:`announce`).
+NOTICE_DEFAULTS = {"instance/maintenance-event": "NONE", "instance/preempted": "FALSE"}
+UPCOMING_MAINTENANCE = "instance/upcoming-maintenance"
+
 
 def yaml_quote(text: str) -> str:
     """``text`` as a YAML double-quoted scalar that loads back exactly (PyYAML's dumper folds some breaks)."""
@@ -176,7 +183,7 @@ class MetadataEmulator:
         seed: int = 0,
         log_requests: bool = False,
     ) -> None:
-        self.values: dict[str, str] = {}
+        self.values: dict[str, str] = dict(NOTICE_DEFAULTS)
         for key, value in (instance or {}).items():
             self.values[f"instance/{key}"] = value
         for key, value in (attributes or {}).items():
@@ -289,6 +296,23 @@ class MetadataEmulator:
 
     def set_attribute(self, key: str, value: str | None) -> None:
         self.set(f"instance/attributes/{key}", value)
+
+    def announce(
+        self,
+        *,
+        maintenance: str | None = None,
+        upcoming: Mapping[str, Any] | None = None,
+        preempted: bool | None = None,
+    ) -> None:
+        """Change the notice keys as the server does before maintenance or a preemption (each a
+        change of its own, waking its long-polls): ``maintenance`` the event (``NONE`` to end it),
+        ``upcoming`` the scheduled window as a JSON object ({} removes it), ``preempted``."""
+        if maintenance is not None:
+            self.set("instance/maintenance-event", maintenance)
+        if upcoming is not None:
+            self.set(UPCOMING_MAINTENANCE, json.dumps(dict(upcoming)) if upcoming else None)
+        if preempted is not None:
+            self.set("instance/preempted", "TRUE" if preempted else "FALSE")
 
     def set_faults(self, **changes: Any) -> None:
         self.faults = replace(Faults(), **changes)

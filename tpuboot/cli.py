@@ -162,6 +162,8 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
             line = f"{t.address}  {t.kind:<12} {t.driver or 'no driver':<12} {group:<10} {node}{pcie}"
             print(line + "".join(f"  ! {p}" for p in problems))
         _print_chip_holders(ctx, tpus)
+    if not args.json:
+        _print_notice(ctx)
     failing = any(f.level == "FAIL" for t in tpus if t.managed for f in judge(health[t.address]))
     return EXIT_FAILED if failing or any(t.problem and t.managed for t in tpus) else EXIT_OK
 
@@ -277,6 +279,39 @@ def cmd_wait_free(ctx: Context, args: argparse.Namespace) -> int:
     return EXIT_FAILED
 
 
+# --- maintenance and preemption notices: `tpuboot wait-maintenance` (tpuboot/notices/, doc/notices.md) ---
+
+
+def cmd_wait_maintenance(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.notices import noticefile
+    from tpuboot.notices.wait import current, wait
+
+    kinds = args.kind or None
+    active = current(ctx.root, kinds) if args.check else wait(ctx.root, args.timeout, kinds)
+    if args.json:
+        _print_json(active or [])
+    else:
+        print("\n".join(noticefile.describe(n) for n in active or []), end="\n" if active else "")
+    if active:
+        return EXIT_OK
+    if active is None:  # --check, and no file: nothing watches, or the daemon has not heard yet
+        print(
+            f"tpuboot: no {noticefile.NOTICE_PATH}: is tpuboot running with notices.enabled?", file=sys.stderr
+        )
+    elif not args.check:
+        print(f"tpuboot: no notice in {args.timeout:g} s", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _print_notice(ctx: Context) -> None:
+    """`status`: the active notices, if the daemon wrote any (a line each)."""
+    from tpuboot.notices import noticefile
+    from tpuboot.notices.wait import current
+
+    for notice in current(ctx.root) or []:
+        print(f"notice: {noticefile.describe(notice)}")
+
+
 # --- the slice: `tpuboot slice` and `tpuboot wait-slice` (tpuboot/slice/, doc/slice.md) ---
 
 
@@ -353,6 +388,7 @@ def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
     import os
 
     from tpuboot.devices.reset import Breaker, Ladder, chip_to_reset, need_root
+    from tpuboot.holders import freeing
     from tpuboot.holders.report import chips_of
 
     if not args.dry_run and not ctx.root.is_host:
@@ -372,7 +408,8 @@ def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
             print(f"tpuboot: the reset would be refused: {why}", file=sys.stderr)
         return EXIT_FAILED if refused else EXIT_OK
     breaker.check(chip.address)  # before --kill ends anybody: the climb checks again, under its lock
-    _free_chip(ctx, chip, kill=args.kill)
+    for line in freeing.free(ctx.root, ctx.config, chip, kill=args.kill):
+        print(line)
     steps = ladder.climb(chip)
     for step in steps:
         outcome = "brought it back" if step.back else f"not back: {step.problem}"
@@ -388,13 +425,12 @@ def cmd_reset(ctx: Context, args: argparse.Namespace) -> int:
 
 def _reset_refusals(ctx: Context, chip: Chip, breaker: Breaker, *, kill: bool) -> list[str]:
     """What a real `tpuboot reset` of ``chip`` would refuse now, each in one line, for --dry-run:
-    not root (on the host), its breaker open, its holders as `_free_chip` judges them now (a scan
-    that could not see every process; with ``kill``, only holders tpuboot never ends)."""
+    not root (on the host), its breaker open, its holders (tpuboot/holders/freeing.py)."""
     import os
 
     from tpuboot.devices.reset import ResetRefused, need_root
-    from tpuboot.holders.release import protected, vbar_processes
-    from tpuboot.holders.report import describe, gather
+    from tpuboot.holders import freeing
+    from tpuboot.holders.report import describe
 
     refused = []
     checks = [functools.partial(breaker.check, chip.address)]
@@ -405,54 +441,10 @@ def _reset_refusals(ctx: Context, chip: Chip, breaker: Breaker, *, kill: bool) -
             check()
         except ResetRefused as exc:
             refused.append(str(exc))
-    report = gather(ctx.root, [chip])
-    if report.maybe_held:  # as _free_chip: --kill ends known holders only
-        blockers = "; ".join(report.blockers(chip))
-        return [*refused, f"chip {chip.address} may be held: {blockers}; run as root, or wait"]
-    (held,) = report.chips
-    if held.holders and not kill:
-        who = "; ".join(describe(h.process) for h in held.holders)
-        refused.append(f"chip {chip.address} is held by {who}; end it first, or pass --kill to end it first")
-    elif held.holders:
-        vbar = vbar_processes(ctx.root, ctx.config)
-        for h in held.holders:
-            why = protected(h.process, vbar)
-            if why is None:
-                print(f"--kill: would end {describe(h.process)} first")
-            else:
-                shown = f"{describe(h.process)} ({why})"
-                refused.append(f"chip {chip.address} is held by {shown}, which tpuboot never ends")
-    return refused
-
-
-def _free_chip(ctx: Context, chip: Chip, *, kill: bool) -> None:
-    """Nobody holds ``chip`` once this returns: its holders ended (``kill``) or ResetRefused."""
-    from tpuboot.devices.reset import ResetRefused
-    from tpuboot.holders.release import end, protected, vbar_processes
-    from tpuboot.holders.report import describe, gather
-
-    report = gather(ctx.root, [chip])
-    if report.maybe_held:  # --kill ends known holders only
-        raise ResetRefused(
-            f"chip {chip.address} may be held: {'; '.join(report.blockers(chip))}; run as root, or wait"
-        )
-    (held,) = report.chips
-    if not held.holders:
-        return
-    if not kill:
-        who = "; ".join(describe(h.process) for h in held.holders)
-        raise ResetRefused(
-            f"chip {chip.address} is held by {who}; end it first, or pass --kill to end it first"
-        )
-    vbar = vbar_processes(ctx.root, ctx.config)
-    spared = [f"{describe(h.process)} ({why})" for h in held.holders if (why := protected(h.process, vbar))]
-    if spared:
-        raise ResetRefused(f"chip {chip.address} is held by {'; '.join(spared)}, which tpuboot never ends")
-    for h in held.holders:
-        print(end(ctx.root, h.process))
-    blockers = gather(ctx.root, [chip]).blockers(chip)
-    if blockers:
-        raise ResetRefused(f"chip {chip.address} is still held: {blockers[0]}")
+    judged = freeing.judge(ctx.root, ctx.config, chip, kill=kill)
+    for p in judged.to_end:
+        print(f"--kill: would end {describe(p)} first")
+    return [*refused, *judged.refusals]
 
 
 def cmd_metadata_get(ctx: Context, args: argparse.Namespace) -> int:
@@ -525,7 +517,7 @@ def npd_main(args: argparse.Namespace) -> int:
     condition = npd.BY_NAME.get(args.condition)
     try:
         if condition is None:
-            raise UsageError(f"no condition {args.condition!r}; the conditions are {', '.join(npd.BY_NAME)}")
+            raise UsageError(f"no condition {args.condition!r}; one of {', '.join(npd.BY_NAME)}")
         ctx = Context(args)
         answer = npd.judge(ctx.root, ctx.config, condition)
     except Exception as exc:  # unknown, said in one line; the traceback with --verbose, on stderr
@@ -631,6 +623,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_seconds, default=60.0, metavar="S", help="give up after S seconds (default 60)"
     )
     _slice_parsers(command)
+    p = command(
+        "wait-maintenance",
+        cmd_wait_maintenance,
+        "wait until the host is warned of maintenance or preemption (exit 0), from /run/tpuboot/notice",
+    )
+    p.add_argument(
+        "--timeout", type=_seconds, metavar="S", help="give up after S seconds (exit 1; default: wait)"
+    )
+    p.add_argument("--kind", action="append", choices=("maintenance", "upcoming", "preempted"),
+                   help="only this kind of notice (repeatable; default: any)")  # fmt: skip
+    p.add_argument(
+        "--check", action="store_true", help="do not wait: exit 0 if a notice is active now, else 1"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("image-check", cmd_image_check, "report which TPU image settings are in force, with fixes")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(

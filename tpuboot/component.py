@@ -26,7 +26,7 @@ class Status:
     type, where mypy checks them: :data:`tpuboot.devices.manager.ManagerState`,
     :data:`tpuboot.env.service.EnvState`, :data:`tpuboot.containers.service.ContainerState`
     (its supervisor's :data:`~tpuboot.containers.supervisor.SupervisedState` and one more),
-    :data:`tpuboot.gce.guestattrs.PublisherState`.
+    :data:`tpuboot.gce.guestattrs.PublisherState`, :data:`tpuboot.notices.service.NoticeState`.
     """
 
     state: str

@@ -308,9 +308,11 @@ class MetricsConfig(Section):
     textfile_dir: str | None = option(None, parse_optional_abs_path)
 
 
-#: The server's guest-attribute quota is 10 queries a minute per VM; 5 keys at most once per 30 s
-#: each stay within it (tpuboot/gce/guestattrs.py).
-GUEST_ATTRIBUTES_MIN_INTERVAL = 30.0
+#: The guest attributes the daemon writes (tpuboot/daemon.py guest_attribute_values).
+GUEST_ATTRIBUTE_KEYS = 6
+#: The server's guest-attribute quota is 10 queries a minute per VM: each key written at most once
+#: per this many seconds keeps them all within it (tpuboot/gce/guestattrs.py).
+GUEST_ATTRIBUTES_MIN_INTERVAL = 60.0 * GUEST_ATTRIBUTE_KEYS / 10
 
 
 def parse_publish_interval(value: Any, where: str) -> float:
@@ -377,6 +379,25 @@ class RecoveryConfig(Section):
     automatic: bool = option(False, parse_bool)
 
 
+def parse_hook_user(value: Any, where: str) -> str | None:
+    """A user name for the hooks (None: root); looked up by the daemon when it starts."""
+    name = parse_optional_str(value, where)
+    if name is not None and (not name or "/" in name or ":" in name or name.startswith("-")):
+        raise fail(where, f"{name!r} is not a user name; write one like 'train', or leave it out for root")
+    return name
+
+
+@dataclass(frozen=True)
+class NoticesConfig(Section):
+    """Maintenance and preemption notices: the watch, the hooks it runs and their deadline."""
+
+    enabled: bool = option(True, parse_bool)
+    hooks_dir: str = option("/etc/tpuboot/maintenance.d", parse_abs_path)
+    # All the hooks of one notice together; a preemption leaves about 30 s.
+    hook_deadline: float = option(25.0, parse_seconds(600.0, " (the host does not wait longer)"))
+    hook_user: str | None = option(None, parse_hook_user)
+
+
 @dataclass(frozen=True)
 class Config(Section):
     devices: tuple[MatchRule, ...] = option((), parse_rules)
@@ -396,6 +417,7 @@ class Config(Section):
     ready: ReadyConfig = option(ReadyConfig(), section_parser(ReadyConfig))
     doctor: DoctorConfig = option(DoctorConfig(), section_parser(DoctorConfig))
     recovery: RecoveryConfig = option(RecoveryConfig(), section_parser(RecoveryConfig))
+    notices: NoticesConfig = option(NoticesConfig(), section_parser(NoticesConfig))
 
 
 def _sets_nothing(text: str) -> bool:

@@ -18,9 +18,9 @@ The concurrency rule (one rule, kept everywhere):
 - **A component's own threads** do its blocking work: the runtime-environment side (tpu-env
   sync, then the watch; it also tells the containers to look at their image again), the
   containers (the GKE check, one supervisor per container), the guest-attribute publisher, the
-  metrics server. Each component owns its state and guards it with its own lock (or an Event);
-  its ``status()`` returns an immutable :class:`~tpuboot.component.Status`, so any thread may read
-  it.
+  metrics server, the notices (a watch per key and the hook runner, tpuboot/notices/). Each
+  component owns its state and guards it with its own lock (or an Event); its ``status()``
+  returns an immutable :class:`~tpuboot.component.Status`, so any thread may read it.
 - **Results come back by report**: a thread never touches the loop's state; it calls
   ``report()``, which is ``loop.call_soon_threadsafe(self._changed)``, and the loop then reads every
   component's ``status()`` and derives STATUS, the guest attributes and the TPU-VM gate from that
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from tpuboot.devices.recovery import AutoRecovery
     from tpuboot.gce.guestattrs import Publisher
     from tpuboot.metrics_endpoint import MetricsEndpoint
+    from tpuboot.notices.service import Notices
 
 log = logging.getLogger("tpuboot.daemon")
 
@@ -86,7 +87,11 @@ class Daemon:
         budget: bootbudget.Budget | None = None,
         cdi: SpecWriter | None = None,
         recovery: AutoRecovery | None = None,
+<<<<<<< HEAD
         vbar_relay: VbarRelay | None = None,
+=======
+        notices: Notices | None = None,
+>>>>>>> main
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
         self.devices = devices
@@ -100,7 +105,11 @@ class Daemon:
         self.budget = budget  # the boot's phases, shown at READY and when vBar first runs
         self.cdi = cdi  # the CDI spec: refreshed in the turn of every device change
         self.recovery = recovery  # recovery.automatic: wedged chips reset at each tick, in the pool
+<<<<<<< HEAD
         self.vbar_relay = vbar_relay  # vBar's socket for containers: its own thread, never waited for
+=======
+        self.notices = notices  # maintenance and preemption notices: its own threads, never waited for
+>>>>>>> main
         self.ready = False
         self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
         self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread
@@ -206,13 +215,15 @@ class Daemon:
             parts.append(self.env)
         if self.containers is not None and self.containers.enabled:
             parts.append(self.containers)
+        if self.notices is not None:
+            parts.append(self.notices)
         return parts
 
     def statuses(self) -> list[Status]:
         return [part.status() for part in self.components()]
 
     def status_line(self) -> str:
-        return "; ".join(s.detail for s in self.statuses())
+        return "; ".join(s.detail for s in self.statuses() if s.detail)  # a quiet part says nothing
 
     def guest_attribute_values(self) -> dict[str, str]:
         """This host's state as the guest attributes tpuboot/<key> show it (tpuboot/gce/guestattrs.py)."""
@@ -225,6 +236,7 @@ class Daemon:
             "tpu-env": "source=disabled" if self.env is None else self.env.attribute(),
             "vbar": "disabled" if vbar is None else vbar.detail,
             "version": __version__,
+            "notice": "disabled" if self.notices is None else self.notices.attribute(),
         }
 
     def _changed(self) -> None:
@@ -349,6 +361,8 @@ class Daemon:
             self._tick(interval or TICK_INTERVAL, watchdog=bool(interval))
         if self.env is not None:
             self.env.start(report)
+        if self.notices is not None:  # its own threads: READY never waits for it
+            self.notices.start(report)
         if self.containers is not None:  # in their own threads: READY never waits for dockerd
             self.containers.start(report)
         if self.vbar_relay is not None:
@@ -419,6 +433,8 @@ class Daemon:
             self.cdi.stop()
         if self.env is not None:
             self.env.stop()
+        if self.notices is not None:
+            self.notices.stop()
         if self.guest_attrs is not None:
             self.guest_attrs.stop(final={"state": "stopped"})
         if self.metadata is not None:

@@ -33,6 +33,10 @@ Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total``
 - ``tpuboot_slice_identity_info{worker,digest}`` 1: this worker's index in tpu-env and the digest
   of its slice-wide keys (tpuboot/env/published.py), for a comparison across the slice; no
   series before tpu-env is written
+- ``tpuboot_notice{kind}``: 1 while the metadata server warns of the host going away (kind
+  maintenance, upcoming, preempted; tpuboot/notices/), 0 while not; and
+  ``tpuboot_maintenance_window_start_timestamp_seconds``: when the scheduled maintenance window
+  opens (unix seconds; no series while none is scheduled or its start is not known)
 - PCIe health of every TPU function, read from sysfs at scrape time (:class:`PcieCollector`):
   ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
   (current over maximum), ``tpuboot_pcie_link_width{link}`` and
@@ -116,6 +120,8 @@ class Metrics:
         self.libtpu_lock_held: dict[str, float] = {}
         self.boot_phase: dict[str, float] = {}
         self.slice_identity: tuple[str, str] | None = None  # (worker, digest) of tpu-env
+        self.notice: dict[str, float] = {}
+        self.maintenance_window_start: float | None = None
 
     def set_tpus(self, devices: Iterable[tuple[str, str]]) -> None:
         """(generation, state) of every TPU now; label sets no longer seen drop to 0."""
@@ -289,3 +295,12 @@ def slice_identity(mine: tuple[int | None, str] | None) -> None:
     no values (the series goes)."""
     with _current.lock:
         _current.slice_identity = None if mine is None else ("" if mine[0] is None else str(mine[0]), mine[1])
+
+
+@_safe
+def notice(kind: str, active: bool, window_start: float | None = None) -> None:
+    """The notice of ``kind`` is ``active`` or not; an upcoming one's window start (unix seconds)."""
+    with _current.lock:
+        _current.notice[kind] = 1.0 if active else 0.0
+        if kind == "upcoming":
+            _current.maintenance_window_start = window_start if active else None

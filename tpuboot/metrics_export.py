@@ -133,6 +133,21 @@ class Recorded:
         if m.slice_identity is not None:
             identity.add_metric(list(m.slice_identity), {})
         yield identity
+        notices = [((kind,), value) for kind, value in m.notice.items()]
+        yield gauges(
+            "tpuboot_notice",
+            "1 while the metadata server warns that the host goes away (maintenance, upcoming, preempted).",
+            ["kind"],
+            notices,
+        )
+        window = GaugeMetricFamily(
+            "tpuboot_maintenance_window_start_timestamp_seconds",
+            "When the scheduled host maintenance window opens (unix seconds); no sample while none is.",
+            labels=[],
+        )
+        if m.maintenance_window_start is not None:
+            window.add_metric([], m.maintenance_window_start)
+        yield window
         phases = [((phase,), seconds) for phase, seconds in m.boot_phase.items()]
         yield gauges(
             "tpuboot_boot_phase_seconds",

@@ -1,4 +1,7 @@
-"""The one place tpuboot starts a subprocess, so every call is bounded and its failure is one line."""
+"""The one place tpuboot runs a command to completion, so every call is bounded and its failure is
+one line. Two others start processes of their own kind: a supervised agent under the exec runtime
+(tpuboot/containers/exec.py, long-lived) and a notice hook (tpuboot/notices/hooks.py: its own
+process group, a user, cancelled by the daemon's stop)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from tpuboot.config import Config, GuestAttributesConfig, MetadataConfig
+from tpuboot.config import Config, GuestAttributesConfig, MetadataConfig, NoticesConfig
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
 from tpuboot.errors import ConfigError
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from tpuboot.gce.guestattrs import PublisherSettings
     from tpuboot.gce.settings import MetadataSettings
     from tpuboot.metrics_server import MetricsServer
+    from tpuboot.notices.service import NoticeSettings
     from tpuboot.notify import Notifier
 
 log = logging.getLogger("tpuboot.wiring")
@@ -86,7 +87,7 @@ def build(
     devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready)
     publish = config.guest_attributes.enabled != "false"
     containers_on = bool(agents_enabled(config))
-    if metadata is None and (config.env.enabled or containers_on or publish):
+    if metadata is None and (config.env.enabled or containers_on or publish or config.notices.enabled):
         try:
             settings = metadata_settings(config.metadata)
             metadata = MetadataClient.from_settings(settings, on_request=metrics.metadata_request)
@@ -125,6 +126,11 @@ def build(
         deadline = config.metadata.boot_deadline
         publishing = publisher_settings(config.guest_attributes)
         guest_attrs = Publisher(metadata, publishing, check_deadline=deadline)
+    notices = None
+    if config.notices.enabled and metadata is not None:
+        from tpuboot.notices.service import Notices
+
+        notices = Notices(root, metadata, notice_settings(config.notices))
     endpoint = None
     if config.metrics.enabled:
         endpoint = MetricsEndpoint(functools.partial(open_metrics, root, binder.table, config))
@@ -146,6 +152,7 @@ def build(
         cdi=cdi,
         recovery=recovery,
         vbar_relay=vbar_relay,
+        notices=notices,
     )
 
 
@@ -184,3 +191,17 @@ def publisher_settings(config: GuestAttributesConfig) -> PublisherSettings:
 
     enabled = {"auto": None, "true": True, "false": False}[config.enabled]
     return PublisherSettings(enabled=enabled, min_interval=config.min_interval)
+
+
+def notice_settings(config: NoticesConfig) -> NoticeSettings:
+    """The notice part's settings from the ``notices`` section, the hook user looked up now: a
+    user the host does not have turns the hooks off (never to root), and the notices go on."""
+    from tpuboot.notices.hooks import HookUser, hook_user
+    from tpuboot.notices.service import NoticeSettings
+
+    try:
+        user, hooks = hook_user(config.hook_user), True
+    except ValueError as exc:
+        log.error("%s; no notice hooks run", exc)
+        user, hooks = HookUser(), False
+    return NoticeSettings(config.hooks_dir, config.hook_deadline, user, hooks=hooks)

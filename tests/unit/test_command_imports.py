@@ -102,7 +102,8 @@ PARSED = {"yaml"}
 TEXTFILE_BIND = CORE | PARSED | EXPORT | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.slice.shape", "tpuboot.checks.pcie",
-    "tpuboot.checks.holders", "tpuboot.checks.cdi",
+    "tpuboot.checks.holders", "tpuboot.checks.cdi", "tpuboot.checks.notices", "tpuboot.notices",
+    "tpuboot.notices.noticefile",
     # slice-identity: tpuboot slice's judgement of the identity, without the sweep
     "tpuboot.slice", "tpuboot.slice.facts", "tpuboot.slice.identity", "tpuboot.slice.resolve",
     "tpuboot.slice.workers"}  # fmt: skip
@@ -114,6 +115,15 @@ SLICE = CORE | METADATA | HOLDERS | SURVEY - {"tpuboot.devices.health", "json"} 
     "tpuboot.slice", "tpuboot.slice.command", "tpuboot.slice.facts", "tpuboot.slice.identity",
     "tpuboot.slice.ports", "tpuboot.slice.resolve", "tpuboot.slice.sweep", "tpuboot.slice.verdict",
     "tpuboot.slice.wait", "tpuboot.slice.workers", "yaml"}  # fmt: skip
+
+#: What reads the daemon's notice file (`status`, doctor, `wait-maintenance`).
+NOTICE_FILE = {
+    "tpuboot.notices",
+    "tpuboot.notices.noticefile",
+    "tpuboot.notices.wait",
+    "tpuboot.atomicfile",
+    "json",
+}
 
 #: Against another tree (as here) no metadata client: only the tpu-env cache's path is read.
 PREPARE = CORE | CHECKS | METRICS | CONTAINERS | {"tpuboot.prepare", "tpuboot.env", "tpuboot.env.cache",
@@ -129,7 +139,7 @@ CASES = {
     "bind, a config that sets something": (["bind", "0000:00:04.0"], SETS_SOMETHING, CORE | PARSED),
     "bind, metrics.textfile_dir set": (["bind", "0000:00:04.0"], TEXTFILE, TEXTFILE_BIND),
     "unbind": (["unbind", "0000:00:04.0"], None, CORE),
-    "status": (["status"], None, CORE | SURVEY),
+    "status": (["status"], None, CORE | SURVEY | NOTICE_FILE),
     "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
     "who": (["who"], None, CORE | CHIPS | HOLDERS),
     "who --json": (["who", "--json"], None, CORE | CHIPS | HOLDERS | {"json"}),
@@ -143,7 +153,7 @@ CASES = {
     "reset": (
         ["reset", "--dry-run", "0000:00:04.0"],
         None,
-        CORE | SURVEY | HOLDERS | {"tpuboot.devices.reset", "json"},
+        CORE | SURVEY | HOLDERS | RELEASE | {"tpuboot.devices.reset", "tpuboot.holders.freeing", "json"},
     ),
     "image-check": (["image-check"], None, CORE | CHECKS),
     "env": (["env", "--deadline", "0.2"], None, CORE | METADATA | ENV | METRICS),
@@ -159,6 +169,7 @@ CASES = {
     "prepare-image": (["prepare-image"], None, PREPARE),
     "slice": (["slice", "--timeout", "0.2"], None, SLICE),
     "wait-slice": (["wait-slice", "--timeout", "0.2"], None, SLICE),
+    "wait-maintenance": (["wait-maintenance", "--timeout", "0.1"], None, CORE | NOTICE_FILE),
 }
 #: The daemon loads everything tpuboot has; tests/unit/test_run_start.py runs it whole.
 NOT_HERE = {"run"}

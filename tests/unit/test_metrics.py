@@ -86,11 +86,16 @@ def test_every_metric_is_named_by_convention(fresh):
         "tpuboot_chip_holders": "gauge",
         "tpuboot_libtpu_lock_held": "gauge",
         "tpuboot_slice_identity_info": "gauge",  # no series before tpu-env is written
+        "tpuboot_notice": "gauge",
+        "tpuboot_maintenance_window_start_timestamp_seconds": "gauge",
     }
     assert value(fresh, "tpuboot_build_info", version=__version__) == 1
     assert value(fresh, "tpuboot_container_restarts_total", container="vbar") == 1
     assert value(fresh, "tpuboot_container_up", container="vbar") == 1
     assert value(fresh, "tpuboot_tpu_env_last_update_timestamp_seconds") == 1_700_000_000
+    metrics.notice("upcoming", True, 1_800_000_000.0)
+    assert value(fresh, "tpuboot_notice", kind="upcoming") == 1
+    assert value(fresh, "tpuboot_maintenance_window_start_timestamp_seconds") == 1_800_000_000
     # Counters exist at zero before the first event, so rate() sees the first one.
     for result in metrics.BIND_RESULTS:
         assert value(fresh, "tpuboot_bind_attempts_total", result=result) == 0

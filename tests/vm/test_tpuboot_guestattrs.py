@@ -7,6 +7,9 @@ with a virtio-rng (not a stand-in here) held by virtio-pci at boot. That edu's b
 kernel has it (the group is not viable, a transient failure) until a guest unit releases the
 virtio-rng, a few seconds after tpuboot's first failure: READY must wait for the retry that binds
 it. Each test needs only the boot; the one that turns guest attributes off puts them back.
+The same guest hears maintenance, then a preemption, from its emulator (the last test): a hook
+in /etc/tpuboot/maintenance.d writes a file as a job's checkpoint would, and the guest's own
+`tpuboot wait-maintenance` sees each notice.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ sleep 4
 for d in /sys/bus/pci/devices/*; do
     if [ "$(cat $d/vendor)" = {VIRTIO_RNG[0]:#06x} ] && [ "$(cat $d/device)" = {VIRTIO_RNG[1]:#06x} ] \\
             && [ -e $d/driver ]; then
+        at=$(cut -d' ' -f1 /proc/uptime)  # before the unbind: READY may follow it within ms
         echo "${{d##*/}}" > $d/driver/unbind
-        cut -d' ' -f1 /proc/uptime > {RELEASED}
+        echo "$at" > {RELEASED}
         echo "released ${{d##*/}} from virtio-pci"
     fi
 done
@@ -86,6 +90,14 @@ except urllib.error.HTTPError as error:
 """
 
 
+# The job's checkpoint, as a notice hook writes it: root's, 0755, in the shipped directory.
+CHECKPOINT = "/run/tpuboot/checkpoint"
+HOOK = f"""#!/bin/sh
+echo "$TPUBOOT_NOTICE_KIND $TPUBOOT_NOTICE_VALUE $1" >> {CHECKPOINT}
+"""
+NOTICE_CONTROL = "/_emulator/v1/instance/"
+
+
 def install(deb: Path) -> Callable[[Path], None]:
     base = package_install_hook(deb, CONFIG)
 
@@ -94,6 +106,7 @@ def install(deb: Path) -> Callable[[Path], None]:
         write_in_tree(tree, "/etc/tpuboot-test/attributes.yaml", yaml.safe_dump(ATTRIBUTES, sort_keys=False))
         write_in_tree(tree, f"{GUEST_LIBEXEC}/release-rng", RELEASE_SCRIPT)
         write_in_tree(tree, f"{GUEST_LIBEXEC}/mds-request", HTTP_SCRIPT)
+        write_in_tree(tree, "/etc/tpuboot/maintenance.d/10-checkpoint", HOOK, mode=0o755)
         write_in_tree(tree, "/etc/systemd/system/tpuboot-test-release.service", RELEASE_UNIT)
         enable_unit(tree, "tpuboot-test-release.service", "/etc/systemd/system")
         for unit in ("docker.service", "docker.socket", "containerd.service"):  # vBar is off here:
@@ -178,8 +191,9 @@ def test_the_state_is_read_back_from_the_guest_attributes(vm: VM) -> None:
     version = vm.run(["tpuboot", "--version"], check=True).stdout.split()[-1]
     assert guest_attribute(vm, "version") == (200, version)
     assert http(vm, "GET", "/computeMetadata/v1/instance/guest-attributes/tpuboot/")[1].split() == [
-        "state", "tpu-env", "tpus", "vbar", "version"
+        "notice", "state", "tpu-env", "tpus", "vbar", "version"
     ]  # fmt: skip
+    assert guest_attribute(vm, "notice") == (200, "none")
 
 
 def stats(vm: VM) -> dict[str, int]:
@@ -205,3 +219,39 @@ def test_a_stop_publishes_stopped_and_nothing_is_published_when_disabled(vm: VM)
     finally:  # on again, tpuboot running (a no-op when it is), for whatever runs after
         http(vm, "PUT", ENABLE, "TRUE")
         vm.run(["systemctl", "start", "tpuboot"], check=True, timeout=90)
+
+
+def test_maintenance_then_preemption_reach_the_hook_the_job_and_status(vm: VM) -> None:
+    """The emulator announces TERMINATE_ON_HOST_MAINTENANCE, then a preemption: each time the
+    guest's own `tpuboot wait-maintenance` returns with it and the hook writes its checkpoint
+    line (each waited for as an event of its own: the file is written before the hooks run)."""
+    vm.wait_until("systemctl is-active -q tpuboot", timeout=120)
+    vm.wait_until("test -s /run/tpuboot/notice", timeout=60)
+    assert vm.run(["tpuboot", "wait-maintenance", "--check"]).rc == 1  # quiet so far
+    try:
+        assert (
+            http(vm, "PUT", NOTICE_CONTROL + "maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")[0] == 200
+        )
+        told = vm.run(["tpuboot", "wait-maintenance", "--kind", "maintenance", "--timeout", "60"], timeout=90)
+        assert (told.rc, told.stdout) == (0, "maintenance TERMINATE_ON_HOST_MAINTENANCE\n")
+        vm.wait_until(
+            f"grep -qx 'maintenance TERMINATE_ON_HOST_MAINTENANCE maintenance' {CHECKPOINT}", timeout=30
+        )
+        assert http(vm, "PUT", NOTICE_CONTROL + "preempted", "TRUE")[0] == 200
+        told = vm.run(["tpuboot", "wait-maintenance", "--kind", "preempted", "--timeout", "60"], timeout=90)
+        assert (told.rc, told.stdout) == (0, "preempted TRUE\n")
+        vm.wait_until(f"grep -qx 'preempted TRUE preempted' {CHECKPOINT}", timeout=30)
+        both = "preempted: shutting down; host maintenance now (terminate)"
+        vm.wait_until(f"systemctl show -P StatusText tpuboot | grep -q '{both}'", timeout=30)
+        journal = vm.run(["journalctl", "-b", "-u", "tpuboot", "-o", "cat"], check=True).stdout
+        assert "notice hook 10-checkpoint: exit status 0" in journal
+        fields = vm.run(
+            ["journalctl", "-b", "-u", "tpuboot", "NOTICE_KIND=preempted", "-o", "cat"], check=True
+        )
+        assert "notice: preempted TRUE" in fields.stdout
+        doctor = vm.run(["tpuboot", "doctor", "--json"], timeout=120).stdout
+        (check,) = [c for c in json.loads(doctor) if c["name"] == "maintenance-notice"]
+        assert check["status"] == "WARN" and "preempted TRUE" in check["detail"]
+    finally:  # quiet again, for whatever runs after
+        http(vm, "PUT", NOTICE_CONTROL + "maintenance-event", "NONE")
+        http(vm, "PUT", NOTICE_CONTROL + "preempted", "FALSE")

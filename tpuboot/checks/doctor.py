@@ -38,6 +38,7 @@ from tpuboot.checks.containers import UNANSWERED, ContainerChecks, ContainerProb
 from tpuboot.checks.holders import HolderChecks
 from tpuboot.checks.image import run_checks
 from tpuboot.checks.kernel import kernel_arch
+from tpuboot.checks.notices import check_notice
 from tpuboot.checks.parsers.systemd import Systemd
 from tpuboot.checks.pcie import check_pcie_health
 from tpuboot.config import Config, MetadataConfig
@@ -76,6 +77,7 @@ from tpuboot.wiring import metadata_settings
 #: latest fetched (a job can run on the file it has) and the engines' CDI support
 #: (:attr:`~tpuboot.checks.cdi.CdiChecks.ADVISORY`).
 ADVISORY = frozenset({"tpu-env-fresh"}) | CdiChecks.ADVISORY
+# (maintenance-notice is never a FAIL: a notice is WARN, the host is fine until it goes.)
 
 
 #: How long doctor waits for the metadata server, per key.
@@ -186,7 +188,12 @@ class Doctor:
                         root, config, self.metadata, container_state, endpoint_probe=endpoint_probe
                     ).named(),
                     *holders.named(),
+<<<<<<< HEAD
                     *CdiChecks(root, self.binder, config=config).named(),  # containers without --privileged
+=======
+                    *CdiChecks(root, self.binder).named(),  # containers without --privileged
+                    ("maintenance-notice", lambda: check_notice(self.root, self.config)),
+>>>>>>> main
                 ]
             )
         )

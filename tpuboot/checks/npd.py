@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tpuboot.atomicfile import read_file, write_file
+from tpuboot.atomicfile import FileError, read_file, write_file
 from tpuboot.checks.containers import ContainerProbe, docker_container_state
 from tpuboot.checks.doctor import Doctor, MetadataReader, metadata_lookup
 from tpuboot.checks.holders import main_pid
@@ -32,6 +32,7 @@ from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.reset import Breaker
 from tpuboot.errors import printable
+from tpuboot.notices import noticefile
 from tpuboot.numbers import ascii_decimal
 from tpuboot.paths import Root
 from tpuboot.verdicts import CheckResult
@@ -149,6 +150,22 @@ def reset_events(look: Look) -> Answer:
     return Answer(PROBLEM, f"{len(new)} resets since the last look, the last at {when}: {', '.join(chips)}")
 
 
+def notice_view(look: Look) -> Answer:
+    """Doctor's ``maintenance-notice`` (the daemon's /run/tpuboot/notice): a notice is the problem
+    (doctor's WARN: the host is fine until it goes, but the scheduler must place nothing new);
+    no file while notices are watched is unknown (the daemon is not running to hear the server)."""
+    result = look.check("maintenance-notice")
+    if result.status == "PASS":
+        return Answer(OK, result.detail)
+    if result.status == "SKIP":
+        return Answer(OK if not look.config.notices.enabled else UNKNOWN, result.detail)
+    try:
+        data = noticefile.load(look.root)
+    except FileError as exc:
+        return Answer(UNKNOWN, str(exc))
+    return Answer(PROBLEM if data and noticefile.active(data) else UNKNOWN, result.detail)
+
+
 @dataclass(frozen=True)
 class Condition:
     """One rule: ``name`` is the command's argument; ``type`` the NodeCondition's (permanent
@@ -203,6 +220,15 @@ CONDITIONS: tuple[Condition, ...] = (
         doctor_view("vbar-running", "vbar-endpoint", supervised="vBar"),
         "systemctl restart tpuboot; journalctl -u tpuboot AGENT=vBar says why it stopped",
         metadata=True,
+    ),
+    Condition(
+        "maintenance",
+        "permanent",
+        "TPUHostGoingAway",
+        "TPUHostMaintenanceOrPreemption",
+        ("TPUNoMaintenanceNotice", "no maintenance or preemption notice from the metadata server"),
+        notice_view,
+        "checkpoint the job and drain the node (kubectl drain): the VM goes away (doc/notices.md)",
     ),
     Condition(
         "chip-reset",

@@ -181,7 +181,13 @@ class MetadataClient:
             ) from None
 
     def changes(
-        self, path: str, *, stop: threading.Event, etag: str | None = None, timeout_sec: int = 60
+        self,
+        path: str,
+        *,
+        stop: threading.Event,
+        etag: str | None = None,
+        timeout_sec: int = 60,
+        absent_interval: float = 0.0,
     ) -> Iterator[Change]:
         """Yield each change of ``path`` until ``stop`` is set (:func:`tpuboot.gce.watch.watch`).
 
@@ -189,7 +195,7 @@ class MetadataClient:
         long-poll in flight at once (nothing polls ``stop``: an idle watch never wakes).
         With ``etag`` None the current value is yielded first. Failures are logged once
         per kind and retried with backoff forever; a vanished key yields ``Change(None,
-        None)`` once, then is polled for with backoff.
+        None)`` once, then is polled for with backoff, at most once every ``absent_interval`` s.
         """
         url = self.url(path)
         transport = Transport()
@@ -212,6 +218,7 @@ class MetadataClient:
                 delay=self._delay,
                 min_poll_interval=self.min_poll_interval,
                 aborted=lambda: transport.aborted,
+                absent_interval=absent_interval,
             )
         finally:
             transport.close()

@@ -11,7 +11,8 @@ logging in. Why each choice:
   endpoint access is disabled."; such an answer turns publishing off until tpuboot restarts.
 - The server allows at most 10 guest-attribute queries a minute per VM and bursts of 3 a second,
   and may drop writes beyond that. So each key is written at most once per ``min_interval``
-  (at least 30 s: 5 keys then stay within 10 a minute), a change arriving sooner is coalesced into
+  (at least 36 s: the 6 keys, ``GUEST_ATTRIBUTE_KEYS`` in tpuboot/config.py, then stay within
+  10 a minute), a change arriving sooner is coalesced into
   the next write (only the latest value is sent), writes are 0.5 s apart, and a key whose value
   has not changed is not written again.
 - Never blocking: ``update`` only records the values; one thread of its own does the HTTP, with

@@ -29,12 +29,14 @@ def watch(
     delay: Callable[[int], float],
     min_poll_interval: float,
     aborted: Callable[[], bool],
+    absent_interval: float = 0.0,
 ) -> Iterator[Change]:
     """Yield each change of the value ``poll(etag)`` returns until ``stop`` is set or ``aborted()``.
 
     ``poll`` long-polls with an ETag and reads plainly without one, raising Retryable,
     MetadataAbsent or MetadataRefused; ``delay(n)`` is the backoff after n quick answers in a row.
-    A vanished key yields ``Change(None, None)`` once, then is polled for with backoff.
+    A vanished key yields ``Change(None, None)`` once, then is polled for with backoff, and at
+    most once every ``absent_interval`` seconds (a missing key has no ETag to long-poll with).
     """
     attempt = 0
     absent = False
@@ -68,6 +70,8 @@ def watch(
             attempt = 0
             continue
         wait = max(min_poll_interval - elapsed, delay(attempt))
+        if absent:
+            wait = max(wait, absent_interval - elapsed)
         attempt += 1
         if stop.wait(wait):
             return

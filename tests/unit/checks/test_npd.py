@@ -219,7 +219,7 @@ def test_a_temporary_rule_that_cannot_tell_makes_no_event(kernel, capsys):
 def test_an_unknown_condition_is_unknown_and_names_them(kernel, capsys):
     status, line = run(kernel, "gpus", capsys)
     assert status == npd.UNKNOWN
-    assert line == "no condition 'gpus'; the conditions are chips, pcie, holders, vbar, chip-reset"
+    assert line == "no condition 'gpus'; one of chips, pcie, holders, vbar, maintenance, chip-reset"
 
 
 def test_a_long_or_hostile_message_is_cut_cleanly_to_printable_ascii():
@@ -303,8 +303,8 @@ def test_a_config_keeps_npd_rules(name):
 def test_every_shipped_rule_runs_as_npd_runs_it(kernel):
     """Each rule's path and args, as NPD executes them (a process, its stdout, its exit status), on
     the healthy tree: /usr/bin/tpuboot is this tree's `python -m tpuboot`, the root $TPUBOOT_ROOT.
-    Every rule is OK there but vBar's, unknown: no daemon runs in the tree to supervise it."""
-    expected = {name: npd.OK for name in npd.BY_NAME} | {"vbar": npd.UNKNOWN}
+    Every rule is OK there but vBar's and the notice's, unknown: no daemon runs in the tree."""
+    expected = {name: npd.OK for name in npd.BY_NAME} | {"vbar": npd.UNKNOWN, "maintenance": npd.UNKNOWN}
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TPUBOOT_ROOT": str(kernel.top)}
     for name in sorted(npd.plugin_configs()):
         for rule in load(name)["rules"]:
@@ -333,3 +333,24 @@ def test_the_docs_table_lists_every_condition():
     for c in npd.CONDITIONS:
         row = f"| `tpuboot npd {c.name}` | {c.type or 'Event'} | {c.reason} |"
         assert row in text, row
+
+
+def test_a_maintenance_or_preemption_notice_is_a_problem_and_no_daemon_is_unknown(kernel, capsys):
+    """The daemon's /run/tpuboot/notice, as doctor's maintenance-notice reads it: a notice keeps the
+    scheduler away; no file while notices are watched: unknown; notices off: not judged."""
+    from tpuboot.notices import noticefile
+    from tpuboot.notices.parse import MAINTENANCE, PREEMPTED, UPCOMING, Notice, idle
+
+    status, line = run(kernel, "maintenance", capsys)
+    assert status == npd.UNKNOWN and "tpuboot run is not running" in line
+    noticefile.save(kernel.root, [idle(PREEMPTED), idle(MAINTENANCE), idle(UPCOMING)])
+    assert run(kernel, "maintenance", capsys) == (
+        npd.OK,
+        "no maintenance or preemption notice from the metadata server",
+    )
+    noticefile.save(kernel.root, [Notice(PREEMPTED, True, "TRUE"), idle(MAINTENANCE), idle(UPCOMING)])
+    assert run(kernel, "maintenance", capsys) == (npd.PROBLEM, "the host is going away: preempted TRUE")
+    kernel.p(noticefile.NOTICE_PATH).write_text("[garbage")
+    assert run(kernel, "maintenance", capsys)[0] == npd.UNKNOWN
+    (kernel.top / "etc/tpuboot/tpuboot.yaml").write_text(NOT_GKE + "notices:\n  enabled: false\n")
+    assert run(kernel, "maintenance", capsys)[0] == npd.OK

@@ -221,8 +221,23 @@ def test_config_keys_and_the_floor_of_the_interval() -> None:
     config = parse_config("guest_attributes: {enabled: auto, min_interval: 45}\n", "f.yaml")
     assert (config.guest_attributes.enabled, config.guest_attributes.min_interval) == ("auto", 45.0)
     assert parse_config("guest_attributes: {enabled: no}\n", "f.yaml").guest_attributes.enabled == "false"
-    with pytest.raises(ConfigError, match=r"f.yaml: guest_attributes.min_interval: 10 is below 30 s; the"):
-        parse_config("guest_attributes: {min_interval: 10}\n", "f.yaml")
+    with pytest.raises(ConfigError, match=r"f.yaml: guest_attributes.min_interval: 30 is below 36 s; the"):
+        parse_config("guest_attributes: {min_interval: 30}\n", "f.yaml")
+
+
+def test_the_floor_keeps_every_key_the_daemon_writes_within_the_servers_quota(tmp_path) -> None:
+    """The quota is 10 guest-attribute queries a minute: every key at its fastest stays within it,
+    and the floor counts every key the daemon writes (a new key must raise it)."""
+    from tests.unit.fakes.kernel import FakeKernel
+    from tests.unit.helpers.daemon import make
+    from tpuboot.config import GUEST_ATTRIBUTE_KEYS, GUEST_ATTRIBUTES_MIN_INTERVAL
+
+    daemon, _, _ = make(FakeKernel(tmp_path))
+    try:
+        assert len(daemon.guest_attribute_values()) == GUEST_ATTRIBUTE_KEYS
+    finally:
+        daemon.loop.close()
+    assert GUEST_ATTRIBUTE_KEYS * 60.0 / GUEST_ATTRIBUTES_MIN_INTERVAL <= 10
     with pytest.raises(
         ConfigError, match=r"guest_attributes.enabled: 'maybe' is not one of auto, true, false"
     ):

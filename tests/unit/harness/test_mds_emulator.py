@@ -19,6 +19,9 @@ import pytest
 from harness import mds_emulator
 from harness.mds_emulator import MetadataEmulator, nested
 
+#: The notice keys of a VM nothing is happening to, which every emulated instance holds.
+QUIET_NOTICES = {"maintenance-event": "NONE", "preempted": "FALSE"}
+
 
 def get(emulator: MetadataEmulator, query: str, timeout: float = 5.0) -> tuple[str, str]:
     request = urllib.request.Request(emulator.url + query, headers={"Metadata-Flavor": "Google"})
@@ -64,11 +67,11 @@ def test_a_stopped_emulator_refuses_and_keeps_its_port_from_every_other_socket()
 def test_recursive_directories_are_nested_json_and_double_slashes_are_one() -> None:
     with MetadataEmulator({"k": "v"}, instance={"id": "7"}) as emulator:
         body, etag = get(emulator, "?recursive=true&alt=json")
-        assert json.loads(body) == {"instance": {"attributes": {"k": "v"}, "id": "7"}}
+        assert json.loads(body) == {"instance": {"attributes": {"k": "v"}, "id": "7", **QUIET_NOTICES}}
         assert get(emulator, "/?recursive=true&alt=json") == (body, etag)  # the guest agent's ".../v1//"
         assert json.loads(get(emulator, "instance//attributes/?recursive=true")[0]) == {"k": "v"}
         assert get(emulator, "instance//attributes//k")[0] == "v"
-        assert get(emulator, "instance/")[0] == "attributes/\nid\n"  # a plain listing stays a listing
+        assert get(emulator, "instance/")[0] == "attributes/\nid\nmaintenance-event\npreempted\n"  # a listing
 
 
 def test_a_directory_long_poll_waits_for_a_change_under_it() -> None:
@@ -96,7 +99,7 @@ def test_a_directory_long_poll_waits_for_a_change_under_it() -> None:
         emulator.set_attribute("k", "w")
         instance.join(10)
         assert not instance.is_alive()
-        assert json.loads(box["instance"][0]) == {"attributes": {"k": "w"}, "id": "7"}
+        assert json.loads(box["instance"][0]) == {"attributes": {"k": "w"}, "id": "7", **QUIET_NOTICES}
         _, now = get(emulator, "?recursive=true")
         timed = get(emulator, f"?recursive=true&wait_for_change=true&last_etag={now}&timeout_sec=1")
         assert timed[1] == now  # the timeout ends the wait with the same tree

@@ -21,6 +21,7 @@ from tpuboot.config import (
     GuestAttributesConfig,
     MetadataConfig,
     MetricsConfig,
+    NoticesConfig,
     ReadyConfig,
     VbarConfig,
 )
@@ -144,9 +145,11 @@ def on_loop(daemon: Daemon, fn: Callable[[], object]) -> object:
 FIRST_ATTEMPT = ReadyConfig(wait_for_devices=False)
 
 
-#: Only the device side: no tpu-env, no containers, no guest attributes, no metrics endpoint.
+#: Only the device side: no tpu-env, no containers, no guest attributes, no metrics endpoint, no
+#: notices.
 DEVICES_ONLY = Config(
     env=EnvConfig(enabled=False),
+    notices=NoticesConfig(enabled=False),
     vbar=VbarConfig(enabled=False),
     guest_attributes=GuestAttributesConfig(enabled="false"),
     metrics=MetricsConfig(enabled=False),

@@ -234,14 +234,19 @@ def test_lock_files_fixed_and_per_user_with_their_holders(tree):
     assert any("lock /tmp/libtpu_lockfile_1001" in line and line.endswith("not held") for line in text)
 
 
-def test_a_process_holding_a_chip_and_the_lock_is_read_once(tree, monkeypatch):
-    """One scan reads each process once, whatever it holds: chip and lock holders are one set."""
-    kernel, proc = tree
+def hold_chip_and_lock(kernel: FakeKernel, proc: FakeProc) -> None:
+    """Chip 12 and libtpu's lock file, both held by PID 100 (a job as libtpu leaves it)."""
     add_chips(kernel, ["12"])
     lock = kernel.top / "tmp/libtpu_lockfile"
     lock.write_text("")
     proc.add(100, {3: "/tmp/libtpu_lockfile", 4: "/dev/vfio/12"})
     proc.lock(100, lock)
+
+
+def test_a_process_holding_a_chip_and_the_lock_is_read_once(tree, monkeypatch):
+    """One scan reads each process once, whatever it holds: chip and lock holders are one set."""
+    kernel, proc = tree
+    hold_chip_and_lock(kernel, proc)
     read: list[int] = []
     original = ProcReader.process
 
@@ -340,11 +345,7 @@ def test_doctor_fails_on_an_unheld_lock_of_another_user(tree, monkeypatch):
 
 def test_doctor_passes_a_lock_held_by_the_chips_holder(tree):
     kernel, proc = tree
-    add_chips(kernel, ["12"])
-    lock = kernel.top / "tmp/libtpu_lockfile"
-    lock.write_text("")
-    proc.add(100, {3: "/tmp/libtpu_lockfile", 4: "/dev/vfio/12"})
-    proc.lock(100, lock)
+    hold_chip_and_lock(kernel, proc)
     result = checks(kernel).check_locks()
     assert (result.status, result.detail) == ("PASS", "/tmp/libtpu_lockfile held by PID 100")
 

@@ -15,6 +15,8 @@ from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.devices import add_tpu
 from tpuboot import bootbudget, cli
+from tpuboot.notices import noticefile
+from tpuboot.notices.parse import PREEMPTED, Notice
 
 TABLE = Path(__file__).resolve().parents[3] / "doc/operation.md"
 ROW = re.compile(r"^\| `([a-z-]+(?: --[a-z]+)*)` \| ([^|]+) \| ([^|]+) \|$")
@@ -56,6 +58,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory):
     budget = bootbudget.Budget(kernel.root, clock=lambda: 1.0)
     budget.mark(bootbudget.READY)
     budget.save()
+    noticefile.save(kernel.root, [Notice(PREEMPTED, True, "TRUE")])  # what wait-maintenance prints
     with MetadataEmulator({"tpu-env": SAMPLE_TPU_ENV}, instance={"machine-type": MACHINE}) as emulator:
         (top / "tpuboot.yaml").write_text(f"metadata: {{host: '{emulator.host}'}}\n")
         yield top

@@ -114,6 +114,7 @@ EXPECTED_FILES = {
     "/usr/lib/tmpfiles.d/tpuboot.conf": "-rw-r--r--",
     "/lib/udev/rules.d/70-tpuboot.rules": "-rw-r--r--",
     "/etc/tpuboot/tpuboot.yaml": "-rw-r--r--",
+    "/etc/tpuboot/maintenance.d": "drwxr-xr-x",  # the notice hooks' (doc/notices.md), empty
     "/etc/security/limits.d/tpuboot.conf": "-rw-r--r--",
     "/etc/default/grub.d/tpuboot.cfg": "-rw-r--r--",
     "/usr/lib/systemd/system.conf.d/50-tpuboot.conf": "-rw-r--r--",
@@ -325,6 +326,7 @@ UBUNTU_2204_BUILD_TOOLS = {
 DEBHELPER_FEATURES = {
     "compat 13": "13",
     "dh_install (debian/tpuboot.install)": "4.2.5",
+    "dh_installdirs (debian/tpuboot.dirs)": "4.2.5",
     "dh_installman (debian/tpuboot.manpages)": "4.2.5",
     "dh_installdeb (debian/tpuboot.postinst, .postrm)": "4.2.5",
     "dh_lintian (debian/tpuboot.lintian-overrides)": "6.0.7",
@@ -334,6 +336,7 @@ DEBHELPER_FEATURES = {
 }
 DEBIAN_FILE_HELPERS = {
     "install": "dh_install",
+    "dirs": "dh_installdirs",
     "manpages": "dh_installman",
     "postinst": "dh_installdeb",
     "postrm": "dh_installdeb",
