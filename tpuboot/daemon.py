@@ -87,11 +87,8 @@ class Daemon:
         budget: bootbudget.Budget | None = None,
         cdi: SpecWriter | None = None,
         recovery: AutoRecovery | None = None,
-<<<<<<< HEAD
         vbar_relay: VbarRelay | None = None,
-=======
         notices: Notices | None = None,
->>>>>>> main
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
         self.devices = devices
@@ -105,11 +102,8 @@ class Daemon:
         self.budget = budget  # the boot's phases, shown at READY and when vBar first runs
         self.cdi = cdi  # the CDI spec: refreshed in the turn of every device change
         self.recovery = recovery  # recovery.automatic: wedged chips reset at each tick, in the pool
-<<<<<<< HEAD
         self.vbar_relay = vbar_relay  # vBar's socket for containers: its own thread, never waited for
-=======
         self.notices = notices  # maintenance and preemption notices: its own threads, never waited for
->>>>>>> main
         self.ready = False
         self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
         self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread

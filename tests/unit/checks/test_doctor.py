@@ -134,12 +134,8 @@ def test_a_healthy_vm_passes_every_check(kernel):
     # The container runtimes are not installed in this tree: their limits are SKIP; the
     # telemetry collector is off by default; no engine, job unit or chip holder runs (memlock).
     skips = {n for n, s in found.items() if s == "SKIP"}
-<<<<<<< HEAD
     container_checks = {"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock", "vbar-relay"}
-=======
-    container_checks = {"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"}
     unwatched = {"maintenance-notice"}  # no daemon wrote /run/tpuboot/notice here
->>>>>>> main
     assert skips == {
         "docker-limits",
         "containerd-limits",
