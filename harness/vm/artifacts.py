@@ -123,7 +123,7 @@ PODMAN_BOOKWORM = Platform(
     "podman-debian12",
     "bookworm",
     BASE_PACKAGES,
-    apt_packages=("podman", "crun", "apparmor", "golang-github-containernetworking-plugins", "iptables"),
+    apt_packages=("podman", "crun", "apparmor", "containernetworking-plugins", "iptables"),
 )
 # Debian 13 ships the docker command apart from dockerd (docker-cli).
 DOCKER_TRIXIE = Platform(
