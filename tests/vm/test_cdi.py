@@ -322,14 +322,19 @@ ENV_JSON = (
 )
 #: The tpu-env keys the spec carries (WORKER_ID apart: it marks which document the spec is from).
 SPEC_SOURCES = [sources[0] for _, sources in (*SHARED_KEYS, *WHOLE_HOST_KEYS) if sources[0] != "WORKER_ID"]
-#: Every hostile value of the metadata tests, and what only a spec could choke on: a value over the
-#: spec's bound in ASCII and in UTF-8, an escape sequence, DEL.
+#: Every hostile value of the metadata tests (a character beyond U+FFFF among them), and what only
+#: a spec could choke on: a value over the spec's bound in ASCII and in UTF-8, an escape sequence,
+#: DEL, NEL (a YAML line break), the byte-order mark and a non-character (no YAML file holds them).
 SPEC_HOSTILE = [
     *HOSTILE_VALUES.values(),
     "x" * (MAX_VALUE_BYTES + 1),
     "é" * MAX_VALUE_BYTES,
     "\x1b[31m",
     "a\x7fb",
+    "a\x85b",
+    "a\ufeffb",
+    "a\uffffb",
+    "chip \U0001f600 \U0001d518",
 ]
 
 
@@ -376,7 +381,8 @@ def test_a_hostile_tpu_env_leaves_a_spec_the_engine_accepts(vm: tuple[VM, Engine
         put_tpu_env(m, SAMPLE_TPU_ENV)
         m.wait_until(f"grep -q '\"TPU_WORKER_ID=0\"' {SPEC}", timeout=120)
     over = [f"is {size} bytes, over {MAX_VALUE_BYTES}" for size in (MAX_VALUE_BYTES + 1, 2 * MAX_VALUE_BYTES)]
-    assert reasons == {"holds a control character (a newline, NUL...)", *over}  # both kinds were tried
+    yaml = "holds a character no YAML file may hold (U+FEFF, U+FFFE or U+FFFF)"
+    assert reasons == {"holds a control character (a newline, NUL...)", yaml, *over}  # each kind was tried
 
 
 def test_without_tpu_env_the_spec_says_no_topology_until_it_arrives(vm: tuple[VM, Engine]) -> None:

@@ -139,10 +139,18 @@ class Extras:
     vbar: bool = False
 
 
+#: Characters a YAML stream cannot hold, even inside a quoted string: the engines read the spec
+#: with a YAML parser (CDI's library), which refuses the whole file for one of them. Written as
+#: UTF-8 (:func:`to_json`), every other character is carried as it is.
+NOT_IN_YAML = frozenset((0xFEFF, 0xFFFE, 0xFFFF))
+
+
 def value_problem(value: str) -> str | None:
     """Why ``value`` cannot be a CDI env entry every engine reads back as it is (None: it can)."""
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in value):
         return "holds a control character (a newline, NUL...)"
+    if any(ord(c) in NOT_IN_YAML for c in value):
+        return "holds a character no YAML file may hold (U+FEFF, U+FFFE or U+FFFF)"
     try:
         size = len(value.encode("utf-8"))
     except UnicodeEncodeError:
@@ -336,7 +344,10 @@ def render(
 
 
 def to_json(spec: Spec) -> bytes:
-    return (json.dumps(spec, indent=2) + "\n").encode()
+    """UTF-8 as it is, not \\u escapes: the engines' YAML parser refuses the surrogate pair JSON
+    escapes a character beyond U+FFFF as (podman: "found invalid Unicode character escape code"),
+    and with it every device of the spec."""
+    return (json.dumps(spec, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def to_yaml(spec: Spec) -> bytes:
@@ -348,7 +359,8 @@ def to_yaml(spec: Spec) -> bytes:
         def ignore_aliases(self, data: object) -> bool:
             return True
 
-    return yaml.dump(spec, Dumper=Plain, sort_keys=False, default_flow_style=False).encode()
+    text = yaml.dump(spec, Dumper=Plain, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return text.encode("utf-8")  # as to_json: characters as they are, no escapes to misread
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+import yaml
 
 from harness.mds_emulator import HOSTILE_VALUES, SAMPLE_TPU_ENV, tpu_env_yaml
 from tests.unit.fakes.kernel import FakeKernel
@@ -118,15 +120,37 @@ def test_the_relay_socket_is_mounted_where_gke_mounts_it_with_its_url() -> None:
     assert edits["mounts"][0]["containerPath"] == "/tmp/tpu_logs"
 
 
-@pytest.mark.parametrize("key", sorted(HOSTILE_VALUES))
+#: Beyond the metadata tests' hostile values, what only a YAML reader chokes on: a character beyond
+#: U+FFFF (JSON's \\u escape of it is a surrogate pair, which CDI's YAML parser refuses), C1
+#: controls (NEL is a YAML line break), the byte-order mark and the non-characters.
+SPEC_HOSTILE = {
+    **HOSTILE_VALUES,
+    "ASTRAL": "chip 😀 \U0001d518",
+    "NEL": "a\x85b",
+    "C1": "a\x9bb",
+    "DEL": "a\x7fb",
+    "BOM": "a\ufeffb",
+    "NONCHARACTER": "a\uffffb",
+    "PRIVATE_USE": "a\ue000b",
+}
+#: What a YAML stream may hold (YAML 1.2, 5.1), but for the tab and line breaks: no env value holds one.
+YAML_PRINTABLE = re.compile("[\x20-\x7e\xa0-\ud7ff\ue000-\ufefe\uff00-\ufffd\U00010000-\U0010ffff]*")
+
+
+@pytest.mark.parametrize("key", sorted(SPEC_HOSTILE))
 def test_a_hostile_value_is_kept_verbatim_or_left_out_alone(key: str) -> None:
-    value = HOSTILE_VALUES[key]
+    """Kept exactly if every character can be in a YAML file as it is, else left out alone; the
+    spec reads back whole, in both formats, through a YAML parser that checks every character."""
+    value = SPEC_HOSTILE[key]
     kept = value.strip()  # tpu-env's reader (env_value) trims the ends
     extras = cdi.extras_of({**SAMPLE_TPU_ENV, "TOPOLOGY": value}, vbar=True)
     spec = cdi.render(chips(*TWO_V5P), extras)
     assert spec is not None
+    for data in (cdi.to_json(spec), cdi.to_yaml(spec)):
+        assert b"\\u" not in data and b"\\U" not in data  # no escape a parser could misread
+        assert yaml.safe_load(data.decode("utf-8")) == json.loads(cdi.to_json(spec))
     shared = env_of(json.loads(cdi.to_json(spec))["containerEdits"])
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in kept):
+    if not YAML_PRINTABLE.fullmatch(kept):
         assert "TPU_TOPOLOGY" not in shared and list(extras.dropped) == ["TPU_TOPOLOGY"]
     elif kept:
         assert shared["TPU_TOPOLOGY"] == kept and not extras.dropped
