@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "cdi", "containers", "print the CDI spec of the bound chips (containers without --privileged)"
     )
+    p.epilog = (
+        "A job's container gets the chips, tpu-env's topology, vBar and /tmp/tpu_logs from the spec, "
+        "with no --privileged and no --net=host: podman run --device google.com/tpu=all IMAGE, or "
+        "docker run --device google.com/tpu=all --ulimit memlock=-1:-1 IMAGE (a spec cannot raise "
+        "the memlock limit libtpu needs: docker's line raises it, podman passes on its caller's)."
+    )
     p.add_argument("--format", choices=("json", "yaml"), default="json", help="output format (default json)")
     p.add_argument("--output", metavar="FILE", help="write the spec to FILE (atomically), not to stdout")
     p = command("env", "metadata", "fetch tpu-env once and write it and /etc/environment")

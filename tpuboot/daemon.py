@@ -60,6 +60,7 @@ from tpuboot.notify import Notifier, watchdog_interval
 if TYPE_CHECKING:
     from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.service import Containers
+    from tpuboot.containers.vbar_relay import VbarRelay
     from tpuboot.devices.recovery import AutoRecovery
     from tpuboot.gce.guestattrs import Publisher
     from tpuboot.metrics_endpoint import MetricsEndpoint
@@ -86,6 +87,7 @@ class Daemon:
         budget: bootbudget.Budget | None = None,
         cdi: SpecWriter | None = None,
         recovery: AutoRecovery | None = None,
+        vbar_relay: VbarRelay | None = None,
         notices: Notices | None = None,
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
@@ -100,6 +102,7 @@ class Daemon:
         self.budget = budget  # the boot's phases, shown at READY and when vBar first runs
         self.cdi = cdi  # the CDI spec: refreshed in the turn of every device change
         self.recovery = recovery  # recovery.automatic: wedged chips reset at each tick, in the pool
+        self.vbar_relay = vbar_relay  # vBar's socket for containers: its own thread, never waited for
         self.notices = notices  # maintenance and preemption notices: its own threads, never waited for
         self.ready = False
         self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
@@ -356,6 +359,8 @@ class Daemon:
             self.notices.start(report)
         if self.containers is not None:  # in their own threads: READY never waits for dockerd
             self.containers.start(report)
+        if self.vbar_relay is not None:
+            self.vbar_relay.start()  # binds its socket, then serves it in its own thread
         self._changed()  # the TPUs coldplug found open the containers' gate at once
         asked = self._stop_asked.is_set
         try:
@@ -430,6 +435,8 @@ class Daemon:
             self.metadata.close()
         if self.containers is not None:
             self.containers.stop()  # containers keep running; an exec child is ended
+        if self.vbar_relay is not None:
+            self.vbar_relay.stop()  # its socket removed
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -22,7 +22,9 @@ from tpuboot.paths import Root
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from tpuboot.containers.cdi import SpecWriter
     from tpuboot.containers.dockerapi import DockerAPI
+    from tpuboot.containers.service import Containers
     from tpuboot.daemon import Daemon
     from tpuboot.devices.manager import Monitor
     from tpuboot.eventloop import EventLoop
@@ -70,7 +72,7 @@ def build(
     budget = bootbudget.begin(root)
     budget.mark(bootbudget.MONITOR_OPEN, at=monitor_open)
     budget.mark(bootbudget.COLDPLUG, f"{len(coldplug.addresses)} PCI functions", at=enumerated)
-    from tpuboot.containers.cdi import SpecWriter
+    from tpuboot.containers.cdi import Extras, SpecWriter, extras_of, relays_vbar
     from tpuboot.containers.service import Containers, agents_enabled
     from tpuboot.devices.manager import DeviceManager
     from tpuboot.env.service import EnvService
@@ -83,7 +85,6 @@ def build(
 
     loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
     devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready)
-    cdi = SpecWriter(binder, executor, loop.call_soon_threadsafe)
     publish = config.guest_attributes.enabled != "false"
     containers_on = bool(agents_enabled(config))
     if metadata is None and (config.env.enabled or containers_on or publish or config.notices.enabled):
@@ -104,10 +105,22 @@ def build(
             containers = Containers(config, root, metadata, docker)
         else:
             containers = Containers(config, root, metadata, docker, tpu_env=sync.parsed_values)
+    relay = relays_vbar(config)
+
+    def extras() -> Extras:  # in the pool, at each write of the spec
+        return extras_of(None if sync is None else sync.parsed_values(), relay)
+
+    cdi = SpecWriter(binder, executor, loop.call_soon_threadsafe, extras)
     env = None
     if sync is not None:
-        on_values = None if containers is None else containers.reconfigure
-        env = EnvService(sync, config.metadata.boot_deadline, config.metadata.watch, on_values)
+        env = EnvService(
+            sync, config.metadata.boot_deadline, config.metadata.watch, tpu_env_changed(loop, cdi, containers)
+        )
+    vbar_relay = None
+    if relay and config.vbar.endpoint is not None:
+        from tpuboot.containers.vbar_relay import VbarRelay
+
+        vbar_relay = VbarRelay(root, config.vbar.endpoint)
     guest_attrs = None
     if publish and metadata is not None:
         deadline = config.metadata.boot_deadline
@@ -130,8 +143,29 @@ def build(
     notifier = notifier or Notifier()
     parts = (env, containers, guest_attrs, metadata, endpoint)
     return Daemon(
-        loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi, recovery=recovery, notices=notices
+        loop,
+        devices,
+        executor,
+        notifier,
+        *parts,
+        budget=budget,
+        cdi=cdi,
+        recovery=recovery,
+        vbar_relay=vbar_relay,
+        notices=notices,
     )
+
+
+def tpu_env_changed(loop: EventLoop, cdi: SpecWriter, containers: Containers | None) -> Callable[[], None]:
+    """After each tpu-env result (in the env thread): the CDI spec rewritten from the loop (its
+    topology may have changed), and vBar's image looked at again."""
+
+    def changed() -> None:
+        loop.call_soon_threadsafe(cdi.refresh)
+        if containers is not None:
+            containers.reconfigure()
+
+    return changed
 
 
 def open_metrics(root: Root, table: DeviceTable, config: Config) -> MetricsServer | None:

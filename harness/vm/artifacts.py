@@ -117,8 +117,13 @@ PLATFORMS = (BOOKWORM, TRIXIE)
 # PLATFORMS: the tests that run on every platform do not run on these. Their names share no prefix
 # with a platform's, so pruning one never touches the other's artifacts.
 # AppArmor is on in Debian's kernels: the engines load their default profile with apparmor_parser.
+# Podman's default network is a CNI bridge (Debian 12's podman 4.3 without netavark): the plugins
+# and iptables are Recommends that --no-install-recommends would leave out.
 PODMAN_BOOKWORM = Platform(
-    "podman-debian12", "bookworm", BASE_PACKAGES, apt_packages=("podman", "crun", "apparmor")
+    "podman-debian12",
+    "bookworm",
+    BASE_PACKAGES,
+    apt_packages=("podman", "crun", "apparmor", "containernetworking-plugins", "iptables"),
 )
 # Debian 13 ships the docker command apart from dockerd (docker-cli).
 DOCKER_TRIXIE = Platform(

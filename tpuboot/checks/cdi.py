@@ -29,7 +29,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tpuboot.atomicfile import read_file
-from tpuboot.containers.cdi import SPEC_DIR, SPEC_PATH, current_chips, render
+from tpuboot.config import Config
+from tpuboot.containers.cdi import (
+    PLUGIN_DIR,
+    RELAY_DIR,
+    RELAY_SOCKET,
+    SPEC_DIR,
+    SPEC_PATH,
+    VBAR_URL,
+    chips_only,
+    host_spec,
+    relays_vbar,
+)
 from tpuboot.containers.dockerapi import DOCKERD
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.vfio import Binder
@@ -46,6 +57,8 @@ DOCKER_CDI_FIRST, DOCKER_CDI_DEFAULT = (25, 0), (28, 2)
 CONTAINERD_CDI_FIRST, CONTAINERD_CDI_DEFAULT = (1, 7), (2, 0)
 CRI_TABLES = (("plugins", "io.containerd.grpc.v1.cri"), ("plugins", "io.containerd.cri.v1.runtime"))
 LIFT_MEMLOCK = "--ulimit memlock=-1:-1"
+#: How long a probe's connection through the vBar relay must stay open for vBar to count as reached.
+RELAY_WAIT = 1.0
 
 #: ``version_of(path)``: the version a program prints (``dockerd --version``), None if unknown.
 VersionOf = Callable[[str], "str | None"]
@@ -138,12 +151,21 @@ class CdiChecks:
 
     #: A host whose engines cannot give a container the chips without --privileged is still ready
     #: for the documented (privileged) workloads: these checks say so without failing the doctor.
-    ADVISORY = frozenset({"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"})
+    ADVISORY = frozenset({"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock", "vbar-relay"})
 
-    def __init__(self, root: Root, binder: Binder, version_of: VersionOf | None = None) -> None:
+    def __init__(
+        self,
+        root: Root,
+        binder: Binder,
+        version_of: VersionOf | None = None,
+        config: Config | None = None,
+        relay_wait: float = RELAY_WAIT,
+    ) -> None:
         self.root = root
         self.binder = binder
         self.version_of = version_of or (run_version if root.is_host else (lambda path: None))
+        self.config = config or Config()
+        self.relay_wait = relay_wait
 
     def named(self) -> list[tuple[str, Callable[[], CheckResult]]]:
         return [
@@ -152,6 +174,7 @@ class CdiChecks:
             ("cdi-podman", self.check_podman),
             ("cdi-containerd", self.check_containerd),
             ("container-memlock", self.check_memlock),
+            ("vbar-relay", self.check_vbar_relay),
         ]
 
     def _text(self, path: str) -> str | None:
@@ -170,7 +193,7 @@ class CdiChecks:
     def check_spec(self) -> CheckResult:
         if not self.root.path(PCI_DEVICES).is_dir():
             return skipped("no /sys/bus/pci: not a running system")
-        want = render(current_chips(self.binder))
+        want = host_spec(self.root, self.config, self.binder)
         text = self._text(SPEC_PATH)
         regenerate = "systemctl restart tpuboot (it keeps the spec); journalctl -u tpuboot says why not"
         if want is None:
@@ -183,10 +206,26 @@ class CdiChecks:
             have = json.loads(text)
         except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested deep
             return failed(f"{SPEC_PATH} is not JSON ({exc})", regenerate)
-        if have != want:
+        if chips_only(have) != chips_only(want):
             return failed(f"{SPEC_PATH} differs from the chips bound now (see tpuboot cdi)", regenerate)
         names = [str(d["name"]) for d in want["devices"]]  # type: ignore[attr-defined]
         return passed(f"{SPEC_PATH}: google.com/tpu={', '.join(names)}")
+
+    # --- vBar through the relay
+
+    def check_vbar_relay(self) -> CheckResult:
+        """What a container's libtpu does first: connect to the relay socket, which connects to
+        vBar; vBar down, the relay closes the connection at once (tpuboot/containers/vbar_relay.py)."""
+        endpoint = self.config.vbar.endpoint
+        if not relays_vbar(self.config) or endpoint is None:
+            return skipped("tpuboot relays no vBar to containers (vbar off, no vbar.endpoint, or gke: true)")
+        if not self.root.is_host and not self.root.path(RELAY_DIR).exists():
+            return skipped(f"no {RELAY_DIR} in this tree: no tpuboot serves it")
+        fix = f"systemctl restart tpuboot; journalctl -u tpuboot -g 'vBar' says why (vBar at {endpoint})"
+        problem = probe_relay(self.root, self.relay_wait)
+        if problem is not None:
+            return failed(f"a container could not reach vBar: {problem}", fix)
+        return passed(f"{VBAR_URL} ({RELAY_SOCKET} mounted at {PLUGIN_DIR}) reaches vBar at {endpoint}")
 
     # --- the engines
 
@@ -319,6 +358,36 @@ class CdiChecks:
             "no engine default lowers memlock: containers inherit the engine's limit "
             "(docker-limits, containerd-limits; podman: the caller's)"
         )
+
+
+def probe_relay(root: Root, wait: float) -> str | None:
+    """Why a connection through the relay socket does not reach vBar (None: it does)."""
+    import os
+    import select
+    import socket
+
+    try:
+        fd = os.open(root.path(RELAY_DIR), os.O_PATH | os.O_DIRECTORY)
+    except OSError as exc:
+        return f"no {RELAY_DIR} ({exc.strerror}): tpuboot is not running or could not serve it"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(wait)
+            try:
+                sock.connect(f"/proc/self/fd/{fd}/{os.path.basename(RELAY_SOCKET)}")
+            except OSError as exc:
+                return f"{RELAY_SOCKET} does not answer ({exc.strerror or exc})"
+            readable, _, _ = select.select([sock], [], [], wait)
+            if readable:
+                try:
+                    closed = sock.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    closed = True
+                if closed:
+                    return "the relay closed the connection: vBar refused it (is it running?)"
+            return None
+    finally:
+        os.close(fd)
 
 
 def _dotted(version: tuple[int, int]) -> str:

@@ -188,7 +188,7 @@ class Doctor:
                         root, config, self.metadata, container_state, endpoint_probe=endpoint_probe
                     ).named(),
                     *holders.named(),
-                    *CdiChecks(root, self.binder).named(),  # containers without --privileged
+                    *CdiChecks(root, self.binder, config=config).named(),  # containers without --privileged
                     ("maintenance-notice", lambda: check_notice(self.root, self.config)),
                 ]
             )

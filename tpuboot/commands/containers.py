@@ -16,9 +16,9 @@ def cmd_cdi(ctx: Context, args: argparse.Namespace) -> int:
     import os
 
     from tpuboot.atomicfile import write_file
-    from tpuboot.containers.cdi import current_chips, render, to_json, to_yaml
+    from tpuboot.containers.cdi import host_spec, to_json, to_yaml
 
-    spec = render(current_chips(ctx.binder()))
+    spec = host_spec(ctx.root, ctx.config, ctx.binder())
     if spec is None:
         raise TpubootError(
             "no TPU chip is bound to vfio-pci or served by the accel driver: no CDI device to describe; "

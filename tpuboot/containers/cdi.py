@@ -33,12 +33,25 @@ The environment (only what the sources say libtpu reads to select chips):
   one-chip config after jax-ml/jax #14977; kubernetes-sigs/dra-driver-google-tpu sets the same
   pair for one chip, cmd/tpu-dra-kubeletplugin/util.go). Without them libtpu opens every chip it
   finds in sysfs and fails on the nodes the container was not given.
-- ``all`` sets none: libtpu then sees the whole host, as it does outside a container.
-- No tpu-env value: the DRA driver copies topology values into the container only with
-  ``TPU_SKIP_MDS_QUERY=true``, because a GKE node's metadata is not the slice's. On a TPU VM a
-  container reaches the same metadata server libtpu reads on the host, and a value frozen into the
-  spec would go stale when tpu-env changes; ``docker run --env-file /run/tpuboot/tpu-env.docker``
-  passes the file itself where a workload wants it.
+- ``all`` sets no selection: libtpu then sees the whole host, as it does outside a container.
+- With tpu-env known (issue 33), what GKE's TPU device plugin gives a container
+  (ai-on-gke/tpu-device-plugin, pkg/tpu/util), so libtpu needs neither the metadata server nor
+  host networking: the spec's own edits (once for any device) carry ``TPU_SKIP_MDS_QUERY=true``,
+  ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY`` (``_WRAP``, ``_ALT`` where tpu-env has them); ``all``
+  adds tpu-env's host and chip bounds, worker id and hostnames; a chip adds ``TPU_WORKER_ID=0``
+  and ``TPU_WORKER_HOSTNAMES=localhost`` (one host, one process) beside its one-chip bounds. Each
+  device has ``TPU_RUNTIME_METRICS_PORTS``: one port per TPU device from 8431 (two per TPU7x
+  chip), a chip its own of them, so several one-chip containers run side by side. With no tpu-env
+  yet none of these is set (a wrong topology is worse than a metadata query), and the daemon
+  rewrites the spec when tpu-env arrives or changes. A value that would break the spec or an
+  engine's parser (a control character, not UTF-8, over 4 KiB) is left out, named in the journal.
+- vBar: the daemon relays the unix socket ``/run/tpuboot/vbar/vbar.sock`` to ``vbar.endpoint``
+  (tpuboot/containers/vbar_relay.py); its directory is mounted where GKE mounts it,
+  ``/var/run/tpu-plugin``, and ``VBAR_CONTROL_SERVICE_URL`` names it: a container on any network
+  (its own namespace, ``--network none``) reaches vBar with no IP traffic. No relay (vBar
+  disabled, or no endpoint): neither.
+- ``/tmp/tpu_logs`` (libtpu's log directory, GKE mounts one): the host's ``/var/log/tpuboot/tpu_logs``
+  (mode 1777, as /tmp: a job runs as any user), so a job's logs outlive its container.
 
 Two per-chip devices in one container would set TPU_VISIBLE_CHIPS twice (CDI appends env):
 request one chip or ``all``.
@@ -50,17 +63,20 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tpuboot.atomicfile import write_file
+from tpuboot.atomicfile import read_file, write_file
 from tpuboot.devices.chips import VFIO_CONTAINER, Chip, base_address, chips_present
 from tpuboot.devices.pci import PciFunction, list_addresses
+from tpuboot.devices.table import DeviceTable
+from tpuboot.errors import printable
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor, Future
 
+    from tpuboot.config import Config
     from tpuboot.devices.vfio import Binder
     from tpuboot.paths import Root
 
@@ -80,7 +96,183 @@ SELECTION_VARIABLES = (
     "TPU_HOST_BOUNDS",
 )
 
+#: The first of TPU_RUNTIME_METRICS_PORTS, one port per TPU device (GKE's plugin).
+METRICS_PORT = 8431
+#: The relay's socket directory on the host, where GKE's plugin mounts it, and libtpu's URL there.
+RELAY_DIR = "/run/tpuboot/vbar"
+RELAY_SOCKET = f"{RELAY_DIR}/vbar.sock"
+PLUGIN_DIR = "/var/run/tpu-plugin"
+VBAR_URL = f"unix://{PLUGIN_DIR}/vbar.sock"
+#: libtpu's log directory in a container, and the host directory behind it.
+TPU_LOGS = "/tmp/tpu_logs"
+TPU_LOGS_DIR = "/var/log/tpuboot/tpu_logs"
+#: A longer tpu-env value is left out of the spec (none libtpu reads comes near it).
+MAX_VALUE_BYTES = 4096
+#: Spec variables from tpu-env keys (each read as KEY, else TPU_KEY): given to every device ...
+SHARED_KEYS = (
+    ("TPU_ACCELERATOR_TYPE", ("ACCELERATOR_TYPE",)),
+    ("TPU_TOPOLOGY", ("TOPOLOGY",)),
+    ("TPU_TOPOLOGY_WRAP", ("TOPOLOGY_WRAP", "WRAP")),
+    ("TPU_TOPOLOGY_ALT", ("TOPOLOGY_ALT", "ALT")),
+)
+#: ... and to ``all`` only (a chip has its one-chip bounds and is worker 0 of localhost).
+WHOLE_HOST_KEYS = (
+    ("TPU_HOST_BOUNDS", ("HOST_BOUNDS",)),
+    ("TPU_CHIPS_PER_HOST_BOUNDS", ("CHIPS_PER_HOST_BOUNDS",)),
+    ("TPU_WORKER_ID", ("WORKER_ID",)),
+    ("TPU_WORKER_HOSTNAMES", ("WORKER_HOSTNAMES",)),
+)
+ONE_HOST = ("TPU_WORKER_ID=0", "TPU_WORKER_HOSTNAMES=localhost")
+
 Spec = dict[str, object]
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What the spec says beyond the chips: tpu-env's values (``known``: tpu-env is there at all),
+    those left out and why, and whether the vBar relay serves its socket."""
+
+    known: bool = False
+    shared: tuple[str, ...] = ()
+    whole_host: tuple[str, ...] = ()
+    dropped: Mapping[str, str] = field(default_factory=dict)
+    vbar: bool = False
+
+
+#: Characters a YAML stream cannot hold, even inside a quoted string: the engines read the spec
+#: with a YAML parser (CDI's library), which refuses the whole file for one of them. Written as
+#: UTF-8 (:func:`to_json`), every other character is carried as it is.
+NOT_IN_YAML = frozenset((0xFEFF, 0xFFFE, 0xFFFF))
+
+
+def value_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a CDI env entry every engine reads back as it is (None: it can)."""
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in value):
+        return "holds a control character (a newline, NUL...)"
+    if any(ord(c) in NOT_IN_YAML for c in value):
+        return "holds a character no YAML file may hold (U+FEFF, U+FFFE or U+FFFF)"
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not UTF-8"
+    if size > MAX_VALUE_BYTES:
+        return f"is {size} bytes, over {MAX_VALUE_BYTES}"
+    return None
+
+
+def extras_of(tpu_env: Mapping[str, str] | None, vbar: bool) -> Extras:
+    """The spec's extras from tpu-env's values (None: no tpu-env yet, and no topology said)."""
+    if tpu_env is None:
+        return Extras(vbar=vbar)
+    from tpuboot.env.tpuenv import env_value  # PyYAML with it: only once tpu-env is there
+
+    dropped: dict[str, str] = {}
+
+    def entries(keys: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[str, ...]:
+        found = []
+        for name, sources in keys:
+            value = next((v for v in (env_value(tpu_env, key) for key in sources) if v is not None), None)
+            if value is None:
+                continue
+            why = value_problem(value)
+            if why is None:
+                found.append(f"{name}={value}")
+            else:
+                dropped[name] = why
+        return tuple(found)
+
+    shared = ("TPU_SKIP_MDS_QUERY=true", *entries(SHARED_KEYS))
+    return Extras(True, shared, entries(WHOLE_HOST_KEYS), dropped, vbar)
+
+
+def relays_vbar(config: Config) -> bool:
+    """Whether the daemon serves vBar's relay socket: vBar is tpuboot's to run (enabled, not a
+    node configured as GKE's, whose plugin gives its own socket) and has a control endpoint."""
+    return config.vbar.enabled and config.vbar.endpoint is not None and config.gke != "true"
+
+
+def host_extras(root: Root, config: Config) -> Extras:
+    """The extras as the daemon writes them, for `tpuboot cdi` and doctor: tpu-env from the file
+    the daemon wrote from the values it parsed (a file that does not read back: no tpu-env)."""
+    values = None
+    if config.env.enabled:
+        data = read_file(root, config.env.tpu_env_path)
+        if data is not None:
+            from tpuboot.env.tpuenv import parse_env_file
+
+            try:
+                values = parse_env_file(data.decode())
+            except UnicodeDecodeError:
+                values = None
+    return extras_of(values, relays_vbar(config))
+
+
+#: What tpu-env puts into the spec (:func:`chips_only` leaves it out).
+FROM_TPU_ENV = frozenset(
+    {"TPU_SKIP_MDS_QUERY", "TPU_RUNTIME_METRICS_PORTS", *(n for n, _ in SHARED_KEYS + WHOLE_HOST_KEYS)}
+)
+
+
+def chips_only(spec: object) -> object:
+    """``spec`` without what tpu-env put in it: what doctor compares with the chips bound now (the
+    daemon rewrites the spec when tpu-env changes; a file edited since is not the chips' fault).
+    A chip's one-chip bounds stay: they are the chip's, not tpu-env's."""
+    if not isinstance(spec, dict):
+        return spec
+    copy = json.loads(json.dumps(spec))
+
+    def strip(edits: object, chip: bool) -> None:
+        if isinstance(edits, dict) and isinstance(edits.get("env"), list):
+            kept = [
+                e
+                for e in edits["env"]
+                if not isinstance(e, str)
+                or e.partition("=")[0] not in FROM_TPU_ENV
+                or (chip and e.partition("=")[0] in SELECTION_VARIABLES and e.endswith(f"={ONE_CHIP_BOUNDS}"))
+            ]
+            if chip:
+                kept = [e for e in kept if e not in ONE_HOST]
+            if kept:
+                edits["env"] = kept
+            else:
+                del edits["env"]
+
+    strip(copy.get("containerEdits"), chip=False)
+    for device in copy.get("devices") or []:
+        if isinstance(device, dict):
+            strip(device.get("containerEdits"), chip=device.get("name") != ALL)
+    return copy
+
+
+def host_spec(root: Root, config: Config, binder: Binder) -> Spec | None:
+    """The spec as the daemon keeps it, read from the host now (`tpuboot cdi`, doctor)."""
+    extras = host_extras(root, config)
+    log_dropped(extras.dropped)
+    return render(current_chips(binder), extras, binder.table)
+
+
+def devices_per_chip(chip: Chip, table: DeviceTable) -> int:
+    """How many TPU devices libtpu counts on the chip (two on a TPU7x chip: GKE's plugin)."""
+    kind = table.named(chip.kind)
+    return 2 if kind is not None and "tpu7x" in kind.generations else 1
+
+
+def metrics_ports(chips: Sequence[Chip], table: DeviceTable) -> list[list[int]]:
+    """Each chip's TPU_RUNTIME_METRICS_PORTS: consecutive from METRICS_PORT, in chip order."""
+    ports, port = [], METRICS_PORT
+    for chip in chips:
+        count = devices_per_chip(chip, table)
+        ports.append(list(range(port, port + count)))
+        port += count
+    return ports
+
+
+def _ports_env(ports: Sequence[int]) -> str:
+    return "TPU_RUNTIME_METRICS_PORTS=" + ",".join(map(str, ports))
+
+
+def _bind(host: str, container: str, *options: str) -> dict[str, object]:
+    return {"hostPath": host, "containerPath": container, "options": [*options, "nosuid", "nodev", "bind"]}
 
 
 def address_name(chip: Chip) -> str:
@@ -108,31 +300,54 @@ def chip_env(chip: Chip) -> list[str]:
     return [f"TPU_VISIBLE_CHIPS={chip.index}"] + [f"{name}={ONE_CHIP_BOUNDS}" for name in SELECTION_VARIABLES]
 
 
-def render(chips: Sequence[Chip]) -> Spec | None:
+def render(
+    chips: Sequence[Chip], extras: Extras | None = None, table: DeviceTable | None = None
+) -> Spec | None:
     """The spec for ``chips`` (those of :func:`spec_chips`); None when there is none (a CDI spec
     must list at least one device).
 
     Device nodes carry only their path: the runtime reads type and numbers from the node when the
-    container starts, so a spec stays right while a node is recreated with the same group.
+    container starts, so a spec stays right while a node is recreated with the same group. What
+    every device shares (the VFIO container, tpu-env's topology, the mounts) is in the spec's own
+    edits, applied once whatever devices a container asks for (SPEC.md): a mount listed per device
+    would be mounted twice for two of them.
     """
+    extras = extras or Extras()
     usable = spec_chips(chips)
     if not usable:
         return None
+    ports = metrics_ports(usable, table or DeviceTable())
     devices: list[dict[str, object]] = []
-    for chip in usable:
-        edits = {"env": chip_env(chip), "deviceNodes": _nodes(chip.nodes)}
+    for chip, own in zip(usable, ports, strict=True):
+        env = chip_env(chip) + ([*ONE_HOST, _ports_env(own)] if extras.known else [])
+        edits = {"env": env, "deviceNodes": _nodes(chip.nodes)}
         devices.append({"name": str(chip.index), "containerEdits": edits})
         devices.append({"name": address_name(chip), "containerEdits": edits})
     every = list(dict.fromkeys(node for chip in usable for node in chip.nodes))
-    devices.append({"name": ALL, "containerEdits": {"deviceNodes": _nodes(every)}})
+    whole: dict[str, object] = {"deviceNodes": _nodes(every)}
+    if extras.known:
+        whole = {"env": [*extras.whole_host, _ports_env([p for own in ports for p in own])], **whole}
+    devices.append({"name": ALL, "containerEdits": whole})
     spec: Spec = {"cdiVersion": CDI_VERSION, "kind": CDI_KIND, "devices": devices}
-    if any(chip.uses_vfio for chip in usable):  # once, for any device asked for (SPEC.md)
-        spec["containerEdits"] = {"deviceNodes": _nodes([VFIO_CONTAINER])}
+    shared: dict[str, object] = {}
+    env = [*extras.shared, *([f"VBAR_CONTROL_SERVICE_URL={VBAR_URL}"] if extras.vbar else [])]
+    if env:
+        shared["env"] = env
+    if any(chip.uses_vfio for chip in usable):
+        shared["deviceNodes"] = _nodes([VFIO_CONTAINER])
+    mounts = [_bind(TPU_LOGS_DIR, TPU_LOGS, "rw")]
+    if extras.vbar:
+        mounts.append(_bind(RELAY_DIR, PLUGIN_DIR, "ro", "noexec"))
+    shared["mounts"] = mounts
+    spec["containerEdits"] = shared
     return spec
 
 
 def to_json(spec: Spec) -> bytes:
-    return (json.dumps(spec, indent=2) + "\n").encode()
+    """UTF-8 as it is, not \\u escapes: the engines' YAML parser refuses the surrogate pair JSON
+    escapes a character beyond U+FFFF as (podman: "found invalid Unicode character escape code"),
+    and with it every device of the spec."""
+    return (json.dumps(spec, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 def to_yaml(spec: Spec) -> bytes:
@@ -144,7 +359,8 @@ def to_yaml(spec: Spec) -> bytes:
         def ignore_aliases(self, data: object) -> bool:
             return True
 
-    return yaml.dump(spec, Dumper=Plain, sort_keys=False, default_flow_style=False).encode()
+    text = yaml.dump(spec, Dumper=Plain, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return text.encode("utf-8")  # as to_json: characters as they are, no escapes to misread
 
 
 @dataclass(frozen=True)
@@ -173,9 +389,32 @@ def current_chips(binder: Binder) -> list[Chip]:
     return chips_present(binder.root, binder.table, seen)
 
 
+def log_dropped(dropped: Mapping[str, str]) -> None:
+    """One journal line for the tpu-env values the spec leaves out (none: nothing said)."""
+    if dropped:
+        said = "; ".join(f"{name} {why}" for name, why in dropped.items())
+        log.warning(
+            "CDI spec: tpu-env values left out (%s); containers get the rest", printable(said),
+            extra={"CDI_SPEC": SPEC_PATH, "CDI_DROPPED": " ".join(dropped)})  # fmt: skip
+
+
+def make_logs_dir(root: Root) -> None:
+    """The host's /tmp/tpu_logs: sticky and writable by all, as /tmp (a job runs as any user)."""
+    path = root.path(TPU_LOGS_DIR)
+    path.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink() or not path.is_dir():
+        raise NotADirectoryError(f"{TPU_LOGS_DIR} is not a directory")
+    os.chmod(path, 0o1777)
+
+
 def apply(root: Root, spec: Spec | None) -> bool:
-    """Make the spec file hold ``spec`` (removed when None); True if anything changed."""
+    """Make the spec file hold ``spec`` (removed when None), with the directory it mounts; True if
+    anything changed."""
     if spec is not None:
+        try:
+            make_logs_dir(root)
+        except OSError as exc:  # the spec all the same: every chip but the logs' mount works
+            log.error("CDI spec: %s not made (%s)", TPU_LOGS_DIR, exc, extra={"CDI_SPEC": SPEC_PATH})
         return write_file(root, SPEC_PATH, to_json(spec), mode=0o644)
     try:
         os.unlink(root.path(SPEC_PATH))
@@ -189,6 +428,8 @@ class SpecWriter:
 
     :meth:`refresh` runs on the event loop and only hands the work to the worker pool (a read of
     sysfs and a file write: daemon.py's rule keeps both off the loop, as it keeps a bind's chmod);
+    the daemon asks for one after a device change and after each tpu-env result (``extras`` gives
+    tpu-env's values as the last sync parsed them, read in the pool);
     at most one refresh runs at a time, and one asked for meanwhile runs after it, so the last
     write always follows the last change. :meth:`stop` removes the file, and no write lands after
     it (the lock).
@@ -199,8 +440,11 @@ class SpecWriter:
         binder: Binder,
         executor: Executor,
         call_soon_threadsafe: Callable[..., object],
+        extras: Callable[[], Extras] = Extras,
     ) -> None:
         self.binder = binder
+        self._extras = extras
+        self._dropped: Mapping[str, str] = {}  # the values left out last time, said once
         self.executor = executor
         self._back = call_soon_threadsafe
         self._running = False
@@ -234,7 +478,11 @@ class SpecWriter:
         with self._lock:
             if self._stopped:
                 return False
-            return apply(self.binder.root, render(current_chips(self.binder)))
+            extras = self._extras()
+            if extras.dropped != self._dropped:
+                self._dropped = extras.dropped
+                log_dropped(extras.dropped)
+            return apply(self.binder.root, render(current_chips(self.binder), extras, self.binder.table))
 
     def _done(self, future: Future[bool]) -> None:
         """Back on the loop."""

@@ -62,11 +62,10 @@ def healthy(top: Path, vfio: VfioShape = "module") -> FakeKernel:
     write(top, "/etc/security/limits.d/tpuboot.conf", PAM_GOOD)
     write(top, "/usr/lib/systemd/system.conf.d/50-tpuboot.conf", MANAGER_GOOD)
     write(top, "/lib/udev/rules.d/70-tpuboot.rules", 'KERNEL=="accel*", MODE="0666"\n')
-    cdi.apply(
-        k.root, cdi.render(cdi.current_chips(Binder(k.root, DeviceTable(), VfioConfig())))
-    )  # the daemon's
     env = EnvConfig()
     set_tpu_env(top, TPU_ENV)
+    binder = Binder(k.root, DeviceTable(), VfioConfig())
+    cdi.apply(k.root, cdi.host_spec(k.root, make_config(), binder))  # the daemon's, with tpu-env
     write(top, env.environment_path, "".join(f'{k}="{v}"\n' for k, v in env.environment.items()))
     return k
 
@@ -135,7 +134,7 @@ def test_a_healthy_vm_passes_every_check(kernel):
     # The container runtimes are not installed in this tree: their limits are SKIP; the
     # telemetry collector is off by default; no engine, job unit or chip holder runs (memlock).
     skips = {n for n, s in found.items() if s == "SKIP"}
-    container_checks = {"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock"}
+    container_checks = {"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock", "vbar-relay"}
     unwatched = {"maintenance-notice"}  # no daemon wrote /run/tpuboot/notice here
     assert skips == {
         "docker-limits",

@@ -21,6 +21,11 @@ from tpuboot.devices.table import DeviceTable
 
 #: The device-name grammar of SPEC.md ("CDI Devices"), with the leading digit 0.5.0 allows.
 NAME = re.compile(r"^[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$")
+LOGS_MOUNT = {
+    "hostPath": "/var/log/tpuboot/tpu_logs",
+    "containerPath": "/tmp/tpu_logs",
+    "options": ["rw", "nosuid", "nodev", "bind"],
+}
 
 
 def chips(*functions: ChipFunction) -> list:
@@ -44,7 +49,7 @@ def test_one_device_per_chip_by_index_and_address_and_all_with_the_vfio_containe
     assert "TPU_VISIBLE_CHIPS=1" in found["1"]["env"]
     assert "TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1" in found["1"]["env"]
     assert found["all"] == {"deviceNodes": [{"path": "/dev/vfio/4"}, {"path": "/dev/vfio/5"}]}  # no selection
-    assert spec["containerEdits"] == {"deviceNodes": [{"path": "/dev/vfio/vfio"}]}
+    assert spec["containerEdits"] == {"deviceNodes": [{"path": "/dev/vfio/vfio"}], "mounts": [LOGS_MOUNT]}
     assert all(NAME.match(name) for name in found)
 
 
@@ -66,7 +71,7 @@ def test_accel_chips_get_their_accel_nodes_and_no_vfio_container(tmp_path: Path)
     spec = cdi.render(chips_present(kernel.root, table, surveyed(kernel, table)))
     assert spec is not None
     assert devices(spec)["0"]["deviceNodes"] == [{"path": "/dev/accel0"}]
-    assert "containerEdits" not in spec
+    assert spec["containerEdits"] == {"mounts": [LOGS_MOUNT]}  # no /dev/vfio/vfio
 
 
 def test_no_usable_chip_is_no_spec(tmp_path: Path) -> None:

@@ -54,6 +54,7 @@ DIRECTIVES: dict[tuple[str, str], int] = {
     ("Service", "BindPaths"): 233,  # NEWS 233: "gained new BindPaths="
     ("Service", "StateDirectory"): 235,  # NEWS 235
     ("Service", "CacheDirectory"): 235,  # NEWS 235: "StateDirectory=, CacheDirectory=, ..."
+    ("Service", "LogsDirectory"): 235,  # NEWS 235: "... LogsDirectory=, ConfigurationDirectory="
     ("Service", "RuntimeDirectory"): 211,  # NEWS 211: "new RuntimeDirectory= setting"
     ("Service", "RuntimeDirectoryPreserve"): 235,  # NEWS 235
     ("Service", "PrivateTmp"): 183,  # NEWS 183: "now affects both /tmp and /var/tmp"
