@@ -58,7 +58,7 @@ from tpuboot.gce.client import MetadataClient
 from tpuboot.notify import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
-    from tpuboot.containers.cdi import SpecWriter
+    from tpuboot.containers.cdi_file import SpecWriter
     from tpuboot.containers.service import Containers
     from tpuboot.containers.vbar_relay import VbarRelay
     from tpuboot.devices.recovery import AutoRecovery

@@ -22,7 +22,7 @@ from tpuboot.paths import Root
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from tpuboot.containers.cdi import SpecWriter
+    from tpuboot.containers.cdi_file import SpecWriter
     from tpuboot.containers.dockerapi import DockerAPI
     from tpuboot.containers.service import Containers
     from tpuboot.daemon import Daemon
@@ -72,7 +72,8 @@ def build(
     budget = bootbudget.begin(root)
     budget.mark(bootbudget.MONITOR_OPEN, at=monitor_open)
     budget.mark(bootbudget.COLDPLUG, f"{len(coldplug.addresses)} PCI functions", at=enumerated)
-    from tpuboot.containers.cdi import Extras, SpecWriter, extras_of, relays_vbar
+    from tpuboot.containers.cdi import Extras, extras_of, relays_vbar
+    from tpuboot.containers.cdi_file import SpecWriter
     from tpuboot.containers.service import Containers, agents_enabled
     from tpuboot.devices.manager import DeviceManager
     from tpuboot.env.service import EnvService

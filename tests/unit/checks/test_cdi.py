@@ -10,7 +10,7 @@ import pytest
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.devices import V5P, add_tpu, binder
 from tpuboot.checks.cdi import CdiChecks, parse_version, toml_values
-from tpuboot.containers import cdi
+from tpuboot.containers import cdi, cdi_file
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def install(kernel: FakeKernel, program: str) -> None:
 def test_the_spec_must_be_the_bound_chips(kernel) -> None:
     c = checks(kernel)
     assert c.check_spec().status == "FAIL" and "no /var/run/cdi" in c.check_spec().detail
-    cdi.apply(kernel.root, cdi.host_spec(kernel.root, c.config, c.binder))
+    cdi_file.apply(kernel.root, cdi.host_spec(kernel.root, c.config, c.binder))
     assert c.check_spec().status == "PASS"
     add_tpu(kernel, "0000:00:05.0", V5P, driver="vfio-pci", group="5")
     result = c.check_spec()

@@ -21,7 +21,7 @@ from tpuboot.checks import image as imagecheck
 from tpuboot.checks.containers import docker_container_state
 from tpuboot.checks.doctor import Doctor, Verdict
 from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig, VfioConfig
-from tpuboot.containers import cdi
+from tpuboot.containers import cdi, cdi_file
 from tpuboot.containers.dockerapi import Unreachable
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
@@ -65,7 +65,7 @@ def healthy(top: Path, vfio: VfioShape = "module") -> FakeKernel:
     env = EnvConfig()
     set_tpu_env(top, TPU_ENV)
     binder = Binder(k.root, DeviceTable(), VfioConfig())
-    cdi.apply(k.root, cdi.host_spec(k.root, make_config(), binder))  # the daemon's, with tpu-env
+    cdi_file.apply(k.root, cdi.host_spec(k.root, make_config(), binder))  # the daemon's, with tpu-env
     write(top, env.environment_path, "".join(f'{k}="{v}"\n' for k, v in env.environment.items()))
     return k
 

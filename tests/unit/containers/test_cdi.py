@@ -15,7 +15,7 @@ from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.daemon import make, serving, until
 from tests.unit.helpers.devices import V4, V5P, add, add_tpu, binder, surveyed
 from tpuboot import cli
-from tpuboot.containers import cdi
+from tpuboot.containers import cdi, cdi_file
 from tpuboot.devices.chips import ChipFunction, chips_present, group_chips
 from tpuboot.devices.table import DeviceTable
 
@@ -82,12 +82,12 @@ def test_no_usable_chip_is_no_spec(tmp_path: Path) -> None:
 def test_the_file_is_written_atomically_and_removed_when_no_chip_is_left(tmp_path: Path) -> None:
     kernel = FakeKernel(tmp_path)
     spec = cdi.render(chips(ChipFunction("0000:00:04.0", "TPU v5p", "4")))
-    assert cdi.apply(kernel.root, spec) is True
+    assert cdi_file.apply(kernel.root, spec) is True
     path = kernel.p(cdi.SPEC_PATH)
     assert json.loads(path.read_text()) == spec and path.stat().st_mode & 0o777 == 0o644
-    assert cdi.apply(kernel.root, spec) is False  # unchanged: not rewritten
-    assert cdi.apply(kernel.root, None) is True and not path.exists()
-    assert cdi.apply(kernel.root, None) is False
+    assert cdi_file.apply(kernel.root, spec) is False  # unchanged: not rewritten
+    assert cdi_file.apply(kernel.root, None) is True and not path.exists()
+    assert cdi_file.apply(kernel.root, None) is False
 
 
 def test_yaml_says_what_json_says() -> None:
@@ -126,7 +126,7 @@ def test_refreshes_asked_for_while_one_runs_run_once_after_it_and_see_the_last_s
     kernel = FakeKernel(tmp_path)
     add_tpu(kernel, "0000:00:04.0", V5P, driver="vfio-pci", group="4")
     pool, on_loop = Pool(), []
-    writer = cdi.SpecWriter(binder(kernel), pool, lambda fn, *a: on_loop.append((fn, a)))  # type: ignore[arg-type]
+    writer = cdi_file.SpecWriter(binder(kernel), pool, lambda fn, *a: on_loop.append((fn, a)))  # type: ignore[arg-type]
     writer.refresh()
     add_tpu(kernel, "0000:00:05.0", V5P, driver="vfio-pci", group="5")
     writer.refresh()
@@ -150,7 +150,7 @@ def test_no_write_lands_after_stop(tmp_path: Path) -> None:
     kernel = FakeKernel(tmp_path)
     add_tpu(kernel, "0000:00:04.0", V5P, driver="vfio-pci", group="4")
     pool = Pool()
-    writer = cdi.SpecWriter(binder(kernel), pool, lambda fn, *a: None)  # type: ignore[arg-type]
+    writer = cdi_file.SpecWriter(binder(kernel), pool, lambda fn, *a: None)  # type: ignore[arg-type]
     writer.refresh()
     writer.stop()
     pool.run_one()  # a write that was queued before the stop
@@ -164,7 +164,7 @@ def test_a_failed_write_is_logged_and_the_next_change_is_written(tmp_path: Path,
     kernel.p(cdi.SPEC_DIR).write_text("a file where the directory goes")
     with ThreadPoolExecutor(1) as pool:
         back: list = []
-        writer = cdi.SpecWriter(binder(kernel), pool, lambda fn, *a: back.append((fn, a)))
+        writer = cdi_file.SpecWriter(binder(kernel), pool, lambda fn, *a: back.append((fn, a)))
         writer.refresh()
         until(lambda: back)
         fn, args = back.pop()
@@ -210,7 +210,7 @@ def test_the_daemon_keeps_the_spec_through_hotplug_unbind_and_stop(kernel) -> No
 
 def test_a_stale_spec_of_a_past_run_goes_when_no_chip_is_bound(tmp_path) -> None:
     kernel = FakeKernel(tmp_path)
-    cdi.apply(kernel.root, cdi.render(chips(ChipFunction("0000:00:04.0", "TPU v5p", "4"))))
+    cdi_file.apply(kernel.root, cdi.render(chips(ChipFunction("0000:00:04.0", "TPU v5p", "4"))))
     daemon, _, _ = make(kernel)
     with serving(daemon):
         until(lambda: daemon.ready)

@@ -20,7 +20,7 @@ from tests.unit.helpers.devices import V5P, add_tpu, binder
 from tests.unit.helpers.metadata import make_client
 from tpuboot import cli
 from tpuboot.config import Config, VbarConfig
-from tpuboot.containers import cdi
+from tpuboot.containers import cdi, cdi_file
 from tpuboot.devices.chips import ChipFunction, group_chips
 from tpuboot.devices.table import DeviceTable
 from tpuboot.env.tpuenv import render_env_file
@@ -170,7 +170,7 @@ def test_the_writer_rewrites_on_a_tpu_env_change_and_says_a_left_out_value_once(
     add_tpu(kernel, "0000:00:04.0", V5P, driver="vfio-pci", group="4")
     tpu_env: dict[str, str] | None = None
     pool, back = Pool(), []
-    writer = cdi.SpecWriter(
+    writer = cdi_file.SpecWriter(
         binder(kernel), pool, lambda fn, *a: back.append((fn, a)), lambda: cdi.extras_of(tpu_env, False)
     )  # type: ignore[arg-type]
 
