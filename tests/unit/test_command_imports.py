@@ -103,7 +103,7 @@ CDI = {"tpuboot.containers", "tpuboot.containers.cdi", "tpuboot.devices.chips", 
 PARSED = {"yaml"}
 TEXTFILE_BIND = CORE | PARSED | EXPORT | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLDERS | CDI | {
-    "tpuboot.checks.doctor", "tpuboot.slice.shape", "tpuboot.checks.pcie",
+    "tpuboot.checks.doctor", "tpuboot.slice.shape", "tpuboot.checks.pcie", "tpuboot.checks.tpuenv",
     "tpuboot.checks.holders", "tpuboot.checks.cdi", "tpuboot.checks.notices", "tpuboot.notices",
     "tpuboot.notices.noticefile",
     # slice-identity: tpuboot slice's judgement of the identity, without the sweep

@@ -3,7 +3,8 @@
 The checks of GKE's OS image certification for TPU hosts (doc/operation.md, "What doctor holds a
 host to") and tpuboot's own outputs, on the running system: every TPU bound to vfio-pci, vfio_pci loaded, the
 /dev/vfio nodes' mode, allow_unsafe_interrupts where tpuboot sets it, the IOMMU groups viable,
-tpu-env present, parseable and fresh, the GCS variables in /etc/environment, vBar and the telemetry
+tpu-env present, parseable and fresh, the GCS variables in /etc/environment
+(:mod:`tpuboot.checks.tpuenv`), vBar and the telemetry
 collector running (not on GKE), the number of usable chips the machine type or the slice implies,
 the slice tpu-env describes (:mod:`tpuboot.slice.shape`) and this worker's identity in it as
 ``tpuboot slice`` judges it (:mod:`tpuboot.slice.identity`; the peer sweep, network I/O, stays
@@ -24,15 +25,12 @@ Every check is required (a FAIL makes the exit status non-zero) except those in
 
 from __future__ import annotations
 
-import datetime
-import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from tpuboot.atomicfile import read_file
 from tpuboot.checks.cdi import CdiChecks
 from tpuboot.checks.containers import UNANSWERED, ContainerChecks, ContainerProbe, docker_container_state
 from tpuboot.checks.holders import HolderChecks
@@ -41,6 +39,7 @@ from tpuboot.checks.kernel import kernel_arch
 from tpuboot.checks.notices import check_notice
 from tpuboot.checks.parsers.systemd import Systemd
 from tpuboot.checks.pcie import check_pcie_health
+from tpuboot.checks.tpuenv import TpuEnvChecks
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.devices.chips import chips_present
@@ -58,14 +57,10 @@ from tpuboot.devices.vfio import (
     unsafe_interrupts_wanted,
     vfio_pci_registered,
 )
-from tpuboot.env.cache import cache_path, read_cache
-from tpuboot.env.etc_environment import plan_environment
-from tpuboot.env.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.errors import MetadataError
 from tpuboot.gce.client import MetadataClient
 from tpuboot.gce.keys import MACHINE_TYPE
 from tpuboot.gce.replies import MetadataAbsent, MetadataUnanswered, Reply
-from tpuboot.holders.procfs import boot_time
 from tpuboot.paths import Root
 from tpuboot.slice.facts import read_facts
 from tpuboot.slice.identity import judge, one_check
@@ -163,6 +158,7 @@ class Doctor:
         self.now = now
         self.systemd = systemd  # who answers the image checks' ``systemctl show`` (None: systemctl)
         self.binder = Binder.of(root, config)
+        self.tpu_env = TpuEnvChecks(root, config, now)
         self._tpus: list[TpuStatus] | None = None
         self._slice: Reading | None = None
         holders = HolderChecks(
@@ -181,9 +177,7 @@ class Doctor:
                     ("chip-count", self.check_chip_count),
                     ("slice", self.check_slice),
                     ("slice-identity", self.check_slice_identity),
-                    ("tpu-env", self.check_tpu_env),
-                    ("tpu-env-fresh", self.check_tpu_env_fresh),
-                    ("environment", self.check_environment),
+                    *self.tpu_env.named(),
                     *ContainerChecks(
                         root, config, self.metadata, container_state, endpoint_probe=endpoint_probe
                     ).named(),
@@ -319,7 +313,7 @@ class Doctor:
     def slice(self) -> Reading:
         """This host's slice, from the machine type and tpu-env (read once)."""
         if self._slice is None:
-            self._slice = read_slice(self.tpu_env_values, self._lookup(MACHINE_TYPE))
+            self._slice = read_slice(self.tpu_env.values, self._lookup(MACHINE_TYPE))
         return self._slice
 
     def check_metadata_server(self) -> CheckResult:
@@ -407,95 +401,6 @@ class Doctor:
             return skipped(f"{UNANSWERED}: no worker list to judge")
         identity = judge(facts)
         return one_check(replace(identity, findings=[f for f in identity.findings if f.name != "tpu-env"]))
-
-    # --- the runtime environment -------------------------------------------------------------------
-
-    def _read(self, path: str) -> str | None:
-        data = read_file(self.root, path)
-        return None if data is None else data.decode("utf-8", "replace")
-
-    @functools.cached_property
-    def tpu_env_text(self) -> str | None:
-        """The tpu-env file as the workload reads it (read once); None if absent or env is off."""
-        return self._read(self.config.env.tpu_env_path) if self.config.env.enabled else None
-
-    @functools.cached_property
-    def tpu_env_values(self) -> dict[str, str] | None:
-        """The file's values, parsed once by tpuenv's parser; None if absent or not KEY="value" lines."""
-        text = self.tpu_env_text
-        return None if text is None else parse_env_file(text)
-
-    def check_tpu_env(self) -> CheckResult:
-        path = self.config.env.tpu_env_path
-        if not self.config.env.enabled:
-            return skipped("env.enabled is false: tpuboot does not write tpu-env")
-        text = self.tpu_env_text
-        if text is None:
-            return failed(
-                f"{path} is missing", "tpuboot env (or systemctl restart tpuboot); check the metadata server"
-            )
-        values = self.tpu_env_values
-        if values is None:
-            return failed(f'{path} is not a file of KEY="value" lines', f"tpuboot env rewrites {path}")
-        if not values:
-            return failed(f"{path} is empty", "set the tpu-env instance attribute, then tpuboot env")
-        return passed(f"{path}: {len(values)} keys")
-
-    def check_tpu_env_fresh(self) -> CheckResult:
-        """tpu-env holds the last value fetched from metadata (its cache record), else was written
-        during this boot."""
-        path = self.config.env.tpu_env_path
-        if not self.config.env.enabled:
-            return skipped("env.enabled is false: tpuboot does not write tpu-env")
-        text = self.tpu_env_text
-        if text is None:
-            return skipped(f"{path} is missing (see the tpu-env check)")
-        fix = "tpuboot env (or systemctl restart tpuboot), then check the metadata server"
-        cache = cache_path(self.config)
-        state = read_cache(self.root, self.config)  # the record tpuboot itself would use, or why not
-        if state.problem is not None:
-            return failed(f"{state.problem}; {path} may not be this instance's", fix)
-        if state.cached is not None:
-            try:
-                cached = render_env_file(parse_tpu_env(state.cached.yaml).values)
-            except TpuEnvError:
-                return failed(f"cache record {cache} holds an invalid tpu-env", fix)
-            age = self._age(state.cached.fetched)
-            if cached == text:
-                return passed(f"{path} matches the last value fetched from metadata{age}")
-            return failed(f"{path} differs from the last value fetched from metadata{age}", fix)
-        booted = boot_time(self.root)
-        if booted is None:
-            return skipped(f"no cache record {cache} and no boot time to compare {path} with")
-        mtime = self.root.path(path).stat().st_mtime
-        if mtime >= booted:
-            return passed(f"{path} written during this boot (no cache record)")
-        return failed(f"{path} predates this boot and has no cache record", fix)
-
-    def _age(self, iso: str) -> str:
-        try:
-            when = datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return ""
-        return f" ({max(0, int(self.now() - when))} s ago)"
-
-    def check_environment(self) -> CheckResult:
-        path, wanted = self.config.env.environment_path, self.config.env.environment
-        if not wanted:
-            return skipped("env.environment is empty: nothing to set")
-        text = self._read(path) or ""
-        plan = plan_environment(text, wanted)
-        wrong = plan.changed
-        if not wrong:
-            kept = "".join(
-                f"; {key}={theirs!r} kept as the admin set it (tpuboot's: {ours!r})"
-                for key, (theirs, ours) in sorted(plan.admin.items())
-            )
-            listed = ", ".join(sorted(wanted)[:2])
-            return passed(f"{path} sets {len(wanted)} variables ({listed}, ...){kept}")
-        return failed(
-            f"{path} lacks or differs on {', '.join(wrong)}", f"tpuboot env (it sets them in {path})"
-        )
 
 
 def failed_required(verdicts: list[Verdict]) -> bool:

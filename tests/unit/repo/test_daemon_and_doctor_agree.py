@@ -177,7 +177,7 @@ def test_doctor_trusts_the_cache_exactly_when_the_daemon_uses_it(record: str, ro
         client = MetadataClient(emu.url, timeout=0.2, backoff=FAST_BACKOFF)
         used = EnvSync(root, config, client).sync_once(0.3).source == "cache"
     state = read_cache(root, config)
-    fresh = Doctor(root, config).check_tpu_env_fresh()
+    fresh = Doctor(root, config).tpu_env.check_tpu_env_fresh()
     assert used == (record == "this instance's")
     if used:
         assert fresh.status == "PASS" and "matches the last value fetched" in fresh.detail
