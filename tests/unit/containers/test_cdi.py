@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ import yaml
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.daemon import make, serving, until
 from tests.unit.helpers.devices import V4, V5P, add, add_tpu, binder, surveyed
+from tests.unit.helpers.pool import Pool
 from tpuboot import cli
 from tpuboot.containers import cdi, cdi_file
 from tpuboot.devices.chips import ChipFunction, chips_present, group_chips
@@ -104,22 +105,6 @@ def test_yaml_has_no_anchor_or_alias() -> None:
     assert not [e for e in events if isinstance(e, yaml.AliasEvent) or getattr(e, "anchor", None)]
     edits = [e for e in events if isinstance(e, yaml.ScalarEvent) and e.value == "containerEdits"]
     assert len(edits) == 4  # the chip's two names, all, and the spec's own
-
-
-class Pool:
-    """An executor whose jobs run when the test says: what a busy worker pool looks like."""
-
-    def __init__(self) -> None:
-        self.jobs: list[tuple[object, Future]] = []
-
-    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
-        future: Future = Future()
-        self.jobs.append((lambda: fn(*args), future))
-        return future
-
-    def run_one(self) -> None:
-        fn, future = self.jobs.pop(0)
-        future.set_result(fn())  # type: ignore[operator]
 
 
 def test_refreshes_asked_for_while_one_runs_run_once_after_it_and_see_the_last_state(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -18,28 +17,13 @@ from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.daemon import make, serving, until, with_env
 from tests.unit.helpers.devices import V5P, add_tpu, binder
 from tests.unit.helpers.metadata import make_client
+from tests.unit.helpers.pool import Pool
 from tpuboot import cli
 from tpuboot.config import Config, VbarConfig
 from tpuboot.containers import cdi, cdi_file
 from tpuboot.devices.chips import ChipFunction, group_chips
 from tpuboot.devices.table import DeviceTable
 from tpuboot.env.tpuenv import render_env_file
-
-
-class Pool:
-    """An executor whose jobs run when the test says."""
-
-    def __init__(self) -> None:
-        self.jobs: list[tuple[object, Future]] = []
-
-    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
-        future: Future = Future()
-        self.jobs.append((lambda: fn(*args), future))
-        return future
-
-    def run_one(self) -> None:
-        fn, future = self.jobs.pop(0)
-        future.set_result(fn())  # type: ignore[operator]
 
 
 def chips(*functions: ChipFunction) -> list:
