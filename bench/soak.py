@@ -166,10 +166,20 @@ PUT = (
     "urllib.request.urlopen(urllib.request.Request(sys.argv[1], body, method='PUT'), timeout=30)"
 )
 CONNECT = f"import socket; socket.create_connection(('127.0.0.1', {MDS_PORT}), 1)"
+# RSS by kind of mapping, as /proc/PID/smaps lists them (KiB): brk's [heap], anonymous ones (pymalloc's
+# arenas, malloc's per-thread arenas and large blocks, thread stacks), file-backed ones (code, the
+# interpreter's and libraries' data), and the rest ([stack], [vdso], ...).
+MAPPINGS = ("heap", "anon", "file", "other")
+SMAPS_BY_KIND = (
+    'awk \'/^[0-9a-f]+-[0-9a-f]+ /{k = $6 == "[heap]" ? "heap" : $6 == "" ? "anon" : '
+    '$6 ~ /^\\// ? "file" : "other"; next} /^Rss:/{r[k] += $2} '
+    'END{printf "%d %d %d %d", r["heap"], r["anon"], r["file"], r["other"]}\' /proc/$pid/smaps'
+)
 PROBE = (
     "pid=$(systemctl show -P MainPID tpuboot); "
     'if [ "$pid" -gt 0 ] 2>/dev/null && [ -d /proc/$pid ]; then '
-    "echo $pid $(ls /proc/$pid/fd | wc -l) $(awk '/^VmRSS|^Threads/{print $2}' /proc/$pid/status); "
+    "echo $pid $(ls /proc/$pid/fd | wc -l) $(awk '/^VmRSS|^Threads/{print $2}' /proc/$pid/status) "
+    f"$({SMAPS_BY_KIND}); "
     "else echo 0; fi"
 )
 
@@ -251,13 +261,27 @@ class LifeGrowth:
     rss_kib: float
     first: tuple[int, int, int]  # (fds, threads, RSS KiB) at its first and last sample
     last: tuple[int, int, int]
+    # RSS per hour over the first and the second half of the samples after warm-up: growth that
+    # levels off (an allocator settling) slows in the second; a leak keeps its pace.
+    rss_halves: tuple[float, float] = (0.0, 0.0)
+    # Each kind of mapping (:data:`MAPPINGS`) after warm-up: (first KiB, last KiB, KiB per hour).
+    mappings: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+
+
+def slope_per_hour(points: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope per hour of (seconds, value) points (0 for fewer than 3)."""
+    return pooled_slope([(0, t, v) for t, v in points])[0]
 
 
 def life_growth(
-    samples: Sequence[tuple[int, float, int, int, int]], warmup_s: float = WARMUP_S
+    samples: Sequence[tuple[int, float, int, int, int]],
+    warmup_s: float = WARMUP_S,
+    maps: Sequence[tuple[int, float, int, int, int, int]] = (),
 ) -> list[LifeGrowth]:
-    """Each process's slopes per hour (fds, threads, RSS) over its samples after ``warmup_s`` seconds
-    of its sampled life, longest life first; a process with fewer than 3 such samples is left out."""
+    """Each process's slopes per hour (fds, threads, RSS, RSS in each half, RSS of each kind of
+    mapping from ``maps``: pid, seconds, KiB per :data:`MAPPINGS`) over its samples after
+    ``warmup_s`` seconds of its sampled life, longest life first; a process with fewer than 3 such
+    samples is left out."""
     by_pid: dict[int, list[tuple[int, float, int, int, int]]] = collections.defaultdict(list)
     for sample in samples:
         by_pid[sample[0]].append(sample)
@@ -267,9 +291,23 @@ def life_growth(
         settled = [p for p in points if p[1] - start >= warmup_s]
         if len(settled) < 3:
             continue
-        slopes = [pooled_slope([(pid, p[1], p[2 + i]) for p in settled])[0] for i in range(3)]
+        slopes = [slope_per_hour([(p[1], p[2 + i]) for p in settled]) for i in range(3)]
+        middle = (settled[0][1] + settled[-1][1]) / 2
+        halves = (
+            slope_per_hour([(p[1], p[4]) for p in settled if p[1] <= middle]),
+            slope_per_hour([(p[1], p[4]) for p in settled if p[1] >= middle]),
+        )
+        mine = [m for m in maps if m[0] == pid and m[1] - start >= warmup_s]
+        by_kind = {
+            kind: (mine[0][2 + i], mine[-1][2 + i], slope_per_hour([(m[1], m[2 + i]) for m in mine]))
+            for i, kind in enumerate(MAPPINGS)
+            if len(mine) >= 3
+        }
         minutes = (points[-1][1] - start) / 60
-        lives.append(LifeGrowth(pid, minutes, len(settled), *slopes, points[0][2:], points[-1][2:]))
+        growth = LifeGrowth(
+            pid, minutes, len(settled), *slopes, points[0][2:], points[-1][2:], halves, by_kind
+        )
+        lives.append(growth)
     return sorted(lives, key=lambda life: -life.minutes)
 
 
@@ -327,6 +365,15 @@ class SoakReport:
                 f"first -> last: RSS {life.first[2]} -> {life.last[2]} KiB, "
                 f"fds {life.first[0]} -> {life.last[0]}, threads {life.first[1]} -> {life.last[1]}"
             )
+            lines.append(
+                f"    RSS per hour in the first and second half after warm-up: {life.rss_halves[0]:+.0f}, "
+                f"{life.rss_halves[1]:+.0f} KiB/h"
+            )
+            if life.mappings:
+                lines.append(
+                    "    RSS by mapping after warm-up (smaps; first -> last, per hour): "
+                    + "; ".join(f"{k} {a} -> {b} KiB {s:+.0f}/h" for k, (a, b, s) in life.mappings.items())
+                )
         if not self.lives:
             lines.append("  none sampled long enough")
         return lines
@@ -450,6 +497,7 @@ class Soak:
         self.kills = 0
         self.last_lifecycle = self.last_dockerd = -1e9
         self.samples: list[tuple[int, float, int, int, int]] = []  # pid, t, fds, threads, RSS KiB
+        self.maps: list[tuple[int, float, int, int, int, int]] = []  # pid, t, RSS KiB per MAPPINGS
         self.last_sample = -1e9
         self.vbar_down_since: float | None = None
         self.unbound_since: dict[str, float] = {}
@@ -549,7 +597,7 @@ class Soak:
         slope = [pooled_slope([(p, t, s[i]) for p, t, *s in self.samples]) for i in range(3)]
         r.growth = Growth(slope[0][0], slope[1][0], slope[2][0], slope[0][1], slope[0][2])
         r.longest = longest_life(self.samples)
-        r.lives = life_growth(self.samples) if self.life_minutes is not None else []
+        r.lives = life_growth(self.samples, maps=self.maps) if self.life_minutes is not None else []
         temps = self.sh(f"find {TEMP_DIRS} -maxdepth 1 -name '.*.tpuboot-*' || true")
         r.leftover_temps = temps.split()
         return r
@@ -607,9 +655,10 @@ class Soak:
 
     def sample(self, now: float) -> None:
         fields = self.sh(PROBE).split()
-        if len(fields) == 4:  # /proc/PID/status lists VmRSS before Threads
-            pid, fds, rss, threads = (int(f) for f in fields)
+        if len(fields) == 4 + len(MAPPINGS):  # /proc/PID/status lists VmRSS before Threads
+            pid, fds, rss, threads, heap, anon, files, other = (int(f) for f in fields)
             self.samples.append((pid, now - self.started, fds, threads, rss))
+            self.maps.append((pid, now - self.started, heap, anon, files, other))
         running = self.vbar_running()
         if running:
             if self.vbar_down_since is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -218,6 +219,46 @@ def test_each_long_life_is_sloped_after_its_warm_up_alone() -> None:
     assert life.rss_kib == pytest.approx(120, abs=2)  # the warm-up is not growth
     assert 0 < life.fds < 3 and life.threads == 0
     assert life.first == (12, 8, 30000) and life.last == (13, 8, 31000 + 70)
+    assert life.rss_halves == (pytest.approx(120, abs=2), pytest.approx(120, abs=2))  # a steady pace
+    assert life.mappings == {}  # none sampled
+
+
+def test_a_life_tells_growth_that_levels_off_and_which_mapping_grows() -> None:
+    from bench.soak import MAPPINGS, life_growth
+
+    # 65 min: after warm-up the anonymous mappings grow 600 KiB/h for 30 min, then stay; the heap
+    # and the rest are flat.
+    samples, maps = [], []
+    for t in range(0, 3901, 15):
+        anon = 10000 + min(max(0, t - 300), 1800) * 600 / 3600
+        samples.append((7, float(t), 15, 6, int(20000 + anon)))
+        maps.append((7, float(t), 2000, int(anon), 17000, 1000))
+    maps.append((8, 100.0, 1, 1, 1, 1))  # another process's
+    (life,) = life_growth(samples, maps=maps)
+    first_half, second_half = life.rss_halves
+    assert first_half == pytest.approx(600, abs=10) and second_half == 0
+    assert list(life.mappings) == list(MAPPINGS)
+    assert life.mappings["anon"] == (10000, 10300, pytest.approx(life.rss_kib, abs=1))
+    assert life.mappings["heap"] == (2000, 2000, 0.0) and life.mappings["file"][2] == 0.0
+
+
+def test_the_probe_splits_a_processs_rss_by_mapping() -> None:
+    import subprocess
+
+    from bench.soak import MAPPINGS, PROBE
+
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        script = PROBE.replace("$(systemctl show -P MainPID tpuboot)", str(sleeper.pid))
+        fields = [int(f) for f in subprocess.run(["sh", "-c", script], capture_output=True, check=True,
+                                                 text=True).stdout.split()]  # fmt: skip
+        rollup = Path(f"/proc/{sleeper.pid}/smaps_rollup").read_text()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert len(fields) == 4 + len(MAPPINGS) and fields[0] == sleeper.pid
+    rss = next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Rss:"))
+    assert sum(fields[4:]) == rss and fields[6] > 0  # a sleep's RSS is mostly its files' pages
 
 
 def test_the_long_life_mode_refuses_a_life_too_short_to_tell(capsys: pytest.CaptureFixture[str]) -> None:
