@@ -160,10 +160,13 @@ FAULTS: dict[str, dict[str, Any] | None] = {
     "short body": {"short_by": 1000},
 }
 
-# PUT to the emulator's control endpoint from inside the guest: body on stdin, optional padding.
+# PUT to the emulator's control endpoint from inside the guest: body on stdin, optional padding;
+# prints the guest's CLOCK_MONOTONIC before the request and after its answer.
 PUT = (
-    "import sys, urllib.request; body = sys.stdin.buffer.read() + b'#' * int(sys.argv[2]); "
-    "urllib.request.urlopen(urllib.request.Request(sys.argv[1], body, method='PUT'), timeout=30)"
+    "import sys, time, urllib.request; body = sys.stdin.buffer.read() + b'#' * int(sys.argv[2]); "
+    "sent = time.monotonic(); "
+    "urllib.request.urlopen(urllib.request.Request(sys.argv[1], body, method='PUT'), timeout=30); "
+    "print(sent, time.monotonic())"
 )
 CONNECT = f"import socket; socket.create_connection(('127.0.0.1', {MDS_PORT}), 1)"
 # RSS by kind of mapping, as /proc/PID/smaps lists them (KiB): brk's [heap], anonymous ones (pymalloc's
@@ -323,6 +326,7 @@ class SoakReport:
     reader: dict[str, Any] = field(default_factory=dict)
     wrong_file: list[str] = field(default_factory=list)
     unexpected_reads: list[str] = field(default_factory=list)  # each streak, explained
+    served: list[tuple[float, str]] = field(default_factory=list)  # (soak time, label) of each document
     file_settle_s: list[float] = field(default_factory=list)
     vbar_running_at_end: bool = False
     vbar_longest_down_s: float = 0.0
@@ -415,20 +419,51 @@ class SoakReport:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Served:
+    """A document put to the emulator: when in the soak's time (once its PUT returned), and the
+    guest's CLOCK_MONOTONIC, the reader's clock, just before the PUT went and once its answer came.
+    A read is placed before or after a document by the guest's clock, not by when the soak got
+    round to noting the document."""
+
+    label: str
+    soak_s: float
+    guest_from: float | None = None  # None: the document the guest booted with
+    guest_to: float | None = None
+
+
 def explain_streak(
-    streak: dict[str, Any], reader_started: float, served_at: Sequence[tuple[float, str]]
+    streak: dict[str, Any], reader_started: float, served: Sequence[Served], reader_clock: float | None = None
 ) -> str:
-    """A streak of the reader's (``bench/soak_reader.py``) in words: when in the soak's time (the
-    reader's clock starts at ``reader_started``, give or take its start-up), how long, the document
-    it is nearest to and what differs, and the last two documents ``served_at`` before it."""
+    """A streak of the reader's (``bench/soak_reader.py``) in words: when in the soak's time, how
+    long, the document it is nearest to and what differs, and the last two documents ``served``
+    before its first read, each with its time and one whose PUT was still under way flagged. With
+    ``reader_clock`` (the guest's CLOCK_MONOTONIC when the reader's clock started) the order is the
+    guest's; without it, the soak's (the reader's clock starts at ``reader_started``, give or take
+    its start-up)."""
     first = reader_started + streak["first_at_s"]
     last = reader_started + streak["last_at_s"]
+    at = first
+    if reader_clock is not None:
+        at = reader_clock + streak["first_at_s"]
+        timed = [s for s in served if s.guest_to is not None and s.guest_to <= at]
+        if timed:  # the soak's time of the streak from the last document's offset between the clocks
+            first = timed[-1].soak_s + (at - timed[-1].guest_to)
+            last = first + streak["last_at_s"] - streak["first_at_s"]
     what = (
         "the same values"
         if not streak["differs"]
         else f"{streak['differs']} names differ: " + ", ".join(streak["names"])
     )
-    before = [f"{label!r} at {t:.0f} s" for t, label in served_at if t <= first][-2:]
+    if reader_clock is None:
+        before = [f"{s.label!r} at {s.soak_s:.0f} s" for s in served if s.soak_s <= first][-2:]
+    else:
+        before = [
+            f"{s.label!r} at {s.soak_s:.0f} s"
+            + (" (its PUT under way)" if s.guest_to is not None and s.guest_to > at else "")
+            for s in served
+            if s.guest_from is None or s.guest_from <= at
+        ][-2:]
     return (
         f"{first:.0f}-{last:.0f} s ({streak['reads']} reads): nearest {streak['closest']!r} ({what}); "
         f"served last before: {', '.join(before) or 'nothing'}"
@@ -490,7 +525,7 @@ class Soak:
         self.fault: str | None = None
         self.fault_until = 0.0
         self.served = CATALOG[0]  # what the emulator serves
-        self.served_at: list[tuple[float, str]] = [(0.0, CATALOG[0].label)]  # (soak time, label)
+        self.served_at: list[Served] = [Served(CATALOG[0].label, 0.0)]
         self.reader_started = 0.0  # soak time: the reader's clock starts about then
         self.want = BASE  # the values the file must come to hold
         self.want_since: float | None = time.monotonic()
@@ -509,9 +544,14 @@ class Soak:
     def sh(self, command: str, timeout: float = 120.0) -> str:
         return self.vm.run(command, timeout=timeout, check=True).stdout
 
-    def put(self, path: str, body: str, pad: int = 0) -> None:
+    def put(self, path: str, body: str, pad: int = 0) -> tuple[float, float]:
+        """PUT to the emulator; the guest's CLOCK_MONOTONIC before it went and once it was answered."""
         url = f"http://127.0.0.1:{MDS_PORT}/_emulator/{path}"
-        self.vm.run(["python3", "-c", PUT, url, str(pad)], stdin=body.encode(), timeout=60, check=True)
+        result = self.vm.run(
+            ["python3", "-c", PUT, url, str(pad)], stdin=body.encode(), timeout=60, check=True
+        )
+        sent, answered = result.stdout.split()
+        return float(sent), float(answered)
 
     def stand_ins(self) -> dict[str, str | None]:
         return {d.address: d.driver for d in self.vm.pci_devices(*EDU)}
@@ -589,7 +629,9 @@ class Soak:
         r = self.report
         r.reader = self.stop_reader()
         streaks = r.reader.get("streaks", [])
-        r.unexpected_reads = [explain_streak(s, self.reader_started, self.served_at) for s in streaks]
+        clock = r.reader.get("clock_started")
+        r.unexpected_reads = [explain_streak(s, self.reader_started, self.served_at, clock) for s in streaks]
+        r.served = [(round(s.soak_s, 1), s.label) for s in self.served_at]
         r.actions = dict(self.actions)
         r.documents = dict(self.documents)
         r.elapsed_s = time.monotonic() - self.started
@@ -781,9 +823,9 @@ class Soak:
         # A refused document leaves the file as it is: only once it holds what is wanted, or
         # the last good document would never have been read.
         doc = self.rng.choice([d for d in CATALOG if settled or d.expected is not None])
-        self.put("v1/instance/attributes/tpu-env", doc.text, doc.pad)
+        sent, answered = self.put("v1/instance/attributes/tpu-env", doc.text, doc.pad)
         self.served = doc
-        self.served_at.append((self.elapsed(), doc.label))
+        self.served_at.append(Served(doc.label, self.elapsed(), sent, answered))
         self.documents[doc.label] += 1
         if doc.expected is not None and doc.expected != self.want:
             self.want = doc.expected

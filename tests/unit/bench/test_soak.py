@@ -11,6 +11,7 @@ from bench.soak import (
     BASE,
     CATALOG,
     FAULTS,
+    Served,
     SoakReport,
     error_kind,
     explain_streak,
@@ -161,11 +162,41 @@ def test_a_streak_is_told_in_the_soaks_time_with_the_documents_served_before_it(
         "names": [],
     }
     streak = {"first_at_s": 2230.2, "last_at_s": 2237.0, "reads": 331, **nearest}
-    served = [(0.0, "sample"), (2100.0, "larger than 1 MiB"), (2200.0, "alias"), (2240.0, "worker 3")]
+    served = [
+        Served("sample", 0.0),
+        Served("larger than 1 MiB", 2100.0),
+        Served("alias", 2200.0),
+        Served("worker 3", 2240.0),
+    ]
     assert explain_streak(streak, 4.0, served) == (
         "2234-2241 s (331 reads): nearest 'larger than 1 MiB (refused whole)' (the same values); "
         "served last before: 'larger than 1 MiB' at 2100 s, 'alias' at 2200 s"
     )
+
+
+def test_a_streak_is_placed_among_the_documents_by_the_guests_clock_not_the_soaks_notes() -> None:
+    nearest = {
+        "closest": "worker 3",
+        "closest_good": True,
+        "differs": 1,
+        "names": ["WORKER_ID='3' (it gives '0')"],
+    }
+    # The reader's clock started at guest time 500. 'worker 3' was put at guest 2700.0-2700.5 but
+    # the soak noted it only at 2203 s (its guest command took its time to return): a streak whose
+    # first read is at guest 2700.2 began while that PUT was under way.
+    streak = {"first_at_s": 2200.2, "last_at_s": 2201.2, "reads": 51, **nearest}
+    served = [
+        Served("sample", 0.0),
+        Served("alias", 2100.0, 2597.0, 2597.1),
+        Served("worker 3", 2203.0, 2700.0, 2700.5),
+        Served("sample", 2300.0, 2797.0, 2797.1),
+    ]
+    told = explain_streak(streak, 1.0, served, reader_clock=500.0)
+    # In soak time by the last answered document's clock offset (2100 - 2597.1), not 1 + 2200.2.
+    assert told.startswith("2203-2204 s (51 reads): nearest 'worker 3'")
+    assert told.endswith("served last before: 'alias' at 2100 s, 'worker 3' at 2203 s (its PUT under way)")
+    # Without the guest's clock, by the soak's notes: 'worker 3' looks served after the streak began.
+    assert explain_streak(streak, 1.0, served).endswith("'sample' at 0 s, 'alias' at 2100 s")
 
 
 def test_wrong_reads_are_one_failure_that_lists_each_streak() -> None:
@@ -268,3 +299,22 @@ def test_the_long_life_mode_refuses_a_life_too_short_to_tell(capsys: pytest.Capt
         main(["--life-minutes", "5"])
     assert exited.value.code == 2
     assert "--life-minutes: 5 is under 30" in capsys.readouterr().err
+
+
+def test_the_soaks_put_serves_the_document_and_tells_when_by_the_readers_clock() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from bench.soak import PUT
+
+    with MetadataEmulator({"tpu-env": "ZONE: a\n"}) as mds:
+        url = f"http://{mds.host}/_emulator/v1/instance/attributes/tpu-env"
+        before = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", PUT, url, "3"], input=b"WORKER_ID: '3'\n", capture_output=True, check=True
+        )
+        after = time.monotonic()
+        assert mds.values["instance/attributes/tpu-env"] == "WORKER_ID: '3'\n###"
+    sent, answered = (float(f) for f in done.stdout.split())
+    assert before <= sent <= answered <= after  # CLOCK_MONOTONIC is the machine's, the reader's too
