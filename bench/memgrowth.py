@@ -11,12 +11,21 @@ allocation sites whose live size grew most (over each half and over both: a leak
 each; only allocations with a tpuboot frame in their stack, the fakes' own left out), the
 object counts by type that grew, and the threads at both ends. Not a test: a leak shows as a
 site whose growth keeps rising with ``--minutes``.
+
+Beside the sites, every 10 s it samples where the process's memory is, by layer: its RSS by kind of
+mapping (``/proc/self/smaps``, as the soak splits it: :data:`bench.soak.MAPPINGS`), glibc
+malloc's bytes in use, free but kept, and mmapped (``mallinfo2``), and pymalloc's arenas and the
+bytes in their allocated and available blocks (``sys._debugmallocstats``). Each is reported after
+warm-up, half-way and at the end. RSS that grows while the bytes in use stay flat is the
+allocators keeping freed memory (fragmentation), not a leak; ``--no-trace`` leaves tracemalloc
+off, whose own bookkeeping would otherwise grow with every allocation it follows.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import gc
 import json
 import os
@@ -32,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.soak import CATALOG, CONFIG, FAULTS, VBAR, VBAR_IMAGE
+from bench.soak import CATALOG, CONFIG, FAULTS, MAPPINGS, VBAR, VBAR_IMAGE
 from harness.mds_emulator import ENABLE_GUEST_ATTRIBUTES, MetadataEmulator
 from tests.unit.fakes.dockerd import fake_dockerd
 from tests.unit.fakes.kernel import FakeKernel
@@ -191,9 +200,88 @@ def listen_and_close(port: int, stop: threading.Event) -> None:
             conn.close()
 
 
+def snapshot() -> tracemalloc.Snapshot | None:
+    return tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
+
+
 def type_counts() -> collections.Counter[str]:
     gc.collect()
     return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
+MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
+MALLINFO2_FIELDS += ("fordblks", "keepcost")
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33 and later): every field a size_t, summed over all arenas."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
+
+
+def mallinfo() -> dict[str, int]:
+    """glibc malloc's bytes in use, free but kept in its arenas, and in blocks of their own mmap."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return {"malloc_in_use": info.uordblks, "malloc_free": info.fordblks, "malloc_mmapped": info.hblkhd}
+
+
+def smaps_by_kind(text: str) -> dict[str, int]:
+    """RSS in KiB by :data:`bench.soak.MAPPINGS` kind, from a ``/proc/PID/smaps`` text: the split
+    the soak's probe makes with awk in the guest."""
+    kib = dict.fromkeys(MAPPINGS, 0)
+    kind = "other"
+    for line in text.splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            name = head[5] if len(head) > 5 else ""
+            kind = (
+                "heap" if name == "[heap]" else "anon" if not name else "file" if name[0] == "/" else "other"
+            )
+        elif head and head[0] == "Rss:":
+            kib[kind] += int(head[1])
+    return {f"rss_{kind}_kib": value for kind, value in kib.items()}
+
+
+PYMALLOC = {
+    "# arenas allocated current": "pymalloc_arenas",
+    "# bytes in allocated blocks": "pymalloc_allocated",
+    "# bytes in available blocks": "pymalloc_available",
+}
+
+
+def pymalloc() -> dict[str, int]:
+    """pymalloc's arenas now, and the bytes in their allocated and available blocks (the first of
+    each line ``sys._debugmallocstats`` writes to the C stderr)."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as out:
+        os.dup2(out.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read().decode()
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        label, _, value = line.partition("=")
+        key = PYMALLOC.get(label.strip())
+        if key is not None and key not in found:
+            found[key] = int(value.strip().replace(",", ""))
+    return found
+
+
+def memory() -> dict[str, int]:
+    """Where this process's memory is now, by layer (see the module's docstring)."""
+    layers = smaps_by_kind(Path("/proc/self/smaps").read_text()) | mallinfo() | pymalloc()
+    if tracemalloc.is_tracing():
+        layers |= {
+            "traced": tracemalloc.get_traced_memory()[0],
+            "tracemalloc_own": tracemalloc.get_tracemalloc_memory(),
+        }
+    return layers
 
 
 def growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) -> list[str]:
@@ -215,10 +303,11 @@ def growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) 
     return lines
 
 
-def run(minutes: float, warmup: float, pace: float, seed: int) -> dict[str, Any]:
+def run(minutes: float, warmup: float, pace: float, seed: int, trace: bool = True) -> dict[str, Any]:
     os.environ["WATCHDOG_USEC"] = "400000"  # a tick every 0.2 s
     os.environ.pop("NOTIFY_SOCKET", None)
-    tracemalloc.start(FRAMES)
+    if trace:
+        tracemalloc.start(FRAMES)
     from tpuboot.wiring import build  # after tracemalloc starts, so the imports' allocations are seen
 
     work = Path(tempfile.mkdtemp(prefix="memgrowth-"))
@@ -246,36 +335,47 @@ def run(minutes: float, warmup: float, pace: float, seed: int) -> dict[str, Any]
         mid: tracemalloc.Snapshot | None = None
         counts: collections.Counter[str] = collections.Counter()
         threads_then: list[str] = []
-        rss: list[tuple[float, int]] = []
+        layers: list[tuple[float, dict[str, int]]] = []  # (seconds, memory()) every 10 s
+        marks: dict[str, dict[str, int]] = {}  # memory() after warm-up, half-way, at the end
         while time.monotonic() - started < minutes * 60:
             driver.step()
             time.sleep(pace)
             now = time.monotonic() - started
-            if base is None and now >= warmup:
-                base, counts = tracemalloc.take_snapshot(), type_counts()
+            if "after warm-up" not in marks and now >= warmup:
+                marks["after warm-up"] = memory()
+                base, counts = snapshot(), type_counts()
                 threads_then = sorted(t.name for t in threading.enumerate())
-            if mid is None and now >= (warmup + minutes * 60) / 2:
-                mid = tracemalloc.take_snapshot()
-            if not rss or now - rss[-1][0] >= 10:
-                rss.append((now, tracemalloc.get_traced_memory()[0]))
+            if "half-way" not in marks and now >= (warmup + minutes * 60) / 2:
+                marks["half-way"] = memory()
+                mid = snapshot()
+            if not layers or now - layers[-1][0] >= 10:
+                layers.append((round(now, 1), memory()))
         if driver.fault is not None:
             driver.clear_fault()
-        end, counts_end = tracemalloc.take_snapshot(), type_counts()
+        marks["at the end"] = memory()
+        end, counts_end = snapshot(), type_counts()
         threads_end = sorted(t.name for t in threading.enumerate())
         daemon.request_stop()
         serving.join(30)
         stop.set()
         mds.close()
-    assert base is not None and mid is not None, "--minutes must be longer than --warmup"
+    assert len(marks) == 3, "--minutes must be longer than --warmup"
     grew = {k: counts_end[k] - counts[k] for k in counts_end if counts_end[k] - counts[k] > 0}
+    sites: dict[str, list[str]] = {}
+    if base is not None and mid is not None and end is not None:
+        sites = {
+            "sites_first_half": growth(base, mid, 15),
+            "sites_second_half": growth(mid, end, 15),
+            "sites": growth(base, end, 25),
+        }
     return {
         "minutes": minutes,
         "warmup_s": warmup,
         "moves": dict(driver.moves),
-        "traced_bytes_every_10s": [b for _, b in rss],
-        "sites_first_half": growth(base, mid, 15),
-        "sites_second_half": growth(mid, end, 15),
-        "sites": growth(base, end, 25),
+        "memory_by_layer": {key: [m[key] for m in marks.values()] for key in marks["at the end"]},
+        "memory_marks": list(marks),
+        "memory_every_10s": layers,
+        **sites,
         "types_grown": dict(sorted(grew.items(), key=lambda kv: -kv[1])[:25]),
         "threads_after_warmup": threads_then,
         "threads_at_end": threads_end,
@@ -288,9 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds before the first snapshot")
     parser.add_argument("--pace", type=float, default=0.05, help="seconds between moves")
     parser.add_argument("--seed", type=int, default=20261204)
+    parser.add_argument(
+        "--no-trace", action="store_true", help="no tracemalloc: the layers alone, unperturbed"
+    )
     parser.add_argument("--json", type=Path, metavar="FILE")
     args = parser.parse_args(argv)
-    result = run(args.minutes, args.warmup, args.pace, args.seed)
+    result = run(args.minutes, args.warmup, args.pace, args.seed, trace=not args.no_trace)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
