@@ -16,9 +16,12 @@ Beside the sites, every 10 s it samples where the process's memory is, by layer:
 mapping (``/proc/self/smaps``, as the soak splits it: :data:`bench.soak.MAPPINGS`), glibc
 malloc's bytes in use, free but kept, and mmapped (``mallinfo2``), and pymalloc's arenas and the
 bytes in their allocated and available blocks (``sys._debugmallocstats``). Each is reported after
-warm-up, half-way and at the end. RSS that grows while the bytes in use stay flat is the
-allocators keeping freed memory (fragmentation), not a leak; ``--no-trace`` leaves tracemalloc
-off, whose own bookkeeping would otherwise grow with every allocation it follows.
+warm-up, half-way, at the end and after a ``malloc_trim(0)``. RSS that grows while the bytes in
+use stay flat is the allocators keeping freed memory (fragmentation), not a leak; ``--no-trace``
+leaves tracemalloc off, whose own bookkeeping would otherwise grow with every allocation it
+follows. For the object types that grew most it says who holds a sample of those born after
+warm-up. The fakes' own records of every request are trimmed as it goes (they are kept for the
+unit tests to read, and would otherwise be what grows).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +59,7 @@ from tpuboot.paths import Root
 COLD = ("0000:00:04.0", "0000:00:05.0")
 HOT = ("0000:00:06.0", "0000:00:07.0", "0000:00:08.0", "0000:00:09.0")
 FRAMES = 12  # enough to reach a tpuboot frame under requests and http.client
+KEEP_RECORDS = 100  # of each of the fakes' records of requests (see Driver.forget)
 
 
 class QuietNotifier(Notifier):
@@ -131,6 +136,17 @@ class Driver:
         name, _, move = self.rng.choices(moves, weights=[w for _, w, _ in moves])[0]
         self.moves[name] += 1
         move()
+        self.forget()
+
+    def forget(self) -> None:
+        """Trim the fakes' records of every request (kept for the unit tests to read, one Request
+        with its Event per Docker API call, one time per metadata request): left whole, they are
+        what grows most in this process, and they are not tpuboot's."""
+        with self.dockerd.lock:
+            del self.dockerd.requests[:-KEEP_RECORDS]
+            del self.dockerd.pulls[:-KEEP_RECORDS]
+            del self.dockerd.pull_auths[:-KEEP_RECORDS]
+        del self.mds.request_times[:-KEEP_RECORDS]
 
     def hot_add(self) -> None:
         free = [a for a in HOT if a not in self.hot]
@@ -182,6 +198,8 @@ class Driver:
 
     def restart_dockerd(self) -> None:
         self.dockerd.stop()
+        with self.dockerd.lock:  # every event stream was cut: the fake's list of them need not keep them
+            self.dockerd.subscribers.clear()
         self.dockerd.start()
 
 
@@ -207,6 +225,43 @@ def snapshot() -> tracemalloc.Snapshot | None:
 def type_counts() -> collections.Counter[str]:
     gc.collect()
     return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
+def owner(referrer: object, skip: set[int]) -> str:
+    """What holds an object through ``referrer``: the class of the instance whose ``__dict__`` it
+    is, the function a frame or cell is of, else the referrer's own type (module.qualname)."""
+    if isinstance(referrer, dict):
+        for outer in gc.get_referrers(referrer):
+            if id(outer) not in skip and getattr(outer, "__dict__", None) is referrer:
+                return f"{type(outer).__module__}.{type(outer).__qualname__}"
+    if isinstance(referrer, types.FrameType):
+        return f"frame {referrer.f_code.co_filename.split('/')[-1]}:{referrer.f_code.co_name}"
+    return f"{type(referrer).__module__}.{type(referrer).__qualname__}"
+
+
+def holders(
+    before: set[int], grown: collections.Counter[str], top: int = 8, sample: int = 40
+) -> dict[str, Any]:
+    """For the ``top`` types that grew most, who holds a ``sample`` of their objects born since
+    ``before`` (the ids alive then): a leak shows as a holder that keeps its objects."""
+    gc.collect()
+    born: dict[str, list[object]] = collections.defaultdict(list)
+    wanted = {name for name, _ in grown.most_common(top)}
+    for obj in gc.get_objects():
+        name = type(obj).__qualname__
+        if name in wanted and id(obj) not in before and len(born[name]) < sample:
+            born[name].append(obj)
+    skip = {id(born), *(id(objs) for objs in born.values()), id(sys._getframe())}
+    found: dict[str, Any] = {}
+    for name, objs in born.items():
+        tally: collections.Counter[str] = collections.Counter()
+        for obj in objs:
+            for referrer in gc.get_referrers(obj):
+                if id(referrer) not in skip and referrer is not objs:
+                    tally[owner(referrer, skip | {id(objs)})] += 1
+        found[name] = dict(tally.most_common(5))
+    born.clear()
+    return found
 
 
 MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
@@ -334,6 +389,7 @@ def run(minutes: float, warmup: float, pace: float, seed: int, trace: bool = Tru
         base: tracemalloc.Snapshot | None = None
         mid: tracemalloc.Snapshot | None = None
         counts: collections.Counter[str] = collections.Counter()
+        alive: set[int] = set()  # ids of the objects alive after warm-up
         threads_then: list[str] = []
         layers: list[tuple[float, dict[str, int]]] = []  # (seconds, memory()) every 10 s
         marks: dict[str, dict[str, int]] = {}  # memory() after warm-up, half-way, at the end
@@ -344,6 +400,7 @@ def run(minutes: float, warmup: float, pace: float, seed: int, trace: bool = Tru
             if "after warm-up" not in marks and now >= warmup:
                 marks["after warm-up"] = memory()
                 base, counts = snapshot(), type_counts()
+                alive = {id(o) for o in gc.get_objects()}
                 threads_then = sorted(t.name for t in threading.enumerate())
             if "half-way" not in marks and now >= (warmup + minutes * 60) / 2:
                 marks["half-way"] = memory()
@@ -354,12 +411,16 @@ def run(minutes: float, warmup: float, pace: float, seed: int, trace: bool = Tru
             driver.clear_fault()
         marks["at the end"] = memory()
         end, counts_end = snapshot(), type_counts()
+        grown = collections.Counter({k: counts_end[k] - counts[k] for k in counts_end})
+        held = holders(alive, grown)
+        ctypes.CDLL(None).malloc_trim(0)  # what of malloc's free memory it can give back
+        marks["after malloc_trim(0)"] = memory()
         threads_end = sorted(t.name for t in threading.enumerate())
         daemon.request_stop()
         serving.join(30)
         stop.set()
         mds.close()
-    assert len(marks) == 3, "--minutes must be longer than --warmup"
+    assert "half-way" in marks, "--minutes must be longer than --warmup"
     grew = {k: counts_end[k] - counts[k] for k in counts_end if counts_end[k] - counts[k] > 0}
     sites: dict[str, list[str]] = {}
     if base is not None and mid is not None and end is not None:
@@ -377,6 +438,7 @@ def run(minutes: float, warmup: float, pace: float, seed: int, trace: bool = Tru
         "memory_every_10s": layers,
         **sites,
         "types_grown": dict(sorted(grew.items(), key=lambda kv: -kv[1])[:25]),
+        "types_grown_held_by": held,
         "threads_after_warmup": threads_then,
         "threads_at_end": threads_end,
     }

@@ -34,3 +34,27 @@ def test_the_allocators_layers_are_read() -> None:
         "pymalloc_available",
     }
     del held
+
+
+class Kept:
+    """An object a leak keeps."""
+
+
+class Keeper:
+    def __init__(self) -> None:
+        self.kept = Kept()
+
+
+def test_who_holds_the_objects_born_since_a_moment_is_named() -> None:
+    import collections
+    import gc
+
+    from bench.memgrowth import holders
+
+    gc.collect()
+    before = {id(o) for o in gc.get_objects()}
+    keepers = [Keeper() for _ in range(30)]
+    held = holders(before, collections.Counter({"Kept": 30, "Keeper": 30}), sample=10)
+    assert held["Kept"] == {f"{__name__}.Keeper": 10}  # through each Keeper's __dict__
+    assert held["Keeper"] == {"builtins.list": 10}
+    del keepers
