@@ -35,6 +35,7 @@ import os
 import random
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -45,8 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.soak import CATALOG, CONFIG, FAULTS, MAPPINGS, VBAR, VBAR_IMAGE
-from harness.mds_emulator import ENABLE_GUEST_ATTRIBUTES, MetadataEmulator
+from bench.soak import CATALOG, CONFIG, FAULTS, MAPPINGS, PUT, VBAR, VBAR_IMAGE, Doc
+from harness.mds_emulator import ENABLE_GUEST_ATTRIBUTES
 from tests.unit.fakes.dockerd import fake_dockerd
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.devices import V5P, add_tpu, binder
@@ -113,7 +114,7 @@ def config_text(mds_host: str, metrics_port: int, vbar_port: int) -> str:
 class Driver:
     """The soak's moves, at a pace of ``pace`` seconds between them."""
 
-    def __init__(self, kernel: FakeKernel, monitor: Monitor, mds: MetadataEmulator, dockerd: Any, seed: int):
+    def __init__(self, kernel: FakeKernel, monitor: Monitor, mds: EmulatorProcess, dockerd: Any, seed: int):
         self.kernel, self.monitor, self.mds, self.dockerd = kernel, monitor, mds, dockerd
         self.rng = random.Random(seed)
         self.hot: list[str] = []
@@ -139,14 +140,13 @@ class Driver:
         self.forget()
 
     def forget(self) -> None:
-        """Trim the fakes' records of every request (kept for the unit tests to read, one Request
-        with its Event per Docker API call, one time per metadata request): left whole, they are
-        what grows most in this process, and they are not tpuboot's."""
+        """Trim the fake dockerd's records of every request (kept for the unit tests to read, one
+        Request with its Event per Docker API call): left whole, they are what grows most in this
+        process, and they are not tpuboot's."""
         with self.dockerd.lock:
             del self.dockerd.requests[:-KEEP_RECORDS]
             del self.dockerd.pulls[:-KEEP_RECORDS]
             del self.dockerd.pull_auths[:-KEEP_RECORDS]
-        del self.mds.request_times[:-KEEP_RECORDS]
 
     def hot_add(self) -> None:
         free = [a for a in HOT if a not in self.hot]
@@ -190,7 +190,7 @@ class Driver:
         if self.fault == "down":
             return
         doc = self.rng.choice(CATALOG)
-        self.mds.set_attribute("tpu-env", doc.text + "#" * doc.pad)
+        self.mds.serve(doc)
 
     def kill_vbar(self) -> None:
         if VBAR in self.dockerd.containers and self.dockerd.containers[VBAR]["State"]["Running"]:
@@ -201,6 +201,57 @@ class Driver:
         with self.dockerd.lock:  # every event stream was cut: the fake's list of them need not keep them
             self.dockerd.subscribers.clear()
         self.dockerd.start()
+
+
+class EmulatorProcess:
+    """The metadata emulator in a process of its own, as in the soak's guest: its threads and its
+    answers' buffers (the 1 MiB document's) are not this process's memory. Documents are put to it
+    as the soak puts them (``bench.soak.PUT``, the padding added by that process, not this one)."""
+
+    def __init__(self, first: Doc, work: Path) -> None:
+        self.port = free_port()
+        self.attributes = work / "attributes.yaml"
+        self.attributes.write_text(json.dumps({"tpu-env": first.text, ENABLE_GUEST_ATTRIBUTES: "TRUE"}))
+        self.served = first
+        self.process: subprocess.Popen[str] | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> EmulatorProcess:
+        script = Path(__file__).resolve().parent.parent / "harness" / "mds_emulator.py"
+        argv = [sys.executable, str(script), "--port", str(self.port), "--attributes", str(self.attributes)]
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        self.process.stdout.readline()  # "metadata emulator listening on ...": it is up
+        return self
+
+    def put(self, path: str, body: str, pad: int = 0) -> None:
+        url = f"http://{self.host}/_emulator/{path}"
+        subprocess.run([sys.executable, "-c", PUT, url, str(pad)], input=body.encode(), capture_output=True,
+                       check=True)  # fmt: skip
+
+    def serve(self, doc: Doc) -> None:
+        self.put("v1/instance/attributes/tpu-env", doc.text, doc.pad)
+        self.served = doc
+
+    def set_faults(self, **fields: Any) -> None:
+        self.put("faults", json.dumps(fields))
+
+    def stop(self) -> None:
+        """Down: connection refused until :meth:`restart`."""
+        if self.process is not None:
+            self.process.terminate()
+            self.process.communicate()
+            self.process = None
+
+    def restart(self) -> None:
+        self.start()
+        self.serve(self.served)  # it starts from its attributes file: serve again what was served
+
+    def close(self) -> None:
+        self.stop()
 
 
 def listen_and_close(port: int, stop: threading.Event) -> None:
@@ -373,7 +424,7 @@ def run(minutes: float, warmup: float, pace: float, seed: int, trace: bool = Tru
     vbar_port = free_port()
     threading.Thread(target=listen_and_close, args=(vbar_port, stop), daemon=True).start()
     first = CATALOG[0]
-    mds = MetadataEmulator({"tpu-env": first.text, ENABLE_GUEST_ATTRIBUTES: "TRUE"}).start()
+    mds = EmulatorProcess(first, work).start()
     with fake_dockerd() as dockerd:
         dockerd.images.add(VBAR_IMAGE)
         config = parse_config(config_text(mds.host, free_port(), vbar_port), "memgrowth")
