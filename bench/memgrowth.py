@@ -449,10 +449,10 @@ def run(minutes: float, warmup: float, pace: float, seed: int, trace: bool = Tru
             time.sleep(pace)
             now = time.monotonic() - started
             if "after warm-up" not in marks and now >= warmup:
-                marks["after warm-up"] = memory()
                 base, counts = snapshot(), type_counts()
                 alive = {id(o) for o in gc.get_objects()}
                 threads_then = sorted(t.name for t in threading.enumerate())
+                marks["after warm-up"] = memory()  # after the bench's own record of what is alive
             if "half-way" not in marks and now >= (warmup + minutes * 60) / 2:
                 marks["half-way"] = memory()
                 mid = snapshot()
