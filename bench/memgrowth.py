@@ -121,6 +121,7 @@ class Driver:
         self.fault_until = 0.0
         self.fault: str | None = None
         self.moves: collections.Counter[str] = collections.Counter()
+        self.catalog: tuple[Doc, ...] = CATALOG
 
     def step(self) -> None:
         now = time.monotonic()
@@ -189,7 +190,7 @@ class Driver:
     def document(self) -> None:
         if self.fault == "down":
             return
-        doc = self.rng.choice(CATALOG)
+        doc = self.rng.choice(self.catalog)
         self.mds.serve(doc)
 
     def kill_vbar(self) -> None:
@@ -409,7 +410,17 @@ def growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) 
     return lines
 
 
-def run(minutes: float, warmup: float, pace: float, seed: int, trace: bool = True) -> dict[str, Any]:
+def large_document(size: int) -> Doc:
+    """A good document of about ``size`` bytes (the sample and a comment): read whole, parsed, kept."""
+    first = CATALOG[0]
+    return Doc(
+        f"sample with a comment to {size} bytes", first.text, first.expected, pad=size - len(first.text)
+    )
+
+
+def run(
+    minutes: float, warmup: float, pace: float, seed: int, trace: bool = True, large: int = 0
+) -> dict[str, Any]:
     os.environ["WATCHDOG_USEC"] = "400000"  # a tick every 0.2 s
     os.environ.pop("NOTIFY_SOCKET", None)
     if trace:
@@ -436,6 +447,8 @@ def run(minutes: float, warmup: float, pace: float, seed: int, trace: bool = Tru
         serving = threading.Thread(target=daemon.serve, kwargs={"signals": False}, name="daemon", daemon=True)
         serving.start()
         driver = Driver(kernel, monitor, mds, dockerd, seed)
+        if large:
+            driver.catalog = (*CATALOG, large_document(large))
         started = time.monotonic()
         base: tracemalloc.Snapshot | None = None
         mid: tracemalloc.Snapshot | None = None
@@ -504,9 +517,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-trace", action="store_true", help="no tracemalloc: the layers alone, unperturbed"
     )
+    parser.add_argument(
+        "--large-document",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="also serve a good tpu-env document of this size (under metadata.max_body: read whole)",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE")
     args = parser.parse_args(argv)
-    result = run(args.minutes, args.warmup, args.pace, args.seed, trace=not args.no_trace)
+    result = run(
+        args.minutes, args.warmup, args.pace, args.seed, trace=not args.no_trace, large=args.large_document
+    )
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -264,9 +264,13 @@ class LifeGrowth:
     rss_kib: float
     first: tuple[int, int, int]  # (fds, threads, RSS KiB) at its first and last sample
     last: tuple[int, int, int]
-    # RSS per hour over the first and the second half of the samples after warm-up: growth that
-    # levels off (an allocator settling) slows in the second; a leak keeps its pace.
+    # RSS per hour over the first and the second half of the samples after warm-up (the smaps sum
+    # when sampled): growth that levels off (an allocator settling) slows in the second; a leak
+    # keeps its pace.
     rss_halves: tuple[float, float] = (0.0, 0.0)
+    # RSS per hour after warm-up as smaps sums it: exact, where VmRSS (rss_kib) is, up to kernel
+    # 6.1, a sum of per-thread counters each flushed only every 64 page faults of its thread.
+    smaps_kib: float = 0.0
     # Each kind of mapping (:data:`MAPPINGS`) after warm-up: (first KiB, last KiB, KiB per hour).
     mappings: dict[str, tuple[int, int, float]] = field(default_factory=dict)
 
@@ -295,20 +299,25 @@ def life_growth(
         if len(settled) < 3:
             continue
         slopes = [slope_per_hour([(p[1], p[2 + i]) for p in settled]) for i in range(3)]
-        middle = (settled[0][1] + settled[-1][1]) / 2
-        halves = (
-            slope_per_hour([(p[1], p[4]) for p in settled if p[1] <= middle]),
-            slope_per_hour([(p[1], p[4]) for p in settled if p[1] >= middle]),
-        )
         mine = [m for m in maps if m[0] == pid and m[1] - start >= warmup_s]
+        total = (
+            [(m[1], float(sum(m[2:]))) for m in mine] if len(mine) >= 3 else [(p[1], p[4]) for p in settled]
+        )
+        middle = (total[0][0] + total[-1][0]) / 2
+        halves = (
+            slope_per_hour([(t, v) for t, v in total if t <= middle]),
+            slope_per_hour([(t, v) for t, v in total if t >= middle]),
+        )
         by_kind = {
             kind: (mine[0][2 + i], mine[-1][2 + i], slope_per_hour([(m[1], m[2 + i]) for m in mine]))
             for i, kind in enumerate(MAPPINGS)
             if len(mine) >= 3
         }
         minutes = (points[-1][1] - start) / 60
+        smaps = slope_per_hour(total) if len(mine) >= 3 else 0.0
+        ends = (points[0][2:], points[-1][2:])
         growth = LifeGrowth(
-            pid, minutes, len(settled), *slopes, points[0][2:], points[-1][2:], halves, by_kind
+            pid, minutes, len(settled), *slopes, *ends, halves, smaps_kib=smaps, mappings=by_kind
         )
         lives.append(growth)
     return sorted(lives, key=lambda life: -life.minutes)
@@ -337,6 +346,9 @@ class SoakReport:
     elapsed_s: float = 0.0
     life_minutes: float | None = None  # the long-life mode's life (None: restarts at random)
     lives: list[LifeGrowth] = field(default_factory=list)
+    # Every probe: (pid, soak time, fds, threads, VmRSS KiB), and (pid, soak time, KiB per MAPPINGS).
+    samples: list[tuple[int, float, int, int, int]] = field(default_factory=list)
+    maps: list[tuple[int, float, int, int, int, int]] = field(default_factory=list)
 
     def failures(self) -> list[str]:
         out = [f"tpuboot crashed: {c}" for c in self.crashes]
@@ -375,7 +387,8 @@ class SoakReport:
             )
             if life.mappings:
                 lines.append(
-                    "    RSS by mapping after warm-up (smaps; first -> last, per hour): "
+                    f"    RSS by mapping after warm-up (smaps, {life.smaps_kib:+.0f} KiB/h in all; "
+                    "first -> last, per hour): "
                     + "; ".join(f"{k} {a} -> {b} KiB {s:+.0f}/h" for k, (a, b, s) in life.mappings.items())
                 )
         if not self.lives:
@@ -640,6 +653,7 @@ class Soak:
         r.growth = Growth(slope[0][0], slope[1][0], slope[2][0], slope[0][1], slope[0][2])
         r.longest = longest_life(self.samples)
         r.lives = life_growth(self.samples, maps=self.maps) if self.life_minutes is not None else []
+        r.samples, r.maps = self.samples, self.maps
         temps = self.sh(f"find {TEMP_DIRS} -maxdepth 1 -name '.*.tpuboot-*' || true")
         r.leftover_temps = temps.split()
         return r

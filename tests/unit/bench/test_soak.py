@@ -271,6 +271,19 @@ def test_a_life_tells_growth_that_levels_off_and_which_mapping_grows() -> None:
     assert list(life.mappings) == list(MAPPINGS)
     assert life.mappings["anon"] == (10000, 10300, pytest.approx(life.rss_kib, abs=1))
     assert life.mappings["heap"] == (2000, 2000, 0.0) and life.mappings["file"][2] == 0.0
+    assert life.smaps_kib == pytest.approx(life.mappings["anon"][2])
+
+
+def test_a_lifes_halves_follow_smaps_where_vmrss_stood_still() -> None:
+    from bench.soak import life_growth
+
+    # VmRSS reads the same all life (its per-thread counters not flushed); smaps sees 300 KiB/h.
+    samples = [(5, float(t), 15, 10, 45220) for t in range(0, 3601, 15)]
+    maps = [(5, float(t), 6500, 25000 + t * 300 // 3600, 13876, 72) for t in range(0, 3601, 15)]
+    (life,) = life_growth(samples, maps=maps)
+    assert life.rss_kib == 0.0
+    assert life.smaps_kib == pytest.approx(300, abs=1)
+    assert life.rss_halves == (pytest.approx(300, abs=2), pytest.approx(300, abs=2))
 
 
 def test_the_probe_splits_a_processs_rss_by_mapping() -> None:
