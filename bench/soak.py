@@ -22,8 +22,9 @@ or wrong file, or a vBar not running at the end.
 ``--life-minutes M`` (at least 30) is the long-life mode: the same campaign, but tpuboot is never
 restarted, stopped or killed by it except once every M minutes, so each process lives M minutes
 under the faults; the report gives each life's RSS, fds and threads per hour (the least-squares
-slope after its first :data:`WARMUP_S` seconds, which are start-up, not growth). ``--minutes``
-then defaults to one life.
+slope after its first :data:`WARMUP_S` seconds, which are start-up, not growth), RSS by kind of
+mapping (``/proc/PID/smaps``) and in each half of the life. ``--minutes`` then defaults to one
+life.
 
 Not a test: ``tests/vm/test_soak.py`` runs a short one in the test run.
 """
