@@ -11,29 +11,43 @@ allocation sites whose live size grew most (over each half and over both: a leak
 each; only allocations with a tpuboot frame in their stack, the fakes' own left out), the
 object counts by type that grew, and the threads at both ends. Not a test: a leak shows as a
 site whose growth keeps rising with ``--minutes``.
+
+Beside the sites, every 10 s it samples where the process's memory is, by layer: its RSS by kind of
+mapping (``/proc/self/smaps``, as the soak splits it: :data:`bench.soak.MAPPINGS`), glibc
+malloc's bytes in use, free but kept, and mmapped (``mallinfo2``), and pymalloc's arenas and the
+bytes in their allocated and available blocks (``sys._debugmallocstats``). Each is reported after
+warm-up, half-way, at the end and after a ``malloc_trim(0)``. RSS that grows while the bytes in
+use stay flat is the allocators keeping freed memory (fragmentation), not a leak; ``--no-trace``
+leaves tracemalloc off, whose own bookkeeping would otherwise grow with every allocation it
+follows. For the object types that grew most it says who holds a sample of those born after
+warm-up. The fakes' own records of every request are trimmed as it goes (they are kept for the
+unit tests to read, and would otherwise be what grows).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import gc
 import json
 import os
 import random
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import tracemalloc
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.soak import CATALOG, CONFIG, FAULTS, VBAR, VBAR_IMAGE
-from harness.mds_emulator import ENABLE_GUEST_ATTRIBUTES, MetadataEmulator
+from bench.soak import CATALOG, CONFIG, FAULTS, MAPPINGS, PUT, VBAR, VBAR_IMAGE, Doc
+from harness.mds_emulator import ENABLE_GUEST_ATTRIBUTES
 from tests.unit.fakes.dockerd import fake_dockerd
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.devices import V5P, add_tpu, binder
@@ -46,6 +60,7 @@ from tpuboot.paths import Root
 COLD = ("0000:00:04.0", "0000:00:05.0")
 HOT = ("0000:00:06.0", "0000:00:07.0", "0000:00:08.0", "0000:00:09.0")
 FRAMES = 12  # enough to reach a tpuboot frame under requests and http.client
+KEEP_RECORDS = 100  # of each of the fakes' records of requests (see Driver.forget)
 
 
 class QuietNotifier(Notifier):
@@ -99,13 +114,14 @@ def config_text(mds_host: str, metrics_port: int, vbar_port: int) -> str:
 class Driver:
     """The soak's moves, at a pace of ``pace`` seconds between them."""
 
-    def __init__(self, kernel: FakeKernel, monitor: Monitor, mds: MetadataEmulator, dockerd: Any, seed: int):
+    def __init__(self, kernel: FakeKernel, monitor: Monitor, mds: EmulatorProcess, dockerd: Any, seed: int):
         self.kernel, self.monitor, self.mds, self.dockerd = kernel, monitor, mds, dockerd
         self.rng = random.Random(seed)
         self.hot: list[str] = []
         self.fault_until = 0.0
         self.fault: str | None = None
         self.moves: collections.Counter[str] = collections.Counter()
+        self.catalog: tuple[Doc, ...] = CATALOG
 
     def step(self) -> None:
         now = time.monotonic()
@@ -122,6 +138,16 @@ class Driver:
         name, _, move = self.rng.choices(moves, weights=[w for _, w, _ in moves])[0]
         self.moves[name] += 1
         move()
+        self.forget()
+
+    def forget(self) -> None:
+        """Trim the fake dockerd's records of every request (kept for the unit tests to read, one
+        Request with its Event per Docker API call): left whole, they are what grows most in this
+        process, and they are not tpuboot's."""
+        with self.dockerd.lock:
+            del self.dockerd.requests[:-KEEP_RECORDS]
+            del self.dockerd.pulls[:-KEEP_RECORDS]
+            del self.dockerd.pull_auths[:-KEEP_RECORDS]
 
     def hot_add(self) -> None:
         free = [a for a in HOT if a not in self.hot]
@@ -164,8 +190,8 @@ class Driver:
     def document(self) -> None:
         if self.fault == "down":
             return
-        doc = self.rng.choice(CATALOG)
-        self.mds.set_attribute("tpu-env", doc.text + "#" * doc.pad)
+        doc = self.rng.choice(self.catalog)
+        self.mds.serve(doc)
 
     def kill_vbar(self) -> None:
         if VBAR in self.dockerd.containers and self.dockerd.containers[VBAR]["State"]["Running"]:
@@ -173,7 +199,60 @@ class Driver:
 
     def restart_dockerd(self) -> None:
         self.dockerd.stop()
+        with self.dockerd.lock:  # every event stream was cut: the fake's list of them need not keep them
+            self.dockerd.subscribers.clear()
         self.dockerd.start()
+
+
+class EmulatorProcess:
+    """The metadata emulator in a process of its own, as in the soak's guest: its threads and its
+    answers' buffers (the 1 MiB document's) are not this process's memory. Documents are put to it
+    as the soak puts them (``bench.soak.PUT``, the padding added by that process, not this one)."""
+
+    def __init__(self, first: Doc, work: Path) -> None:
+        self.port = free_port()
+        self.attributes = work / "attributes.yaml"
+        self.attributes.write_text(json.dumps({"tpu-env": first.text, ENABLE_GUEST_ATTRIBUTES: "TRUE"}))
+        self.served = first
+        self.process: subprocess.Popen[str] | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> EmulatorProcess:
+        script = Path(__file__).resolve().parent.parent / "harness" / "mds_emulator.py"
+        argv = [sys.executable, str(script), "--port", str(self.port), "--attributes", str(self.attributes)]
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        self.process.stdout.readline()  # "metadata emulator listening on ...": it is up
+        return self
+
+    def put(self, path: str, body: str, pad: int = 0) -> None:
+        url = f"http://{self.host}/_emulator/{path}"
+        subprocess.run([sys.executable, "-c", PUT, url, str(pad)], input=body.encode(), capture_output=True,
+                       check=True)  # fmt: skip
+
+    def serve(self, doc: Doc) -> None:
+        self.put("v1/instance/attributes/tpu-env", doc.text, doc.pad)
+        self.served = doc
+
+    def set_faults(self, **fields: Any) -> None:
+        self.put("faults", json.dumps(fields))
+
+    def stop(self) -> None:
+        """Down: connection refused until :meth:`restart`."""
+        if self.process is not None:
+            self.process.terminate()
+            self.process.communicate()
+            self.process = None
+
+    def restart(self) -> None:
+        self.start()
+        self.serve(self.served)  # it starts from its attributes file: serve again what was served
+
+    def close(self) -> None:
+        self.stop()
 
 
 def listen_and_close(port: int, stop: threading.Event) -> None:
@@ -191,9 +270,125 @@ def listen_and_close(port: int, stop: threading.Event) -> None:
             conn.close()
 
 
+def snapshot() -> tracemalloc.Snapshot | None:
+    return tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
+
+
 def type_counts() -> collections.Counter[str]:
     gc.collect()
     return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
+def owner(referrer: object, skip: set[int]) -> str:
+    """What holds an object through ``referrer``: the class of the instance whose ``__dict__`` it
+    is, the function a frame or cell is of, else the referrer's own type (module.qualname)."""
+    if isinstance(referrer, dict):
+        for outer in gc.get_referrers(referrer):
+            if id(outer) not in skip and getattr(outer, "__dict__", None) is referrer:
+                return f"{type(outer).__module__}.{type(outer).__qualname__}"
+    if isinstance(referrer, types.FrameType):
+        return f"frame {referrer.f_code.co_filename.split('/')[-1]}:{referrer.f_code.co_name}"
+    return f"{type(referrer).__module__}.{type(referrer).__qualname__}"
+
+
+def holders(
+    before: set[int], grown: collections.Counter[str], top: int = 8, sample: int = 40
+) -> dict[str, Any]:
+    """For the ``top`` types that grew most, who holds a ``sample`` of their objects born since
+    ``before`` (the ids alive then): a leak shows as a holder that keeps its objects."""
+    gc.collect()
+    born: dict[str, list[object]] = collections.defaultdict(list)
+    wanted = {name for name, _ in grown.most_common(top)}
+    for obj in gc.get_objects():
+        name = type(obj).__qualname__
+        if name in wanted and id(obj) not in before and len(born[name]) < sample:
+            born[name].append(obj)
+    skip = {id(born), *(id(objs) for objs in born.values()), id(sys._getframe())}
+    found: dict[str, Any] = {}
+    for name, objs in born.items():
+        tally: collections.Counter[str] = collections.Counter()
+        for obj in objs:
+            for referrer in gc.get_referrers(obj):
+                if id(referrer) not in skip and referrer is not objs:
+                    tally[owner(referrer, skip | {id(objs)})] += 1
+        found[name] = dict(tally.most_common(5))
+    born.clear()
+    return found
+
+
+MALLINFO2_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
+MALLINFO2_FIELDS += ("fordblks", "keepcost")
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33 and later): every field a size_t, summed over all arenas."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
+
+
+def mallinfo() -> dict[str, int]:
+    """glibc malloc's bytes in use, free but kept in its arenas, and in blocks of their own mmap."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return {"malloc_in_use": info.uordblks, "malloc_free": info.fordblks, "malloc_mmapped": info.hblkhd}
+
+
+def smaps_by_kind(text: str) -> dict[str, int]:
+    """RSS in KiB by :data:`bench.soak.MAPPINGS` kind, from a ``/proc/PID/smaps`` text: the split
+    the soak's probe makes with awk in the guest."""
+    kib = dict.fromkeys(MAPPINGS, 0)
+    kind = "other"
+    for line in text.splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            name = head[5] if len(head) > 5 else ""
+            kind = (
+                "heap" if name == "[heap]" else "anon" if not name else "file" if name[0] == "/" else "other"
+            )
+        elif head and head[0] == "Rss:":
+            kib[kind] += int(head[1])
+    return {f"rss_{kind}_kib": value for kind, value in kib.items()}
+
+
+PYMALLOC = {
+    "# arenas allocated current": "pymalloc_arenas",
+    "# bytes in allocated blocks": "pymalloc_allocated",
+    "# bytes in available blocks": "pymalloc_available",
+}
+
+
+def pymalloc() -> dict[str, int]:
+    """pymalloc's arenas now, and the bytes in their allocated and available blocks (the first of
+    each line ``sys._debugmallocstats`` writes to the C stderr)."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as out:
+        os.dup2(out.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read().decode()
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        label, _, value = line.partition("=")
+        key = PYMALLOC.get(label.strip())
+        if key is not None and key not in found:
+            found[key] = int(value.strip().replace(",", ""))
+    return found
+
+
+def memory() -> dict[str, int]:
+    """Where this process's memory is now, by layer (see the module's docstring)."""
+    layers = smaps_by_kind(Path("/proc/self/smaps").read_text()) | mallinfo() | pymalloc()
+    if tracemalloc.is_tracing():
+        layers |= {
+            "traced": tracemalloc.get_traced_memory()[0],
+            "tracemalloc_own": tracemalloc.get_tracemalloc_memory(),
+        }
+    return layers
 
 
 def growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) -> list[str]:
@@ -215,10 +410,21 @@ def growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) 
     return lines
 
 
-def run(minutes: float, warmup: float, pace: float, seed: int) -> dict[str, Any]:
+def large_document(size: int) -> Doc:
+    """A good document of about ``size`` bytes (the sample and a comment): read whole, parsed, kept."""
+    first = CATALOG[0]
+    return Doc(
+        f"sample with a comment to {size} bytes", first.text, first.expected, pad=size - len(first.text)
+    )
+
+
+def run(
+    minutes: float, warmup: float, pace: float, seed: int, trace: bool = True, large: int = 0
+) -> dict[str, Any]:
     os.environ["WATCHDOG_USEC"] = "400000"  # a tick every 0.2 s
     os.environ.pop("NOTIFY_SOCKET", None)
-    tracemalloc.start(FRAMES)
+    if trace:
+        tracemalloc.start(FRAMES)
     from tpuboot.wiring import build  # after tracemalloc starts, so the imports' allocations are seen
 
     work = Path(tempfile.mkdtemp(prefix="memgrowth-"))
@@ -229,7 +435,7 @@ def run(minutes: float, warmup: float, pace: float, seed: int) -> dict[str, Any]
     vbar_port = free_port()
     threading.Thread(target=listen_and_close, args=(vbar_port, stop), daemon=True).start()
     first = CATALOG[0]
-    mds = MetadataEmulator({"tpu-env": first.text, ENABLE_GUEST_ATTRIBUTES: "TRUE"}).start()
+    mds = EmulatorProcess(first, work).start()
     with fake_dockerd() as dockerd:
         dockerd.images.add(VBAR_IMAGE)
         config = parse_config(config_text(mds.host, free_port(), vbar_port), "memgrowth")
@@ -241,42 +447,62 @@ def run(minutes: float, warmup: float, pace: float, seed: int) -> dict[str, Any]
         serving = threading.Thread(target=daemon.serve, kwargs={"signals": False}, name="daemon", daemon=True)
         serving.start()
         driver = Driver(kernel, monitor, mds, dockerd, seed)
+        if large:
+            driver.catalog = (*CATALOG, large_document(large))
         started = time.monotonic()
         base: tracemalloc.Snapshot | None = None
         mid: tracemalloc.Snapshot | None = None
         counts: collections.Counter[str] = collections.Counter()
+        alive: set[int] = set()  # ids of the objects alive after warm-up
         threads_then: list[str] = []
-        rss: list[tuple[float, int]] = []
+        layers: list[tuple[float, dict[str, int]]] = []  # (seconds, memory()) every 10 s
+        marks: dict[str, dict[str, int]] = {}  # memory() after warm-up, half-way, at the end
         while time.monotonic() - started < minutes * 60:
             driver.step()
             time.sleep(pace)
             now = time.monotonic() - started
-            if base is None and now >= warmup:
-                base, counts = tracemalloc.take_snapshot(), type_counts()
+            if "after warm-up" not in marks and now >= warmup:
+                base, counts = snapshot(), type_counts()
+                alive = {id(o) for o in gc.get_objects()}
                 threads_then = sorted(t.name for t in threading.enumerate())
-            if mid is None and now >= (warmup + minutes * 60) / 2:
-                mid = tracemalloc.take_snapshot()
-            if not rss or now - rss[-1][0] >= 10:
-                rss.append((now, tracemalloc.get_traced_memory()[0]))
+                marks["after warm-up"] = memory()  # after the bench's own record of what is alive
+            if "half-way" not in marks and now >= (warmup + minutes * 60) / 2:
+                marks["half-way"] = memory()
+                mid = snapshot()
+            if not layers or now - layers[-1][0] >= 10:
+                layers.append((round(now, 1), memory()))
         if driver.fault is not None:
             driver.clear_fault()
-        end, counts_end = tracemalloc.take_snapshot(), type_counts()
+        marks["at the end"] = memory()
+        end, counts_end = snapshot(), type_counts()
+        grown = collections.Counter({k: counts_end[k] - counts[k] for k in counts_end})
+        held = holders(alive, grown)
+        ctypes.CDLL(None).malloc_trim(0)  # what of malloc's free memory it can give back
+        marks["after malloc_trim(0)"] = memory()
         threads_end = sorted(t.name for t in threading.enumerate())
         daemon.request_stop()
         serving.join(30)
         stop.set()
         mds.close()
-    assert base is not None and mid is not None, "--minutes must be longer than --warmup"
+    assert "half-way" in marks, "--minutes must be longer than --warmup"
     grew = {k: counts_end[k] - counts[k] for k in counts_end if counts_end[k] - counts[k] > 0}
+    sites: dict[str, list[str]] = {}
+    if base is not None and mid is not None and end is not None:
+        sites = {
+            "sites_first_half": growth(base, mid, 15),
+            "sites_second_half": growth(mid, end, 15),
+            "sites": growth(base, end, 25),
+        }
     return {
         "minutes": minutes,
         "warmup_s": warmup,
         "moves": dict(driver.moves),
-        "traced_bytes_every_10s": [b for _, b in rss],
-        "sites_first_half": growth(base, mid, 15),
-        "sites_second_half": growth(mid, end, 15),
-        "sites": growth(base, end, 25),
+        "memory_by_layer": {key: [m[key] for m in marks.values()] for key in marks["at the end"]},
+        "memory_marks": list(marks),
+        "memory_every_10s": layers,
+        **sites,
         "types_grown": dict(sorted(grew.items(), key=lambda kv: -kv[1])[:25]),
+        "types_grown_held_by": held,
         "threads_after_warmup": threads_then,
         "threads_at_end": threads_end,
     }
@@ -288,9 +514,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds before the first snapshot")
     parser.add_argument("--pace", type=float, default=0.05, help="seconds between moves")
     parser.add_argument("--seed", type=int, default=20261204)
+    parser.add_argument(
+        "--no-trace", action="store_true", help="no tracemalloc: the layers alone, unperturbed"
+    )
+    parser.add_argument(
+        "--large-document",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="also serve a good tpu-env document of this size (under metadata.max_body: read whole)",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE")
     args = parser.parse_args(argv)
-    result = run(args.minutes, args.warmup, args.pace, args.seed)
+    result = run(
+        args.minutes, args.warmup, args.pace, args.seed, trace=not args.no_trace, large=args.large_document
+    )
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -22,8 +22,9 @@ or wrong file, or a vBar not running at the end.
 ``--life-minutes M`` (at least 30) is the long-life mode: the same campaign, but tpuboot is never
 restarted, stopped or killed by it except once every M minutes, so each process lives M minutes
 under the faults; the report gives each life's RSS, fds and threads per hour (the least-squares
-slope after its first :data:`WARMUP_S` seconds, which are start-up, not growth). ``--minutes``
-then defaults to one life.
+slope after its first :data:`WARMUP_S` seconds, which are start-up, not growth), RSS by kind of
+mapping (``/proc/PID/smaps``) and in each half of the life. ``--minutes`` then defaults to one
+life.
 
 Not a test: ``tests/vm/test_soak.py`` runs a short one in the test run.
 """
@@ -160,16 +161,29 @@ FAULTS: dict[str, dict[str, Any] | None] = {
     "short body": {"short_by": 1000},
 }
 
-# PUT to the emulator's control endpoint from inside the guest: body on stdin, optional padding.
+# PUT to the emulator's control endpoint from inside the guest: body on stdin, optional padding;
+# prints the guest's CLOCK_MONOTONIC before the request and after its answer.
 PUT = (
-    "import sys, urllib.request; body = sys.stdin.buffer.read() + b'#' * int(sys.argv[2]); "
-    "urllib.request.urlopen(urllib.request.Request(sys.argv[1], body, method='PUT'), timeout=30)"
+    "import sys, time, urllib.request; body = sys.stdin.buffer.read() + b'#' * int(sys.argv[2]); "
+    "sent = time.monotonic(); "
+    "urllib.request.urlopen(urllib.request.Request(sys.argv[1], body, method='PUT'), timeout=30); "
+    "print(sent, time.monotonic())"
 )
 CONNECT = f"import socket; socket.create_connection(('127.0.0.1', {MDS_PORT}), 1)"
+# RSS by kind of mapping, as /proc/PID/smaps lists them (KiB): brk's [heap], anonymous ones (pymalloc's
+# arenas, malloc's per-thread arenas and large blocks, thread stacks), file-backed ones (code, the
+# interpreter's and libraries' data), and the rest ([stack], [vdso], ...).
+MAPPINGS = ("heap", "anon", "file", "other")
+SMAPS_BY_KIND = (
+    'awk \'/^[0-9a-f]+-[0-9a-f]+ /{k = $6 == "[heap]" ? "heap" : $6 == "" ? "anon" : '
+    '$6 ~ /^\\// ? "file" : "other"; next} /^Rss:/{r[k] += $2} '
+    'END{printf "%d %d %d %d", r["heap"], r["anon"], r["file"], r["other"]}\' /proc/$pid/smaps'
+)
 PROBE = (
     "pid=$(systemctl show -P MainPID tpuboot); "
     'if [ "$pid" -gt 0 ] 2>/dev/null && [ -d /proc/$pid ]; then '
-    "echo $pid $(ls /proc/$pid/fd | wc -l) $(awk '/^VmRSS|^Threads/{print $2}' /proc/$pid/status); "
+    "echo $pid $(ls /proc/$pid/fd | wc -l) $(awk '/^VmRSS|^Threads/{print $2}' /proc/$pid/status) "
+    f"$({SMAPS_BY_KIND}); "
     "else echo 0; fi"
 )
 
@@ -251,13 +265,31 @@ class LifeGrowth:
     rss_kib: float
     first: tuple[int, int, int]  # (fds, threads, RSS KiB) at its first and last sample
     last: tuple[int, int, int]
+    # RSS per hour over the first and the second half of the samples after warm-up (the smaps sum
+    # when sampled): growth that levels off (an allocator settling) slows in the second; a leak
+    # keeps its pace.
+    rss_halves: tuple[float, float] = (0.0, 0.0)
+    # RSS per hour after warm-up as smaps sums it: exact, where VmRSS (rss_kib) is, up to kernel
+    # 6.1, a sum of per-thread counters each flushed only every 64 page faults of its thread.
+    smaps_kib: float = 0.0
+    # Each kind of mapping (:data:`MAPPINGS`) after warm-up: (first KiB, last KiB, KiB per hour).
+    mappings: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+
+
+def slope_per_hour(points: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope per hour of (seconds, value) points (0 for fewer than 3)."""
+    return pooled_slope([(0, t, v) for t, v in points])[0]
 
 
 def life_growth(
-    samples: Sequence[tuple[int, float, int, int, int]], warmup_s: float = WARMUP_S
+    samples: Sequence[tuple[int, float, int, int, int]],
+    warmup_s: float = WARMUP_S,
+    maps: Sequence[tuple[int, float, int, int, int, int]] = (),
 ) -> list[LifeGrowth]:
-    """Each process's slopes per hour (fds, threads, RSS) over its samples after ``warmup_s`` seconds
-    of its sampled life, longest life first; a process with fewer than 3 such samples is left out."""
+    """Each process's slopes per hour (fds, threads, RSS, RSS in each half, RSS of each kind of
+    mapping from ``maps``: pid, seconds, KiB per :data:`MAPPINGS`) over its samples after
+    ``warmup_s`` seconds of its sampled life, longest life first; a process with fewer than 3 such
+    samples is left out."""
     by_pid: dict[int, list[tuple[int, float, int, int, int]]] = collections.defaultdict(list)
     for sample in samples:
         by_pid[sample[0]].append(sample)
@@ -267,9 +299,28 @@ def life_growth(
         settled = [p for p in points if p[1] - start >= warmup_s]
         if len(settled) < 3:
             continue
-        slopes = [pooled_slope([(pid, p[1], p[2 + i]) for p in settled])[0] for i in range(3)]
+        slopes = [slope_per_hour([(p[1], p[2 + i]) for p in settled]) for i in range(3)]
+        mine = [m for m in maps if m[0] == pid and m[1] - start >= warmup_s]
+        total = (
+            [(m[1], float(sum(m[2:]))) for m in mine] if len(mine) >= 3 else [(p[1], p[4]) for p in settled]
+        )
+        middle = (total[0][0] + total[-1][0]) / 2
+        halves = (
+            slope_per_hour([(t, v) for t, v in total if t <= middle]),
+            slope_per_hour([(t, v) for t, v in total if t >= middle]),
+        )
+        by_kind = {
+            kind: (mine[0][2 + i], mine[-1][2 + i], slope_per_hour([(m[1], m[2 + i]) for m in mine]))
+            for i, kind in enumerate(MAPPINGS)
+            if len(mine) >= 3
+        }
         minutes = (points[-1][1] - start) / 60
-        lives.append(LifeGrowth(pid, minutes, len(settled), *slopes, points[0][2:], points[-1][2:]))
+        smaps = slope_per_hour(total) if len(mine) >= 3 else 0.0
+        ends = (points[0][2:], points[-1][2:])
+        growth = LifeGrowth(
+            pid, minutes, len(settled), *slopes, *ends, halves, smaps_kib=smaps, mappings=by_kind
+        )
+        lives.append(growth)
     return sorted(lives, key=lambda life: -life.minutes)
 
 
@@ -285,6 +336,7 @@ class SoakReport:
     reader: dict[str, Any] = field(default_factory=dict)
     wrong_file: list[str] = field(default_factory=list)
     unexpected_reads: list[str] = field(default_factory=list)  # each streak, explained
+    served: list[tuple[float, str]] = field(default_factory=list)  # (soak time, label) of each document
     file_settle_s: list[float] = field(default_factory=list)
     vbar_running_at_end: bool = False
     vbar_longest_down_s: float = 0.0
@@ -295,6 +347,9 @@ class SoakReport:
     elapsed_s: float = 0.0
     life_minutes: float | None = None  # the long-life mode's life (None: restarts at random)
     lives: list[LifeGrowth] = field(default_factory=list)
+    # Every probe: (pid, soak time, fds, threads, VmRSS KiB), and (pid, soak time, KiB per MAPPINGS).
+    samples: list[tuple[int, float, int, int, int]] = field(default_factory=list)
+    maps: list[tuple[int, float, int, int, int, int]] = field(default_factory=list)
 
     def failures(self) -> list[str]:
         out = [f"tpuboot crashed: {c}" for c in self.crashes]
@@ -327,6 +382,16 @@ class SoakReport:
                 f"first -> last: RSS {life.first[2]} -> {life.last[2]} KiB, "
                 f"fds {life.first[0]} -> {life.last[0]}, threads {life.first[1]} -> {life.last[1]}"
             )
+            lines.append(
+                f"    RSS per hour in the first and second half after warm-up: {life.rss_halves[0]:+.0f}, "
+                f"{life.rss_halves[1]:+.0f} KiB/h"
+            )
+            if life.mappings:
+                lines.append(
+                    f"    RSS by mapping after warm-up (smaps, {life.smaps_kib:+.0f} KiB/h in all; "
+                    "first -> last, per hour): "
+                    + "; ".join(f"{k} {a} -> {b} KiB {s:+.0f}/h" for k, (a, b, s) in life.mappings.items())
+                )
         if not self.lives:
             lines.append("  none sampled long enough")
         return lines
@@ -368,20 +433,51 @@ class SoakReport:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Served:
+    """A document put to the emulator: when in the soak's time (once its PUT returned), and the
+    guest's CLOCK_MONOTONIC, the reader's clock, just before the PUT went and once its answer came.
+    A read is placed before or after a document by the guest's clock, not by when the soak got
+    round to noting the document."""
+
+    label: str
+    soak_s: float
+    guest_from: float | None = None  # None: the document the guest booted with
+    guest_to: float | None = None
+
+
 def explain_streak(
-    streak: dict[str, Any], reader_started: float, served_at: Sequence[tuple[float, str]]
+    streak: dict[str, Any], reader_started: float, served: Sequence[Served], reader_clock: float | None = None
 ) -> str:
-    """A streak of the reader's (``bench/soak_reader.py``) in words: when in the soak's time (the
-    reader's clock starts at ``reader_started``, give or take its start-up), how long, the document
-    it is nearest to and what differs, and the last two documents ``served_at`` before it."""
+    """A streak of the reader's (``bench/soak_reader.py``) in words: when in the soak's time, how
+    long, the document it is nearest to and what differs, and the last two documents ``served``
+    before its first read, each with its time and one whose PUT was still under way flagged. With
+    ``reader_clock`` (the guest's CLOCK_MONOTONIC when the reader's clock started) the order is the
+    guest's; without it, the soak's (the reader's clock starts at ``reader_started``, give or take
+    its start-up)."""
     first = reader_started + streak["first_at_s"]
     last = reader_started + streak["last_at_s"]
+    at = first
+    if reader_clock is not None:
+        at = reader_clock + streak["first_at_s"]
+        timed = [s for s in served if s.guest_to is not None and s.guest_to <= at]
+        if timed:  # the soak's time of the streak from the last document's offset between the clocks
+            first = timed[-1].soak_s + (at - timed[-1].guest_to)
+            last = first + streak["last_at_s"] - streak["first_at_s"]
     what = (
         "the same values"
         if not streak["differs"]
         else f"{streak['differs']} names differ: " + ", ".join(streak["names"])
     )
-    before = [f"{label!r} at {t:.0f} s" for t, label in served_at if t <= first][-2:]
+    if reader_clock is None:
+        before = [f"{s.label!r} at {s.soak_s:.0f} s" for s in served if s.soak_s <= first][-2:]
+    else:
+        before = [
+            f"{s.label!r} at {s.soak_s:.0f} s"
+            + (" (its PUT under way)" if s.guest_to is not None and s.guest_to > at else "")
+            for s in served
+            if s.guest_from is None or s.guest_from <= at
+        ][-2:]
     return (
         f"{first:.0f}-{last:.0f} s ({streak['reads']} reads): nearest {streak['closest']!r} ({what}); "
         f"served last before: {', '.join(before) or 'nothing'}"
@@ -443,13 +539,14 @@ class Soak:
         self.fault: str | None = None
         self.fault_until = 0.0
         self.served = CATALOG[0]  # what the emulator serves
-        self.served_at: list[tuple[float, str]] = [(0.0, CATALOG[0].label)]  # (soak time, label)
+        self.served_at: list[Served] = [Served(CATALOG[0].label, 0.0)]
         self.reader_started = 0.0  # soak time: the reader's clock starts about then
         self.want = BASE  # the values the file must come to hold
         self.want_since: float | None = time.monotonic()
         self.kills = 0
         self.last_lifecycle = self.last_dockerd = -1e9
         self.samples: list[tuple[int, float, int, int, int]] = []  # pid, t, fds, threads, RSS KiB
+        self.maps: list[tuple[int, float, int, int, int, int]] = []  # pid, t, RSS KiB per MAPPINGS
         self.last_sample = -1e9
         self.vbar_down_since: float | None = None
         self.unbound_since: dict[str, float] = {}
@@ -461,9 +558,14 @@ class Soak:
     def sh(self, command: str, timeout: float = 120.0) -> str:
         return self.vm.run(command, timeout=timeout, check=True).stdout
 
-    def put(self, path: str, body: str, pad: int = 0) -> None:
+    def put(self, path: str, body: str, pad: int = 0) -> tuple[float, float]:
+        """PUT to the emulator; the guest's CLOCK_MONOTONIC before it went and once it was answered."""
         url = f"http://127.0.0.1:{MDS_PORT}/_emulator/{path}"
-        self.vm.run(["python3", "-c", PUT, url, str(pad)], stdin=body.encode(), timeout=60, check=True)
+        result = self.vm.run(
+            ["python3", "-c", PUT, url, str(pad)], stdin=body.encode(), timeout=60, check=True
+        )
+        sent, answered = result.stdout.split()
+        return float(sent), float(answered)
 
     def stand_ins(self) -> dict[str, str | None]:
         return {d.address: d.driver for d in self.vm.pci_devices(*EDU)}
@@ -541,7 +643,9 @@ class Soak:
         r = self.report
         r.reader = self.stop_reader()
         streaks = r.reader.get("streaks", [])
-        r.unexpected_reads = [explain_streak(s, self.reader_started, self.served_at) for s in streaks]
+        clock = r.reader.get("clock_started")
+        r.unexpected_reads = [explain_streak(s, self.reader_started, self.served_at, clock) for s in streaks]
+        r.served = [(round(s.soak_s, 1), s.label) for s in self.served_at]
         r.actions = dict(self.actions)
         r.documents = dict(self.documents)
         r.elapsed_s = time.monotonic() - self.started
@@ -549,7 +653,8 @@ class Soak:
         slope = [pooled_slope([(p, t, s[i]) for p, t, *s in self.samples]) for i in range(3)]
         r.growth = Growth(slope[0][0], slope[1][0], slope[2][0], slope[0][1], slope[0][2])
         r.longest = longest_life(self.samples)
-        r.lives = life_growth(self.samples) if self.life_minutes is not None else []
+        r.lives = life_growth(self.samples, maps=self.maps) if self.life_minutes is not None else []
+        r.samples, r.maps = self.samples, self.maps
         temps = self.sh(f"find {TEMP_DIRS} -maxdepth 1 -name '.*.tpuboot-*' || true")
         r.leftover_temps = temps.split()
         return r
@@ -607,9 +712,10 @@ class Soak:
 
     def sample(self, now: float) -> None:
         fields = self.sh(PROBE).split()
-        if len(fields) == 4:  # /proc/PID/status lists VmRSS before Threads
-            pid, fds, rss, threads = (int(f) for f in fields)
+        if len(fields) == 4 + len(MAPPINGS):  # /proc/PID/status lists VmRSS before Threads
+            pid, fds, rss, threads, heap, anon, files, other = (int(f) for f in fields)
             self.samples.append((pid, now - self.started, fds, threads, rss))
+            self.maps.append((pid, now - self.started, heap, anon, files, other))
         running = self.vbar_running()
         if running:
             if self.vbar_down_since is not None:
@@ -732,9 +838,9 @@ class Soak:
         # A refused document leaves the file as it is: only once it holds what is wanted, or
         # the last good document would never have been read.
         doc = self.rng.choice([d for d in CATALOG if settled or d.expected is not None])
-        self.put("v1/instance/attributes/tpu-env", doc.text, doc.pad)
+        sent, answered = self.put("v1/instance/attributes/tpu-env", doc.text, doc.pad)
         self.served = doc
-        self.served_at.append((self.elapsed(), doc.label))
+        self.served_at.append(Served(doc.label, self.elapsed(), sent, answered))
         self.documents[doc.label] += 1
         if doc.expected is not None and doc.expected != self.want:
             self.want = doc.expected

@@ -17,7 +17,9 @@ named after it. Every ``--interval`` seconds the reader reads FILE and files the
 
 Its own parser, not tpuboot's: inside double quotes a backslash escapes only ``$``, a backtick,
 ``"``, ``\\`` and a newline (removed), as POSIX sh says. The counts, the first few missing and
-garbled reads and the first streaks are written to OUT (atomically, every 2 s and at SIGTERM).
+garbled reads and the first streaks are written to OUT (atomically, every 2 s and at SIGTERM),
+with the CLOCK_MONOTONIC its clock started at (``clock_started``: the soak places a streak before
+or after each document it served by the same clock).
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ class Tally:
 
     def write(self, out: str) -> None:
         payload = {**self.counts, "seen": self.seen, "samples": self.samples, "streaks": self.streaks,
-                   "seconds": round(time.monotonic() - self.started, 1)}  # fmt: skip
+                   "seconds": round(time.monotonic() - self.started, 1),
+                   "clock_started": self.started}  # fmt: skip
         temp = f"{out}.tmp"
         with open(temp, "w") as handle:
             json.dump(payload, handle)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from bench.soak import (
     BASE,
     CATALOG,
     FAULTS,
+    Served,
     SoakReport,
     error_kind,
     explain_streak,
@@ -160,11 +162,41 @@ def test_a_streak_is_told_in_the_soaks_time_with_the_documents_served_before_it(
         "names": [],
     }
     streak = {"first_at_s": 2230.2, "last_at_s": 2237.0, "reads": 331, **nearest}
-    served = [(0.0, "sample"), (2100.0, "larger than 1 MiB"), (2200.0, "alias"), (2240.0, "worker 3")]
+    served = [
+        Served("sample", 0.0),
+        Served("larger than 1 MiB", 2100.0),
+        Served("alias", 2200.0),
+        Served("worker 3", 2240.0),
+    ]
     assert explain_streak(streak, 4.0, served) == (
         "2234-2241 s (331 reads): nearest 'larger than 1 MiB (refused whole)' (the same values); "
         "served last before: 'larger than 1 MiB' at 2100 s, 'alias' at 2200 s"
     )
+
+
+def test_a_streak_is_placed_among_the_documents_by_the_guests_clock_not_the_soaks_notes() -> None:
+    nearest = {
+        "closest": "worker 3",
+        "closest_good": True,
+        "differs": 1,
+        "names": ["WORKER_ID='3' (it gives '0')"],
+    }
+    # The reader's clock started at guest time 500. 'worker 3' was put at guest 2700.0-2700.5 but
+    # the soak noted it only at 2203 s (its guest command took its time to return): a streak whose
+    # first read is at guest 2700.2 began while that PUT was under way.
+    streak = {"first_at_s": 2200.2, "last_at_s": 2201.2, "reads": 51, **nearest}
+    served = [
+        Served("sample", 0.0),
+        Served("alias", 2100.0, 2597.0, 2597.1),
+        Served("worker 3", 2203.0, 2700.0, 2700.5),
+        Served("sample", 2300.0, 2797.0, 2797.1),
+    ]
+    told = explain_streak(streak, 1.0, served, reader_clock=500.0)
+    # In soak time by the last answered document's clock offset (2100 - 2597.1), not 1 + 2200.2.
+    assert told.startswith("2203-2204 s (51 reads): nearest 'worker 3'")
+    assert told.endswith("served last before: 'alias' at 2100 s, 'worker 3' at 2203 s (its PUT under way)")
+    # Without the guest's clock, by the soak's notes: 'worker 3' looks served after the streak began.
+    assert explain_streak(streak, 1.0, served).endswith("'sample' at 0 s, 'alias' at 2100 s")
 
 
 def test_wrong_reads_are_one_failure_that_lists_each_streak() -> None:
@@ -218,6 +250,59 @@ def test_each_long_life_is_sloped_after_its_warm_up_alone() -> None:
     assert life.rss_kib == pytest.approx(120, abs=2)  # the warm-up is not growth
     assert 0 < life.fds < 3 and life.threads == 0
     assert life.first == (12, 8, 30000) and life.last == (13, 8, 31000 + 70)
+    assert life.rss_halves == (pytest.approx(120, abs=2), pytest.approx(120, abs=2))  # a steady pace
+    assert life.mappings == {}  # none sampled
+
+
+def test_a_life_tells_growth_that_levels_off_and_which_mapping_grows() -> None:
+    from bench.soak import MAPPINGS, life_growth
+
+    # 65 min: after warm-up the anonymous mappings grow 600 KiB/h for 30 min, then stay; the heap
+    # and the rest are flat.
+    samples, maps = [], []
+    for t in range(0, 3901, 15):
+        anon = 10000 + min(max(0, t - 300), 1800) * 600 / 3600
+        samples.append((7, float(t), 15, 6, int(20000 + anon)))
+        maps.append((7, float(t), 2000, int(anon), 17000, 1000))
+    maps.append((8, 100.0, 1, 1, 1, 1))  # another process's
+    (life,) = life_growth(samples, maps=maps)
+    first_half, second_half = life.rss_halves
+    assert first_half == pytest.approx(600, abs=10) and second_half == 0
+    assert list(life.mappings) == list(MAPPINGS)
+    assert life.mappings["anon"] == (10000, 10300, pytest.approx(life.rss_kib, abs=1))
+    assert life.mappings["heap"] == (2000, 2000, 0.0) and life.mappings["file"][2] == 0.0
+    assert life.smaps_kib == pytest.approx(life.mappings["anon"][2])
+
+
+def test_a_lifes_halves_follow_smaps_where_vmrss_stood_still() -> None:
+    from bench.soak import life_growth
+
+    # VmRSS reads the same all life (its per-thread counters not flushed); smaps sees 300 KiB/h.
+    samples = [(5, float(t), 15, 10, 45220) for t in range(0, 3601, 15)]
+    maps = [(5, float(t), 6500, 25000 + t * 300 // 3600, 13876, 72) for t in range(0, 3601, 15)]
+    (life,) = life_growth(samples, maps=maps)
+    assert life.rss_kib == 0.0
+    assert life.smaps_kib == pytest.approx(300, abs=1)
+    assert life.rss_halves == (pytest.approx(300, abs=2), pytest.approx(300, abs=2))
+
+
+def test_the_probe_splits_a_processs_rss_by_mapping() -> None:
+    import subprocess
+
+    from bench.soak import MAPPINGS, PROBE
+
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        script = PROBE.replace("$(systemctl show -P MainPID tpuboot)", str(sleeper.pid))
+        fields = [int(f) for f in subprocess.run(["sh", "-c", script], capture_output=True, check=True,
+                                                 text=True).stdout.split()]  # fmt: skip
+        rollup = Path(f"/proc/{sleeper.pid}/smaps_rollup").read_text()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert len(fields) == 4 + len(MAPPINGS) and fields[0] == sleeper.pid
+    rss = next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Rss:"))
+    assert sum(fields[4:]) == rss and fields[6] > 0  # a sleep's RSS is mostly its files' pages
 
 
 def test_the_long_life_mode_refuses_a_life_too_short_to_tell(capsys: pytest.CaptureFixture[str]) -> None:
@@ -227,3 +312,22 @@ def test_the_long_life_mode_refuses_a_life_too_short_to_tell(capsys: pytest.Capt
         main(["--life-minutes", "5"])
     assert exited.value.code == 2
     assert "--life-minutes: 5 is under 30" in capsys.readouterr().err
+
+
+def test_the_soaks_put_serves_the_document_and_tells_when_by_the_readers_clock() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from bench.soak import PUT
+
+    with MetadataEmulator({"tpu-env": "ZONE: a\n"}) as mds:
+        url = f"http://{mds.host}/_emulator/v1/instance/attributes/tpu-env"
+        before = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", PUT, url, "3"], input=b"WORKER_ID: '3'\n", capture_output=True, check=True
+        )
+        after = time.monotonic()
+        assert mds.values["instance/attributes/tpu-env"] == "WORKER_ID: '3'\n###"
+    sent, answered = (float(f) for f in done.stdout.split())
+    assert before <= sent <= answered <= after  # CLOCK_MONOTONIC is the machine's, the reader's too

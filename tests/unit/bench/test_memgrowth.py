@@ -1,0 +1,60 @@
+"""bench.memgrowth's own measures of a process's memory, on real processes."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from bench.memgrowth import mallinfo, pymalloc, smaps_by_kind
+from bench.soak import MAPPINGS, PROBE
+
+
+def test_the_bench_splits_rss_by_mapping_as_the_soaks_probe_does() -> None:
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        script = PROBE.replace("$(systemctl show -P MainPID tpuboot)", str(sleeper.pid))
+        probed = subprocess.run(
+            ["sh", "-c", script], capture_output=True, check=True, text=True
+        ).stdout.split()
+        split = smaps_by_kind(Path(f"/proc/{sleeper.pid}/smaps").read_text())
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert split == {f"rss_{kind}_kib": int(kib) for kind, kib in zip(MAPPINGS, probed[4:], strict=True)}
+
+
+def test_the_allocators_layers_are_read() -> None:
+    held = [bytes(1000) for _ in range(2000)]  # 2 MB through malloc (over pymalloc's 512 B)
+    layers = mallinfo() | pymalloc()
+    assert layers["malloc_in_use"] >= 2_000_000 and layers["malloc_free"] >= 0
+    assert layers["pymalloc_arenas"] >= 1 and layers["pymalloc_allocated"] > 0
+    assert set(layers) == {"malloc_in_use", "malloc_free", "malloc_mmapped"} | {
+        "pymalloc_arenas",
+        "pymalloc_allocated",
+        "pymalloc_available",
+    }
+    del held
+
+
+class Kept:
+    """An object a leak keeps."""
+
+
+class Keeper:
+    def __init__(self) -> None:
+        self.kept = Kept()
+
+
+def test_who_holds_the_objects_born_since_a_moment_is_named() -> None:
+    import collections
+    import gc
+
+    from bench.memgrowth import holders
+
+    gc.collect()
+    before = {id(o) for o in gc.get_objects()}
+    keepers = [Keeper() for _ in range(30)]
+    held = holders(before, collections.Counter({"Kept": 30, "Keeper": 30}), sample=10)
+    assert held["Kept"] == {f"{__name__}.Keeper": 10}  # through each Keeper's __dict__
+    assert held["Keeper"] == {"builtins.list": 10}
+    del keepers
