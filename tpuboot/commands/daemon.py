@@ -16,6 +16,9 @@ def cmd_run(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.signals import hold_until_served
 
     hold_until_served()  # until the loop gives each signal its meaning (tpuboot/signals.py)
+    from tpuboot.allocator import fix_mmap_threshold
+
+    fix_mmap_threshold()  # a daemon that lives for months: large blocks go back whole
     try:
         config = ctx.config
     except ConfigError as exc:  # a daemon that exits on a typo leaves the TPUs unbound
