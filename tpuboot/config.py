@@ -429,7 +429,9 @@ class Config(Section):
     doctor: DoctorConfig = option(DoctorConfig(), section_parser(DoctorConfig))
     recovery: RecoveryConfig = option(RecoveryConfig(), section_parser(RecoveryConfig))
     notices: NoticesConfig = option(NoticesConfig(), section_parser(NoticesConfig))
-    runtime_metrics: RuntimeMetricsConfig = option(RuntimeMetricsConfig(), section_parser(RuntimeMetricsConfig))
+    runtime_metrics: RuntimeMetricsConfig = option(
+        RuntimeMetricsConfig(), section_parser(RuntimeMetricsConfig)
+    )
 
 
 def _sets_nothing(text: str) -> bool:

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from tpuboot.gce.guestattrs import Publisher
     from tpuboot.metrics_endpoint import MetricsEndpoint
     from tpuboot.notices.service import Notices
+    from tpuboot.runtime.collector import RuntimeCollector
 
 log = logging.getLogger("tpuboot.daemon")
 
@@ -87,6 +88,7 @@ class Daemon:
         cdi: SpecWriter | None = None,
         recovery: AutoRecovery | None = None,
         notices: Notices | None = None,
+        runtime: RuntimeCollector | None = None,
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
         self.devices = devices
@@ -101,6 +103,7 @@ class Daemon:
         self.cdi = cdi  # the CDI spec: refreshed in the turn of every device change
         self.recovery = recovery  # recovery.automatic: wedged chips reset at each tick, in the pool
         self.notices = notices  # maintenance and preemption notices: its own threads, never waited for
+        self.runtime = runtime  # libtpu's runtime metrics: looked for at each tick, polled in its own thread
         self.ready = False
         self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
         self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread
@@ -208,6 +211,8 @@ class Daemon:
             parts.append(self.containers)
         if self.notices is not None:
             parts.append(self.notices)
+        if self.runtime is not None:
+            parts.append(self.runtime)
         return parts
 
     def statuses(self) -> list[Status]:
@@ -305,7 +310,8 @@ class Daemon:
 
     def _has_periodic_checks(self) -> bool:
         endpoints = self.containers is not None and self.containers.checks_endpoints
-        return endpoints or self.recovery is not None or self.guest_attrs is not None
+        runtime = self.runtime is not None and self.runtime.missing is None
+        return endpoints or runtime or self.recovery is not None or self.guest_attrs is not None
 
     def _periodic_checks(self) -> None:
         """The agents' endpoints probed, the wedged chips reset and the TPUs' PCIe state read for
@@ -326,6 +332,8 @@ class Daemon:
             checks.append(self.containers.check_endpoints)
         if self.recovery is not None or self.guest_attrs is not None:
             checks.append(self._pcie_round)
+        if self.runtime is not None:
+            checks.append(self.runtime.check)
         for check in checks:
             try:
                 check()
@@ -354,6 +362,8 @@ class Daemon:
             self.env.start(report)
         if self.notices is not None:  # its own threads: READY never waits for it
             self.notices.start(report)
+        if self.runtime is not None:  # polls in its own thread, only while a chip is held
+            self.runtime.start(report)
         if self.containers is not None:  # in their own threads: READY never waits for dockerd
             self.containers.start(report)
         self._changed()  # the TPUs coldplug found open the containers' gate at once
@@ -424,6 +434,8 @@ class Daemon:
             self.env.stop()
         if self.notices is not None:
             self.notices.stop()
+        if self.runtime is not None:
+            self.runtime.stop()
         if self.guest_attrs is not None:
             self.guest_attrs.stop(final={"state": "stopped"})
         if self.metadata is not None:

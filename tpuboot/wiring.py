@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from tpuboot.metrics_server import MetricsServer
     from tpuboot.notices.service import NoticeSettings
     from tpuboot.notify import Notifier
+    from tpuboot.runtime.collector import RuntimeCollector
 
 log = logging.getLogger("tpuboot.wiring")
 
@@ -118,9 +119,14 @@ def build(
         from tpuboot.notices.service import Notices
 
         notices = Notices(root, metadata, notice_settings(config.notices))
+    runtime = None
+    if config.runtime_metrics.enabled:
+        from tpuboot.runtime.collector import RuntimeCollector
+
+        runtime = RuntimeCollector(root, config)
     endpoint = None
     if config.metrics.enabled:
-        endpoint = MetricsEndpoint(functools.partial(open_metrics, root, binder.table, config))
+        endpoint = MetricsEndpoint(functools.partial(open_metrics, root, binder.table, config, runtime))
     recovery = None
     if config.recovery.automatic:
         from tpuboot.devices.recovery import AutoRecovery
@@ -130,17 +136,31 @@ def build(
     notifier = notifier or Notifier()
     parts = (env, containers, guest_attrs, metadata, endpoint)
     return Daemon(
-        loop, devices, executor, notifier, *parts, budget=budget, cdi=cdi, recovery=recovery, notices=notices
+        loop,
+        devices,
+        executor,
+        notifier,
+        *parts,
+        budget=budget,
+        cdi=cdi,
+        recovery=recovery,
+        notices=notices,
+        runtime=runtime,
     )
 
 
-def open_metrics(root: Root, table: DeviceTable, config: Config) -> MetricsServer | None:
-    """The daemon's /metrics, with what is read at each scrape (PCIe health, the chips' holders),
-    never between scrapes; in the endpoint's own thread, so prometheus_client loads beside the boot."""
+def open_metrics(
+    root: Root, table: DeviceTable, config: Config, runtime: RuntimeCollector | None = None
+) -> MetricsServer | None:
+    """The daemon's /metrics, with what is read at each scrape (PCIe health, the chips' holders,
+    the runtime collector's last poll), never between scrapes; in the endpoint's own thread, so
+    prometheus_client loads beside the boot."""
     from tpuboot import metrics_export
 
     metrics_export.watch_pcie(root, table)
     metrics_export.watch_holders(root, config)
+    if runtime is not None:
+        metrics_export.watch_runtime(runtime.snapshot)
     return metrics_export.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
 
 

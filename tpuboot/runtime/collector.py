@@ -119,8 +119,12 @@ class RuntimeCollector:
         *,
         holders: Callable[[], Holders] | None = None,
         host: str | None = None,
+        proc: Root | None = None,
     ) -> None:
+        """Seams (tests): ``holders`` (the scan), ``host`` (the accelerator ids' prefix), ``proc``
+        (the root whose /proc/net/tcp and fds name the ports' listeners; ``root`` by default)."""
         self.root = root
+        self.proc = proc or root
         self.config = config
         self.interval = config.runtime_metrics.interval
         self.timeout = config.runtime_metrics.timeout
@@ -234,11 +238,11 @@ class RuntimeCollector:
     def _listeners(self, ports: tuple[int, ...]) -> dict[int, set[int]]:
         """Each port listened on, with its listeners' PIDs; the /proc walk that names them is made
         again only when the listening sockets change."""
-        inodes = port_inodes(self.root, ports)
+        inodes = port_inodes(self.proc, ports)
         every = frozenset().union(*inodes.values()) if inodes else frozenset()
         known, owners = self._owners
         if every != known:
-            owners = socket_owners(self.root, set(every))
+            owners = socket_owners(self.proc, set(every))
             self._owners = (every, owners)
         return {port: {pid for i in held for pid in owners.get(i, ())} for port, held in inodes.items()}
 
