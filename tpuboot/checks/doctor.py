@@ -41,6 +41,7 @@ from tpuboot.checks.kernel import kernel_arch
 from tpuboot.checks.notices import check_notice
 from tpuboot.checks.parsers.systemd import Systemd
 from tpuboot.checks.pcie import check_pcie_health
+from tpuboot.checks.runtime import RuntimeChecks
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.devices.chips import chips_present
@@ -192,6 +193,7 @@ class Doctor:
                     ("maintenance-notice", lambda: check_notice(self.root, self.config)),
                 ]
             )
+            + RuntimeChecks(root, config).named()  # what the daemon last read of the jobs' libtpu
         )
 
     def run(self) -> list[Verdict]:
