@@ -251,6 +251,17 @@ def cmd_who(ctx: Context, args: argparse.Namespace) -> int:
     return _held_exit(report)
 
 
+def cmd_top(ctx: Context, args: argparse.Namespace) -> int:
+    from tpuboot.runtime.top import as_dict, healthy, look, render
+
+    snapshot = look(ctx.root, ctx.config)
+    if args.json:
+        _print_json(as_dict(snapshot))
+    else:
+        print("\n".join(render(snapshot)))
+    return EXIT_OK if healthy(snapshot) else EXIT_FAILED
+
+
 def cmd_release(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.holders.release import VbarProcesses, release, vbar_processes
     from tpuboot.holders.report import chips_of, gather
@@ -609,6 +620,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--boot", action="store_true", help="where this boot's time went, phase by phase")
     p = command(
         "who", cmd_who, "show who holds each TPU chip and libtpu's lock files (exit 1: something is held)"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command(
+        "top", cmd_top, "show each chip holder's duty cycle, HBM and faults as its libtpu reports them"
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("release", cmd_release, "remove libtpu lock files nobody holds; report (and end) holders")

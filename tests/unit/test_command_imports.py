@@ -103,6 +103,8 @@ TEXTFILE_BIND = CORE | PARSED | EXPORT | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.slice.shape", "tpuboot.checks.pcie",
     "tpuboot.checks.holders", "tpuboot.checks.cdi", "tpuboot.checks.notices", "tpuboot.notices",
+    "tpuboot.checks.runtime", "tpuboot.runtime", "tpuboot.runtime.statefile", "tpuboot.runtime.client",
+    "tpuboot.runtime.wire",
     "tpuboot.notices.noticefile",
     # slice-identity: tpuboot slice's judgement of the identity, without the sweep
     "tpuboot.slice", "tpuboot.slice.facts", "tpuboot.slice.identity", "tpuboot.slice.resolve",
@@ -115,6 +117,13 @@ SLICE = CORE | METADATA | HOLDERS | SURVEY - {"tpuboot.devices.health", "json"} 
     "tpuboot.slice", "tpuboot.slice.command", "tpuboot.slice.facts", "tpuboot.slice.identity",
     "tpuboot.slice.ports", "tpuboot.slice.resolve", "tpuboot.slice.sweep", "tpuboot.slice.verdict",
     "tpuboot.slice.wait", "tpuboot.slice.workers", "yaml"}  # fmt: skip
+
+#: `top`: the collector's code for one poll; grpcio itself only once a chip's holder listens.
+RUNTIME = {"tpuboot.runtime", "tpuboot.runtime.top", "tpuboot.runtime.collector", "tpuboot.runtime.client",
+           "tpuboot.runtime.wire", "tpuboot.runtime.reading", "tpuboot.runtime.ports",
+           "tpuboot.runtime.statefile", "tpuboot.holders.sockets", "tpuboot.atomicfile", "tpuboot.component",
+           "tpuboot.env", "tpuboot.env.tpuenv", "tpuboot.env.assignment", "yaml", "json",
+           "socket"}  # fmt: skip
 
 #: What reads the daemon's notice file (`status`, doctor, `wait-maintenance`).
 NOTICE_FILE = {
@@ -143,6 +152,7 @@ CASES = {
     "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
     "who": (["who"], None, CORE | CHIPS | HOLDERS),
     "who --json": (["who", "--json"], None, CORE | CHIPS | HOLDERS | {"json"}),
+    "top": (["top"], None, CORE | CHIPS | HOLDERS | RUNTIME),
     "who, metrics.textfile_dir set": (["who"], TEXTFILE, CORE | PARSED | SURVEY | HOLDERS | EXPORT),
     "release": (["release", "--dry-run"], None, CORE | CHIPS | HOLDERS | RELEASE),
     "wait-free": (

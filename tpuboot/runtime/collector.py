@@ -90,6 +90,37 @@ def scan_holders(root: Root, config: Config) -> Holders:
     return Holders(len(chips), found)
 
 
+@dataclass(frozen=True)
+class Targets:
+    """What to poll, from tpu-env: the ports, the labels GKE puts on each device's series, and
+    why the port list was not used (one line) when it was garbage."""
+
+    ports: tuple[int, ...]
+    model: str = ""
+    topology: str = ""
+    problem: str | None = None
+
+
+def targets(root: Root, config: Config, held: Holders) -> Targets:
+    """The ports and labels for ``held``'s chips, from the tpu-env file as the jobs read it."""
+    env = _tpu_env(root, config)
+    ports, problem = runtime_ports(env, held.chips)
+    if env is None:
+        return Targets(ports, problem=problem)
+    model = printable(env_value(env, "ACCELERATOR_TYPE") or "")
+    return Targets(ports, model, printable(env_value(env, "TOPOLOGY") or ""), problem)
+
+
+def _tpu_env(root: Root, config: Config) -> dict[str, str] | None:
+    if not config.env.enabled:
+        return None
+    try:
+        data = read_file(root, config.env.tpu_env_path, limit=MAX_TPU_ENV)
+    except FileError:
+        return None
+    return None if data is None else parse_env_file(data.decode("utf-8", "replace"))
+
+
 @dataclass
 class _Said:
     """What was last said of each port, so a trouble is one line, not one per poll."""
@@ -189,33 +220,21 @@ class RuntimeCollector:
             self._scan_said = said
             if said:
                 log.warning("%s", said)
-        env = self._tpu_env() if held.processes else None
-        ports, problem = runtime_ports(env, held.chips)
-        if held.processes and problem != self._env_said:
-            self._env_said = problem
-            if problem:
-                log.warning("runtime metrics: %s", problem)
+        target = targets(self.root, self.config, held) if held.processes else Targets(())
+        if held.processes and target.problem != self._env_said:
+            self._env_said = target.problem
+            if target.problem:
+                log.warning("runtime metrics: %s", target.problem)
         with self._lock:
             if self._stopping:
                 return
             self._held = held.processes
-            self._ports = ports
-            self._model = printable(env_value(env, "ACCELERATOR_TYPE") or "") if env else ""
-            self._topology = printable(env_value(env, "TOPOLOGY") or "") if env else ""
+            self._ports, self._model, self._topology = target.ports, target.model, target.topology
             if held.processes and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tpuboot-runtime", daemon=True)
                 self._thread.start()
             elif not held.processes:
                 self._wake.set()  # the poller sees no holder and ends
-
-    def _tpu_env(self) -> dict[str, str] | None:
-        if not self.config.env.enabled:
-            return None
-        try:
-            data = read_file(self.root, self.config.env.tpu_env_path, limit=MAX_TPU_ENV)
-        except FileError:
-            return None
-        return None if data is None else parse_env_file(data.decode("utf-8", "replace"))
 
     # --- the poller thread --------------------------------------------------------------------
 
