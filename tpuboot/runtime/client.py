@@ -30,7 +30,13 @@ GRPC_PACKAGE = "python3-grpcio"
 
 
 class CallError(TpubootError):
-    """A call that failed, in one line: the port, the method and gRPC's status or the decoding."""
+    """A call that failed, in one line: the port, the method and gRPC's status or the decoding.
+    ``kind`` is the method and status alone: gRPC's details of one trouble differ from call to
+    call (a reset reads "recvmsg" once, "getsockopt" the next), and the journal says a trouble once."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def grpc_missing() -> str | None:
@@ -60,9 +66,11 @@ class Client:
             code = exc.code() if hasattr(exc, "code") else None
             said = exc.details() if hasattr(exc, "details") else str(exc)
             word = code.name if code is not None else "failed"
-            raise CallError(f"port {self.port}: {name}: {word}: {printable(str(said or ''))[:160]}") from None
+            message = f"port {self.port}: {name}: {word}: {printable(str(said or ''))[:160]}"
+            raise CallError(message, f"{name} {word}") from None
         if not isinstance(answer, bytes):
-            raise CallError(f"port {self.port}: {name}: gRPC returned {type(answer).__name__}, not bytes")
+            message = f"port {self.port}: {name}: gRPC returned {type(answer).__name__}, not bytes"
+            raise CallError(message, f"{name} not bytes")
         return answer
 
     def supported(self) -> list[str]:
@@ -70,14 +78,18 @@ class Client:
         try:
             return wire.supported_metrics(data)
         except wire.DecodeError as exc:
-            raise CallError(f"port {self.port}: ListSupportedMetrics: {exc}") from None
+            raise CallError(
+                f"port {self.port}: ListSupportedMetrics: {exc}", "ListSupportedMetrics malformed"
+            ) from None
 
     def metric(self, name: str) -> wire.Response:
         data = self._call(self._get, "GetRuntimeMetric", wire.metric_request(name))
         try:
             return wire.metric_response(data)
         except wire.DecodeError as exc:
-            raise CallError(f"port {self.port}: GetRuntimeMetric {name}: {exc}") from None
+            raise CallError(
+                f"port {self.port}: GetRuntimeMetric {name}: {exc}", f"{name} malformed"
+            ) from None
 
 
 @contextmanager

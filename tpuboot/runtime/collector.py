@@ -123,20 +123,20 @@ def _tpu_env(root: Root, config: Config) -> dict[str, str] | None:
 
 @dataclass
 class _Said:
-    """What was last said of each port, so a trouble is one line, not one per poll."""
+    """What trouble was last said of each port, so a trouble is one line, not one per poll:
+    ``which`` names the trouble (the same trouble may read differently from poll to poll)."""
 
-    lines: dict[tuple[int, str], str] = field(default_factory=dict)
+    troubles: dict[tuple[int, str], str] = field(default_factory=dict)
 
-    def say(self, port: int, kind: str, line: str | None, fields: dict[str, Any]) -> None:
-        key = (port, kind)
-        before = self.lines.get(key)
-        if line == before:
+    def say(self, port: int, what: str, which: str | None, line: str, fields: dict[str, Any]) -> None:
+        key = (port, what)
+        if which == self.troubles.get(key):
             return
-        if line is None:
-            self.lines.pop(key, None)
-            log.info("runtime metrics: port %d: %s cleared", port, kind, extra=fields)
+        if which is None:
+            self.troubles.pop(key, None)
+            log.info("runtime metrics: port %d: %s answers again", port, what, extra=fields)
         else:
-            self.lines[key] = line
+            self.troubles[key] = which
             log.warning("runtime metrics: %s", line, extra=fields)
 
 
@@ -279,12 +279,13 @@ class RuntimeCollector:
             try:
                 with connect(port, self.timeout) as client:
                     reading = read_port(client)
-                error = None
+                error, which = None, None
             except CallError as exc:
-                reading, error = None, str(exc)
-            self._said.say(port, "the service", error, fields)
-            problems = "; ".join(reading.problems) if reading else None
-            self._said.say(port, "its samples", problems or None, fields)
+                reading, error, which = None, str(exc), exc.kind
+            self._said.say(port, "the service", which, error or "", fields)
+            problems = "; ".join(reading.problems) if reading else ""
+            if reading is not None:
+                self._said.say(port, "its samples", problems or None, f"port {port}: {problems}", fields)
             polled.append(Polled(port, holder, reading, error))
         snapshot = Snapshot(tuple(polled), model, topology, self.host)
         with self._lock:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.runtime_server import RuntimeServer, Silent, tpu7x, v5e
-from tests.unit.runtime.test_collector import JOB, ME, write_ports
+from tests.unit.helpers.runtime import JOB, ME, write_ports
 from tpuboot.config import Config
 from tpuboot.paths import Root
 from tpuboot.runtime import top
@@ -26,7 +26,7 @@ def test_each_device_with_its_holder(tmp_path: Path) -> None:
         snapshot = look(root, config)
     lines = top.render(snapshot)
     assert lines[0] == "v5litepod-4 2x2"
-    assert lines[1].startswith(f"port {a.port}  PID {ME} (unit job.service)  python3 train.py")
+    assert lines[1].startswith(f"port {min(a.port, b.port)}  PID {ME} (unit job.service)  python3 train.py")
     assert "  0              37.5%  1.00 GiB / 16.00 GiB (6%)" in lines
     assert lines.count("  no hang, no slice error") == 2
     assert top.healthy(snapshot)
