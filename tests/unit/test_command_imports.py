@@ -21,7 +21,7 @@ from tests.unit.helpers.cli import commands
 from tpuboot import cli
 
 REPO = Path(__file__).resolve().parents[2]
-LIBRARIES = {"yaml", "pyudev", "prometheus_client", "requests", "urllib3", "systemd"}
+LIBRARIES = {"yaml", "pyudev", "prometheus_client", "requests", "urllib3", "systemd", "grpc"}
 #: Standard modules heavy enough to track (dataclasses brings inspect). Tracked only for commands
 #: that load no library beyond yaml: requests and prometheus_client import some of them, differently
 #: by version.
