@@ -47,10 +47,12 @@ def build(
     metadata: MetadataClient | None = None,
     docker: Callable[[], DockerAPI] | None = None,
     loop: EventLoop | None = None,
+    runtime: RuntimeCollector | None = None,
 ) -> Daemon:
     """The daemon, its binds of the TPUs present already running. Seams (tests): ``binder`` (a
     fake kernel's), ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client
-    for every part), ``docker`` (a dockerd client factory), ``loop`` (one that counts its wake-ups)."""
+    for every part), ``docker`` (a dockerd client factory), ``loop`` (one that counts its wake-ups),
+    ``runtime`` (a collector whose holders and listeners the test names)."""
     binder = binder or Binder.of(root, config)
     from time import CLOCK_BOOTTIME, clock_gettime  # the boot budget's clock; its module comes later
 
@@ -119,8 +121,9 @@ def build(
         from tpuboot.notices.service import Notices
 
         notices = Notices(root, metadata, notice_settings(config.notices))
-    runtime = None
-    if config.runtime_metrics.enabled:
+    if not config.runtime_metrics.enabled:
+        runtime = None
+    elif runtime is None:
         from tpuboot.runtime.collector import RuntimeCollector
 
         runtime = RuntimeCollector(root, config)
