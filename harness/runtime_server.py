@@ -11,14 +11,16 @@ are garbage, too large, of the wrong types or of unknown names.
 
 Standalone (a VM guest's stand-in job)::
 
-    python3 harness/runtime_server.py --port 8431 --devices 4
+    python3 harness/runtime_server.py --port 8431 --devices 4 [--hold /dev/vfio/N]
 
-serves until killed; SIGUSR1 turns the hang gauge on, SIGUSR2 off.
+serves until killed; SIGUSR1 turns the hang gauge on, SIGUSR2 off. ``--hold`` opens a chip's node
+first and keeps it open, as a job's libtpu does: the stand-in job of a stand-in chip.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import struct
@@ -274,11 +276,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=8431)
     parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--hold", help="a device node to keep open while serving")
     args = parser.parse_args()
+    held = os.open(args.hold, os.O_RDWR) if args.hold else None  # kept open until killed
     server = RuntimeServer(v5e(args.devices), port=args.port).start()
     signal.signal(signal.SIGUSR1, lambda *_: server.set(hang=True))
     signal.signal(signal.SIGUSR2, lambda *_: server.set(hang=False))
-    print(f"serving on 127.0.0.1:{server.port}", flush=True)
+    print(
+        f"serving on 127.0.0.1:{server.port}" + (f", holding {args.hold}" if held is not None else ""),
+        flush=True,
+    )
     while True:
         signal.pause()
 
