@@ -234,6 +234,7 @@ class RuntimeCollector:
                 self._thread = threading.Thread(target=self._run, name="tpuboot-runtime", daemon=True)
                 self._thread.start()
             elif not held.processes:
+                self._publish(Snapshot())  # the series go now, whatever the poller is doing
                 self._wake.set()  # the poller sees no holder and ends
 
     # --- the poller thread --------------------------------------------------------------------
