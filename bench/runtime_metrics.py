@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=10.0)
     parser.add_argument("--devices", type=int, default=8)
     args = parser.parse_args(argv)
-    logging.getLogger("tpuboot").setLevel(logging.ERROR)
+    logging.getLogger("tpuboot").setLevel(logging.CRITICAL)  # figures only here
     job, port = start_job(args.devices)
     try:
         with tempfile.TemporaryDirectory() as top:
@@ -110,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = dataclasses.replace(
                 Config(), runtime_metrics=RuntimeMetricsConfig(interval=args.interval)
             )
+            tpu_env = Root(top).path(config.env.tpu_env_path)  # the job's port, as tpu-env names it
+            tpu_env.parent.mkdir(parents=True)
+            tpu_env.write_text(f'TPU_RUNTIME_METRICS_PORTS="{port}"\n')
             held = {job.pid: process}
             collector = RuntimeCollector(
                 Root(top), config, holders=lambda: Holders(1, held), host="bench", proc=Root("/")

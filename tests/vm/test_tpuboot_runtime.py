@@ -50,10 +50,8 @@ def scrape(vm: VM) -> str:
 
 
 def wait_scrape(vm: VM, pattern: str, present: bool = True, timeout: float = 150.0) -> None:
-    test = "grep -q" if present else "! grep -q"
-    vm.wait_until(
-        f"python3 -c {shlex.quote(SCRAPE)} | {test} {shlex.quote(pattern)}", timeout=timeout, interval=2.0
-    )
+    pipeline = f"python3 -c {shlex.quote(SCRAPE)} | grep -q {shlex.quote(pattern)}"
+    vm.wait_until(pipeline if present else f"! {pipeline}", timeout=timeout, interval=2.0)
 
 
 def test_a_stand_in_jobs_metrics_a_hang_and_its_end(vm: VM) -> None:
