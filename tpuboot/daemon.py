@@ -18,7 +18,8 @@ The concurrency rule (one rule, kept everywhere):
 - **A component's own threads** do its blocking work: the runtime-environment side (tpu-env
   sync, then the watch; it also tells the containers to look at their image again), the
   containers (the GKE check, one supervisor per container), the guest-attribute publisher, the
-  metrics server, the notices (a watch per key and the hook runner, tpuboot/notices/). Each
+  metrics server, the notices (a watch per key and the hook runner, tpuboot/notices/), libtpu's
+  runtime metrics (a poller only while a chip is held, tpuboot/runtime/). Each
   component owns its state and guards it with its own lock (or an Event); its ``status()``
   returns an immutable :class:`~tpuboot.component.Status`, so any thread may read it.
 - **Results come back by report**: a thread never touches the loop's state; it calls
