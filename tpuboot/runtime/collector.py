@@ -190,8 +190,8 @@ class RuntimeCollector:
             self._stopping = True
             thread = self._thread
         self._wake.set()
-        if thread is not None:
-            thread.join(self.timeout * 8 + 1)
+        if thread is not None:  # a poll in flight ends at its deadline; the stop waits a second at most
+            thread.join(min(self.timeout, 1.0))
 
     def status(self) -> Status:
         return self._status

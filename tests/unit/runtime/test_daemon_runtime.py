@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.runtime_server import RuntimeServer, v5e
+from harness.runtime_server import RuntimeServer, Silent, v5e
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.daemon import (
     DEVICES_ONLY,
@@ -73,4 +73,29 @@ def test_the_daemon_exports_a_held_chips_metrics_and_a_hang(
             held.clear()
             until(lambda: "duty_cycle{" not in scrape(port))
             until(lambda: not collector.polling)
+            assert running.stop() == 0
+
+
+def test_a_libtpu_that_never_answers_leaves_the_loop_and_watchdog_beating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    kernel = FakeKernel(tmp_path)
+    add_tpu(kernel, driver="vfio-pci")
+    config = DEVICES_ONLY.replace(
+        ready=FIRST_ATTEMPT, env=EnvConfig(enabled=True), runtime_metrics=RuntimeMetricsConfig(timeout=10.0)
+    )
+    collector = RuntimeCollector(
+        kernel.root, config, holders=lambda: Holders(1, {ME: JOB}), host="tpu-vm", proc=Root("/")
+    )
+    notifier = RecordingNotifier()
+    with Silent() as silent:
+        write_ports(kernel.root, config, str(silent.port))
+        daemon = build(kernel.root, config, binder=binder(kernel), monitor=QueueMonitor(),
+                       notifier=notifier, runtime=collector)  # fmt: skip
+        with serving(daemon) as running:
+            until(lambda: daemon.ready and silent.accepted != [])  # a poll waits on its 10 s deadline
+            beats = notifier.sent.count("WATCHDOG=1")
+            until(lambda: notifier.sent.count("WATCHDOG=1") >= beats + 10)  # beating meanwhile
             assert running.stop() == 0
