@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MATRIX = Path(__file__).resolve().parents[1] / "scripts" / "matrix"
-#: tpuboot's run-time dependencies, by their distribution names on PyPI.
-LIBRARIES = ("PyYAML", "requests", "urllib3", "pyudev", "systemd-python", "prometheus-client")
+#: tpuboot's run-time dependencies, by their distribution names on PyPI (grpcio: the optional one,
+#: a Recommends of the package, for libtpu's runtime metrics).
+LIBRARIES = ("PyYAML", "requests", "urllib3", "pyudev", "systemd-python", "prometheus-client", "grpcio")
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         "who", "holders", "show who holds each TPU chip and libtpu's lock files (exit 1: something is held)"
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = command(
+        "top", "runtime", "show each chip holder's duty cycle, HBM and faults as its libtpu reports them"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = command("release", "holders", "remove libtpu lock files nobody holds; report (and end) holders")
     p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
     p.add_argument("--kill", action="store_true", help="also end the holders: SIGTERM, then SIGKILL")

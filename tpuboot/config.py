@@ -399,6 +399,17 @@ class NoticesConfig(Section):
 
 
 @dataclass(frozen=True)
+class RuntimeMetricsConfig(Section):
+    """libtpu's runtime metrics (duty cycle, HBM, fault gauges), polled while a chip is held."""
+
+    enabled: bool = option(True, parse_bool)
+    # GKE's device plugin polls every 10 s.
+    interval: float = option(10.0, parse_seconds(300.0, " (a poll at least every 5 minutes)"))
+    # Each call's deadline: a libtpu that does not answer costs at most this per port.
+    timeout: float = option(1.0, parse_seconds(10.0, " (within the poll)"))
+
+
+@dataclass(frozen=True)
 class Config(Section):
     devices: tuple[MatchRule, ...] = option((), parse_rules)
     vfio: VfioConfig = option(VfioConfig(), section_parser(VfioConfig))
@@ -418,6 +429,9 @@ class Config(Section):
     doctor: DoctorConfig = option(DoctorConfig(), section_parser(DoctorConfig))
     recovery: RecoveryConfig = option(RecoveryConfig(), section_parser(RecoveryConfig))
     notices: NoticesConfig = option(NoticesConfig(), section_parser(NoticesConfig))
+    runtime_metrics: RuntimeMetricsConfig = option(
+        RuntimeMetricsConfig(), section_parser(RuntimeMetricsConfig)
+    )
 
 
 def _sets_nothing(text: str) -> bool:

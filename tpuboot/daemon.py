@@ -18,7 +18,8 @@ The concurrency rule (one rule, kept everywhere):
 - **A component's own threads** do its blocking work: the runtime-environment side (tpu-env
   sync, then the watch; it also tells the containers to look at their image again), the
   containers (the GKE check, one supervisor per container), the guest-attribute publisher, the
-  metrics server, the notices (a watch per key and the hook runner, tpuboot/notices/). Each
+  metrics server, the notices (a watch per key and the hook runner, tpuboot/notices/), libtpu's
+  runtime metrics (a poller only while a chip is held, tpuboot/runtime/). Each
   component owns its state and guards it with its own lock (or an Event); its ``status()``
   returns an immutable :class:`~tpuboot.component.Status`, so any thread may read it.
 - **Results come back by report**: a thread never touches the loop's state; it calls
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from tpuboot.gce.guestattrs import Publisher
     from tpuboot.metrics_endpoint import MetricsEndpoint
     from tpuboot.notices.service import Notices
+    from tpuboot.runtime.collector import RuntimeCollector
 
 log = logging.getLogger("tpuboot.daemon")
 
@@ -89,6 +91,7 @@ class Daemon:
         recovery: AutoRecovery | None = None,
         vbar_relay: VbarRelay | None = None,
         notices: Notices | None = None,
+        runtime: RuntimeCollector | None = None,
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
         self.devices = devices
@@ -104,6 +107,7 @@ class Daemon:
         self.recovery = recovery  # recovery.automatic: wedged chips reset at each tick, in the pool
         self.vbar_relay = vbar_relay  # vBar's socket for containers: its own thread, never waited for
         self.notices = notices  # maintenance and preemption notices: its own threads, never waited for
+        self.runtime = runtime  # libtpu's runtime metrics: looked for at each tick, polled in its own thread
         self.ready = False
         self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
         self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread
@@ -211,6 +215,8 @@ class Daemon:
             parts.append(self.containers)
         if self.notices is not None:
             parts.append(self.notices)
+        if self.runtime is not None:
+            parts.append(self.runtime)
         return parts
 
     def statuses(self) -> list[Status]:
@@ -308,7 +314,8 @@ class Daemon:
 
     def _has_periodic_checks(self) -> bool:
         endpoints = self.containers is not None and self.containers.checks_endpoints
-        return endpoints or self.recovery is not None or self.guest_attrs is not None
+        runtime = self.runtime is not None and self.runtime.missing is None
+        return endpoints or runtime or self.recovery is not None or self.guest_attrs is not None
 
     def _periodic_checks(self) -> None:
         """The agents' endpoints probed, the wedged chips reset and the TPUs' PCIe state read for
@@ -329,6 +336,8 @@ class Daemon:
             checks.append(self.containers.check_endpoints)
         if self.recovery is not None or self.guest_attrs is not None:
             checks.append(self._pcie_round)
+        if self.runtime is not None:
+            checks.append(self.runtime.check)
         for check in checks:
             try:
                 check()
@@ -357,6 +366,8 @@ class Daemon:
             self.env.start(report)
         if self.notices is not None:  # its own threads: READY never waits for it
             self.notices.start(report)
+        if self.runtime is not None:  # polls in its own thread, only while a chip is held
+            self.runtime.start(report)
         if self.containers is not None:  # in their own threads: READY never waits for dockerd
             self.containers.start(report)
         if self.vbar_relay is not None:
@@ -429,6 +440,8 @@ class Daemon:
             self.env.stop()
         if self.notices is not None:
             self.notices.stop()
+        if self.runtime is not None:
+            self.runtime.stop()
         if self.guest_attrs is not None:
             self.guest_attrs.stop(final={"state": "stopped"})
         if self.metadata is not None:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import Collector
 
     from tpuboot.holders.report import Report
+    from tpuboot.runtime.collector import Snapshot
 
 log = logging.getLogger("tpuboot.metrics")
 
@@ -213,6 +214,7 @@ class Exported:
     registry: CollectorRegistry
     holders: Collector  # RecordedHolders, until the daemon's HolderCollector replaces it
     pcie: Collector | None = None
+    runtime: Collector | None = None
 
 
 _exported: weakref.WeakKeyDictionary[Metrics, Exported] = weakref.WeakKeyDictionary()
@@ -351,6 +353,77 @@ def watch_pcie(root: Root, table: DeviceTable) -> None:
         target.registry.unregister(target.pcie)
     target.pcie = cast("Collector", PcieCollector(root, table))
     target.registry.register(target.pcie)
+
+
+#: GKE's device plugin's labels of duty_cycle, memory_used and memory_total (its ``make``
+#: is always this); tpuboot adds the holder where GKE has namespace, pod and container.
+GKE_MAKE = "cloud-tpu"
+RUNTIME_LABELS = ["make", "accelerator_id", "model", "tpu_topology", "pid", "holder"]
+
+
+class RuntimeExport:
+    """libtpu's runtime metrics as the daemon's collector last polled them (tpuboot/runtime/),
+    under GKE's names and labels (``duty_cycle``, ``memory_used``, ``memory_total``), so GKE's
+    dashboards carry over; read from its snapshot at each scrape, nothing asked of libtpu here."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.snapshot()
+        duty = GaugeMetricFamily(
+            "duty_cycle", "Percent of time when the TPU was actively processing", labels=RUNTIME_LABELS
+        )
+        used = GaugeMetricFamily("memory_used", "Allocated TPU memory in bytes", labels=RUNTIME_LABELS)
+        total = GaugeMetricFamily(
+            "memory_total", "Total memory available on the TPU in bytes", labels=RUNTIME_LABELS
+        )
+        port_labels = ["port", "pid", "holder"]
+        up = GaugeMetricFamily(
+            "tpuboot_runtime_metrics_up",
+            "1 when the chip holder's libtpu answered the last poll of its metric port, 0 when not.",
+            labels=port_labels,
+        )
+        hang = GaugeMetricFamily(
+            "tpuboot_runtime_hang_detected",
+            "1 while libtpu's megascale error gauge reports HANG_DETECTED (GKE: MegascaleHangDetected).",
+            labels=port_labels,
+        )
+        slice_error = GaugeMetricFamily(
+            "tpuboot_runtime_slice_error_detected",
+            "1 while libtpu's slice error gauge is on (GKE: SliceErrorDetected).",
+            labels=port_labels,
+        )
+        for p in s.ports:
+            who = [str(p.port), str(p.holder.pid), p.holder.where]
+            up.add_metric(who, 0 if p.reading is None else 1)
+            if p.reading is None:
+                continue
+            hang.add_metric(who, 1 if p.reading.hang else 0)
+            slice_error.add_metric(who, 0 if p.reading.slice_error is None else 1)
+            for d in p.reading.devices:
+                labels = [
+                    GKE_MAKE,
+                    f"{s.host}-{d.device}",
+                    s.model,
+                    s.topology,
+                    str(p.holder.pid),
+                    p.holder.where,
+                ]
+                for family, value in ((duty, d.duty_cycle), (used, d.memory_used), (total, d.memory_total)):
+                    if value is not None:
+                        family.add_metric(labels, value)
+        yield from (duty, used, total, up, hang, slice_error)
+
+
+def watch_runtime(snapshot: Callable[[], Snapshot]) -> None:
+    """Export libtpu's runtime metrics from ``snapshot`` (the daemon's collector) with the
+    current metrics."""
+    target = exported(current())
+    if target.runtime is not None:  # a daemon built again with the same metrics (tests)
+        target.registry.unregister(target.runtime)
+    target.runtime = cast("Collector", RuntimeExport(snapshot))
+    target.registry.register(target.runtime)
 
 
 def _server_class(address: str, port: int) -> tuple[type[MetricsServer], str]:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from tpuboot.metrics_server import MetricsServer
     from tpuboot.notices.service import NoticeSettings
     from tpuboot.notify import Notifier
+    from tpuboot.runtime.collector import RuntimeCollector
 
 log = logging.getLogger("tpuboot.wiring")
 
@@ -48,10 +49,12 @@ def build(
     metadata: MetadataClient | None = None,
     docker: Callable[[], DockerAPI] | None = None,
     loop: EventLoop | None = None,
+    runtime: RuntimeCollector | None = None,
 ) -> Daemon:
     """The daemon, its binds of the TPUs present already running. Seams (tests): ``binder`` (a
     fake kernel's), ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client
-    for every part), ``docker`` (a dockerd client factory), ``loop`` (one that counts its wake-ups)."""
+    for every part), ``docker`` (a dockerd client factory), ``loop`` (one that counts its wake-ups),
+    ``runtime`` (a collector whose holders and listeners the test names)."""
     binder = binder or Binder.of(root, config)
     from time import CLOCK_BOOTTIME, clock_gettime  # the boot budget's clock; its module comes later
 
@@ -132,9 +135,15 @@ def build(
         from tpuboot.notices.service import Notices
 
         notices = Notices(root, metadata, notice_settings(config.notices))
+    if not config.runtime_metrics.enabled:
+        runtime = None
+    elif runtime is None:
+        from tpuboot.runtime.collector import RuntimeCollector
+
+        runtime = RuntimeCollector(root, config)
     endpoint = None
     if config.metrics.enabled:
-        endpoint = MetricsEndpoint(functools.partial(open_metrics, root, binder.table, config))
+        endpoint = MetricsEndpoint(functools.partial(open_metrics, root, binder.table, config, runtime))
     recovery = None
     if config.recovery.automatic:
         from tpuboot.devices.recovery import AutoRecovery
@@ -154,6 +163,7 @@ def build(
         recovery=recovery,
         vbar_relay=vbar_relay,
         notices=notices,
+        runtime=runtime,
     )
 
 
@@ -169,13 +179,18 @@ def tpu_env_changed(loop: EventLoop, cdi: SpecWriter, containers: Containers | N
     return changed
 
 
-def open_metrics(root: Root, table: DeviceTable, config: Config) -> MetricsServer | None:
-    """The daemon's /metrics, with what is read at each scrape (PCIe health, the chips' holders),
-    never between scrapes; in the endpoint's own thread, so prometheus_client loads beside the boot."""
+def open_metrics(
+    root: Root, table: DeviceTable, config: Config, runtime: RuntimeCollector | None = None
+) -> MetricsServer | None:
+    """The daemon's /metrics, with what is read at each scrape (PCIe health, the chips' holders,
+    the runtime collector's last poll), never between scrapes; in the endpoint's own thread, so
+    prometheus_client loads beside the boot."""
     from tpuboot import metrics_export
 
     metrics_export.watch_pcie(root, table)
     metrics_export.watch_holders(root, config)
+    if runtime is not None:
+        metrics_export.watch_runtime(runtime.snapshot)
     return metrics_export.serve(config.metrics)  # a busy port is a warning: the daemon runs on without
 
 

@@ -132,12 +132,20 @@ DOCKER_TRIXIE = Platform(
 # scripts/demo's guest: Debian 12's dockerd for vBar, and podman for a container given the chips
 # through tpuboot's CDI spec (Debian 12's docker 20.10 predates CDI).
 DEMO_BOOKWORM = Platform("demo-debian12", "bookworm", GUEST_PACKAGES, apt_packages=("podman", "crun"))
-VARIANT_OF = {PODMAN_BOOKWORM.name: BOOKWORM, DOCKER_TRIXIE.name: TRIXIE, DEMO_BOOKWORM.name: BOOKWORM}
+# libtpu's runtime metrics (tests/vm/test_tpuboot_runtime.py): Debian 12's python3-grpcio, the
+# package's Recommends, which no other guest needs.
+GRPC_BOOKWORM = Platform("grpc-debian12", "bookworm", BASE_PACKAGES, apt_packages=("python3-grpcio",))
+VARIANT_OF = {
+    PODMAN_BOOKWORM.name: BOOKWORM,
+    DOCKER_TRIXIE.name: TRIXIE,
+    DEMO_BOOKWORM.name: BOOKWORM,
+    GRPC_BOOKWORM.name: BOOKWORM,
+}
 
 
 def platform_named(name: str) -> Platform:
     """The platform called ``name`` (``debian12``, ``debian13``, or a variant's)."""
-    for platform in (*PLATFORMS, PODMAN_BOOKWORM, DOCKER_TRIXIE, DEMO_BOOKWORM):
+    for platform in (*PLATFORMS, PODMAN_BOOKWORM, DOCKER_TRIXIE, DEMO_BOOKWORM, GRPC_BOOKWORM):
         if platform.name == name:
             return platform
     raise ValueError(f"no platform {name!r}; known: {', '.join(p.name for p in PLATFORMS)}")

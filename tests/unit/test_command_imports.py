@@ -22,7 +22,7 @@ from tests.unit.helpers.cli import commands
 from tpuboot import cli
 
 REPO = Path(__file__).resolve().parents[2]
-LIBRARIES = {"yaml", "pyudev", "prometheus_client", "requests", "urllib3", "systemd"}
+LIBRARIES = {"yaml", "pyudev", "prometheus_client", "requests", "urllib3", "systemd", "grpc"}
 #: Standard modules heavy enough to track (dataclasses brings inspect). Tracked only for commands
 #: that load no library beyond yaml: requests and prometheus_client import some of them, differently
 #: by version.
@@ -105,6 +105,8 @@ TEXTFILE_BIND = CORE | PARSED | EXPORT | SURVEY
 DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLDERS | CDI | {
     "tpuboot.checks.doctor", "tpuboot.slice.shape", "tpuboot.checks.pcie", "tpuboot.checks.tpuenv",
     "tpuboot.checks.holders", "tpuboot.checks.cdi", "tpuboot.checks.notices", "tpuboot.notices",
+    "tpuboot.checks.runtime", "tpuboot.runtime", "tpuboot.runtime.statefile", "tpuboot.runtime.client",
+    "tpuboot.runtime.wire",
     "tpuboot.notices.noticefile",
     # slice-identity: tpuboot slice's judgement of the identity, without the sweep
     "tpuboot.slice", "tpuboot.slice.facts", "tpuboot.slice.identity", "tpuboot.slice.resolve",
@@ -117,6 +119,13 @@ SLICE = CORE | METADATA | HOLDERS | SURVEY - {"tpuboot.devices.health", "json"} 
     "tpuboot.slice", "tpuboot.slice.command", "tpuboot.slice.facts", "tpuboot.slice.identity",
     "tpuboot.slice.ports", "tpuboot.slice.resolve", "tpuboot.slice.sweep", "tpuboot.slice.verdict",
     "tpuboot.slice.wait", "tpuboot.slice.workers", "yaml"}  # fmt: skip
+
+#: `top`: the collector's code for one poll; grpcio itself only once a chip's holder listens.
+RUNTIME = {"tpuboot.runtime", "tpuboot.runtime.top", "tpuboot.runtime.collector", "tpuboot.runtime.client",
+           "tpuboot.runtime.wire", "tpuboot.runtime.reading", "tpuboot.runtime.ports",
+           "tpuboot.runtime.statefile", "tpuboot.holders.sockets", "tpuboot.atomicfile", "tpuboot.component",
+           "tpuboot.env", "tpuboot.env.tpuenv", "tpuboot.env.assignment", "yaml", "json",
+           "socket"}  # fmt: skip
 
 #: What reads the daemon's notice file (`status`, doctor, `wait-maintenance`).
 NOTICE_FILE = {
@@ -145,6 +154,7 @@ CASES = {
     "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
     "who": (["who"], None, CORE | CHIPS | HOLDERS),
     "who --json": (["who", "--json"], None, CORE | CHIPS | HOLDERS | {"json"}),
+    "top": (["top"], None, CORE | CHIPS | HOLDERS | RUNTIME),
     "who, metrics.textfile_dir set": (["who"], TEXTFILE, CORE | PARSED | SURVEY | HOLDERS | EXPORT),
     "release": (["release", "--dry-run"], None, CORE | CHIPS | HOLDERS | RELEASE),
     "wait-free": (
@@ -176,7 +186,7 @@ CASES = {
 #: The module of tpuboot/commands/ each case's command lives in (status shows the notices too).
 MODULE = {
     "bind": "devices", "unbind": "devices", "status": "devices", "reset": "devices",
-    "who": "holders", "release": "holders", "wait-free": "holders",
+    "who": "holders", "release": "holders", "wait-free": "holders", "top": "runtime",
     "image-check": "checks", "prepare-image": "checks", "doctor": "checks", "npd": "checks",
     "env": "metadata", "metadata": "metadata", "cdi": "containers",
     "slice": "slice", "wait-slice": "slice", "wait-maintenance": "notices",

@@ -136,6 +136,7 @@ def test_every_numeric_key_is_listed():
         "guest_attributes.min_interval",
         "metadata.boot_deadline", "metadata.max_body", "metadata.timeout", "metadata.watch_timeout",
         "metrics.port", "notices.hook_deadline", "ready.device_deadline", "recovery.max_resets_per_hour",
+        "runtime_metrics.interval", "runtime_metrics.timeout",
         "supervisor.backoff_initial", "supervisor.backoff_max", "supervisor.pull_retries",
         "supervisor.stable_after", "vfio.node_mode", "vfio.node_timeout", "vfio.retries",
     ]  # fmt: skip

@@ -39,6 +39,7 @@ from tpuboot.checks.kernel import kernel_arch
 from tpuboot.checks.notices import check_notice
 from tpuboot.checks.parsers.systemd import Systemd
 from tpuboot.checks.pcie import check_pcie_health
+from tpuboot.checks.runtime import RuntimeChecks
 from tpuboot.checks.tpuenv import TpuEnvChecks
 from tpuboot.config import Config, MetadataConfig
 from tpuboot.containers.liveness import EndpointProbe, probe
@@ -186,6 +187,7 @@ class Doctor:
                     ("maintenance-notice", lambda: check_notice(self.root, self.config)),
                 ]
             )
+            + RuntimeChecks(root, config).named()  # what the daemon last read of the jobs' libtpu
         )
 
     def run(self) -> list[Verdict]:

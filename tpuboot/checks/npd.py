@@ -231,6 +231,17 @@ CONDITIONS: tuple[Condition, ...] = (
         "checkpoint the job and drain the node (kubectl drain): the VM goes away (doc/notices.md)",
     ),
     Condition(
+        "libtpu",
+        "permanent",
+        # GKE's device plugin sets MegascaleHangDetected and SliceErrorDetected on its nodes: a
+        # name of tpuboot's own, so that two writers never flap one condition.
+        "TPULibtpuFault",
+        "TPULibtpuHangOrSliceError",
+        ("TPULibtpuHealthy", "libtpu reports no hang and no slice error, or no job holds a chip"),
+        doctor_view("libtpu-hang", "libtpu-slice-error", supervised="libtpu's runtime metrics"),
+        "restart the job from its last checkpoint; journalctl -u tpuboot FAULT=hang (doc/runtime-metrics.md)",
+    ),
+    Condition(
         "chip-reset",
         "temporary",
         "",

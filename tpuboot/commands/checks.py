@@ -50,7 +50,7 @@ def npd_main(args: argparse.Namespace) -> int:
     condition = npd.BY_NAME.get(args.condition)
     try:
         if condition is None:
-            raise UsageError(f"no condition {args.condition!r}; one of {', '.join(npd.BY_NAME)}")
+            raise UsageError(f"no condition {args.condition!r}: {', '.join(npd.BY_NAME)}")
         ctx = Context(args)
         answer = npd.judge(ctx.root, ctx.config, condition)
     except Exception as exc:  # unknown, said in one line; the traceback with --verbose, on stderr

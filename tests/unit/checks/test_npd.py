@@ -219,7 +219,7 @@ def test_a_temporary_rule_that_cannot_tell_makes_no_event(kernel, capsys):
 def test_an_unknown_condition_is_unknown_and_names_them(kernel, capsys):
     status, line = run(kernel, "gpus", capsys)
     assert status == npd.UNKNOWN
-    assert line == "no condition 'gpus'; one of chips, pcie, holders, vbar, maintenance, chip-reset"
+    assert line == "no condition 'gpus': chips, pcie, holders, vbar, maintenance, libtpu, chip-reset"
 
 
 def test_a_long_or_hostile_message_is_cut_cleanly_to_printable_ascii():

@@ -180,7 +180,8 @@ def test_deb_control_conffiles_and_depends(deb):
 # versions without the Debian revision, which can only make a check stricter (5.4.1 sorts before
 # 5.4.1-1ubuntu1). kmod is not in platforms.md: Debian 12's is the host's (dpkg -s kmod), the
 # others are recalled from the distributions' package pages, which are not reachable from here;
-# only its presence matters while tpuboot's relation on it is unversioned.
+# only its presence matters while tpuboot's relation on it is unversioned. python3-grpcio (the
+# Recommends) from platforms.md; Debian 13's recalled, as kmod's.
 PLATFORMS: dict[str, dict[str, str]] = {
     "Ubuntu 22.04": {
         "python3": "3.10.6",
@@ -189,6 +190,7 @@ PLATFORMS: dict[str, dict[str, str]] = {
         "python3-pyudev": "0.22.0",
         "python3-systemd": "234",
         "python3-prometheus-client": "0.9.0",
+        "python3-grpcio": "1.30.2",
         "kmod": "29",
     },
     "Ubuntu 24.04": {
@@ -198,6 +200,7 @@ PLATFORMS: dict[str, dict[str, str]] = {
         "python3-pyudev": "0.24.0",
         "python3-systemd": "235",
         "python3-prometheus-client": "0.19.0",
+        "python3-grpcio": "1.51.1",
         "kmod": "31+20240202",
     },
     "Debian 12": {
@@ -207,6 +210,7 @@ PLATFORMS: dict[str, dict[str, str]] = {
         "python3-pyudev": "0.24.0",
         "python3-systemd": "235",
         "python3-prometheus-client": "0.16.0",
+        "python3-grpcio": "1.51.1",
         "kmod": "30+20221128",
     },
     "Debian 13": {
@@ -216,6 +220,7 @@ PLATFORMS: dict[str, dict[str, str]] = {
         "python3-pyudev": "0.24.3",
         "python3-systemd": "235",
         "python3-prometheus-client": "0.21.1",
+        "python3-grpcio": "1.51.1",
         "kmod": "34.2",
     },
 }

@@ -21,6 +21,7 @@ import yaml
 from tpuboot import metrics, metrics_export
 from tpuboot.devices.table import DeviceTable
 from tpuboot.paths import Root
+from tpuboot.runtime.collector import Snapshot
 
 TOP = Path(__file__).resolve().parents[3]
 RULES = TOP / "prometheus/tpuboot.rules.yml"
@@ -51,6 +52,7 @@ def exported_names() -> set[str]:
     names = set()
     with tempfile.TemporaryDirectory() as top, metrics.use(metrics.Metrics()) as fresh:
         metrics_export.watch_pcie(Root(top), DeviceTable())  # the daemon's collector: its TYPE lines too
+        metrics_export.watch_runtime(Snapshot)  # libtpu's runtime metrics, polled by the daemon
         exposition = metrics_export.exposition(fresh)
     exposition += metrics_export.slice_exposition(metrics_export.SliceSweep({}, 0, 0.0))  # its own textfile
     for line in exposition.decode().splitlines():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 TPUBOOT = Path(__file__).resolve().parents[3] / "tpuboot"
-LIBRARIES = ("pyudev", "yaml", "requests", "urllib3", "systemd", "prometheus_client", "six")
+LIBRARIES = ("pyudev", "yaml", "requests", "urllib3", "systemd", "prometheus_client", "six", "grpc")
 
 
 def _library(module: str) -> bool:

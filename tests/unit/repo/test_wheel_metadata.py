@@ -78,7 +78,10 @@ DEBIAN_NAMES = {
     "pyudev": "python3-pyudev",
     "requests": "python3-requests",
     "systemd-python": "python3-systemd",
+    "grpcio": "python3-grpcio",
 }
+#: The optional dependency (extras ``runtime-metrics``; the .deb's Recommends): jammy's floor.
+OPTIONAL = {"grpcio": "1.30"}
 
 
 def clean_env(home: Path) -> dict[str, str]:
@@ -306,10 +309,14 @@ def test_setup_cfg_floors_match_debian_control():
         re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", line.strip()).groups()  # type: ignore[union-attr]
         for line in setup["options"]["install_requires"].strip().splitlines()
     )
+    optional = dict(
+        re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", line.strip()).groups()  # type: ignore[union-attr]
+        for line in setup["options.extras_require"]["runtime-metrics"].strip().splitlines()
+    )
     binary = (TOP / "debian/control").read_text().split("\nPackage: tpuboot\n")[1]
     debian = dict(re.findall(r"(python3-[a-z0-9-]+) \(>= ([^)]+)\)", binary))
-    assert requires == JAMMY
-    assert {DEBIAN_NAMES[name]: floor for name, floor in requires.items()} == debian
+    assert requires == JAMMY and optional == OPTIONAL
+    assert {DEBIAN_NAMES[name]: floor for name, floor in {**requires, **optional}.items()} == debian
 
 
 def test_pyproject_has_no_project_table():
