@@ -37,8 +37,6 @@ from tpuboot.checks.image import run_checks
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.credentials import ANONYMOUS, ServiceAccountCredentials
-from tpuboot.containers.docker import DockerEngine
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
 from tpuboot.containers.engine import (
     MANAGED_LABEL,
     ContainerEngine,
@@ -46,6 +44,7 @@ from tpuboot.containers.engine import (
     EngineNotFound,
     EngineUnreachable,
 )
+from tpuboot.containers.hostengine import HOST_ENGINE
 from tpuboot.env.cache import cache_path
 from tpuboot.errors import LinkLoop, TpubootError, loop_fix
 from tpuboot.metrics import TEXTFILE_NAME
@@ -70,7 +69,7 @@ def _systemctl(*args: str) -> str:
 
 class Preparer:
     """The steps of prepare-image against ``root``; ``systemctl`` and ``engine`` are seams for
-    tests (the real ones run systemctl and talk to dockerd's socket under the root)."""
+    tests (the real ones run systemctl and talk to the host engine's socket under the root)."""
 
     def __init__(
         self,
@@ -89,7 +88,7 @@ class Preparer:
         self.live = root.is_host if live is None else live
         self.config = config
         self.systemctl = systemctl
-        self.engine = engine or (lambda: DockerEngine(DockerAPI(str(root.path(DOCKER_SOCKET)))))
+        self.engine = engine or (lambda: HOST_ENGINE.open(root))
         self.credentials = credentials
         self.agents = tuple(agents)
         self._client: ContainerEngine | None = None
@@ -142,9 +141,9 @@ class Preparer:
             try:
                 engine.connect()
             except EngineUnreachable as exc:
-                self._engine_problem = f"dockerd does not answer ({exc})"
+                self._engine_problem = f"{HOST_ENGINE.name} does not answer ({exc})"
             except EngineError as exc:
-                self._engine_problem = f"dockerd: {exc}"
+                self._engine_problem = f"{HOST_ENGINE.name}: {exc}"
             else:
                 self._client = engine
         return self._client
@@ -177,7 +176,7 @@ class Preparer:
         if self.config.gke == "true" and agent.gke_runs:
             return skipped("gke is true: GKE runs the agents itself")
         if not self.live:
-            return skipped(f"{NOT_RUNNING}: pull {image} on the build VM (or docker load it)")
+            return skipped(f"{NOT_RUNNING}: pull {image} on the build VM (or {HOST_ENGINE.cli} load it)")
         try:
             RegistryAllowlist(section.registries, f"{key}.registries").check(image, f"{key}.image")
         except ImageRefused as exc:
@@ -186,7 +185,8 @@ class Preparer:
         if engine is None:
             return failed(
                 f"cannot pull {image}: {self._engine_problem}",
-                f"install docker.io and start dockerd before prepare-image, or set {key}.enabled: false",
+                f"install {HOST_ENGINE.package} and start {HOST_ENGINE.name} before prepare-image, "
+                f"or set {key}.enabled: false",
             )
         creds = ANONYMOUS if self.credentials is None else self.credentials.for_image(image)
         try:
@@ -196,10 +196,10 @@ class Preparer:
                 return failed(
                     f"cannot pull {image}: {exc}{creds.advice(str(exc))}",
                     "make the registry reachable from the build VM (and its credentials), or "
-                    "`docker load` the image before prepare-image",
+                    f"`{HOST_ENGINE.cli} load` the image before prepare-image",
                 )
             return warned(
-                f"cannot pull {image} ({exc}); the copy dockerd has will be used",
+                f"cannot pull {image} ({exc}); the copy {HOST_ENGINE.name} has will be used",
                 "make the registry reachable to refresh it, if the tag moves",
             )
         return passed(f"pulled {image}")

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from tpuboot.containers.cdi_file import SpecWriter
-    from tpuboot.containers.dockerapi import DockerAPI
+    from tpuboot.containers.engine import ContainerEngine
     from tpuboot.containers.service import Containers
     from tpuboot.daemon import Daemon
     from tpuboot.devices.manager import Monitor
@@ -47,14 +47,14 @@ def build(
     monitor: Monitor | None = None,
     notifier: Notifier | None = None,
     metadata: MetadataClient | None = None,
-    docker: Callable[[], DockerAPI] | None = None,
+    engine: Callable[[], ContainerEngine] | None = None,
     loop: EventLoop | None = None,
     runtime: RuntimeCollector | None = None,
 ) -> Daemon:
     """The daemon, its binds of the TPUs present already running. Seams (tests): ``binder`` (a
     fake kernel's), ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client
-    for every part), ``docker`` (a dockerd client factory), ``loop`` (one that counts its wake-ups),
-    ``runtime`` (a collector whose holders and listeners the test names)."""
+    for every part), ``engine`` (a container engine's client factory), ``loop`` (one that counts
+    its wake-ups), ``runtime`` (a collector whose holders and listeners the test names)."""
     binder = binder or Binder.of(root, config)
     from time import CLOCK_BOOTTIME, clock_gettime  # the boot budget's clock; its module comes later
 
@@ -106,9 +106,9 @@ def build(
     if containers_on:
         # vBar's image comes from the tpu-env values the sync parsed, never from the file it wrote.
         if sync is None:
-            containers = Containers(config, root, metadata, docker)
+            containers = Containers(config, root, metadata, engine)
         else:
-            containers = Containers(config, root, metadata, docker, tpu_env=sync.parsed_values)
+            containers = Containers(config, root, metadata, engine, tpu_env=sync.parsed_values)
     relay = relays_vbar(config)
 
     def extras() -> Extras:  # in the pool, at each write of the spec

@@ -68,27 +68,25 @@ METRICS = {"tpuboot.metrics"}
 #: and the PCIe collector's sysfs readers.
 EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.metrics_server", "tpuboot.netio",
                     "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
-# prepare-image's: its pull step over the Docker engine, without the supervision.
-CONTAINERS = {"tpuboot.containers", "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
-              "tpuboot.containers.dockerwire",
-              "tpuboot.references", "tpuboot.containers.agents", "tpuboot.containers.engine",
-              "tpuboot.containers.liveness", "tpuboot.containers.credentials", "tpuboot.netio",
-              "tpuboot.numbers", "json",
-              "socket", "ssl", "http", "email"}  # fmt: skip
-# doctor's container checks: the agents and the Docker engine, not the supervision (nor its metrics).
-DOCTOR_CONTAINERS = {"tpuboot.containers", "tpuboot.containers.agents", "tpuboot.containers.engine",
-                     "tpuboot.containers.liveness",
-                     "tpuboot.containers.docker", "tpuboot.containers.dockerapi",
-                     "tpuboot.containers.dockerwire", "tpuboot.containers.gke",
-                     "tpuboot.checks.containers"}  # fmt: skip
+#: The host's engine (tpuboot/containers/hostengine.py) and its client: Docker's.
+ENGINE = {"tpuboot.containers", "tpuboot.containers.hostengine", "tpuboot.containers.engine",
+          "tpuboot.containers.docker", "tpuboot.containers.dockerapi", "tpuboot.containers.dockerwire",
+          "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
+#: The agents, as data.
+AGENTS = {"tpuboot.containers.agents", "tpuboot.containers.liveness"}
+# prepare-image's: its pull step over the engine, without the supervision.
+CONTAINERS = ENGINE | AGENTS | {"tpuboot.references", "tpuboot.containers.credentials", "tpuboot.numbers"}
+# doctor's container checks: the agents and the engine, not the supervision (nor its metrics).
+DOCTOR_CONTAINERS = ENGINE | AGENTS | {"tpuboot.containers.gke", "tpuboot.checks.containers"}
 #: What `who`, `release` and `wait-free` read of the devices: the survey, without PCIe health.
 CHIPS = SURVEY - {"tpuboot.devices.health", "json"}
 HOLDERS = {"tpuboot.devices.chips", "tpuboot.holders", "tpuboot.holders.locks", "tpuboot.holders.procfs",
            "tpuboot.holders.report", "tpuboot.holders.scan", "tpuboot.holders.bounded",
            "tpuboot.holders.targets", "tpuboot.kernelfiles", "tpuboot.numbers"}  # fmt: skip
-RELEASE = {"tpuboot.holders.release", "tpuboot.containers", "tpuboot.containers.dockerapi",
-           "tpuboot.containers.dockerwire", "tpuboot.containers.engine",
-           "tpuboot.netio", "json", "socket", "ssl", "http", "email"}  # fmt: skip
+#: Which holders are tpuboot's agents (`who` names them, `release --kill` spares them): the engine
+#: is asked only about a process in one of its containers, but its client is loaded.
+SUPERVISED = ENGINE | AGENTS | {"tpuboot.holders.supervised"}
+RELEASE = SUPERVISED | {"tpuboot.holders.release"}
 CHECKS = {"tpuboot.checks", "tpuboot.checks.image", "tpuboot.verdicts", "tpuboot.checks.kernel",
           "tpuboot.checks.limits", "tpuboot.checks.udev", "tpuboot.checks.leftovers",
           "tpuboot.checks.parsers", "tpuboot.checks.parsers.boot_runners", "tpuboot.checks.parsers.cmdline",
@@ -152,10 +150,14 @@ CASES = {
     "unbind": (["unbind", "0000:00:04.0"], None, CORE),
     "status": (["status"], None, CORE | SURVEY | NOTICE_FILE),
     "status --json": (["status", "--json"], None, CORE | SURVEY | {"json"}),
-    "who": (["who"], None, CORE | CHIPS | HOLDERS),
-    "who --json": (["who", "--json"], None, CORE | CHIPS | HOLDERS | {"json"}),
+    "who": (["who"], None, CORE | CHIPS | HOLDERS | SUPERVISED),
+    "who --json": (["who", "--json"], None, CORE | CHIPS | HOLDERS | SUPERVISED),
     "top": (["top"], None, CORE | CHIPS | HOLDERS | RUNTIME),
-    "who, metrics.textfile_dir set": (["who"], TEXTFILE, CORE | PARSED | SURVEY | HOLDERS | EXPORT),
+    "who, metrics.textfile_dir set": (
+        ["who"],
+        TEXTFILE,
+        CORE | PARSED | SURVEY | HOLDERS | EXPORT | SUPERVISED,
+    ),
     "release": (["release", "--dry-run"], None, CORE | CHIPS | HOLDERS | RELEASE),
     "wait-free": (
         ["wait-free", "--timeout", "0.1"],

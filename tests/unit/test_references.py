@@ -13,12 +13,12 @@ import pytest
 
 from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
-from tests.unit.helpers.containers import Statuses
+from tests.unit.helpers.containers import Statuses, engine_of
 from tpuboot.backoff import RestartPolicy
 from tpuboot.config import DEFAULT_REGISTRIES, Config, TelemetryConfig, VbarConfig, parse_config
-from tpuboot.containers.docker_runtime import DockerRuntime
-from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.containers.engine import ContainerSpec
+from tpuboot.containers.hostengine import HOST_ENGINE
+from tpuboot.containers.runtime import EngineRuntime, runtime_on
 from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import Refused, Supervisor
 from tpuboot.errors import ConfigError
@@ -268,11 +268,13 @@ def dockerd() -> Iterator[FakeDockerd]:
         yield fake
 
 
-def runtime_for(dockerd: FakeDockerd, image: list[str]) -> DockerRuntime:
-    return DockerRuntime(
+def runtime_for(dockerd: FakeDockerd, image: list[str]) -> EngineRuntime:
+    return runtime_on(
+        HOST_ENGINE,
+        Root(dockerd.root),
         lambda: ContainerSpec("vbar", image[0], origin="tpu-env's VBARCONTROL_AGENT_DOCKER_URL"),
         pull_retries=1,
-        client_factory=lambda: DockerAPI(str(dockerd.socket_path)),
+        client=engine_of(dockerd),
         pause=lambda s: None,
         allowlist=DEFAULT,
     )

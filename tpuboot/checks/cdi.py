@@ -41,7 +41,7 @@ from tpuboot.containers.cdi import (
     host_spec,
     relays_vbar,
 )
-from tpuboot.containers.dockerapi import DOCKERD
+from tpuboot.containers.hostengine import DOCKER
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.vfio import Binder
 from tpuboot.paths import Root
@@ -240,7 +240,7 @@ class CdiChecks:
         return value if isinstance(value, dict) else {}
 
     def check_docker(self) -> CheckResult:
-        engine = self._engine("dockerd", DOCKERD)
+        engine = self._engine(DOCKER.name, DOCKER.binaries)
         if engine is None:
             return skipped("Docker is not installed")
         config = self._daemon_json()
@@ -344,7 +344,7 @@ class CdiChecks:
 
     def check_memlock(self) -> CheckResult:
         problems, fixes = [], []
-        if self._installed(DOCKERD) is not None and (docker := self._docker_memlock()) is not None:
+        if self._installed(DOCKER.binaries) is not None and (docker := self._docker_memlock()) is not None:
             problems.append(f"{DAEMON_JSON} default-ulimits memlock is {docker}")
             fixes.append(f'"memlock": {{"Name": "memlock", "Soft": -1, "Hard": -1}} there, or {LIFT_MEMLOCK}')
         if self._installed(PODMAN) is not None and (podman := self._podman_memlock()):
@@ -352,7 +352,7 @@ class CdiChecks:
             fixes.append("memlock=-1:-1 (or none) in /etc/containers/containers.conf")
         if problems:
             return failed("; ".join(problems) + ": VFIO cannot pin a TPU's memory", "; ".join(fixes))
-        if self._installed(DOCKERD) is None and self._installed(PODMAN) is None:
+        if self._installed(DOCKER.binaries) is None and self._installed(PODMAN) is None:
             return skipped("neither Docker nor podman is installed")
         return passed(
             "no engine default lowers memlock: containers inherit the engine's limit "

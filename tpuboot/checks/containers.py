@@ -6,7 +6,7 @@ accepts a connection at ``vbar.endpoint``, as the daemon checks at each tick).
 Each one is SKIP when the agent is off, when GKE runs it (:mod:`tpuboot.containers.gke`, the
 daemon's rule, asked once) or when it runs as a child process; otherwise the engine must answer and
 the agent's container exist and run. The engine is asked through a :data:`ContainerProbe` a test
-replaces (Docker's: :func:`docker_container_state`).
+replaces (the host engine's: :func:`engine_container_state`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from typing import Protocol
 
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
-from tpuboot.containers.docker import DockerEngine
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, dockerd_installed
-from tpuboot.containers.dockerwire import Unreachable
 from tpuboot.containers.engine import ContainerEngine, EngineError, EngineNotFound, EngineUnreachable
 from tpuboot.containers.gke import GkeAnswer, Metadata, ask_gke
+from tpuboot.containers.hostengine import HOST_ENGINE
 from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.errors import MetadataError
 from tpuboot.numbers import ascii_signed
@@ -63,19 +61,12 @@ def container_state(engine: ContainerEngine, name: str) -> str:
     return status
 
 
-def docker_container_state(root: Root, name: str) -> str:
-    """:func:`container_state` asked of dockerd over its socket (Docker's :data:`ContainerProbe`)."""
-    path = root.path(DOCKER_SOCKET)
-    if not path.exists():
-        raise Unreachable(f"no socket {DOCKER_SOCKET}")
-    return container_state(DockerEngine(DockerAPI(str(path), timeout=5)), name)
-
-
-def _dockerd_fix(root: Root) -> str:
-    """Start dockerd where it is installed, else install it."""
-    if dockerd_installed(root):
-        return "systemctl enable --now docker; journalctl -u docker says why it stopped"
-    return "apt install docker.io (then systemctl restart tpuboot)"
+def engine_container_state(root: Root, name: str) -> str:
+    """:func:`container_state` asked of the host's engine over its socket (the daemon's
+    :data:`ContainerProbe`)."""
+    if not HOST_ENGINE.listening(root):
+        raise EngineUnreachable(f"no socket {HOST_ENGINE.socket}")
+    return container_state(HOST_ENGINE.open(root, timeout=5), name)
 
 
 class ContainerChecks:
@@ -86,7 +77,7 @@ class ContainerChecks:
         root: Root,
         config: Config,
         metadata: DeadlineMetadata,
-        container_state: ContainerProbe = docker_container_state,
+        container_state: ContainerProbe = engine_container_state,
         agents: Sequence[Agent] = AGENTS,
         endpoint_probe: EndpointProbe = probe,
     ) -> None:
@@ -148,14 +139,14 @@ class ContainerChecks:
         if liveness is None:
             return skipped(f"{agent.section}.endpoint is empty: not checked")
         name = agent.settings(self.config).container_name
-        logs = f"docker logs {name}"
+        logs = f"{HOST_ENGINE.cli} logs {name}"
         if agent.runtime_key(self.config) is not None:
             logs = f"journalctl -u tpuboot AGENT={agent.label}"
         else:  # a container: only a running one must answer
             try:
                 state = self.container_state(self.root, name)
             except EngineError as exc:
-                return skipped(f"cannot ask dockerd ({exc}); {agent.section}-running says more")
+                return skipped(f"cannot ask {HOST_ENGINE.name} ({exc}); {agent.section}-running says more")
             if state != RUNNING:
                 return skipped(f"container {name} is {state}: {agent.section}-running says why")
         problem = self.endpoint_probe(liveness.endpoint, self.root)
@@ -174,14 +165,18 @@ class ContainerChecks:
             f"systemctl restart tpuboot (it supervises {agent.called}); "
             f"journalctl -u tpuboot AGENT={agent.label} says why it stopped"
         )
+        engine = HOST_ENGINE
         try:
             state = self.container_state(self.root, name)
         except EngineUnreachable as exc:
             return failed(
-                f"dockerd does not answer ({exc}): {agent.called} cannot run", _dockerd_fix(self.root)
+                f"{engine.name} does not answer ({exc}): {agent.called} cannot run", engine.fix(self.root)
             )
         except EngineError as exc:  # the engine answered, unusably: its message says what to upgrade
-            return failed(f"dockerd: {exc}", "do what dockerd's answer says; journalctl -u docker has more")
+            return failed(
+                f"{engine.name}: {exc}",
+                f"do what {engine.name}'s answer says; journalctl -u {engine.unit} has more",
+            )
         if state == RUNNING:
             return passed(f"container {name} is running")
         if state == ABSENT:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tpuboot.checks.cdi import CdiChecks
-from tpuboot.checks.containers import UNANSWERED, ContainerChecks, ContainerProbe, docker_container_state
+from tpuboot.checks.containers import UNANSWERED, ContainerChecks, ContainerProbe, engine_container_state
 from tpuboot.checks.holders import HolderChecks
 from tpuboot.checks.image import run_checks
 from tpuboot.checks.kernel import kernel_arch
@@ -146,7 +146,7 @@ class Doctor:
         config: Config,
         *,
         metadata: MetadataReader | None = None,
-        container_state: ContainerProbe = docker_container_state,
+        container_state: ContainerProbe = engine_container_state,
         endpoint_probe: EndpointProbe = probe,
         now: Callable[[], float] = time.time,
         metadata_deadline: float = METADATA_DEADLINE,

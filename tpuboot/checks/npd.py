@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tpuboot.atomicfile import FileError, read_file, write_file
-from tpuboot.checks.containers import ContainerProbe, docker_container_state
+from tpuboot.checks.containers import ContainerProbe, engine_container_state
 from tpuboot.checks.doctor import Doctor, MetadataReader, metadata_lookup
 from tpuboot.checks.holders import main_pid
 from tpuboot.checks.parsers.systemd import Systemd
@@ -76,7 +76,7 @@ class Look:
         metadata: MetadataReader | None = None,
         asks_metadata: bool = False,
         systemd: Systemd | None = None,
-        container_state: ContainerProbe = docker_container_state,
+        container_state: ContainerProbe = engine_container_state,
         endpoint_probe: EndpointProbe = probe,
     ) -> None:
         self.root = root
@@ -276,7 +276,7 @@ def judge(
     *,
     metadata: MetadataReader | None = None,
     systemd: Systemd | None = None,
-    container_state: ContainerProbe = docker_container_state,
+    container_state: ContainerProbe = engine_container_state,
     endpoint_probe: EndpointProbe = probe,
 ) -> Answer:
     """``condition``'s answer for this root: unknown when sysfs cannot be read (every condition is

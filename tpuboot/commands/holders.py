@@ -15,28 +15,31 @@ def held_exit(report: object) -> int:
 
 def cmd_who(ctx: Context, args: argparse.Namespace) -> int:
     from tpuboot.holders.report import chips_of, gather, render
+    from tpuboot.holders.supervised import supervised
 
     report = gather(ctx.root, chips_of(ctx.root, ctx.config))
+    agent = supervised(ctx.root, ctx.config).reason
     if ctx.config.metrics.textfile_dir is not None:
         from tpuboot import metrics
 
         metrics.holders(report.holder_counts(), report.lock_states())
     if args.json:
-        print_json(report.as_dict())
+        print_json(report.as_dict(agent))
     else:
-        print("\n".join(render(report)))
+        print("\n".join(render(report, agent)))
     return held_exit(report)
 
 
 def cmd_release(ctx: Context, args: argparse.Namespace) -> int:
-    from tpuboot.holders.release import VbarProcesses, release, vbar_processes
+    from tpuboot.holders.release import release
     from tpuboot.holders.report import chips_of, gather
+    from tpuboot.holders.supervised import supervised
 
     if args.kill and not args.dry_run and not ctx.root.is_host:
         raise UsageError("--kill ends processes of this host only; it cannot act on a --root tree")
     report = gather(ctx.root, chips_of(ctx.root, ctx.config))
-    vbar = vbar_processes(ctx.root, ctx.config) if args.kill else VbarProcesses()
-    for line in release(ctx.root, report, vbar, dry_run=args.dry_run, kill=args.kill):
+    agents = supervised(ctx.root, ctx.config)
+    for line in release(ctx.root, report, agents, dry_run=args.dry_run, kill=args.kill):
         print(line)
     if args.dry_run:
         return held_exit(report)

@@ -15,8 +15,6 @@ from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.containers.dockerwire import EventStream, NotFound
 from tpuboot.containers.engine import MANAGED_LABEL, Container, ContainerSpec, RegistryAuth
 
-ENGINE_NAME = "dockerd"
-
 
 def create_config(spec: ContainerSpec) -> dict[str, Any]:
     """The Engine API body of ``POST /containers/create`` for ``spec``."""

@@ -36,7 +36,7 @@ import http.client
 import json
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote, urlencode
 
 from tpuboot.containers.dockerwire import (
@@ -54,18 +54,9 @@ from tpuboot.containers.dockerwire import (
 )
 from tpuboot.containers.engine import RegistryAuth
 
-if TYPE_CHECKING:
-    from tpuboot.paths import Root
-
 DOCKER_SOCKET = "/run/docker.sock"
 #: Where Debian's and Ubuntu's docker.io (/usr/sbin) and Docker's docker-ce (/usr/bin) put dockerd.
 DOCKERD = ("/usr/sbin/dockerd", "/usr/bin/dockerd")
-
-
-def dockerd_installed(root: Root) -> bool:
-    """Whether a dockerd binary is there: a socket nobody answers on means "not started" then,
-    and "install docker.io" otherwise."""
-    return any(root.path(path).exists() for path in DOCKERD)
 
 
 #: The newest Engine API version tpuboot speaks: Docker 29.0's. moby's API changelog from 1.41

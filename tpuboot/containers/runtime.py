@@ -1,7 +1,7 @@
 """An agent as a privileged host-network container of a :class:`~tpuboot.containers.engine.ContainerEngine`.
 
-The supervision policy, in no engine's terms (:class:`tpuboot.containers.docker.DockerRuntime` is
-this over dockerd). The container has a fixed name and tpuboot's labels
+The supervision policy, in no engine's terms (:func:`runtime_on` puts it over the host's engine,
+:data:`tpuboot.containers.hostengine.HOST_ENGINE`). The container has a fixed name and tpuboot's labels
 (:data:`~tpuboot.containers.engine.MANAGED_LABEL`, :data:`~tpuboot.containers.engine.CONFIG_LABEL`):
 
 - the image must come from a registry in its allowlist (:mod:`tpuboot.references`): otherwise
@@ -23,6 +23,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tpuboot.containers.credentials import ANONYMOUS, PullCredentials, ServiceAccountCredentials
 from tpuboot.containers.engine import (
@@ -36,6 +37,10 @@ from tpuboot.containers.engine import (
 )
 from tpuboot.containers.supervisor import CannotStart, Refused, RuntimeUnavailable, Started, StartFailed
 from tpuboot.references import ImageRefused, RegistryAllowlist
+
+if TYPE_CHECKING:
+    from tpuboot.containers.hostengine import HostEngine
+    from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.containers.runtime")
 
@@ -268,3 +273,28 @@ class EngineRuntime:
             f"cannot pull image {image} ({tries} tries: {reason}){sent.advice(reason)}; "
             f"make it reachable, {self.load_hint}, or set another image"
         )
+
+
+def runtime_on(
+    engine: HostEngine,
+    root: Root,
+    spec: Callable[[], ContainerSpec],
+    *,
+    allowlist: RegistryAllowlist,
+    pull_retries: int = 5,
+    credentials: ServiceAccountCredentials | None = None,
+    client: Callable[[], ContainerEngine] | None = None,
+    pause: Callable[[float], object] | None = None,
+) -> EngineRuntime:
+    """The supervision policy over the host's ``engine``; ``client``: another way to reach it (tests)."""
+    return EngineRuntime(
+        spec,
+        client or (lambda: engine.open(root)),
+        allowlist=allowlist,
+        unreachable=lambda: engine.unreachable(root),
+        pull_retries=pull_retries,
+        pause=pause,
+        credentials=credentials,
+        engine_name=engine.name,
+        load_hint=f"load it with `{engine.cli} load`",
+    )

@@ -24,7 +24,6 @@ it has not answered for ``vbar.restart_unanswered_after`` (unset: never).
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -37,12 +36,12 @@ from tpuboot.component import Report, Status
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.credentials import ServiceAccountCredentials, TokenSource
-from tpuboot.containers.docker_runtime import DockerRuntime
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI, dockerd_installed
-from tpuboot.containers.engine import ContainerSpec
+from tpuboot.containers.engine import ContainerEngine, ContainerSpec
 from tpuboot.containers.exec import ExecRuntime
 from tpuboot.containers.gke import gke_node
+from tpuboot.containers.hostengine import HOST_ENGINE
 from tpuboot.containers.liveness import Liveness, probe
+from tpuboot.containers.runtime import runtime_on
 from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, SupervisedState, Supervisor
 from tpuboot.eventloop import nothing
 from tpuboot.paths import Root
@@ -77,7 +76,7 @@ class Containers:
         config: Config,
         root: Root,
         metadata: TokenSource | None,
-        docker_factory: Callable[[], DockerAPI] | None = None,
+        engine: Callable[[], ContainerEngine] | None = None,
         tpu_env: TpuEnvSource = _no_tpu_env,
         agents: Sequence[Agent] = AGENTS,
         clock: Callable[[], float] = time.monotonic,
@@ -85,12 +84,14 @@ class Containers:
         """``metadata``: for the GKE check (``gke: auto``) and the registry token; shared: the daemon
         closes it.
         ``tpu_env``: the tpu-env values tpuboot parsed (EnvSync.parsed_values); without it, vBar
-        runs ``vbar.image``. ``agents``: the agents to supervise (those enabled)."""
+        runs ``vbar.image``. ``agents``: the agents to supervise (those enabled). ``engine``: how to
+        reach the host's engine (tests; default: :data:`~tpuboot.containers.hostengine.HOST_ENGINE`'s
+        socket under the root)."""
         self.config = config
         self.root = root
         self.metadata = metadata
         self.tpu_env = tpu_env
-        self.docker_factory = docker_factory or functools.partial(DockerAPI, str(root.path(DOCKER_SOCKET)))
+        self.engine = engine
         self.supervisors: dict[str, Supervisor] = {}
         self.stopping = threading.Event()
         self._lock = threading.Lock()  # guards _statuses and supervisors
@@ -281,14 +282,12 @@ class Containers:
         def wanted() -> ContainerSpec:
             return agent.container(config, self.root, self.tpu_env())
 
-        return DockerRuntime(
+        return runtime_on(
+            HOST_ENGINE,
+            self.root,
             wanted,
-            config.supervisor.pull_retries,
-            self.docker_factory,
             allowlist=RegistryAllowlist(section.registries, f"{agent.section}.registries"),
+            pull_retries=config.supervisor.pull_retries,
             credentials=self._registry_credentials(),
-            installed=self._dockerd_installed,
+            client=self.engine,
         )
-
-    def _dockerd_installed(self) -> bool:
-        return dockerd_installed(self.root)

@@ -150,7 +150,9 @@ class Publisher:
         self._thread.start()
 
     def stop(self, final: Mapping[str, str] | None = None) -> None:
-        """End the thread; then, if publishing, write ``final`` (like state=stopped) once, briefly.
+        """End the thread; then, if publishing, the last word, once, within :data:`FINAL_DEADLINE`:
+        ``final`` (like state=stopped) first, then every value updated but not yet written (the
+        pacing held it back), so what the server keeps is the state at the end.
 
         The client is its owner's to close (the daemon shares it), after this: that also cuts a
         check of enable-guest-attributes in flight, which is why stop does not wait for one.
@@ -163,9 +165,16 @@ class Publisher:
         if thread is None or not enabled:
             return
         thread.join(timeout=FINAL_DEADLINE)
-        if final and not thread.is_alive():
-            for key, value in final.items():
-                self._write(key, value, FINAL_DEADLINE)
+        if thread.is_alive():
+            return
+        ends = time.monotonic() + FINAL_DEADLINE
+        with self._cond:
+            last = dict(final or {})
+            last.update((k, v) for k, v in self._wanted.items() if k not in last and self._sent.get(k) != v)
+        for key, value in last.items():
+            left = ends - time.monotonic()
+            if left <= 0 or self._write(key, value, left) is not None:
+                return  # the server is slow or refuses: the rest would fare no better
 
     # ---------------------------------------------------------------- its own thread
 

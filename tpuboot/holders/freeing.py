@@ -2,7 +2,7 @@
 
 `tpuboot reset` and its ``--dry-run`` judge alike, from one /proc scan of the chip: a scan that
 could not see every process may have missed a holder (refused: ``--kill`` ends known holders
-only); a holder without ``--kill`` refuses; with it, a holder tpuboot never ends (vBar, PID 1,
+only); a holder without ``--kill`` refuses; with it, a holder tpuboot never ends (its agents, PID 1,
 tpuboot itself: :func:`tpuboot.holders.release.protected`) refuses and every other is ended.
 """
 
@@ -14,8 +14,9 @@ from tpuboot.config import Config
 from tpuboot.devices.chips import Chip
 from tpuboot.devices.reset import ResetRefused
 from tpuboot.holders.procfs import Process
-from tpuboot.holders.release import end, protected, vbar_processes
+from tpuboot.holders.release import end, protected
 from tpuboot.holders.report import describe, gather
+from tpuboot.holders.supervised import supervised
 from tpuboot.paths import Root
 
 
@@ -41,8 +42,8 @@ def judge(root: Root, config: Config, chip: Chip, *, kill: bool) -> Freeing:
         )
     if not held.holders:
         return Freeing((), ())
-    vbar = vbar_processes(root, config)
-    why = {h.process.pid: protected(h.process, vbar) for h in held.holders}
+    agents = supervised(root, config)
+    why = {h.process.pid: protected(h.process, agents) for h in held.holders}
     spared = [f"{describe(h.process)} ({why[h.process.pid]})" for h in held.holders if why[h.process.pid]]
     refusals = (
         [f"chip {chip.address} is held by {'; '.join(spared)}, which tpuboot never ends"] if spared else []

@@ -13,8 +13,9 @@ named but never ended: it may be another VFIO user's. Holders are ended only wit
 SIGTERM (with SIGCONT, so a stopped one can act on it), then SIGKILL after a bounded wait; each
 through a pidfd opened before the start time is checked again, so a PID reused since the scan is
 never signalled. tpuboot, PID 1,
-vBar's processes (its container, or its program under the exec runtime) and a process holding
-only /dev/vfio/vfio (which a user of any other VFIO device holds too) are never ended.
+the agents tpuboot supervises (any container it made, or an agent's program under the exec
+runtime: :mod:`tpuboot.holders.supervised`) and a process holding only /dev/vfio/vfio (which a
+user of any other VFIO device holds too) are never ended.
 """
 
 from __future__ import annotations
@@ -27,16 +28,13 @@ import select
 import signal
 import stat
 import time
-from dataclasses import dataclass
 
-from tpuboot.config import Config
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
-from tpuboot.containers.dockerwire import DockerError, NotFound
 from tpuboot.devices.chips import VFIO_CONTAINER
 from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile
 from tpuboot.holders.procfs import Process, running, start_ticks
 from tpuboot.holders.report import Report, describe, lock_holder
+from tpuboot.holders.supervised import Supervised
 from tpuboot.paths import Root
 
 #: Seconds between SIGTERM and SIGKILL, and after SIGKILL before giving up on a process.
@@ -44,43 +42,6 @@ TERM_GRACE = 5.0
 KILL_WAIT = 2.0
 #: How often a process without a pidfd is looked at, while it is given time to end.
 GONE_POLL = 0.1
-
-
-@dataclass(frozen=True)
-class VbarProcesses:
-    """How vBar's processes are told: the id of its container, or its program (exec runtime)."""
-
-    container: str | None = None
-    program: str | None = None
-    unknown: str | None = None  # why vBar's container could not be told (then no container is ended)
-
-    def reason(self, p: Process) -> str | None:
-        """Why ``p`` must be left alone as vBar's (or as possibly vBar's); None if it is not."""
-        if self.container and p.container and self.container.startswith(p.container):
-            return f"vBar's container {p.container[:12]}"
-        if self.program and p.command.split(" ", 1)[0] == self.program:
-            return f"vBar ({self.program}, the exec runtime)"
-        if self.unknown and p.engine == "docker":
-            return f"in a docker container, and {self.unknown}"
-        return None
-
-
-def vbar_processes(root: Root, config: Config) -> VbarProcesses:
-    vbar = config.vbar
-    if not vbar.enabled:
-        return VbarProcesses()
-    if vbar.runtime == "exec":
-        return VbarProcesses(program=vbar.exec_argv[0])
-    socket = root.path(DOCKER_SOCKET)
-    if not socket.exists():
-        return VbarProcesses()  # no dockerd: no vBar container either
-    try:
-        data = DockerAPI(str(socket), timeout=5).inspect_container(vbar.container_name)
-    except NotFound:
-        return VbarProcesses()
-    except DockerError as exc:
-        return VbarProcesses(unknown=f"dockerd does not say which container is vBar's ({exc})")
-    return VbarProcesses(container=str(data.get("Id") or "") or None)
 
 
 def is_tpuboot(p: Process) -> bool:
@@ -94,13 +55,13 @@ def is_tpuboot(p: Process) -> bool:
     )
 
 
-def protected(p: Process, vbar: VbarProcesses) -> str | None:
+def protected(p: Process, agents: Supervised) -> str | None:
     """Why ``p`` is never ended, or None."""
     if p.pid == os.getpid() or p.pid == 1:
         return "tpuboot itself" if p.pid != 1 else "PID 1"
     if is_tpuboot(p):
         return "tpuboot"
-    return vbar.reason(p)
+    return agents.reason(p)
 
 
 # --- lock files --------------------------------------------------------------------------------
@@ -234,14 +195,14 @@ def end(root: Root, p: Process, grace: float = TERM_GRACE) -> str:
             os.close(pidfd)
 
 
-def release(root: Root, report: Report, vbar: VbarProcesses, *, dry_run: bool, kill: bool) -> list[str]:
+def release(root: Root, report: Report, agents: Supervised, *, dry_run: bool, kill: bool) -> list[str]:
     """Remove unheld lock files; report holders; end them with ``kill``. One line per action."""
     lines = [remove_unheld(root, lock, dry_run) for lock in report.locks]
     ours = report.chip_pids() | {lock.holder.pid for lock in report.locks if lock.holder}
     known = {h.process.pid for c in report.chips for h in c.holders}
     unknown = {h.process.pid for h in report.unknown} - known
     for p in report.processes():
-        why = protected(p, vbar)
+        why = protected(p, agents)
         if why is None and p.pid in unknown:
             why = (
                 "it holds a VFIO or accel device tied to no chip, maybe another VFIO user's; end it yourself"

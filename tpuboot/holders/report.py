@@ -29,6 +29,13 @@ from tpuboot.holders.scan import Opened, Unseen, scan
 from tpuboot.holders.targets import Targets, targets
 from tpuboot.paths import Root
 
+#: Which of tpuboot's agents a process is, if any (:class:`tpuboot.holders.supervised.Supervised`).
+Agent = Callable[[Process], "str | None"]
+
+
+def no_agent(p: Process) -> str | None:
+    return None
+
 
 @dataclass(frozen=True)
 class Holder:
@@ -37,8 +44,10 @@ class Holder:
     process: Process
     nodes: tuple[str, ...]
 
-    def as_dict(self) -> dict[str, object]:
-        return {**self.process.as_dict(), "nodes": list(self.nodes)}
+    def as_dict(self, agent: Agent | None = None) -> dict[str, object]:
+        """``agent``: tells tpuboot's agents (then ``tpuboot_agent`` says which, or null)."""
+        named = {} if agent is None else {"tpuboot_agent": agent(self.process)}
+        return {**self.process.as_dict(), "nodes": list(self.nodes), **named}
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class ChipHolders:
     chip: Chip
     holders: tuple[Holder, ...]
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self, agent: Agent | None = None) -> dict[str, object]:
         c = self.chip
         return {
             "index": c.index,
@@ -54,7 +63,7 @@ class ChipHolders:
             "kind": c.kind,
             "functions": [fn.address for fn in c.functions],
             "nodes": list(c.nodes),
-            "holders": [h.as_dict() for h in self.holders],
+            "holders": [h.as_dict(agent) for h in self.holders],
         }
 
 
@@ -117,12 +126,13 @@ class Report:
         """Holders of a chip, known or not."""
         return {h.process.pid for c in self.chips for h in c.holders} | {h.process.pid for h in self.unknown}
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self, agent: Agent | None = None) -> dict[str, object]:
+        """``agent``: which processes are tpuboot's agents (:mod:`tpuboot.holders.supervised`)."""
         return {
             "free": self.free,
-            "chips": [c.as_dict() for c in self.chips],
-            "unknown_chip_holders": [h.as_dict() for h in self.unknown],
-            "vfio_container": [h.as_dict() for h in self.vfio_container],
+            "chips": [c.as_dict(agent) for c in self.chips],
+            "unknown_chip_holders": [h.as_dict(agent) for h in self.unknown],
+            "vfio_container": [h.as_dict(agent) for h in self.vfio_container],
             "locks": [lock.as_dict() for lock in self.locks],
             **self.unseen.as_dict(),
         }
@@ -208,7 +218,13 @@ def lock_line(lock: LockFile) -> str:
     return f"lock {printable(lock.path)}  owner {printable(lock.owner)} mode {lock.mode}  {by}"
 
 
-def render(report: Report) -> list[str]:
+def render(report: Report, agent: Agent = no_agent) -> list[str]:
+    """`tpuboot who`; ``agent`` names tpuboot's agents among the holders."""
+
+    def holder(p: Process) -> str:
+        why = agent(p)
+        return describe(p) + (f"  [{why}: release --kill spares it]" if why else "")
+
     lines = []
     if not report.chips:
         lines.append("no TPU chips found")
@@ -217,13 +233,13 @@ def render(report: Report) -> list[str]:
         functions = ", ".join(fn.address for fn in chip.functions)
         nodes = " ".join(chip.nodes) or "no node (not bound)"
         lines.append(f"chip {chip.index}  {chip.kind}  {nodes}  (functions {functions})")
-        lines += [f"    {describe(h.process)}" for h in c.holders] or ["    free"]
+        lines += [f"    {holder(h.process)}" for h in c.holders] or ["    free"]
     if report.unknown:
         lines.append("holding a VFIO or accel device of a chip unknown (it may be any chip's):")
-        lines += [f"    {describe(h.process)}: {printable(', '.join(h.nodes))}" for h in report.unknown]
+        lines += [f"    {holder(h.process)}: {printable(', '.join(h.nodes))}" for h in report.unknown]
     if report.vfio_container:
         lines.append(f"{VFIO_CONTAINER}:")
-        lines += [f"    {describe(h.process)}" for h in report.vfio_container]
+        lines += [f"    {holder(h.process)}" for h in report.vfio_container]
     lines += [lock_line(lock) for lock in report.locks] or ["no libtpu lock file"]
     lines += [f"not seen: {phrase}; a chip shown free may be held" for phrase in report.unseen.phrases()]
     return lines

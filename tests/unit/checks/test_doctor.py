@@ -18,11 +18,11 @@ from tests.unit.helpers.images import GOOD_CMDLINE, MANAGER_GOOD, PAM_GOOD, NoSy
 from tests.unit.helpers.metadata import make_config
 from tpuboot import cli
 from tpuboot.checks import image as imagecheck
-from tpuboot.checks.containers import docker_container_state
+from tpuboot.checks.containers import engine_container_state
 from tpuboot.checks.doctor import Doctor, Verdict
 from tpuboot.config import Config, EnvConfig, TelemetryConfig, VbarConfig, VfioConfig
 from tpuboot.containers import cdi, cdi_file
-from tpuboot.containers.dockerapi import Unreachable
+from tpuboot.containers.engine import EngineUnreachable as Unreachable
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
 from tpuboot.env.identity import PRODUCT_UUID_PATH
@@ -460,19 +460,19 @@ def test_an_unknown_generation_warns_in_the_cli_and_fails_nothing(kernel, capsys
 
 def test_vbar_needed_without_dockerd_fails_with_the_fix(kernel):
     """Not a GKE node, vBar on, no docker socket: a FAIL naming how to get dockerd, not a SKIP."""
-    verdicts = doctor(kernel, container_state=docker_container_state)
+    verdicts = doctor(kernel, container_state=engine_container_state)
     vbar = result_of(verdicts, "vbar-running")
     assert vbar.status == "FAIL"
     assert vbar.detail == "dockerd does not answer (no socket /run/docker.sock): vBar cannot run"
     assert vbar.fix == "apt install docker.io (then systemctl restart tpuboot)"
     write(kernel.top, "/usr/sbin/dockerd", "")  # installed, not running
-    vbar = result_of(doctor(kernel, container_state=docker_container_state), "vbar-running")
+    vbar = result_of(doctor(kernel, container_state=engine_container_state), "vbar-running")
     assert vbar.fix.startswith("systemctl enable --now docker")
 
 
 def test_metadata_that_does_not_answer_cannot_tell_gke_and_skips_the_agents(kernel):
     config = Config(telemetry=TelemetryConfig(enabled=True))
-    verdicts = doctor(kernel, config, metadata=Silent(), container_state=docker_container_state)
+    verdicts = doctor(kernel, config, metadata=Silent(), container_state=engine_container_state)
     for name in ("vbar-running", "telemetry-running"):
         skip = result_of(verdicts, name)
         assert skip.status == "SKIP" and skip.detail.startswith("cannot tell whether this is a GKE node: ")
@@ -491,12 +491,12 @@ def test_container_state_as_dockerd_reports_it(dockerd):
     dockerd.add_container("running", "example.invalid/a:1")
     dockerd.add_container("stopped", "example.invalid/a:1")
     dockerd.die("stopped", 137)
-    assert docker_container_state(root, "running") == "running"
-    assert docker_container_state(root, "stopped") == "exited (exit code 137)"
-    assert docker_container_state(root, "missing") == "absent"
+    assert engine_container_state(root, "running") == "running"
+    assert engine_container_state(root, "stopped") == "exited (exit code 137)"
+    assert engine_container_state(root, "missing") == "absent"
     dockerd.stop()
     with pytest.raises(Unreachable):
-        docker_container_state(root, "running")
+        engine_container_state(root, "running")
 
 
 def test_the_telemetry_collector_when_enabled(kernel, dockerd):
@@ -505,7 +505,7 @@ def test_the_telemetry_collector_when_enabled(kernel, dockerd):
     config = Config(telemetry=telemetry)
 
     def in_dockerd(root: Root, name: str) -> str:  # the fake's socket is not under the kernel's tree
-        return docker_container_state(Root(dockerd.root), name)
+        return engine_container_state(Root(dockerd.root), name)
 
     def check(**kwargs):
         verdicts = doctor(kernel, kwargs.pop("config", config), container_state=in_dockerd, **kwargs)

@@ -22,7 +22,7 @@ from tests.unit.helpers.containers import (
     token_answer,
 )
 from tpuboot.backoff import RestartPolicy
-from tpuboot.checks.containers import docker_container_state
+from tpuboot.checks.containers import engine_container_state
 from tpuboot.checks.doctor import Doctor
 from tpuboot.config import Config
 from tpuboot.containers.credentials import TOKEN_USERNAME
@@ -77,9 +77,9 @@ def test_supervisor_runs_vbar_on_each_engine_and_across_a_dockerd_upgrade(before
 def test_the_doctors_probe_on_each_engine(engine: str) -> None:
     with fake_dockerd(*ENGINES[engine]) as fake:
         root = Root(fake.root)
-        assert docker_container_state(root, "vbar") == "absent"
+        assert engine_container_state(root, "vbar") == "absent"
         fake.add_container("vbar", IMAGE)
-        assert docker_container_state(root, "vbar") == "running"
+        assert engine_container_state(root, "vbar") == "running"
     assert set(versions_used(fake)) == {SPOKEN[engine]}
 
 
@@ -90,7 +90,7 @@ def test_an_engine_with_no_version_in_common_is_a_start_failure_and_a_doctor_fai
         with pytest.raises(StartFailed) as caught:
             docker_runtime(fake).start()
         with pytest.raises(DockerError):
-            docker_container_state(Root(fake.root), "vbar")
+            engine_container_state(Root(fake.root), "vbar")
         verdicts = Doctor(Root(fake.root), Config(gke="false")).checks.run(Root(fake.root))
     assert str(caught.value) == (
         "vbar: dockerd accepts Engine API 1.60 to 1.70 and tpuboot speaks 1.24 to 1.52: upgrade tpuboot"

@@ -18,13 +18,16 @@ from typing import Any
 import pytest
 
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
+from tests.unit.helpers.containers import engine_of
 from tests.unit.helpers.deadlines import MARGIN, TRICKLE, timed
 from tpuboot.backoff import RestartPolicy
-from tpuboot.containers.docker_runtime import DockerRuntime
 from tpuboot.containers.dockerapi import MAX_BODY, DockerAPI
 from tpuboot.containers.dockerwire import MAX_LINE, DockerError, ProtocolError, Unreachable
 from tpuboot.containers.engine import ContainerSpec
+from tpuboot.containers.hostengine import HOST_ENGINE
+from tpuboot.containers.runtime import runtime_on
 from tpuboot.containers.supervisor import Supervisor
+from tpuboot.paths import Root
 from tpuboot.references import RegistryAllowlist
 
 
@@ -171,9 +174,11 @@ def test_a_garbled_event_stream_makes_the_supervisor_wait_and_come_back_with_bac
 ) -> None:
     dockerd.images.add("img:1")
     dockerd.event_preamble = b"9\r\nnot json\n\r\n"
-    runtime = DockerRuntime(
+    runtime = runtime_on(
+        HOST_ENGINE,
+        Root(dockerd.root),
         lambda: ContainerSpec("vbar", "img:1"),
-        client_factory=lambda: DockerAPI(str(dockerd.socket_path), timeout=5),
+        client=engine_of(dockerd, timeout=5),
         allowlist=RegistryAllowlist(["docker.io"], "vbar.registries"),
     )
     statuses: list[str] = []

@@ -16,9 +16,9 @@ import pytest
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator, tpu_env_yaml
 from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
+from tests.unit.helpers.containers import engine_of
 from tests.unit.helpers.metadata import make_client, make_config
 from tpuboot.config import Config, EnvConfig
-from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.containers.service import Containers
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import render_env_file
@@ -59,13 +59,10 @@ def config_for(emulator: MetadataEmulator) -> Config:
 
 
 def agents_for(config: Config, root: Root, dockerd: FakeDockerd, sync: EnvSync | None) -> Containers:
-    def client() -> DockerAPI:
-        return DockerAPI(str(dockerd.socket_path))
-
     if sync is None:
-        agents = Containers(config, root, None, docker_factory=client)
+        agents = Containers(config, root, None, engine=engine_of(dockerd))
     else:
-        agents = Containers(config, root, None, docker_factory=client, tpu_env=sync.parsed_values)
+        agents = Containers(config, root, None, engine=engine_of(dockerd), tpu_env=sync.parsed_values)
     agents.tpu_vm_seen("a TPU is present")
     return agents
 

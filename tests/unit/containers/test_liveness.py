@@ -14,7 +14,7 @@ import pytest
 
 from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
-from tests.unit.helpers.containers import Clock
+from tests.unit.helpers.containers import Clock, engine_of
 from tests.unit.helpers.runproc import free_port
 from tpuboot import metrics
 from tpuboot.config import Config, VbarConfig, parse_config
@@ -215,7 +215,6 @@ def test_the_daemon_ticks_for_the_check_without_a_watchdog(
     from tests.unit.helpers.daemon import DEVICES_ONLY, make, serving, until
     from tests.unit.helpers.devices import V5P, add_tpu
     from tpuboot import daemon as daemon_module
-    from tpuboot.containers.dockerapi import DockerAPI
 
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     monkeypatch.setattr(daemon_module, "TICK_INTERVAL", 0.05)
@@ -225,9 +224,7 @@ def test_the_daemon_ticks_for_the_check_without_a_watchdog(
     vbar = VbarConfig(endpoint=Endpoint(host="127.0.0.1", port=port))
     config = DEVICES_ONLY.replace(gke="false", vbar=vbar)
     dockerd.images.add(config.vbar.image)
-    daemon, _, notifier = make(
-        kernel, config=config, root=Root(dockerd.root), docker=lambda: DockerAPI(str(dockerd.socket_path))
-    )
+    daemon, _, notifier = make(kernel, config=config, root=Root(dockerd.root), engine=engine_of(dockerd))
     with serving(daemon) as running:
         until(lambda: "not answering at" in notifier.last_status, timeout=20)
         refused = f"vBar: running, not answering at 127.0.0.1:{port} (connection refused)"

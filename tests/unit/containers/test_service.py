@@ -12,17 +12,18 @@ import pytest
 
 from harness.polling import wait_until
 from tests.unit.fakes.dockerd import FakeDockerd, fake_dockerd
-from tests.unit.helpers.containers import ALLOW_TEST, IMAGE, Statuses, docker_runtime
+from tests.unit.helpers.containers import ALLOW_TEST, IMAGE, Statuses, docker_runtime, engine_of
 from tpuboot.backoff import RestartPolicy
-from tpuboot.checks.containers import docker_container_state
+from tpuboot.checks.containers import engine_container_state
 from tpuboot.component import Status
 from tpuboot.config import Config, TelemetryConfig
 from tpuboot.containers.agents import TELEMETRY_AGENT
 from tpuboot.containers.docker import split_image
-from tpuboot.containers.docker_runtime import DockerRuntime
-from tpuboot.containers.dockerapi import DOCKER_SOCKET, DockerAPI
-from tpuboot.containers.dockerwire import Unreachable
+from tpuboot.containers.dockerapi import DOCKER_SOCKET
 from tpuboot.containers.engine import CONFIG_LABEL, MANAGED_LABEL, ContainerSpec
+from tpuboot.containers.engine import EngineUnreachable as Unreachable
+from tpuboot.containers.hostengine import HOST_ENGINE
+from tpuboot.containers.runtime import EngineRuntime, runtime_on
 from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import CannotStart, RuntimeUnavailable, Supervisor
 from tpuboot.paths import Root
@@ -43,7 +44,7 @@ def dockerd() -> Iterator[FakeDockerd]:
 INSPECT = r"/containers/[^/]+/json"
 
 
-def waiting(runtime: DockerRuntime) -> tuple[threading.Thread, list[str | None], list[BaseException]]:
+def waiting(runtime: EngineRuntime) -> tuple[threading.Thread, list[str | None], list[BaseException]]:
     """``runtime.wait()`` in a thread: its result or its error."""
     result: list[str | None] = []
     error: list[BaseException] = []
@@ -139,11 +140,13 @@ def test_an_image_loaded_while_pulls_fail_is_used(dockerd: FakeDockerd) -> None:
         pauses.append(seconds)
         dockerd.images.add(IMAGE)
 
-    runtime = DockerRuntime(
+    runtime = runtime_on(
+        HOST_ENGINE,
+        Root(dockerd.root),
         lambda: ContainerSpec("vbar", IMAGE),
-        5,
-        lambda: DockerAPI(str(dockerd.socket_path)),
-        pause,
+        pull_retries=5,
+        client=engine_of(dockerd),
+        pause=pause,
         allowlist=ALLOW_TEST,
     )
     assert runtime.start().how == "started"
@@ -152,6 +155,11 @@ def test_an_image_loaded_while_pulls_fail_is_used(dockerd: FakeDockerd) -> None:
 
 def test_dockerd_absent_is_unavailable_not_a_failure(dockerd: FakeDockerd) -> None:
     dockerd.stop()
+    with pytest.raises(RuntimeUnavailable, match=r"dockerd is not installed: apt install docker\.io"):
+        docker_runtime(dockerd).start()
+    binary = Path(dockerd.root, HOST_ENGINE.binaries[0].lstrip("/"))
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    binary.touch()
     with pytest.raises(RuntimeUnavailable, match=f"dockerd not answering on {DOCKER_SOCKET}"):
         docker_runtime(dockerd).start()
 
@@ -316,16 +324,16 @@ def test_containers_find_dockerd_under_the_root(dockerd: FakeDockerd) -> None:
 
 def test_the_doctor_asks_dockerd_whether_the_container_runs(dockerd: FakeDockerd, tmp_path: Path) -> None:
     root = Root(dockerd.root)
-    assert docker_container_state(root, "vbar") == "absent"
+    assert engine_container_state(root, "vbar") == "absent"
     dockerd.add_container("vbar", IMAGE)
-    assert docker_container_state(root, "vbar") == "running"
+    assert engine_container_state(root, "vbar") == "running"
     dockerd.die("vbar", 1)
-    assert docker_container_state(root, "vbar") == "exited (exit code 1)"
+    assert engine_container_state(root, "vbar") == "exited (exit code 1)"
     dockerd.stop()
     with pytest.raises(Unreachable):
-        docker_container_state(root, "vbar")
+        engine_container_state(root, "vbar")
     with pytest.raises(Unreachable):
-        docker_container_state(Root(tmp_path), "vbar")
+        engine_container_state(Root(tmp_path), "vbar")
 
 
 @pytest.mark.parametrize(

@@ -144,12 +144,12 @@ def test_the_tpu_env_file_reads_back_every_value() -> None:
 # --------------------------------------------------------------------------- in the daemon
 
 
-def daemon_with(kernel: Any, root: Any, docker: Callable[[], Any] | None = None, **config: Any) -> Any:
+def daemon_with(kernel: Any, root: Any, engine: Callable[[], Any] | None = None, **config: Any) -> Any:
     """The daemon as `tpuboot run` builds it, with the containers of ``config`` (Config fields)."""
     from tests.unit.helpers.daemon import DEVICES_ONLY, make
 
     daemon, _, _ = make(
-        kernel, config=DEVICES_ONLY.replace(**{"vbar": VbarConfig(), **config}), root=root, docker=docker
+        kernel, config=DEVICES_ONLY.replace(**{"vbar": VbarConfig(), **config}), root=root, engine=engine
     )
     return daemon
 
@@ -348,7 +348,7 @@ def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any, emulator: An
     kernel = FakeKernel(tmp_path / "kernel")  # no TPU
     config = with_env(emulator).replace(vbar=VbarConfig(), gke="false")
 
-    daemon, _, _ = make(kernel, config=config, root=root, metadata=make_client(emulator), docker=docker)
+    daemon, _, _ = make(kernel, config=config, root=root, metadata=make_client(emulator), engine=docker)
 
     with serving(daemon) as running:
         until(lambda: daemon.ready)

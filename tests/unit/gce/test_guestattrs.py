@@ -206,6 +206,24 @@ def test_stop_writes_the_final_state(emulator, publishers) -> None:
     assert emulator.guest_attributes() == {"tpuboot/state": "stopped"}
 
 
+def test_the_last_word_carries_every_value_the_pacing_held_back(emulator, publishers) -> None:
+    """A value updated just before stop (tpu-env written a moment after its first attribute) is
+    still owed when the pacing's interval has not passed: stop writes it, after ``final``."""
+    emulator.set_attribute("enable-guest-attributes", "TRUE")
+    publisher = publishers(GuestAttributesConfig(min_interval=3600))
+    publisher.update({"state": "starting", "tpu-env": "source=pending"})
+    publisher.start()
+    wait_until(lambda: len(emulator.guest_attributes()) == 2)
+    publisher.update({"tpu-env": "source=metadata keys=14"})  # due in an hour
+    writes = emulator.guest_attribute_writes
+    publisher.stop(final={"state": "stopped"})
+    assert emulator.guest_attributes() == {
+        "tpuboot/state": "stopped",
+        "tpuboot/tpu-env": "source=metadata keys=14",
+    }
+    assert emulator.guest_attribute_writes == writes + 2  # nothing already written is written again
+
+
 def test_an_unanswered_check_is_asked_again_and_stop_ends_it(emulator: MetadataEmulator) -> None:
     emulator.stop()  # connection refused
     publisher = Publisher(make_client(emulator, timeout=0.2), publisher_settings(FAST), check_deadline=0.3)

@@ -1,4 +1,4 @@
-"""What the container tests share: a status recorder, a DockerRuntime over the fake dockerd, and
+"""What the container tests share: a status recorder, the host engine's runtime over the fake dockerd, and
 the metadata server's service-account token as the credentials tests serve it.
 """
 
@@ -14,10 +14,13 @@ from tpuboot.backoff import Backoff
 from tpuboot.component import Status
 from tpuboot.config import DEFAULT_TOKEN_REGISTRIES
 from tpuboot.containers.credentials import ServiceAccountCredentials
-from tpuboot.containers.docker_runtime import DockerRuntime
+from tpuboot.containers.docker import DockerEngine
 from tpuboot.containers.dockerapi import DockerAPI
-from tpuboot.containers.engine import ContainerSpec
+from tpuboot.containers.engine import ContainerEngine, ContainerSpec
+from tpuboot.containers.hostengine import HOST_ENGINE
+from tpuboot.containers.runtime import EngineRuntime, runtime_on
 from tpuboot.gce.client import MetadataClient
+from tpuboot.paths import Root
 from tpuboot.references import RegistryAllowlist
 
 
@@ -42,11 +45,20 @@ IMAGE = "example.invalid/vbar:1"
 ALLOW_TEST = RegistryAllowlist(["example.invalid"], "vbar.registries")
 
 
-def docker_runtime(fake: FakeDockerd, spec: Callable[[], ContainerSpec] | None = None) -> DockerRuntime:
-    return DockerRuntime(
+def engine_of(fake: FakeDockerd, timeout: float | None = None) -> Callable[[], ContainerEngine]:
+    """The daemon's seam for its engine, as a client of the fake dockerd."""
+    if timeout is None:
+        return lambda: DockerEngine(DockerAPI(str(fake.socket_path)))
+    return lambda: DockerEngine(DockerAPI(str(fake.socket_path), timeout=timeout))
+
+
+def docker_runtime(fake: FakeDockerd, spec: Callable[[], ContainerSpec] | None = None) -> EngineRuntime:
+    return runtime_on(
+        HOST_ENGINE,
+        Root(fake.root),
         spec or (lambda: ContainerSpec("vbar", IMAGE)),
         pull_retries=2,
-        client_factory=lambda: DockerAPI(str(fake.socket_path)),
+        client=engine_of(fake),
         pause=lambda s: None,
         allowlist=ALLOW_TEST,
     )
@@ -85,11 +97,13 @@ GCR_IMAGE = "gcr.io/cloud-tpu-v2-images/vbar_control_agent:0.0.1"
 ALLOW = RegistryAllowlist(["gcr.io", "registry.example:5000"], "vbar.registries")
 
 
-def runtime(dockerd: FakeDockerd, image: str, source: ServiceAccountCredentials | None) -> DockerRuntime:
-    return DockerRuntime(
+def runtime(dockerd: FakeDockerd, image: str, source: ServiceAccountCredentials | None) -> EngineRuntime:
+    return runtime_on(
+        HOST_ENGINE,
+        Root(dockerd.root),
         lambda: ContainerSpec("vbar", image),
         pull_retries=1,
-        client_factory=lambda: DockerAPI(str(dockerd.socket_path)),
+        client=engine_of(dockerd),
         pause=lambda s: None,
         allowlist=ALLOW,
         credentials=source,

@@ -164,14 +164,14 @@ def make(
     root: Root | None = None,
     b=None,
     metadata: MetadataClient | None = None,
-    docker=None,
+    engine=None,
     loop: EventLoop | None = None,
 ) -> tuple[Daemon, QueueMonitor, RecordingNotifier]:
     """The daemon as `tpuboot run` builds it (tpuboot.wiring.build), over the fake kernel."""
     monitor, notifier = QueueMonitor(), RecordingNotifier()
     daemon = build(
         root or kernel.root, config.replace(ready=ready), binder=b or binder(kernel), monitor=monitor,
-        notifier=notifier, metadata=metadata, docker=docker, loop=loop,
+        notifier=notifier, metadata=metadata, engine=engine, loop=loop,
     )  # fmt: skip
     return daemon, monitor, notifier
 

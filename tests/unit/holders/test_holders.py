@@ -27,6 +27,7 @@ from tpuboot.holders.locks import LIBTPU_LOCKFILE, lock_paths, lock_table
 from tpuboot.holders.procfs import ProcReader, where_from_cgroup
 from tpuboot.holders.report import gather, render, summary
 from tpuboot.holders.scan import scan
+from tpuboot.holders.supervised import Supervised
 from tpuboot.holders.targets import targets
 
 
@@ -172,6 +173,23 @@ def test_a_holder_in_a_container_and_another_pid_namespace(tree):
     assert (p.container, p.engine, p.unit) == (DOCKER_ID, "docker", None)
     assert (p.pid_namespace, p.namespace_pid) == ("pid:[4026532999]", 1)
     assert p.where == f"docker container {DOCKER_ID[:12]}"
+
+
+def test_who_names_a_holder_that_is_one_of_tpuboots_agents(tree):
+    """In the text and the JSON, and only where the agents are asked about (`status` is not)."""
+    kernel, proc = tree
+    add_chips(kernel, ["12", "13"])
+    proc.add(100, {4: "/dev/vfio/12"}, cgroup=f"0::/system.slice/docker-{DOCKER_ID}.scope\n")
+    proc.add(101, {4: "/dev/vfio/13"})
+    report = gather(kernel.root, chips(kernel))
+    agents = Supervised(containers=lambda: {DOCKER_ID: "vbar"})
+    named = f"[tpuboot's container vbar ({DOCKER_ID[:12]}): release --kill spares it]"
+    lines = render(report, agents.reason)
+    assert [line.endswith(named) for line in lines if "PID 10" in line] == [True, False]
+    assert not any(named in line for line in render(report))
+    held = [h for c in report.as_dict(agents.reason)["chips"] for h in c["holders"]]  # type: ignore[attr-defined]
+    assert [h["tpuboot_agent"] for h in held] == [f"tpuboot's container vbar ({DOCKER_ID[:12]})", None]
+    assert "tpuboot_agent" not in report.chips[0].as_dict()["holders"][0]  # type: ignore[index]
 
 
 @pytest.mark.parametrize(

@@ -26,9 +26,10 @@ from tpuboot.holders import bounded
 from tpuboot.holders import scan as scan_module
 from tpuboot.holders.locks import lock_table
 from tpuboot.holders.procfs import CMDLINE_BYTES, ProcReader, boot_time, memlock
-from tpuboot.holders.release import VbarProcesses, release
+from tpuboot.holders.release import release
 from tpuboot.holders.report import gather, render
 from tpuboot.holders.scan import scan
+from tpuboot.holders.supervised import Supervised
 from tpuboot.holders.targets import Targets
 from tpuboot.paths import Root
 
@@ -326,7 +327,7 @@ def test_a_lock_file_swapped_since_the_scan_is_not_removed(tree):
     report = gather(kernel.root, [])
     (tmp / "other").write_text("someone's")
     os.replace(tmp / "other", tmp / "libtpu_lockfile")
-    (line,) = release(kernel.root, report, VbarProcesses(), dry_run=False, kill=False)
+    (line,) = release(kernel.root, report, Supervised(), dry_run=False, kill=False)
     assert (
         line
         == "kept /tmp/libtpu_lockfile: it is another file than the one looked at (replaced since the scan)"
@@ -346,7 +347,7 @@ def test_a_lock_file_made_a_fifo_or_a_link_since_the_scan_is_not_removed(tree, s
         os.mkfifo(tmp / "libtpu_lockfile")
     else:
         os.symlink("/victim", tmp / "libtpu_lockfile")
-    (line,) = release(kernel.root, report, VbarProcesses(), dry_run=False, kill=False)
+    (line,) = release(kernel.root, report, Supervised(), dry_run=False, kill=False)
     assert line.startswith("kept /tmp/libtpu_lockfile") or line.startswith(
         "cannot remove /tmp/libtpu_lockfile"
     )
@@ -367,7 +368,7 @@ def test_a_lock_directory_swapped_for_a_link_since_the_scan_is_not_followed(tree
     (tmp / "libtpu_dir/lock").unlink()
     (tmp / "libtpu_dir").rmdir()
     os.symlink(str(elsewhere), tmp / "libtpu_dir")
-    (line,) = release(kernel.root, report, VbarProcesses(), dry_run=False, kill=False)
+    (line,) = release(kernel.root, report, Supervised(), dry_run=False, kill=False)
     assert line.startswith(
         "kept /tmp/libtpu_dir/lock: its directory cannot be opened without following a link"
     )

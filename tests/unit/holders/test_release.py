@@ -19,10 +19,12 @@ from tests.unit.helpers.devices import add_chips
 from tests.unit.helpers.holders import DOCKER_ID, chips
 from tpuboot import cli, metrics, metrics_export
 from tpuboot.config import Config, DoctorConfig, VbarConfig, parse_config
+from tpuboot.containers.engine import MANAGED_LABEL, EngineUnreachable
 from tpuboot.errors import ConfigError
 from tpuboot.holders.procfs import Process, ProcReader
-from tpuboot.holders.release import VbarProcesses, end, protected, release, remove_unheld, vbar_processes
+from tpuboot.holders.release import end, protected, release, remove_unheld
 from tpuboot.holders.report import Report, gather, render
+from tpuboot.holders.supervised import Supervised, supervised
 from tpuboot.holders.wait import wait_free
 from tpuboot.paths import Root
 
@@ -45,11 +47,11 @@ def test_release_removes_unheld_lock_files_and_keeps_held_ones(tree):
     proc.add(100, {3: "/tmp/libtpu_lockfile"})
     proc.lock(100, held)
     report = gather(kernel.root, [])
-    dry = release(kernel.root, report, VbarProcesses(), dry_run=True, kill=False)
+    dry = release(kernel.root, report, Supervised(), dry_run=True, kill=False)
     assert dry[0].startswith("kept /tmp/libtpu_lockfile: held by PID 100")
     assert dry[1] == "would remove /tmp/libtpu_lockfile_1001 (owner " + report.locks[1].owner + ", not held)"
     assert loose.exists()
-    lines = release(kernel.root, report, VbarProcesses(), dry_run=False, kill=False)
+    lines = release(kernel.root, report, Supervised(), dry_run=False, kill=False)
     assert lines[1].startswith("removed /tmp/libtpu_lockfile_1001") and not loose.exists() and held.exists()
     assert lines[2].startswith("holder: PID 100") and lines[2].endswith("(--kill ends it)")
 
@@ -85,7 +87,7 @@ def test_a_lock_held_through_an_open_file_description_is_kept_and_said_so(tree):
     path.write_text("")
     proc.lock(-1, path, kind="OFDLCK")
     report = gather(kernel.root, [])
-    (line,) = release(kernel.root, report, VbarProcesses(), dry_run=False, kill=False)
+    (line,) = release(kernel.root, report, Supervised(), dry_run=False, kill=False)
     assert line == f"kept /tmp/libtpu_lockfile: held by {OFD_HOLDER}" and path.exists()
     assert render(report)[-1].endswith(f"held by {OFD_HOLDER}")
 
@@ -97,7 +99,7 @@ def test_a_holder_of_the_vfio_container_alone_is_never_ended(tree):
     kernel.add_device("0000:00:1f.0", 0x8086, 0x1572, driver="vfio-pci", group="40")  # a NIC, passed through
     proc.add(100, {3: "/dev/vfio/vfio", 4: "/dev/vfio/40"}, cmdline=["qemu-system-x86_64"])
     proc.add(101, {3: "/dev/vfio/vfio", 4: "/dev/vfio/12"})
-    lines = release(kernel.root, gather(kernel.root, chips(kernel)), VbarProcesses(), dry_run=True, kill=True)
+    lines = release(kernel.root, gather(kernel.root, chips(kernel)), Supervised(), dry_run=True, kill=True)
     assert lines == [
         "left alone: PID 100 (root, sleeping, started 2025-12-01T00:00:10Z, unit train.service): "
         "qemu-system-x86_64 (it holds /dev/vfio/vfio only, which users of other VFIO devices open too)",
@@ -128,40 +130,62 @@ def fake(pid: int, command: str = "python3 train.py", **kw: object) -> Process:
     return replace(base, **kw)  # type: ignore[arg-type]
 
 
-def test_tpuboot_pid_1_and_vbar_are_never_ended():
-    vbar = VbarProcesses(container=DOCKER_ID, program=None)
-    assert protected(fake(os.getpid()), vbar) == "tpuboot itself"
-    assert protected(fake(1), vbar) == "PID 1"
-    assert protected(fake(50, "/usr/bin/python3 /usr/bin/tpuboot run"), vbar) == "tpuboot"
-    assert protected(fake(50, "python3 -m tpuboot who"), vbar) == "tpuboot"
-    assert protected(fake(50, "/usr/bin/tpuboot-helper x"), vbar) is None
+def test_tpuboot_pid_1_and_the_agents_are_never_ended():
+    agents = Supervised(containers=lambda: {DOCKER_ID: "vbar"})
+    assert protected(fake(os.getpid()), agents) == "tpuboot itself"
+    assert protected(fake(1), agents) == "PID 1"
+    assert protected(fake(50, "/usr/bin/python3 /usr/bin/tpuboot run"), agents) == "tpuboot"
+    assert protected(fake(50, "python3 -m tpuboot who"), agents) == "tpuboot"
+    assert protected(fake(50, "/usr/bin/tpuboot-helper x"), agents) is None
     vbars = fake(51, container=DOCKER_ID, engine="docker")
-    assert protected(vbars, vbar) == f"vBar's container {DOCKER_ID[:12]}"
-    assert protected(fake(52, container="cd" * 32, engine="docker"), vbar) is None
-    exec_vbar = VbarProcesses(program="/usr/bin/vbar_control_agent")
+    assert protected(vbars, agents) == f"tpuboot's container vbar ({DOCKER_ID[:12]})"
+    assert protected(fake(52, container="cd" * 32, engine="docker"), agents) is None
+    assert protected(fake(52, container=DOCKER_ID, engine="podman"), agents) is None  # not the host engine's
+    exec_vbar = Supervised({"/usr/bin/vbar_control_agent": "vBar"})
     assert protected(fake(53, "/usr/bin/vbar_control_agent --port 8353"), exec_vbar).startswith("vBar (")
-    unknown = VbarProcesses(unknown="dockerd does not say which container is vBar's (refused)")
-    other = fake(54, container="cd" * 32, engine="docker")
-    assert "in a docker container" in (protected(other, unknown) or "")
+    assert protected(fake(53, container=DOCKER_ID, engine="docker"), exec_vbar) is None  # no agent in one
+
+
+def test_an_engine_that_cannot_say_spares_every_process_in_its_containers_and_is_asked_once():
+    asked = []
+
+    def refused() -> dict[str, str]:
+        asked.append(1)
+        raise EngineUnreachable("refused")
+
+    unknown = Supervised(containers=refused)
     assert protected(fake(55), unknown) is None
+    assert asked == []  # not a container's: the engine is not asked
+    other = fake(54, container="cd" * 32, engine="docker")
+    assert protected(other, unknown) == (
+        "in a docker container, and dockerd does not say which containers are tpuboot's (refused)"
+    )
+    assert protected(other, unknown) is not None and asked == [1]
 
 
-def test_vbar_processes_by_runtime(tmp_path):
+def test_the_agents_by_runtime(tmp_path):
     root = Root(tmp_path)
-    assert vbar_processes(root, Config(vbar=VbarConfig(enabled=False))) == VbarProcesses()
+    off = Config(vbar=VbarConfig(enabled=False))
+    assert supervised(root, off).programs == {} and supervised(root, off)._list is None
     exec_config = Config(vbar=VbarConfig(runtime="exec"))
-    assert vbar_processes(root, exec_config).program == exec_config.vbar.exec_argv[0]
-    assert vbar_processes(root, Config()) == VbarProcesses()  # no dockerd socket: no vBar container
+    assert supervised(root, exec_config).programs == {exec_config.vbar.exec_argv[0]: "vBar"}
+    in_docker = fake(51, container=DOCKER_ID, engine="docker")
+    assert supervised(root, exec_config).reason(in_docker) is None  # no agent in a container: not asked
+    assert supervised(root, Config()).reason(in_docker) is None  # no dockerd socket: no container of it
 
 
-def test_vbar_container_from_dockerd():
+def test_every_container_tpuboot_made_is_an_agents_whatever_its_name():
     from tests.unit.fakes.dockerd import fake_dockerd
 
     with fake_dockerd() as dockerd:
         root = Root(dockerd.root)
-        assert vbar_processes(root, Config()) == VbarProcesses()  # no vBar container
-        dockerd.containers[Config().vbar.container_name] = {"Id": DOCKER_ID, "State": {"Running": True}}
-        assert vbar_processes(root, Config()).container == DOCKER_ID
+        theirs = dockerd.add_container("vbar", "example.invalid/vbar:1")  # the user's, not labelled
+        ours = dockerd.add_container("collector-7", "example.invalid/c:1", labels={MANAGED_LABEL: "1"})
+        agents = supervised(root, Config())
+        assert agents.reason(fake(60, container=theirs, engine="docker")) is None
+        assert agents.reason(fake(61, container=ours, engine="docker")) == (
+            f"tpuboot's container collector-7 ({ours[:12]})"
+        )
 
 
 def child(*argv: str) -> subprocess.Popen[bytes]:

@@ -593,9 +593,9 @@ def test_the_readme_status_line_is_what_a_default_install_shows(kernel_with_tpus
     """A daemon of the default configuration (env, vBar, GKE check on; the metadata server and a
     dockerd answering) says the README's STATUS line, numbers aside."""
     from tests.unit.fakes.dockerd import fake_dockerd
+    from tests.unit.helpers.containers import engine_of
     from tests.unit.helpers.daemon import make, serving, until
     from tpuboot.config import MetadataConfig, MetricsConfig, VbarConfig
-    from tpuboot.containers.dockerapi import DockerAPI
 
     shown = re.search(r'Status: "([^"]+)"', section(README, "On a running TPU VM"))
     assert shown is not None
@@ -608,9 +608,7 @@ def test_the_readme_status_line_is_what_a_default_install_shows(kernel_with_tpus
     assert (config.gke, config.env.enabled, config.vbar.enabled) == ("auto", True, True)  # the defaults
     with fake_dockerd() as dockerd:
         dockerd.images.update({config.vbar.image, "example.invalid/vbar:1.0"})
-        daemon, _, _ = make(
-            kernel_with_tpus, config=config, root=root, docker=lambda: DockerAPI(str(dockerd.socket_path))
-        )
+        daemon, _, _ = make(kernel_with_tpus, config=config, root=root, engine=engine_of(dockerd))
         with serving(daemon) as running:
             until(lambda: daemon.ready and "vBar: running" in daemon.status_line())  # READY: tpu-env synced
             line = daemon.status_line()

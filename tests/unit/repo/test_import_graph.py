@@ -208,3 +208,16 @@ def test_the_sub_packages_have_no_cycle() -> None:
     another which imports it back cannot be read, moved or tested alone (issue 32)."""
     found = cycles(packages(graph(PACKAGE), "tpuboot"))
     assert not found, "package cycles: " + "; ".join(" -> ".join(cycle) for cycle in found)
+
+
+#: Docker's client, and who may import it: itself and the one place that chooses the host's engine.
+DOCKER = {"tpuboot.containers.docker", "tpuboot.containers.dockerapi", "tpuboot.containers.dockerwire"}
+DOCKER_SEAM = DOCKER | {"tpuboot.containers.hostengine"}
+
+
+def test_only_the_host_engine_reaches_dockers_client() -> None:
+    """A second engine is one client and one line in tpuboot/containers/hostengine.py: nothing
+    else (the daemon, doctor, prepare-image, `release`) may name Docker's modules."""
+    edges = graph(PACKAGE)
+    assert set(edges) >= DOCKER, "Docker's modules moved: update DOCKER"
+    assert {m for m, to in edges.items() if to & DOCKER and m not in DOCKER_SEAM} == set()
