@@ -105,7 +105,7 @@ DOCTOR = CORE | SURVEY | CHECKS | METADATA | ENV_READ | DOCTOR_CONTAINERS | HOLD
     "tpuboot.checks.holders", "tpuboot.checks.cdi", "tpuboot.checks.notices", "tpuboot.notices",
     "tpuboot.checks.runtime", "tpuboot.runtime", "tpuboot.runtime.statefile", "tpuboot.runtime.client",
     "tpuboot.runtime.wire",
-    "tpuboot.notices.noticefile",
+    "tpuboot.notices.noticefile", "tpuboot.records",
     # slice-identity: tpuboot slice's judgement of the identity, without the sweep
     "tpuboot.slice", "tpuboot.slice.facts", "tpuboot.slice.identity", "tpuboot.slice.resolve",
     "tpuboot.slice.workers"}  # fmt: skip
@@ -121,7 +121,8 @@ SLICE = CORE | METADATA | HOLDERS | SURVEY - {"tpuboot.devices.health", "json"} 
 #: `top`: the collector's code for one poll; grpcio itself only once a chip's holder listens.
 RUNTIME = {"tpuboot.runtime", "tpuboot.runtime.top", "tpuboot.runtime.collector", "tpuboot.runtime.client",
            "tpuboot.runtime.wire", "tpuboot.runtime.reading", "tpuboot.runtime.ports",
-           "tpuboot.runtime.statefile", "tpuboot.holders.sockets", "tpuboot.atomicfile", "tpuboot.component",
+           "tpuboot.runtime.statefile", "tpuboot.records", "tpuboot.holders.sockets", "tpuboot.atomicfile",
+           "tpuboot.component",
            "tpuboot.env", "tpuboot.env.tpuenv", "tpuboot.env.assignment", "yaml", "json",
            "socket"}  # fmt: skip
 
@@ -129,6 +130,7 @@ RUNTIME = {"tpuboot.runtime", "tpuboot.runtime.top", "tpuboot.runtime.collector"
 NOTICE_FILE = {
     "tpuboot.notices",
     "tpuboot.notices.noticefile",
+    "tpuboot.records",
     "tpuboot.notices.wait",
     "tpuboot.atomicfile",
     "json",

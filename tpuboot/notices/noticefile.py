@@ -17,8 +17,9 @@ import json
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from tpuboot.atomicfile import FileReadError, read_file, write_file
+from tpuboot.atomicfile import write_file
 from tpuboot.paths import Root
+from tpuboot.records import read_record
 
 if TYPE_CHECKING:  # readers (`status`, doctor, wait-maintenance) need not load the parser
     from tpuboot.notices.parse import Notice
@@ -46,18 +47,7 @@ def save(root: Root, notices: Iterable[Notice]) -> bool:
 def load(root: Root) -> dict[str, Any] | None:
     """The file's data; None when it is absent (the daemon has not written it: not running, or
     ``notices.enabled`` is false). FileReadError when it cannot be read or is not what tpuboot writes."""
-    data = read_file(root, NOTICE_PATH, limit=MAX_SIZE)
-    if data is None:
-        return None
-    try:
-        parsed = json.loads(data)
-    except (ValueError, RecursionError):
-        parsed = None
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("notices"), list):
-        raise FileReadError(
-            f"{NOTICE_PATH} is not tpuboot's notice file; remove it (the daemon writes it again)"
-        )
-    return parsed
+    return read_record(root, NOTICE_PATH, key="notices", what="tpuboot's notice file", limit=MAX_SIZE)
 
 
 def active(data: dict[str, Any], kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:

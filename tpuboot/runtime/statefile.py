@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tpuboot.atomicfile import FileReadError, read_file, remove_file, write_file
+from tpuboot.atomicfile import remove_file, write_file
 from tpuboot.paths import Root
+from tpuboot.records import read_record
 
 RUNTIME_PATH = "/run/tpuboot/runtime"
 MAX_SIZE = 256 << 10
@@ -37,15 +38,4 @@ def clear(root: Root) -> bool:
 
 def load(root: Root) -> dict[str, Any] | None:
     """The file's data; None when absent. FileReadError when it is not what tpuboot writes."""
-    data = read_file(root, RUNTIME_PATH, limit=MAX_SIZE)
-    if data is None:
-        return None
-    try:
-        parsed = json.loads(data)
-    except (ValueError, RecursionError):
-        parsed = None
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("ports"), list):
-        raise FileReadError(
-            f"{RUNTIME_PATH} is not tpuboot's runtime file; remove it (the daemon writes it again)"
-        )
-    return parsed
+    return read_record(root, RUNTIME_PATH, key="ports", what="tpuboot's runtime file", limit=MAX_SIZE)
