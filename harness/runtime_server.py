@@ -5,9 +5,9 @@ It serves ``tpu.monitoring.runtime.RuntimeMetricService`` (ListSupportedMetrics,
 GetRuntimeMetric) from a :class:`Fixture` written from the published interface
 (tpu-info's ``tpu_info/proto/tpu_metric_service.proto``), encoded with tpuboot's own wire encoders,
 and the fixture can change while it runs (a hang turning on). The misbehaving services a
-collector must survive are here too: one that accepts and never answers (:class:`Silent`, a bare
-TCP listener), one that resets every connection (:class:`Resetting`), and fixtures whose answers
-are garbage, too large, of the wrong types or of unknown names.
+collector must survive are here too: fixtures whose answers are garbage, too large, of the wrong
+types or of unknown names; one that never answers and one that resets every connection are
+:mod:`harness.listeners`.
 
 Standalone (a VM guest's stand-in job)::
 
@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
-import struct
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -219,57 +217,6 @@ class RuntimeServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class _Listener:
-    """A bare TCP listener on 127.0.0.1 whose connections are handled by :meth:`handle`."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.handle(conn)
-
-    def handle(self, conn: socket.socket) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.accepted:
-            conn.close()
-
-    def __enter__(self) -> _Listener:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Silent(_Listener):
-    """Accepts every connection and never says a word."""
-
-    def handle(self, conn: socket.socket) -> None:
-        self.accepted.append(conn)
-
-
-class Resetting(_Listener):
-    """Resets every connection as soon as it is accepted (SO_LINGER 0: a RST, not a FIN)."""
-
-    def handle(self, conn: socket.socket) -> None:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        conn.close()
 
 
 def main() -> int:

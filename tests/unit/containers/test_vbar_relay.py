@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.listeners import Silent
 from tests.unit.helpers.daemon import until
 from tpuboot.checks.cdi import CdiChecks, probe_relay
 from tpuboot.config import Config
@@ -25,41 +26,11 @@ from tpuboot.endpoints import Endpoint
 from tpuboot.paths import Root
 
 
-class StandIn:
-    """vBar's stand-in: accepts on 127.0.0.1, hands each connection to the test."""
-
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-
-    def stop_listening(self) -> None:
-        """vBar goes away: shutdown wakes the accept in flight, which would keep the port listening."""
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-
-    def close(self) -> None:
-        self.stop_listening()
-        for conn in self.accepted:
-            conn.close()
-
-
 @pytest.fixture
-def vbar() -> Iterator[StandIn]:
-    stand_in = StandIn()
-    yield stand_in
-    stand_in.close()
+def vbar() -> Iterator[Silent]:
+    """vBar's stand-in: accepts on 127.0.0.1, hands each connection to the test."""
+    with Silent() as stand_in:
+        yield stand_in
 
 
 @pytest.fixture
@@ -86,7 +57,7 @@ def connect(root: Root) -> socket.socket:
     return sock
 
 
-def test_bytes_go_both_ways_and_a_half_close_reaches_the_other_side(root: Root, vbar: StandIn) -> None:
+def test_bytes_go_both_ways_and_a_half_close_reaches_the_other_side(root: Root, vbar: Silent) -> None:
     relay = relay_of(root, vbar.port)
     try:
         path = root.path(RELAY_SOCKET)
@@ -126,7 +97,7 @@ def test_vbar_down_closes_the_client_at_once(root: Root) -> None:
         relay.stop()
 
 
-def test_connections_over_the_cap_are_closed_at_accept(root: Root, vbar: StandIn) -> None:
+def test_connections_over_the_cap_are_closed_at_accept(root: Root, vbar: Silent) -> None:
     relay = relay_of(root, vbar.port, max_connections=2)
     try:
         kept = [connect(root), connect(root)]
@@ -146,7 +117,7 @@ def test_connections_over_the_cap_are_closed_at_accept(root: Root, vbar: StandIn
         relay.stop()
 
 
-def test_an_idle_connection_is_closed(root: Root, vbar: StandIn) -> None:
+def test_an_idle_connection_is_closed(root: Root, vbar: Silent) -> None:
     now = [0.0]
     relay = relay_of(root, vbar.port, idle_timeout=0.05, clock=lambda: now[0])
     try:
@@ -160,7 +131,7 @@ def test_an_idle_connection_is_closed(root: Root, vbar: StandIn) -> None:
         relay.stop()
 
 
-def test_a_client_that_never_reads_holds_at_most_one_buffer(root: Root, vbar: StandIn) -> None:
+def test_a_client_that_never_reads_holds_at_most_one_buffer(root: Root, vbar: Silent) -> None:
     """vBar sends 16 MiB to a client that reads nothing: the relay stops reading from vBar once its
     buffer for that direction is full, so vBar's send blocks and the relay's memory stays bounded."""
     buffer = 4096
@@ -194,7 +165,7 @@ def test_a_client_that_never_reads_holds_at_most_one_buffer(root: Root, vbar: St
         relay.stop()
 
 
-def test_doctor_says_whether_a_container_reaches_vbar(root: Root, vbar: StandIn) -> None:
+def test_doctor_says_whether_a_container_reaches_vbar(root: Root, vbar: Silent) -> None:
     from tpuboot.config import VbarConfig
 
     config = Config(vbar=VbarConfig(endpoint=Endpoint(host="127.0.0.1", port=vbar.port)))

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from harness.runtime_server import Resetting, RuntimeServer, Silent, tpu7x, v5e
+from harness.listeners import Resetting, Silent
+from harness.runtime_server import RuntimeServer, tpu7x, v5e
 from tests.unit.helpers.runtime import JOB, ME, write_ports
 from tpuboot.config import Config, RuntimeMetricsConfig
 from tpuboot.holders.procfs import Process

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.runtime_server import RuntimeServer, Silent, v5e
+from harness.listeners import Silent
+from harness.runtime_server import RuntimeServer, v5e
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.daemon import (
     DEVICES_ONLY,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.runtime_server import RuntimeServer, Silent, tpu7x, v5e
+from harness.listeners import Silent
+from harness.runtime_server import RuntimeServer, tpu7x, v5e
 from tests.unit.helpers.runtime import JOB, ME, write_ports
 from tpuboot.config import Config
 from tpuboot.paths import Root
