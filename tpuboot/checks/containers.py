@@ -165,17 +165,17 @@ class ContainerChecks:
             f"systemctl restart tpuboot (it supervises {agent.called}); "
             f"journalctl -u tpuboot AGENT={agent.label} says why it stopped"
         )
-        engine = HOST_ENGINE
         try:
             state = self.container_state(self.root, name)
         except EngineUnreachable as exc:
             return failed(
-                f"{engine.name} does not answer ({exc}): {agent.called} cannot run", engine.fix(self.root)
+                f"{HOST_ENGINE.name} does not answer ({exc}): {agent.called} cannot run",
+                HOST_ENGINE.fix(self.root),
             )
         except EngineError as exc:  # the engine answered, unusably: its message says what to upgrade
             return failed(
-                f"{engine.name}: {exc}",
-                f"do what {engine.name}'s answer says; journalctl -u {engine.unit} has more",
+                f"{HOST_ENGINE.name}: {exc}",
+                f"do what {HOST_ENGINE.name}'s answer says; journalctl -u {HOST_ENGINE.unit} has more",
             )
         if state == RUNNING:
             return passed(f"container {name} is running")
