@@ -16,6 +16,7 @@ from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.engine import EngineError
 from tpuboot.containers.hostengine import HOST_ENGINE
+from tpuboot.errors import printable
 from tpuboot.holders.procfs import Process
 from tpuboot.paths import Root
 
@@ -38,18 +39,19 @@ class Supervised:
         self._found: Mapping[str, str] | str | None = None
 
     def reason(self, p: Process) -> str | None:
-        """Why ``p`` is left alone as an agent's (or as possibly one's); None if it is not."""
+        """Why ``p`` is left alone as an agent's (or as possibly one's), as a phrase to print (what
+        the engine or the configuration named, escaped); None if it is not."""
         program = p.command.split(" ", 1)[0]
         if program in self.programs:
-            return f"{self.programs[program]} ({program}, the exec runtime)"
+            return f"{self.programs[program]} ({printable(program)}, the exec runtime)"
         if not p.container or p.engine != HOST_ENGINE.kind or self._list is None:
             return None
         found = self._containers()
         if isinstance(found, str):
-            return f"in a {p.engine} container, and {found}"
+            return f"in a {p.engine} container, and {printable(found)}"
         for ident, name in found.items():
             if ident.startswith(p.container):
-                return f"tpuboot's container {name} ({ident[:12]})"
+                return f"tpuboot's container {printable(name)} ({printable(ident[:12])})"
         return None
 
     def _containers(self) -> Mapping[str, str] | str:

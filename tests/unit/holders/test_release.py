@@ -163,6 +163,12 @@ def test_an_engine_that_cannot_say_spares_every_process_in_its_containers_and_is
     assert protected(other, unknown) is not None and asked == [1]
 
 
+def test_what_the_engine_names_is_printed_escaped():
+    agents = Supervised(containers=lambda: {DOCKER_ID: "vbar\x1b[2J\nPID 1"})
+    reason = protected(fake(51, container=DOCKER_ID, engine="docker"), agents) or ""
+    assert "\x1b" not in reason and "\n" not in reason and reason.startswith("tpuboot's container vbar")
+
+
 def test_the_agents_by_runtime(tmp_path):
     root = Root(tmp_path)
     off = Config(vbar=VbarConfig(enabled=False))
