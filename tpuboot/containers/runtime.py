@@ -7,7 +7,8 @@ The supervision policy, in no engine's terms (:func:`runtime_on` puts it over th
 - the image must come from a registry in its allowlist (:mod:`tpuboot.references`): otherwise
   nothing is pulled, created, adopted or started, and ``start`` raises Refused;
 - one already running with the wanted image and settings is adopted (a tpuboot restart does
-  not restart the container); one whose image or settings differ is removed and created again;
+  not restart the container), a stopped one started again; one whose image or settings differ,
+  or that the engine refuses to start again, is removed and created again;
 - a missing image is pulled, ``pull_retries`` times at most, with the credentials
   ``credentials`` gives for its registry (:mod:`tpuboot.containers.credentials`: the VM's
   service-account token for Google's registries; none without it);
@@ -228,13 +229,27 @@ class EngineRuntime:
                 self.container_id = found.ident
                 if found.running:
                     return Started("adopted", found.ident[:12])
-                engine.start(found.ident)
-                return Started("restarted", found.ident[:12])
-            log.info(
-                "%s: image or settings differ from the configuration; recreating it",
-                spec.name,
-                extra={"CONTAINER": spec.name, "IMAGE": spec.image},
-            )
+                try:
+                    engine.start(found.ident)
+                    return Started("restarted", found.ident[:12])
+                except Exception as exc:
+                    if _unreachable(exc):
+                        raise
+                    # The engine answered that this container cannot start (containerd's task left
+                    # behind by a dockerd restart: "task ...: already exists"; a bind's source gone):
+                    # a new container has none of that, and nothing in the old one is worth keeping.
+                    log.warning(
+                        "%s: cannot be started again (%s); recreating it",
+                        spec.name,
+                        _reason(exc),
+                        extra={"CONTAINER": spec.name, "IMAGE": spec.image},
+                    )
+            else:
+                log.info(
+                    "%s: image or settings differ from the configuration; recreating it",
+                    spec.name,
+                    extra={"CONTAINER": spec.name, "IMAGE": spec.image},
+                )
             with contextlib.suppress(EngineNotFound):  # gone meanwhile: as good
                 engine.remove(found.ident)
             how = "recreated"

@@ -25,7 +25,7 @@ from tpuboot.containers.engine import EngineUnreachable as Unreachable
 from tpuboot.containers.hostengine import HOST_ENGINE
 from tpuboot.containers.runtime import EngineRuntime, runtime_on
 from tpuboot.containers.service import Containers
-from tpuboot.containers.supervisor import CannotStart, RuntimeUnavailable, Supervisor
+from tpuboot.containers.supervisor import CannotStart, RuntimeUnavailable, StartFailed, Supervisor
 from tpuboot.paths import Root
 
 
@@ -111,6 +111,39 @@ def test_adopts_a_running_match_restarts_a_stopped_one_and_recreates_a_different
     assert dockerd.containers["vbar"]["Id"] != first
     assert dockerd.containers["vbar"]["Config"]["Image"] == "example.invalid/vbar:2"
     assert runtime.container_id == dockerd.containers["vbar"]["Id"] and dockerd.running("vbar")
+
+
+def test_a_stopped_container_the_engine_cannot_start_again_is_recreated(
+    dockerd: FakeDockerd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """containerd keeps a task a dockerd restart left behind: every start of that container fails
+    ("already exists") until it is removed, so it is removed and made again (the soak's vBar)."""
+    dockerd.images.add(IMAGE)
+    docker_runtime(dockerd).start()
+    first = dockerd.containers["vbar"]["Id"]
+    dockerd.die("vbar", 1)
+    dockerd.stale_tasks.add(first)
+    runtime = docker_runtime(dockerd)
+    assert runtime.start().how == "recreated"
+    assert dockerd.calls("DELETE", f"/containers/{first}")
+    ident = dockerd.containers["vbar"]["Id"]
+    assert ident != first and runtime.container_id == ident and dockerd.running("vbar")
+    assert "vbar: cannot be started again (failed to create task for container: task" in caplog.text
+    assert "already exists: unknown); recreating it" in caplog.text
+
+
+def test_a_container_that_cannot_start_even_when_new_is_one_failed_start(dockerd: FakeDockerd) -> None:
+    """Recreated once per start, not in a loop: a fresh container that fails too is the
+    supervisor's to retry with its backoff."""
+    dockerd.images.add(IMAGE)
+    docker_runtime(dockerd).start()
+    dockerd.die("vbar", 1)
+    dockerd.stale_tasks.add(dockerd.containers["vbar"]["Id"])
+    dockerd.stale_tasks.add(f"{2:064x}")  # the next id the fake gives
+    refused = r"^vbar: failed to create task for container: task 0+2: already exists"
+    with pytest.raises(StartFailed, match=refused):
+        docker_runtime(dockerd).start()
+    assert len(dockerd.calls("POST", "/containers/create")) == 2
 
 
 def test_recreates_a_container_with_the_name_and_labels_but_not_privileged(dockerd: FakeDockerd) -> None:
@@ -291,9 +324,10 @@ def test_supervisor_over_docker_restarts_after_die_and_recovers_from_dockerd_res
 
         dockerd.stop()
         wait_until(lambda: "waiting" in status.last)
+        dockerd.stale_tasks.add(first)  # containerd kept the stopped container's task
         dockerd.start()
         wait_until(lambda: status.last == "vBar: running" and len(dockerd.subscribers) == 3, timeout=15)
-        assert dockerd.running("vbar")
+        assert dockerd.running("vbar") and dockerd.containers["vbar"]["Id"] != first  # made anew
 
         image[0] = "example.invalid/vbar:2"
         dockerd.images.add(image[0])

@@ -125,6 +125,9 @@ class FakeDockerd:
         self.containers: dict[str, dict[str, Any]] = {}  # by name
         self.images: set[str] = set()
         self.pull_error: str | None = None
+        #: Ids of containers containerd still has a task for (left by a dockerd restart): their start
+        #: fails, as dockerd's does, until the container is removed.
+        self.stale_tasks: set[str] = set()
         self.pulls: list[tuple[str, str]] = []
         self.pull_auths: list[dict[str, Any] | None] = []  # each pull's decoded X-Registry-Auth
         self.registry_credentials: dict[str, tuple[str, str]] = {}  # host -> the pair it takes
@@ -419,6 +422,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             elif (method, action) == ("POST", "/start"):
                 if container["State"]["Running"]:
                     status, answer = 304, None
+                elif container["Id"] in fake.stale_tasks:
+                    task = f"task {container['Id']}: already exists: unknown"
+                    status, answer = 500, {"message": f"failed to create task for container: {task}"}
                 else:
                     container["State"] = {"Running": True, "ExitCode": 0, "Status": "running"}
                     status, answer = 204, None
