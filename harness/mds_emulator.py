@@ -208,6 +208,8 @@ class MetadataEmulator:
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._writes_open = threading.Event()  # cleared: guest-attribute writes wait (hold_writes)
+        self._writes_open.set()
         self._holder: socket.socket | None = None  # the port, bound but not listening, while stopped
 
     # -- life cycle -------------------------------------------------------------------------
@@ -227,6 +229,7 @@ class MetadataEmulator:
         """Close the listening socket and every open connection: clients now get 'connection refused'.
         The port stays held until close(), so restart() gets it back."""
         self._stopping.set()
+        self._writes_open.set()  # a held write ends unanswered (below)
         with self._changed:
             self._changed.notify_all()
         if self._server is not None:
@@ -316,6 +319,14 @@ class MetadataEmulator:
 
     def set_faults(self, **changes: Any) -> None:
         self.faults = replace(Faults(), **changes)
+
+    def hold_writes(self) -> None:
+        """Guest-attribute writes are counted, then wait unanswered until :meth:`release_writes`
+        (or the stop): "never waits for a write" proved without a race against a delay."""
+        self._writes_open.clear()
+
+    def release_writes(self) -> None:
+        self._writes_open.set()
 
     def fail_next(self, count: int, status: int = 503) -> None:
         """Answer the next ``count`` metadata requests with ``status``."""
@@ -589,7 +600,8 @@ class _Handler(BaseHTTPRequestHandler):
             emulator.guest_attribute_writes += 1
         faults = emulator.faults
         path = urlsplit(self.path).path[len(ROOT) :]
-        if faults.delay and emulator._stopping.wait(faults.delay):
+        emulator._writes_open.wait()
+        if emulator._stopping.is_set() or (faults.delay and emulator._stopping.wait(faults.delay)):
             return
         if self.headers.get("Metadata-Flavor") != "Google" or "X-Forwarded-For" in self.headers:
             self._send(403, "Missing Metadata-Flavor:Google header.\n", None, "text/plain", faults)

@@ -542,7 +542,7 @@ def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(k
 
     emulator.set_attribute("enable-guest-attributes", "TRUE")
     config = with_env(emulator).replace(guest_attributes=GuestAttributesConfig(min_interval=0.3))
-    emulator.set_faults(delay=0.5)  # every answer late: READY must not wait for the writes
+    emulator.hold_writes()  # no write answered until READY: READY must not wait for them
     daemon, _, _ = make(kernel, ReadyConfig(), config, root=root, metadata=make_client(emulator))
     assert daemon.guest_attrs is not None and daemon.guest_attrs.client is daemon.metadata  # one client
 
@@ -551,8 +551,8 @@ def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(k
 
     with serving(daemon) as running:
         until(lambda: daemon.ready)
-        assert emulator.guest_attribute_writes <= 1
-        emulator.set_faults()
+        assert emulator.guest_attribute_writes <= 1 and written() == {}  # one at most, held
+        emulator.release_writes()
         until(lambda: len(written()) == 5 and written()["tpuboot/state"] == "ready", timeout=30)
         # The TPUs' PCIe state comes from the daemon's first tick: the fake kernel's are well.
         until(lambda: written()["tpuboot/tpus"] == "bound=4 expected=4 failed=0 pcie=ok", timeout=30)
