@@ -32,7 +32,8 @@ from tpuboot.configfields import (
 )
 from tpuboot.endpoints import VBAR_ENDPOINT, Endpoint, EndpointError, parse_endpoint
 from tpuboot.errors import ConfigError
-from tpuboot.paths import MAX_FILE_BYTES, Root
+from tpuboot.gce.settings import DEFAULT_MAX_BODY, DEFAULT_TIMEOUT
+from tpuboot.paths import Root
 
 CONFIG_PATH = "/etc/tpuboot/tpuboot.yaml"
 
@@ -97,12 +98,11 @@ class MetadataConfig(Section):
     """Where and how patiently to ask the GCE metadata server."""
 
     host: str | None = option(None, parse_optional_str)
-    # gce.settings.DEFAULT_TIMEOUT, written again: config imports no gce (tests/unit/test_config.py)
-    timeout: float = option(5.0, parse_seconds(WAIT_MAX))
+    timeout: float = option(DEFAULT_TIMEOUT, parse_seconds(WAIT_MAX))
     boot_deadline: float = option(
         60.0, parse_seconds(BOOT_DEADLINE_MAX, " (systemd's TimeoutStartSec=180 must not end the start)")
     )
-    max_body: int = option(MAX_FILE_BYTES, parse_whole(1024, MAX_BODY_MAX, " bytes"))
+    max_body: int = option(DEFAULT_MAX_BODY, parse_whole(1024, MAX_BODY_MAX, " bytes"))
     watch: bool = option(True, parse_bool)
     # 0 would make every long-poll return at once: a busy loop against the metadata server.
     watch_timeout: int = option(60, parse_whole(1, int(WAIT_MAX), " seconds"))

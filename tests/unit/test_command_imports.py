@@ -42,13 +42,13 @@ print(" ".join(sorted(set(sys.modules) - before)))
 """
 
 # What `import tpuboot.cli` and the device commands load: sysfs, the device table, the config
-# (its sections are dataclasses).
+# (its sections are dataclasses; its metadata defaults are the client's, gce.settings).
 CORE = {"tpuboot", "tpuboot.cli", "tpuboot.commands", "tpuboot.commands.context",
         "tpuboot.config", "tpuboot.configfields", "tpuboot.devices",
         "tpuboot.devices.pci", "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors",
         "tpuboot.kernel_params", "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc", "tpuboot.gce",
-        "tpuboot.gce.keys", "tpuboot.endpoints", "tpuboot.numbers", "dataclasses", "inspect", "ipaddress",
-        "typing"}  # fmt: skip
+        "tpuboot.gce.keys", "tpuboot.gce.settings", "tpuboot.endpoints", "tpuboot.numbers", "dataclasses",
+        "inspect", "ipaddress", "typing"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "tpuboot.devices.health", "tpuboot.kernelfiles", "json",
           "inspect", "typing"}  # fmt: skip

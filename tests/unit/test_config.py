@@ -26,14 +26,6 @@ def test_empty_file_means_defaults():
     assert Config().vfio.node_mode == 0o666
 
 
-def test_the_metadata_defaults_are_the_clients():
-    """config imports no gce (the one-shot commands' import lists), so the default is written twice."""
-    from tpuboot.config import MetadataConfig
-    from tpuboot.gce.settings import DEFAULT_MAX_BODY, DEFAULT_TIMEOUT
-
-    assert (MetadataConfig().timeout, MetadataConfig().max_body) == (DEFAULT_TIMEOUT, DEFAULT_MAX_BODY)
-
-
 def test_missing_default_file_means_defaults(tmp_path):
     assert load_config(Root(tmp_path)) == Config()
 
