@@ -346,7 +346,8 @@ class ReadyConfig(Section):
     )
 
 
-#: What a job's unit name may end with (systemd's unit types that run processes).
+#: systemd's unit types that run processes: what a job's unit name may end with, and what names a
+#: process's unit in its cgroup path (:mod:`tpuboot.holders.procfs`).
 UNIT_SUFFIXES = (".service", ".scope")
 
 

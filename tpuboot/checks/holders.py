@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from tpuboot.checks.parsers.systemd import Systemd
-from tpuboot.config import Config
+from tpuboot.config import UNIT_SUFFIXES, Config
 from tpuboot.devices.chips import Chip
 from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile
@@ -173,7 +173,7 @@ def _memlock_fix(what: str) -> str:
             f"systemctl edit {unit}: [Service] LimitMEMLOCK=infinity, then systemctl restart {unit} "
             "(or run TPU containers with --ulimit memlock=-1:-1)"
         )
-    if name.endswith((".service", ".scope")):
+    if name.endswith(UNIT_SUFFIXES):
         return f"systemctl edit {name}: [Service] LimitMEMLOCK=infinity, then systemctl restart {name}"
     return (
         "start the job with memlock unlimited: LimitMEMLOCK=infinity in its unit, "

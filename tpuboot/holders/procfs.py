@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from tpuboot.config import UNIT_SUFFIXES
 from tpuboot.holders.bounded import each_within
 from tpuboot.kernelfiles import read_text, stat_fields
 from tpuboot.numbers import ascii_hex, ascii_int
@@ -49,7 +50,6 @@ _CONTAINER = (
     (re.compile(r"/cri-containerd-([0-9a-f]{64})\.scope(?:/|$)"), "containerd"),
     (re.compile(r"/libpod-([0-9a-f]{64})\.scope(?:/|$)"), "podman"),
 )
-_UNIT_SUFFIXES = (".service", ".scope")
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def where_from_cgroup(text: str) -> tuple[str | None, str | None, str | None]:
             match = pattern.search(path)
             if match:
                 return None, match.group(1), engine
-        units = [part for part in path.split("/") if part.endswith(_UNIT_SUFFIXES)]
+        units = [part for part in path.split("/") if part.endswith(UNIT_SUFFIXES)]
         if units:
             return units[-1], None, None
     return None, None, None
