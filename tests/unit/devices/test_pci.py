@@ -1,7 +1,7 @@
 import pytest
 
 from tpuboot.config import MatchRule
-from tpuboot.devices.pci import PciFunction, is_function_name, parse_dbdf
+from tpuboot.devices.pci import PciFunction, is_chip_address, is_function_name, parse_dbdf
 from tpuboot.devices.table import DeviceTable, PciIds
 from tpuboot.errors import UsageError
 from tpuboot.paths import Root
@@ -107,7 +107,23 @@ def test_a_function_without_readable_ids_reads_as_gone(tmp_path, text):
         ("0000:00:04.0 ", False),
         ("pci0000:00", False),
         ("0000:0G:04.0", False),
+        ("100000000:00:04.0", False),  # a domain is 32 bits: 8 digits at most
     ],
 )
 def test_function_names_as_sysfs_gives_them(name, is_one):
     assert is_function_name(name) is is_one
+
+
+@pytest.mark.parametrize(
+    ("text", "is_one"),
+    [
+        ("0000:00:04", True),
+        ("10000:e1:1f", True),  # a VMD domain has 5 digits
+        ("0000:00:20", False),  # the device number is 5 bits
+        ("0000:00:04.0", False),  # a function, not its chip
+        ("00:04", False),
+        ("100000000:00:04", False),
+    ],
+)
+def test_chip_addresses_as_base_address_gives_them(text, is_one):
+    assert is_chip_address(text) is is_one
