@@ -65,9 +65,10 @@ ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync
 #: What records metrics: plain Python, no prometheus_client.
 METRICS = {"tpuboot.metrics"}
 #: What shows them in Prometheus' format (a textfile, the daemon's endpoint): prometheus_client,
-#: and the PCIe collector's sysfs readers.
+#: and the PCIe collector's sysfs readers; the endpoint's server backs off by tpuboot.backoff.
 EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.metrics_server", "tpuboot.netio",
-                    "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
+                    "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips",
+                    "tpuboot.backoff"}  # fmt: skip
 #: The host's engine (tpuboot/containers/hostengine.py) and its client: Docker's.
 ENGINE = {"tpuboot.containers", "tpuboot.containers.hostengine", "tpuboot.containers.engine",
           "tpuboot.containers.docker", "tpuboot.containers.dockerapi", "tpuboot.containers.dockerwire",
