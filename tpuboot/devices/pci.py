@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from tpuboot.devices.table import PciIds
+from tpuboot.devices.table import DeviceTable, Kind, PciIds
 from tpuboot.errors import UsageError
 from tpuboot.numbers import ascii_hex
 from tpuboot.paths import Root
@@ -116,6 +116,22 @@ class PciFunction:
         except FileNotFoundError:
             return None
         return None if text in ("", "(null)") else text
+
+
+def tpu_functions(root: Root, table: DeviceTable) -> list[tuple[PciFunction, Kind]]:
+    """Each function present that ``table`` calls a TPU (of any kind), with its kind, in address
+    order. One removed while looked at, or whose ids cannot be read, is left out: nothing here
+    vouches for it (`status`'s survey reports such a function as maybe a TPU)."""
+    found = []
+    for address in list_addresses(root):
+        fn = PciFunction(root, address)
+        try:
+            kind = table.classify(fn.ids())
+        except OSError:
+            continue
+        if kind is not None:
+            found.append((fn, kind))
+    return found
 
 
 def group_members(root: Root, group: str) -> list[str]:
