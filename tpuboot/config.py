@@ -38,11 +38,17 @@ from tpuboot.paths import Root
 CONFIG_PATH = "/etc/tpuboot/tpuboot.yaml"
 
 #: A setting that is on, off, or decided from what the host says (``auto``): the strings the
-#: file gives, compared as such by what reads them.
+#: file gives; :func:`decided` reads one as a decision.
 TriState = Literal["auto", "true", "false"]
 parse_tristate = parse_choice(*get_args(TriState))
 #: How the vBar agent runs: in its container, or the documented binary on the host.
 VbarRuntime = Literal["docker", "exec"]
+
+
+def decided(setting: TriState) -> bool | None:
+    """A :data:`TriState` as a decision: True or False as the file says it, None for ``auto``
+    (what the host says decides)."""
+    return None if setting == "auto" else setting == "true"
 
 
 @dataclass(frozen=True)

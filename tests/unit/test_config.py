@@ -12,6 +12,7 @@ from tpuboot.config import (
     MatchRule,
     TriState,
     VfioConfig,
+    decided,
     load_config,
     parse_config,
 )
@@ -247,3 +248,9 @@ def test_every_auto_true_false_key_is_a_tristate():
             assert getattr(getattr(config, section) if section else config, key) == word
         with pytest.raises(ConfigError, match="is not one of auto, true, false"):
             parse_config(f"{section}: {{{key}: maybe}}" if section else f"{key}: maybe", SOURCE)
+
+
+def test_a_tristate_reads_as_a_decision_or_none_for_auto():
+    """The one reading of auto/true/false (gke, vfio.allow_unsafe_interrupts): auto decides nothing."""
+    assert [decided(v) for v in typing.get_args(TriState)] == [None, True, False]
+    assert decided(parse_config("gke: yes", SOURCE).gke) is True
