@@ -26,6 +26,7 @@ from tpuboot.configfields import (
     parse_seconds,
     parse_section,
     parse_str,
+    parse_str_list,
     parse_str_map,
     parse_whole,
     section_parser,
@@ -183,14 +184,8 @@ def parse_registries(value: Any, where: str) -> tuple[str, ...]:
     """A non-empty list of registry hosts (``host[:port]``), each optionally with a path prefix."""
     from tpuboot.references import parse_entry
 
-    if not isinstance(value, list) or not value:
-        raise fail(where, "expected a non-empty list of registry hosts, like [gcr.io, us-docker.pkg.dev]")
-    for index, item in enumerate(value):
-        try:
-            parse_entry(parse_str(item, f"{where}[{index}]"))
-        except ValueError as exc:
-            raise fail(f"{where}[{index}]", str(exc)) from None
-    return tuple(value)
+    expected = "expected a non-empty list of registry hosts, like [gcr.io, us-docker.pkg.dev]"
+    return parse_str_list(value, where, parse_entry, expected, empty=False)
 
 
 class _PrivilegedImage(Section):
@@ -286,14 +281,8 @@ def parse_token_registries(value: Any, where: str) -> tuple[str, ...]:
     """A list (maybe empty) of registry hosts, each ``host[:port]`` or ``*`` and the rest of a host."""
     from tpuboot.references import parse_host_pattern
 
-    if not isinstance(value, list):
-        raise fail(where, "expected a list of registry hosts, like [gcr.io, '*-docker.pkg.dev'], or []")
-    for index, item in enumerate(value):
-        try:
-            parse_host_pattern(parse_str(item, f"{where}[{index}]"))
-        except ValueError as exc:
-            raise fail(f"{where}[{index}]", str(exc)) from None
-    return tuple(value)
+    expected = "expected a list of registry hosts, like [gcr.io, '*-docker.pkg.dev'], or []"
+    return parse_str_list(value, where, parse_host_pattern, expected)
 
 
 @dataclass(frozen=True)
@@ -357,15 +346,16 @@ class ReadyConfig(Section):
 UNIT_SUFFIXES = (".service", ".scope")
 
 
+def _unit_name(unit: str) -> None:
+    if not unit.endswith(UNIT_SUFFIXES) or "/" in unit or unit.startswith(UNIT_SUFFIXES):
+        raise ValueError(f"{unit!r} is not a unit name like train.service")
+
+
 def parse_units(value: Any, where: str) -> tuple[str, ...]:
     """A list (maybe empty) of systemd unit names, each ``NAME.service`` or ``NAME.scope``."""
-    if not isinstance(value, list):
-        raise fail(where, "expected a list of systemd units, like [train.service], or []")
-    for index, item in enumerate(value):
-        unit = parse_str(item, f"{where}[{index}]")
-        if not unit.endswith(UNIT_SUFFIXES) or "/" in unit or unit.startswith(UNIT_SUFFIXES):
-            raise fail(f"{where}[{index}]", f"{unit!r} is not a unit name like train.service")
-    return tuple(value)
+    return parse_str_list(
+        value, where, _unit_name, "expected a list of systemd units, like [train.service], or []"
+    )
 
 
 @dataclass(frozen=True)

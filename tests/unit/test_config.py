@@ -254,3 +254,27 @@ def test_a_tristate_reads_as_a_decision_or_none_for_auto():
     """The one reading of auto/true/false (gke, vfio.allow_unsafe_interrupts): auto decides nothing."""
     assert [decided(v) for v in typing.get_args(TriState)] == [None, True, False]
     assert decided(parse_config("gke: yes", SOURCE).gke) is True
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("vbar: {registries: []}", "vbar.registries: expected a non-empty list of registry hosts"),
+        ("vbar: {registries: [gcr.io, 3]}", r"vbar.registries\[1\]: 3 is not a string; quote it"),
+        ("vbar: {registries: [gcr.io, 'a b']}", r"vbar.registries\[1\]: 'a b' is not a registry host"),
+        ("registry_auth: {token_registries: {}}", "token_registries: expected a list of registry hosts"),
+        ("registry_auth: {token_registries: [x/y]}", r"token_registries\[0\]: 'x/y': give the registry host"),
+        ("doctor: {job_units: train.service}", "doctor.job_units: expected a list of systemd units"),
+        ("doctor: {job_units: [a.service, .scope]}", r"job_units\[1\]: '.scope' is not a unit name like"),
+    ],
+)
+def test_a_list_of_names_is_refused_as_a_whole_or_by_its_item(text, message):
+    """The lists of names (registries, token registries, job units), read by one parser: a value
+    that is no list, or an item that is not a name of its kind, said with the item's index."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text, SOURCE)
+
+
+def test_an_empty_list_of_names_is_taken_where_none_is_a_choice():
+    config = parse_config("registry_auth: {token_registries: []}\ndoctor: {job_units: []}", SOURCE)
+    assert (config.registry_auth.token_registries, config.doctor.job_units) == ((), ())
