@@ -2,8 +2,9 @@
 
 Every retry in tpuboot waits by it: the metadata client's tries and watch (with full jitter above a
 floor, so a fleet booting together does not ask in lockstep), the watches' restart after a
-bug, a failed bind's next try (tpuboot/devices/manager.py) and a supervised container's restart
-(:class:`RestartPolicy`, reset after a stable run). The policies are pure: time and randomness are
+bug, a failed bind's next try (tpuboot/devices/manager.py), a supervised container's restart
+(:class:`RestartPolicy`, reset after a stable run) and the metrics endpoint's next accept after
+one found no fd or memory to spare (tpuboot/metrics_server.py). The policies are pure: time and randomness are
 passed in, so they are tested without sleeping; :func:`restarted` is the one loop that waits by one
 (a watch thread's restart after a bug).
 """

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from tpuboot.atomicfile import FileReadError, FileWriteError, read_file, write_file
 from tpuboot.errors import shown
-from tpuboot.kernelfiles import stat_fields
+from tpuboot.kernelfiles import start_ticks
 from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.bootbudget")
@@ -53,8 +53,8 @@ def boottime() -> float:
 
 def process_start(root: Root) -> float | None:
     """When this process started, in seconds of the boot-time clock; None if /proc cannot say."""
-    fields = stat_fields(root, "self")
-    return None if fields is None else int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    ticks = start_ticks(root, "self")
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)

@@ -26,22 +26,30 @@ from tpuboot.configfields import (
     parse_seconds,
     parse_section,
     parse_str,
+    parse_str_list,
     parse_str_map,
     parse_whole,
     section_parser,
 )
 from tpuboot.endpoints import VBAR_ENDPOINT, Endpoint, EndpointError, parse_endpoint
 from tpuboot.errors import ConfigError
-from tpuboot.paths import MAX_FILE_BYTES, Root
+from tpuboot.gce.settings import DEFAULT_MAX_BODY, DEFAULT_TIMEOUT
+from tpuboot.paths import Root
 
 CONFIG_PATH = "/etc/tpuboot/tpuboot.yaml"
 
 #: A setting that is on, off, or decided from what the host says (``auto``): the strings the
-#: file gives, compared as such by what reads them.
+#: file gives; :func:`decided` reads one as a decision.
 TriState = Literal["auto", "true", "false"]
 parse_tristate = parse_choice(*get_args(TriState))
 #: How the vBar agent runs: in its container, or the documented binary on the host.
 VbarRuntime = Literal["docker", "exec"]
+
+
+def decided(setting: TriState) -> bool | None:
+    """A :data:`TriState` as a decision: True or False as the file says it, None for ``auto``
+    (what the host says decides)."""
+    return None if setting == "auto" else setting == "true"
 
 
 @dataclass(frozen=True)
@@ -97,12 +105,11 @@ class MetadataConfig(Section):
     """Where and how patiently to ask the GCE metadata server."""
 
     host: str | None = option(None, parse_optional_str)
-    # gce.settings.DEFAULT_TIMEOUT, written again: config imports no gce (tests/unit/test_config.py)
-    timeout: float = option(5.0, parse_seconds(WAIT_MAX))
+    timeout: float = option(DEFAULT_TIMEOUT, parse_seconds(WAIT_MAX))
     boot_deadline: float = option(
         60.0, parse_seconds(BOOT_DEADLINE_MAX, " (systemd's TimeoutStartSec=180 must not end the start)")
     )
-    max_body: int = option(MAX_FILE_BYTES, parse_whole(1024, MAX_BODY_MAX, " bytes"))
+    max_body: int = option(DEFAULT_MAX_BODY, parse_whole(1024, MAX_BODY_MAX, " bytes"))
     watch: bool = option(True, parse_bool)
     # 0 would make every long-poll return at once: a busy loop against the metadata server.
     watch_timeout: int = option(60, parse_whole(1, int(WAIT_MAX), " seconds"))
@@ -177,14 +184,8 @@ def parse_registries(value: Any, where: str) -> tuple[str, ...]:
     """A non-empty list of registry hosts (``host[:port]``), each optionally with a path prefix."""
     from tpuboot.references import parse_entry
 
-    if not isinstance(value, list) or not value:
-        raise fail(where, "expected a non-empty list of registry hosts, like [gcr.io, us-docker.pkg.dev]")
-    for index, item in enumerate(value):
-        try:
-            parse_entry(parse_str(item, f"{where}[{index}]"))
-        except ValueError as exc:
-            raise fail(f"{where}[{index}]", str(exc)) from None
-    return tuple(value)
+    expected = "expected a non-empty list of registry hosts, like [gcr.io, us-docker.pkg.dev]"
+    return parse_str_list(value, where, parse_entry, expected, empty=False)
 
 
 class _PrivilegedImage(Section):
@@ -280,14 +281,8 @@ def parse_token_registries(value: Any, where: str) -> tuple[str, ...]:
     """A list (maybe empty) of registry hosts, each ``host[:port]`` or ``*`` and the rest of a host."""
     from tpuboot.references import parse_host_pattern
 
-    if not isinstance(value, list):
-        raise fail(where, "expected a list of registry hosts, like [gcr.io, '*-docker.pkg.dev'], or []")
-    for index, item in enumerate(value):
-        try:
-            parse_host_pattern(parse_str(item, f"{where}[{index}]"))
-        except ValueError as exc:
-            raise fail(f"{where}[{index}]", str(exc)) from None
-    return tuple(value)
+    expected = "expected a list of registry hosts, like [gcr.io, '*-docker.pkg.dev'], or []"
+    return parse_str_list(value, where, parse_host_pattern, expected)
 
 
 @dataclass(frozen=True)
@@ -346,19 +341,21 @@ class ReadyConfig(Section):
     )
 
 
-#: What a job's unit name may end with (systemd's unit types that run processes).
+#: systemd's unit types that run processes: what a job's unit name may end with, and what names a
+#: process's unit in its cgroup path (:mod:`tpuboot.holders.procfs`).
 UNIT_SUFFIXES = (".service", ".scope")
+
+
+def _unit_name(unit: str) -> None:
+    if not unit.endswith(UNIT_SUFFIXES) or "/" in unit or unit.startswith(UNIT_SUFFIXES):
+        raise ValueError(f"{unit!r} is not a unit name like train.service")
 
 
 def parse_units(value: Any, where: str) -> tuple[str, ...]:
     """A list (maybe empty) of systemd unit names, each ``NAME.service`` or ``NAME.scope``."""
-    if not isinstance(value, list):
-        raise fail(where, "expected a list of systemd units, like [train.service], or []")
-    for index, item in enumerate(value):
-        unit = parse_str(item, f"{where}[{index}]")
-        if not unit.endswith(UNIT_SUFFIXES) or "/" in unit or unit.startswith(UNIT_SUFFIXES):
-            raise fail(f"{where}[{index}]", f"{unit!r} is not a unit name like train.service")
-    return tuple(value)
+    return parse_str_list(
+        value, where, _unit_name, "expected a list of systemd units, like [train.service], or []"
+    )
 
 
 @dataclass(frozen=True)

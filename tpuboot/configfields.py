@@ -128,6 +128,21 @@ def parse_choice(*choices: str) -> Parser:
     return parse
 
 
+def parse_str_list(
+    value: Any, where: str, check: Callable[[str], object], expected: str, *, empty: bool = True
+) -> tuple[str, ...]:
+    """A list of strings, each given to ``check``, whose ValueError is that item's problem;
+    ``expected`` is the problem of a value that is not a list (or, unless ``empty``, an empty one)."""
+    if not isinstance(value, list) or not (value or empty):
+        raise fail(where, expected)
+    for index, item in enumerate(value):
+        try:
+            check(parse_str(item, f"{where}[{index}]"))
+        except ValueError as exc:
+            raise fail(f"{where}[{index}]", str(exc)) from None
+    return tuple(value)
+
+
 def parse_str_map(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, Mapping):
         raise fail(where, "expected a mapping of NAME: 'value'")

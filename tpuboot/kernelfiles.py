@@ -47,14 +47,26 @@ def read_text(root: Root, path: str, limit: int = MAX_FILE_BYTES) -> str | None:
     return None if data is None else data.decode("utf-8", "replace")
 
 
+#: Where :func:`stat_fields` has a process's state, its parent's PID and its start time (in clock
+#: ticks after boot): /proc/PID/stat's fields 3, 4 and 22.
+STATE, PPID, START = 0, 1, 19
+
+
 def stat_fields(root: Root, pid: int | str) -> list[str] | None:
     """/proc/PID/stat (PID may be ``self``) after the command, which may hold spaces and
-    parentheses: field 3 (state) onwards, so ``[19]`` is the start time in clock ticks after boot;
+    parentheses: field 3 (state) onwards, so ``[START]`` is the start time in clock ticks after boot;
     None unless the parent PID and the start time are ASCII digits, as the kernel writes them."""
     text = read_text(root, f"/proc/{pid}/stat")
     if text is None or ")" not in text:
         return None
     fields = text.rpartition(")")[2].split()
-    if len(fields) < 20 or ascii_int(fields[1]) is None or ascii_int(fields[19]) is None:
+    if len(fields) <= START or ascii_int(fields[PPID]) is None or ascii_int(fields[START]) is None:
         return None
     return fields
+
+
+def start_ticks(root: Root, pid: int | str) -> int | None:
+    """The process's start time in clock ticks after boot (PID may be ``self``): with the PID, what
+    names one process (a PID reused between a scan and a kill has another)."""
+    fields = stat_fields(root, pid)
+    return None if fields is None else int(fields[START])  # ASCII digits: stat_fields checked them

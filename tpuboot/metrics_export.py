@@ -33,7 +33,7 @@ from tpuboot.atomicfile import write_file
 from tpuboot.config import Config, MetricsConfig
 from tpuboot.devices.chips import base_address
 from tpuboot.devices.health import AER_FILES, read_healths
-from tpuboot.devices.pci import PciFunction, list_addresses
+from tpuboot.devices.pci import tpu_functions
 from tpuboot.devices.table import DeviceTable
 from tpuboot.metrics import (
     BIND_BUCKETS,
@@ -252,14 +252,7 @@ class PcieCollector:
         self.table = table
 
     def _tpu_addresses(self) -> list[str]:
-        found = []
-        for address in list_addresses(self.root):
-            try:
-                if self.table.classify(PciFunction(self.root, address).ids()) is not None:
-                    found.append(address)
-            except OSError:  # removed while we looked, or unreadable: not vouched for here
-                continue
-        return found
+        return [fn.address for fn, _ in tpu_functions(self.root, self.table)]
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["address", "chip"]

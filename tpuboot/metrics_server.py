@@ -13,8 +13,8 @@ Any local process can connect to the port, so each resource a connection takes i
 - **memory**: a request is read up to :data:`MAX_REQUEST_BYTES` (a scrape's is a few hundred);
   beyond that the server answers 431 or drops it, never buffering the 64 KiB lines times 100
   headers the standard library would.
-- **accept errors**: EMFILE, ENFILE, ENOBUFS, ENOMEM back off (doubling, up to
-  :data:`ACCEPT_BACKOFF_MAX`) and are logged once per streak, instead of spinning a core.
+- **accept errors**: EMFILE, ENFILE, ENOBUFS, ENOMEM back off (:class:`tpuboot.backoff.Backoff`:
+  doubling, up to :data:`ACCEPT_BACKOFF_MAX`) and are logged once per streak, instead of spinning a core.
 
 Stopping wakes the accept loop through a pipe of its own (never a connection to its own address,
 which an ``IPAddressAllow=`` without loopback would refuse), cuts the connections open, and waits
@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from tpuboot.backoff import Backoff
 from tpuboot.netio import DeadlineSocket
 
 log = logging.getLogger("tpuboot.metrics")
@@ -54,6 +55,7 @@ MAX_REQUEST_BYTES = 16 * 1024
 #: accept() failing for want of fds or memory: first wait, doubled up to the maximum (seconds).
 ACCEPT_BACKOFF_FIRST = 0.05
 ACCEPT_BACKOFF_MAX = 2.0
+_ACCEPT_BACKOFF = Backoff(ACCEPT_BACKOFF_FIRST, ACCEPT_BACKOFF_MAX, floor=0.0)
 #: How long shutdown() waits for the accept loop to end.
 SHUTDOWN_WAIT = 2.0
 _SCARCE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -158,15 +160,15 @@ class MetricsServer(WSGIServer):
         with selectors.DefaultSelector() as selector:
             selector.register(self.socket, selectors.EVENT_READ)
             selector.register(self._wake_r, selectors.EVENT_READ)
-            delay = ACCEPT_BACKOFF_FIRST
+            failures = 0  # accepts in a row that found no fd or memory to spare
             while self._wait_for_a_slot():
                 if not any(key.fd == self.socket.fileno() for key, _ in selector.select()):
                     continue  # woken to stop
                 if self._accept_one():
-                    delay = ACCEPT_BACKOFF_FIRST
+                    failures = 0
                 elif self._scarce is not None:
-                    self._stop.wait(delay)  # no fd or memory to spare: wait, never spin
-                    delay = min(delay * 2, ACCEPT_BACKOFF_MAX)
+                    self._stop.wait(_ACCEPT_BACKOFF.ceiling(failures))  # wait, never spin
+                    failures += 1
 
     def _wait_for_a_slot(self) -> bool:
         """Until a connection may be taken (each open one ends by its deadline); False at shutdown."""

@@ -42,13 +42,13 @@ print(" ".join(sorted(set(sys.modules) - before)))
 """
 
 # What `import tpuboot.cli` and the device commands load: sysfs, the device table, the config
-# (its sections are dataclasses).
+# (its sections are dataclasses; its metadata defaults are the client's, gce.settings).
 CORE = {"tpuboot", "tpuboot.cli", "tpuboot.commands", "tpuboot.commands.context",
         "tpuboot.config", "tpuboot.configfields", "tpuboot.devices",
         "tpuboot.devices.pci", "tpuboot.devices.table", "tpuboot.devices.vfio", "tpuboot.errors",
         "tpuboot.kernel_params", "tpuboot.logs", "tpuboot.paths", "tpuboot.subproc", "tpuboot.gce",
-        "tpuboot.gce.keys", "tpuboot.endpoints", "tpuboot.numbers", "dataclasses", "inspect", "ipaddress",
-        "typing"}  # fmt: skip
+        "tpuboot.gce.keys", "tpuboot.gce.settings", "tpuboot.endpoints", "tpuboot.numbers", "dataclasses",
+        "inspect", "ipaddress", "typing"}  # fmt: skip
 SURVEY = {"tpuboot.atomicfile", "tpuboot.devices.kmodule", "tpuboot.devices.survey", "dataclasses",
           "tpuboot.devices.health", "tpuboot.kernelfiles", "json",
           "inspect", "typing"}  # fmt: skip
@@ -65,9 +65,10 @@ ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync
 #: What records metrics: plain Python, no prometheus_client.
 METRICS = {"tpuboot.metrics"}
 #: What shows them in Prometheus' format (a textfile, the daemon's endpoint): prometheus_client,
-#: and the PCIe collector's sysfs readers.
+#: and the PCIe collector's sysfs readers; the endpoint's server backs off by tpuboot.backoff.
 EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.metrics_server", "tpuboot.netio",
-                    "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips"}  # fmt: skip
+                    "prometheus_client", "tpuboot.devices.health", "tpuboot.devices.chips",
+                    "tpuboot.backoff"}  # fmt: skip
 #: The host's engine (tpuboot/containers/hostengine.py) and its client: Docker's.
 ENGINE = {"tpuboot.containers", "tpuboot.containers.hostengine", "tpuboot.containers.engine",
           "tpuboot.containers.docker", "tpuboot.containers.dockerapi", "tpuboot.containers.dockerwire",

@@ -12,6 +12,7 @@ from tpuboot.config import (
     MatchRule,
     TriState,
     VfioConfig,
+    decided,
     load_config,
     parse_config,
 )
@@ -24,14 +25,6 @@ SOURCE = "/etc/tpuboot/tpuboot.yaml"
 def test_empty_file_means_defaults():
     assert parse_config("", SOURCE) == Config()
     assert Config().vfio.node_mode == 0o666
-
-
-def test_the_metadata_defaults_are_the_clients():
-    """config imports no gce (the one-shot commands' import lists), so the default is written twice."""
-    from tpuboot.config import MetadataConfig
-    from tpuboot.gce.settings import DEFAULT_MAX_BODY, DEFAULT_TIMEOUT
-
-    assert (MetadataConfig().timeout, MetadataConfig().max_body) == (DEFAULT_TIMEOUT, DEFAULT_MAX_BODY)
 
 
 def test_missing_default_file_means_defaults(tmp_path):
@@ -255,3 +248,33 @@ def test_every_auto_true_false_key_is_a_tristate():
             assert getattr(getattr(config, section) if section else config, key) == word
         with pytest.raises(ConfigError, match="is not one of auto, true, false"):
             parse_config(f"{section}: {{{key}: maybe}}" if section else f"{key}: maybe", SOURCE)
+
+
+def test_a_tristate_reads_as_a_decision_or_none_for_auto():
+    """The one reading of auto/true/false (gke, vfio.allow_unsafe_interrupts): auto decides nothing."""
+    assert [decided(v) for v in typing.get_args(TriState)] == [None, True, False]
+    assert decided(parse_config("gke: yes", SOURCE).gke) is True
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("vbar: {registries: []}", "vbar.registries: expected a non-empty list of registry hosts"),
+        ("vbar: {registries: [gcr.io, 3]}", r"vbar.registries\[1\]: 3 is not a string; quote it"),
+        ("vbar: {registries: [gcr.io, 'a b']}", r"vbar.registries\[1\]: 'a b' is not a registry host"),
+        ("registry_auth: {token_registries: {}}", "token_registries: expected a list of registry hosts"),
+        ("registry_auth: {token_registries: [x/y]}", r"token_registries\[0\]: 'x/y': give the registry host"),
+        ("doctor: {job_units: train.service}", "doctor.job_units: expected a list of systemd units"),
+        ("doctor: {job_units: [a.service, .scope]}", r"job_units\[1\]: '.scope' is not a unit name like"),
+    ],
+)
+def test_a_list_of_names_is_refused_as_a_whole_or_by_its_item(text, message):
+    """The lists of names (registries, token registries, job units), read by one parser: a value
+    that is no list, or an item that is not a name of its kind, said with the item's index."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text, SOURCE)
+
+
+def test_an_empty_list_of_names_is_taken_where_none_is_a_choice():
+    config = parse_config("registry_auth: {token_registries: []}\ndoctor: {job_units: []}", SOURCE)
+    assert (config.registry_auth.token_registries, config.doctor.job_units) == ((), ())

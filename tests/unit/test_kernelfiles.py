@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.unit.fakes.kernel import FakeKernel
 from tpuboot.devices.health import read_link
-from tpuboot.kernelfiles import read_bytes, read_text
+from tpuboot.kernelfiles import read_bytes, read_text, start_ticks
 from tpuboot.paths import MAX_FILE_BYTES, Root
 
 A = "0000:00:04.0"
@@ -30,6 +30,19 @@ def test_a_huge_file_is_read_to_its_bound(tmp_path: Path) -> None:
     root = Root(tmp_path)
     assert len(read_bytes(root, "/big") or b"") == MAX_FILE_BYTES
     assert read_bytes(root, "/big", 10) == b"7" * 10
+
+
+def test_a_process_start_is_read_past_a_command_with_parentheses(tmp_path: Path) -> None:
+    """/proc/PID/stat's start time (field 22), after a command that holds ") (" and spaces; None
+    when the process is gone or the field is not the kernel's digits."""
+    proc = tmp_path / "proc"
+    for pid, start in ((7, "4242"), (8, "42x")):
+        (proc / str(pid)).mkdir(parents=True)
+        fields = ["S", "1", *["0"] * 17, start, *["0"] * 30]
+        (proc / str(pid) / "stat").write_text(f"{pid} (a) (b c) {' '.join(fields)}\n")
+    root = Root(tmp_path)
+    assert start_ticks(root, 7) == 4242
+    assert start_ticks(root, 8) is None and start_ticks(root, 9) is None
 
 
 def test_pcie_link_readings_go_on_past_a_fifo(tmp_path: Path) -> None:

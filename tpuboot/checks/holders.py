@@ -18,8 +18,9 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
+from tpuboot.checks.limits import ENGINES
 from tpuboot.checks.parsers.systemd import Systemd
-from tpuboot.config import Config
+from tpuboot.config import UNIT_SUFFIXES, Config
 from tpuboot.devices.chips import Chip
 from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile
@@ -30,8 +31,6 @@ from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
 from tpuboot.verdicts import CheckResult, failed, passed, skipped, warned
 
-#: The container engines whose limits their containers inherit, by unit.
-ENGINES = (("dockerd", "docker.service"), ("containerd", "containerd.service"))
 CGROUP_ROOT = "/sys/fs/cgroup"
 SLICE = "system.slice"
 
@@ -167,13 +166,13 @@ class HolderChecks:
 
 def _memlock_fix(what: str) -> str:
     name = what.split(" ", 1)[0]
-    if name in ("dockerd", "containerd"):
-        unit = dict(ENGINES)[name]
+    unit = dict(ENGINES).get(name)
+    if unit is not None:
         return (
             f"systemctl edit {unit}: [Service] LimitMEMLOCK=infinity, then systemctl restart {unit} "
             "(or run TPU containers with --ulimit memlock=-1:-1)"
         )
-    if name.endswith((".service", ".scope")):
+    if name.endswith(UNIT_SUFFIXES):
         return f"systemctl edit {name}: [Service] LimitMEMLOCK=infinity, then systemctl restart {name}"
     return (
         "start the job with memlock unlimited: LimitMEMLOCK=infinity in its unit, "

@@ -26,6 +26,9 @@ MIN_NOFILE = 100_000
 ITEMS = {"memlock": UNLIMITED, "nofile": MIN_NOFILE}  # what the TPU runtime needs of each
 WANT = {"memlock": "unlimited", "nofile": str(MIN_NOFILE)}
 PAM_DROPIN = "/etc/security/limits.d/tpuboot.conf"
+#: The container engines' daemons and their units, whose limits their containers inherit.
+DOCKER_UNIT, CONTAINERD_UNIT = "docker.service", "containerd.service"
+ENGINES = (("dockerd", DOCKER_UNIT), ("containerd", CONTAINERD_UNIT))
 MANAGER_DROPIN = "/usr/lib/systemd/system.conf.d/50-tpuboot.conf"
 
 
@@ -140,8 +143,8 @@ def limit_checks(systemd: Systemd) -> dict[str, Check]:
     """The checks that ask ``systemd`` what is in force, by name."""
     return {
         "systemd-default-limits": lambda root: check_manager_limits(root, systemd),
-        "docker-limits": _runtime_check("docker.service", systemd),
-        "containerd-limits": _runtime_check("containerd.service", systemd),
+        "docker-limits": _runtime_check(DOCKER_UNIT, systemd),
+        "containerd-limits": _runtime_check(CONTAINERD_UNIT, systemd),
     }
 
 

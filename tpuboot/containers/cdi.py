@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING
 
 from tpuboot.atomicfile import read_file
 from tpuboot.devices.chips import VFIO_CONTAINER, Chip, base_address, chips_present
-from tpuboot.devices.pci import PciFunction, list_addresses
+from tpuboot.devices.pci import tpu_functions
 from tpuboot.devices.table import DeviceTable
 from tpuboot.errors import printable
 
@@ -374,12 +374,9 @@ def current_chips(binder: Binder) -> list[Chip]:
     doctor): each function's ids, driver and group, without the survey's viability checks, which
     the spec does not need and which would delay it after every bind."""
     seen = []
-    for address in list_addresses(binder.root):
-        fn = PciFunction(binder.root, address)
+    for fn, kind in tpu_functions(binder.root, binder.table):
         try:
-            kind = binder.table.classify(fn.ids())
-            if kind is not None:
-                seen.append(_Seen(address, kind.name, fn.driver(), fn.iommu_group()))
+            seen.append(_Seen(fn.address, kind.name, fn.driver(), fn.iommu_group()))
         except OSError:  # removed while read, or unreadable: no chip a container could use
             continue
     return chips_present(binder.root, binder.table, seen)

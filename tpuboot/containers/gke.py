@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from tpuboot.config import TriState, decided
 from tpuboot.errors import MetadataError
 from tpuboot.gce.keys import INSTANCE_ATTRIBUTES
 from tpuboot.gce.replies import MetadataAbsent
@@ -37,11 +38,12 @@ class GkeAnswer:
     why: str
 
 
-def ask_gke(mode: str, metadata: Metadata | None, deadline_s: float) -> GkeAnswer:
+def ask_gke(mode: TriState, metadata: Metadata | None, deadline_s: float) -> GkeAnswer:
     """The answer of the configuration (``true``/``false``) or, for ``auto``, of one look at the
     metadata server, each key within ``deadline_s``; ``metadata`` None: no server to ask."""
-    if mode in ("true", "false"):
-        return GkeAnswer(mode == "true", f"gke is {mode} in the configuration")
+    configured = decided(mode)
+    if configured is not None:
+        return GkeAnswer(configured, f"gke is {mode} in the configuration")
     if metadata is None:
         return GkeAnswer(None, "no metadata server to ask")
     for name in GKE_ATTRIBUTES:
@@ -56,7 +58,7 @@ def ask_gke(mode: str, metadata: Metadata | None, deadline_s: float) -> GkeAnswe
 
 
 def gke_node(
-    mode: str,
+    mode: TriState,
     client: Metadata | None,
     stop: threading.Event,
     deadline_s: float = 60.0,
@@ -69,10 +71,11 @@ def gke_node(
     is still being asked, so that STATUS can say what vBar waits for.
     """
     reported = False
-    while mode in ("true", "false") or not stop.is_set():
+    configured = decided(mode) is not None
+    while configured or not stop.is_set():
         answer = ask_gke(mode, client, deadline_s)
         if answer.node is not None:
-            if mode == "auto" and answer.node:
+            if not configured and answer.node:
                 log.info("GKE node: %s", answer.why)
             return answer.node
         if not reported:

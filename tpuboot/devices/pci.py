@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from tpuboot.devices.table import PciIds
+from tpuboot.devices.table import DeviceTable, Kind, PciIds
 from tpuboot.errors import UsageError
 from tpuboot.numbers import ascii_hex
 from tpuboot.paths import Root
@@ -19,16 +19,27 @@ IOMMU_GROUPS = "/sys/kernel/iommu_groups"
 UEVENT_MOST = 4096
 
 # domain:bus:device.function; device is 5 bits (00-1f), function 3 bits (0-7).
-_BUS_DEVICE_FUNCTION = r"(?P<bus>[0-9a-f]{2}):(?P<dev>[01][0-9a-f])\.(?P<fn>[0-7])"
+_BUS_DEVICE = r"(?P<bus>[0-9a-f]{2}):(?P<dev>[01][0-9a-f])"
+_BUS_DEVICE_FUNCTION = rf"{_BUS_DEVICE}\.(?P<fn>[0-7])"
+#: The domain as sysfs names it: 4 digits or more (a VMD domain has 5), at most 8 (it is 32 bits).
+_SYSFS_DOMAIN = r"[0-9a-f]{4,8}"
 #: What a user may write: the domain is optional (0000), and has its usual 4 digits.
 _DBDF = re.compile(rf"(?:(?P<domain>[0-9a-f]{{4}}):)?{_BUS_DEVICE_FUNCTION}")
-#: What sysfs names a function: a domain of 4 digits or more (a VMD domain has 5).
-_FUNCTION_NAME = re.compile(rf"[0-9a-f]{{4,}}:{_BUS_DEVICE_FUNCTION}")
+#: What sysfs names a function.
+_FUNCTION_NAME = re.compile(rf"{_SYSFS_DOMAIN}:{_BUS_DEVICE_FUNCTION}")
+#: A chip's base address: its functions' name without the function (``dddd:bb:dd``).
+_CHIP_ADDRESS = re.compile(rf"{_SYSFS_DOMAIN}:{_BUS_DEVICE}")
 
 
 def is_function_name(name: str) -> bool:
     """Whether ``name`` (an entry of /sys/bus/pci/devices, or of a bridge's directory) is a PCI function."""
     return _FUNCTION_NAME.fullmatch(name) is not None
+
+
+def is_chip_address(text: str) -> bool:
+    """Whether ``text`` is a chip's base address as :func:`tpuboot.devices.chips.base_address`
+    gives it of a function's sysfs name (what the reset breaker's record is keyed by)."""
+    return _CHIP_ADDRESS.fullmatch(text) is not None
 
 
 def parse_dbdf(text: str) -> str:
@@ -105,6 +116,22 @@ class PciFunction:
         except FileNotFoundError:
             return None
         return None if text in ("", "(null)") else text
+
+
+def tpu_functions(root: Root, table: DeviceTable) -> list[tuple[PciFunction, Kind]]:
+    """Each function present that ``table`` calls a TPU (of any kind), with its kind, in address
+    order. One removed while looked at, or whose ids cannot be read, is left out: nothing here
+    vouches for it (`status`'s survey reports such a function as maybe a TPU)."""
+    found = []
+    for address in list_addresses(root):
+        fn = PciFunction(root, address)
+        try:
+            kind = table.classify(fn.ids())
+        except OSError:
+            continue
+        if kind is not None:
+            found.append((fn, kind))
+    return found
 
 
 def group_members(root: Root, group: str) -> list[str]:

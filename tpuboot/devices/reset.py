@@ -23,7 +23,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from tpuboot.atomicfile import FileError, FileReadError, open_lock, read_file, write_file
 from tpuboot.devices.chips import Chip, ChipFunction, base_address
 from tpuboot.devices.health import is_present, load_baselines, read_health, save_baseline
-from tpuboot.devices.pci import PCI_DEVICES, PciFunction
+from tpuboot.devices.pci import PCI_DEVICES, PciFunction, is_chip_address
 from tpuboot.devices.survey import describe
 from tpuboot.devices.table import VFIO_ACCESS
 from tpuboot.devices.vfio import VFIO_PCI, Binder
@@ -48,9 +47,6 @@ BREAKER_PATH = "/var/lib/tpuboot/resets.json"
 RESET_LOCK = "/var/lib/tpuboot/resets.lock"
 HOUR = 3600.0
 _LATEST = 1 << 33
-#: A chip's base address, as the breaker's record keys it (:func:`base_address`); the domain as
-#: sysfs names it, 4 hex digits or more (a VMD domain is 5), as the daemon's recovery records it.
-_CHIP = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[01][0-9a-f]")
 RUNGS = ("function-reset", "rebind", "remove-rescan")
 BIND_TRIES = 3
 
@@ -209,7 +205,7 @@ def _record(data: object) -> dict[str, list[float]]:
         raise ValueError(f"a {type(data).__name__}, not an object")
     record = {}
     for chip, times in data.items():
-        if not _CHIP.fullmatch(chip):
+        if not is_chip_address(chip):
             raise ValueError(f"{shown(chip)} is not a chip's address")
         if not isinstance(times, list) or not all(_time(t) for t in times):
             raise ValueError(f"the resets of {chip} are not a list of times")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpuboot import subproc
-from tpuboot.config import Config, VfioConfig
+from tpuboot.config import Config, TriState, VfioConfig, decided
 from tpuboot.devices.pci import DRIVERS_PROBE, PCI_DRIVERS, PciFunction, group_members
 from tpuboot.devices.table import DeviceTable, Kind
 from tpuboot.errors import DeviceError, IommuOffError, TpubootError, TransientDeviceError
@@ -107,10 +107,11 @@ def vfio_pci_registered(root: Root) -> bool:
     return root.path(VFIO_PCI_DRIVER).is_dir()
 
 
-def unsafe_interrupts_wanted(setting: str, machine: str) -> bool:
+def unsafe_interrupts_wanted(setting: TriState, machine: str) -> bool:
     """Whether tpuboot sets vfio_iommu_type1's allow_unsafe_interrupts: ``vfio.allow_unsafe_interrupts``
     (true, false, or auto: on x86_64 only) on a kernel of architecture ``machine``."""
-    return setting == "true" or (setting == "auto" and machine == "x86_64")
+    wanted = decided(setting)
+    return machine == "x86_64" if wanted is None else wanted
 
 
 def write_attr(path: Path, value: str) -> None:

@@ -16,8 +16,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from tpuboot.config import UNIT_SUFFIXES
 from tpuboot.holders.bounded import each_within
-from tpuboot.kernelfiles import read_text, stat_fields
+from tpuboot.kernelfiles import PPID, START, STATE, read_text, stat_fields
 from tpuboot.numbers import ascii_hex, ascii_int
 from tpuboot.paths import Root
 
@@ -49,7 +50,6 @@ _CONTAINER = (
     (re.compile(r"/cri-containerd-([0-9a-f]{64})\.scope(?:/|$)"), "containerd"),
     (re.compile(r"/libpod-([0-9a-f]{64})\.scope(?:/|$)"), "podman"),
 )
-_UNIT_SUFFIXES = (".service", ".scope")
 
 
 @dataclass(frozen=True)
@@ -90,18 +90,11 @@ def iso(when: float | None) -> str | None:
     return datetime.datetime.fromtimestamp(when, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def start_ticks(root: Root, pid: int) -> int | None:
-    """The process's start time in clock ticks after boot: with the PID, what names one process
-    (a PID reused between a scan and a kill has another)."""
-    fields = stat_fields(root, pid)
-    return ascii_int(fields[19]) if fields else None
-
-
 def running(root: Root, pid: int, ticks: int) -> bool:
     """``pid`` is still the process that started at ``ticks`` and has not exited (a zombie has: it
     holds no files)."""
     fields = stat_fields(root, pid)
-    return fields is not None and ascii_int(fields[19]) == ticks and fields[0] not in ("Z", "X")
+    return fields is not None and int(fields[START]) == ticks and fields[STATE] not in ("Z", "X")
 
 
 def boot_time(root: Root) -> float | None:
@@ -128,7 +121,7 @@ def where_from_cgroup(text: str) -> tuple[str | None, str | None, str | None]:
             match = pattern.search(path)
             if match:
                 return None, match.group(1), engine
-        units = [part for part in path.split("/") if part.endswith(_UNIT_SUFFIXES)]
+        units = [part for part in path.split("/") if part.endswith(UNIT_SUFFIXES)]
         if units:
             return units[-1], None, None
     return None, None, None
@@ -172,7 +165,7 @@ class ProcReader:
         fields = stat_fields(self.root, pid)
         if fields is None:
             return None
-        ppid, ticks = int(fields[1]), int(fields[19])  # ASCII digits: stat_fields checked them
+        ppid, ticks = int(fields[PPID]), int(fields[START])  # ASCII digits: stat_fields checked them
         status = status_fields(self.root, pid)
         uid = ascii_int(next(iter((status.get("Uid") or "").split()), None))
         unit, container, engine = where_from_cgroup(read_text(self.root, f"/proc/{pid}/cgroup") or "")
@@ -185,7 +178,7 @@ class ProcReader:
             uid=-1 if uid is None else uid,
             user=self.users.name(-1 if uid is None else uid),
             command=self.command(pid, status.get("Name", "?")) if command else UNANSWERED,
-            state=STATES.get(fields[0], fields[0]),
+            state=STATES.get(fields[STATE], fields[STATE]),
             started=started,
             start_ticks=ticks,
             unit=unit,

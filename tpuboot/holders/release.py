@@ -32,9 +32,10 @@ import time
 from tpuboot.devices.chips import VFIO_CONTAINER
 from tpuboot.errors import printable
 from tpuboot.holders.locks import LockFile
-from tpuboot.holders.procfs import Process, running, start_ticks
+from tpuboot.holders.procfs import Process, running
 from tpuboot.holders.report import Report, describe, lock_holder
 from tpuboot.holders.supervised import Supervised
+from tpuboot.kernelfiles import start_ticks
 from tpuboot.paths import Root
 
 #: Seconds between SIGTERM and SIGKILL, and after SIGKILL before giving up on a process.

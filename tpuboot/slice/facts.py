@@ -11,13 +11,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tpuboot.atomicfile import read_file
-from tpuboot.env.tpuenv import parse_env_file
+from tpuboot.env.tpuenv import MAX_TPU_ENV_BYTES, parse_env_file
 from tpuboot.gce.keys import MACHINE_TYPE, OWN_ADDRESS, WORKER_ENDPOINTS, WORKER_NUMBER
 from tpuboot.gce.replies import MetadataAbsent, Reply
 from tpuboot.paths import Root
-
-#: tpu-env is a few kilobytes; more is not a tpu-env.
-MAX_TPU_ENV = 1 << 20
 
 
 class MetadataReader(Protocol):
@@ -44,7 +41,7 @@ def _value(client: MetadataReader, path: str, deadline_s: float) -> str | None:
 
 
 def _tpu_env(root: Root, path: str) -> tuple[dict[str, str] | None, str | None]:
-    data = read_file(root, path, limit=MAX_TPU_ENV)
+    data = read_file(root, path, limit=MAX_TPU_ENV_BYTES)
     if data is None:
         return None, f"{path} is missing"
     values = parse_env_file(data.decode("utf-8", "replace"))
