@@ -1,6 +1,6 @@
 """The daemon's part: poll libtpu's metric service while a process holds a chip, and only then.
 
-The daemon's tick (tpuboot/daemon.py) hands :meth:`RuntimeCollector.check` to its pool: one look
+The daemon's tick (tpuboot/daemon.py) hands :meth:`RuntimeCollector.tick` to its pool: one look
 at who holds the chips (the /proc scan of `tpuboot who`; none at all on a host with no chip).
 While one is held, a thread of the collector's own polls every ``interval`` (GKE's pace, 10 s):
 each port of tpu-env's ``TPU_RUNTIME_METRICS_PORTS`` that a chip's holder listens on, each call
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tpuboot.atomicfile import FileError, read_file
-from tpuboot.component import Report, Status
+from tpuboot.component import Part, Report, Status
 from tpuboot.config import Config
 from tpuboot.env.tpuenv import env_value, parse_env_file
 from tpuboot.errors import printable
@@ -140,8 +140,11 @@ class _Said:
             log.warning("runtime metrics: %s", line, extra=fields)
 
 
-class RuntimeCollector:
-    """libtpu's runtime metrics of the jobs on this host (a component of `tpuboot run`)."""
+class RuntimeCollector(Part):
+    """libtpu's runtime metrics of the jobs on this host (a part of `tpuboot run`): its tick looks
+    for a chip's holders, a poller thread of its own asks them while one is held."""
+
+    name = "runtime metrics"
 
     def __init__(
         self,
@@ -178,7 +181,7 @@ class RuntimeCollector:
         self._scan_said: str | None = None
         self.polls = 0  # polls made (bench/ and the tests count them)
 
-    # --- the component --------------------------------------------------------------------
+    # --- the part -------------------------------------------------------------------------
 
     def start(self, report: Report) -> None:
         self._report = report
@@ -206,6 +209,13 @@ class RuntimeCollector:
         return thread is not None and thread.is_alive()
 
     # --- the tick's look (in the daemon's pool) ----------------------------------------------
+
+    @property
+    def periodic(self) -> bool:
+        return self.missing is None  # without grpcio, nothing to look for
+
+    def tick(self) -> None:
+        self.check()
 
     def check(self) -> None:
         """Is a chip held? Start polling if so, end it if not (from the daemon's pool)."""

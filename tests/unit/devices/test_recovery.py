@@ -16,6 +16,7 @@ from tpuboot.config import VfioConfig
 from tpuboot.devices import health as health_module
 from tpuboot.devices.chips import Chip
 from tpuboot.devices.health import read_health, read_healths, save_baseline
+from tpuboot.devices.pcieround import PcieRound
 from tpuboot.devices.recovery import WEDGED, AutoRecovery, wedged
 from tpuboot.devices.survey import survey
 from tpuboot.devices.table import GOOGLE, DeviceTable
@@ -178,9 +179,10 @@ def test_the_daemon_resets_a_wedged_chip_at_its_tick(tmp_path: Path, monkeypatch
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     monkeypatch.setattr(daemon_module, "TICK_INTERVAL", 0.05)
     kernel, _, _ = setup(tmp_path)
-    assert make(kernel)[0].recovery is None
+    assert make(kernel)[0].part(PcieRound) is None  # off by default: no round at all
     daemon, _, _ = make(kernel, config=DEVICES_ONLY.replace(recovery=RecoveryConfig(automatic=True)))
-    assert daemon.recovery is not None
+    pcie = daemon.part(PcieRound)
+    assert pcie is not None and pcie.recovery is not None
     with serving(daemon) as running:
         until(lambda: daemon.ready)
         wedge(kernel, A)
@@ -204,8 +206,9 @@ def test_one_tick_reads_each_function_once_for_recovery_and_the_guest_attribute(
         recovery=RecoveryConfig(automatic=True), guest_attributes=GuestAttributesConfig(enabled="true")
     )
     daemon, _, _ = make(kernel, config=config, metadata=make_client(emulator))
-    assert daemon.recovery is not None and daemon.guest_attrs is not None
-    daemon.recovery.ladder.sleep = lambda s: None
+    pcie = daemon.part(PcieRound)
+    assert pcie is not None and pcie.recovery is not None and pcie.summarise
+    pcie.recovery.ladder.sleep = lambda s: None
     read: list[str] = []
     real = health_module.read_health
 
@@ -218,7 +221,7 @@ def test_one_tick_reads_each_function_once_for_recovery_and_the_guest_attribute(
     daemon._periodic_work()
     assert read == [A]  # once, for both (the ladder's own check after its reset is its own)
     assert resets(kernel) == 1
-    assert daemon._pcie_sent == "fatal:1"  # the summary is of the tick's reading, before the reset
+    assert pcie.summary == "fatal:1"  # the summary is of the tick's reading, before the reset
 
 
 @pytest.mark.parametrize("unseen", ["unreadable", "device fd of no named chip"])
