@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 #: "My status changed": safe to call from any thread; the daemon reads ``status()`` on its loop.
 Report = Callable[[], None]
+#: What a part's tick is handed: the round's :class:`tpuboot.devices.snapshot.DeviceSnapshot`, which
+#: each part's ``tick`` names; unnamed here, so this module, which the sub-packages import, imports
+#: none of them (tests/unit/repo/test_import_graph.py).
+Devices = Any
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,10 @@ class Part(Protocol):
         """Whether the part has tick work: with none anywhere, and no watchdog, the daemon never ticks."""
         return False
 
-    def tick(self) -> None:
+    def tick(self, devices: Devices) -> None:
         """The part's work at each tick, in the daemon's pool (it may block: a probe, a reset);
-        one round at a time, so it never overlaps itself. Results come back by ``report``."""
+        one round at a time, so it never overlaps itself. ``devices``: the round's one reading of
+        the devices, shared by every part's tick. Results come back by ``report``."""
         return None
 
     def observe(self, ready: bool) -> None:

@@ -15,9 +15,11 @@ The concurrency rule (one rule, kept everywhere):
   containers' TPU-VM gate, the boot budget's marks). Nothing on it blocks: no network, no file
   reading beyond sysfs attributes of one device, no waiting for a thread.
 - **The worker pool** (``executor``) runs what the loop hands it: binds, /dev/vfio node fixes, the
-  CDI spec's writes, and one round of the parts' ``tick`` at a time. Each future comes back to the
-  loop by ``future.add_done_callback(lambda f: loop.call_soon_threadsafe(handler, f))``; the
-  worker thread touches nothing else.
+  CDI spec's writes, and one round of the parts' ``tick`` at a time, each round over one snapshot
+  of the devices (tpuboot/devices/snapshot.py: sysfs read once, however many parts look). Each
+  future comes back to the loop by
+  ``future.add_done_callback(lambda f: loop.call_soon_threadsafe(handler, f))``; the worker thread
+  touches nothing else.
 - **A part's own threads** do its blocking work: the runtime-environment side (tpu-env sync, then
   the watch; it also tells the containers to look at their image again), the containers (the GKE
   check, one supervisor per container), the guest-attribute publisher, the metrics server, vBar's
@@ -53,6 +55,7 @@ from tpuboot import __version__
 from tpuboot import signals as meaning
 from tpuboot.component import PENDING, Part, Status
 from tpuboot.devices.manager import DeviceManager
+from tpuboot.devices.snapshot import DeviceSnapshot
 from tpuboot.eventloop import EventLoop, Timer, nothing
 from tpuboot.metrics_endpoint import MetricsEndpoint
 from tpuboot.notify import Notifier, watchdog_interval
@@ -238,11 +241,12 @@ class Daemon:
         self._check = self.executor.submit(self._periodic_work)
 
     def _periodic_work(self) -> None:
-        """One round of the parts' tick work (in the pool); a bug in one is logged, never lost in
-        its future, and the others still run."""
+        """One round of the parts' tick work (in the pool), over one snapshot of the devices; a bug
+        in one is logged, never lost in its future, and the others still run."""
+        devices = DeviceSnapshot(self.devices.binder)  # read as the parts ask, once a round
         for part in self._periodic():
             try:
-                part.tick()
+                part.tick(devices)
             except Exception:
                 log.exception("periodic check %s failed; please report it", part.name)
 

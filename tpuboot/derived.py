@@ -5,7 +5,8 @@ every report and at READY, it reads the other parts' state and acts on it withou
 
 - :class:`GuestAttributes`: this host's state as the guest attributes ``tpuboot/<key>`` show it,
   handed to the publisher (tpuboot/gce/guestattrs.py), which writes them from its own thread; at
-  stop, the last word (``state=stopped`` and the values its pacing held back).
+  stop, the last word (``state=stopped`` and the values its pacing held back). Its tick sums up the
+  TPUs' PCIe state from the tick's device snapshot, the reading recovery.automatic looks at too.
 - :class:`TpuVmGate`: the containers start only on a TPU VM, once a TPU is present or tpu-env is
   held (an image-building VM has neither).
 - :class:`BootBudget`: READY's mark and the budget's journal line, then vBar's first run as the
@@ -23,11 +24,13 @@ from tpuboot import __version__, bootbudget, metrics
 from tpuboot.component import Part, Report
 from tpuboot.containers.agents import VBAR
 from tpuboot.containers.supervisor import RUNNING
+from tpuboot.devices.health import summary
+from tpuboot.eventloop import nothing
 
 if TYPE_CHECKING:
     from tpuboot.containers.service import Containers
     from tpuboot.devices.manager import DeviceManager
-    from tpuboot.devices.pcieround import PcieRound
+    from tpuboot.devices.snapshot import DeviceSnapshot
     from tpuboot.env.service import EnvService
     from tpuboot.gce.guestattrs import Publisher
     from tpuboot.notices.service import Notices
@@ -38,17 +41,17 @@ log = logging.getLogger("tpuboot.daemon")
 def guest_attribute_values(
     ready: bool,
     devices: DeviceManager,
-    pcie: PcieRound | None = None,
+    pcie: str | None = None,
     env: EnvService | None = None,
     containers: Containers | None = None,
     notices: Notices | None = None,
 ) -> dict[str, str]:
     """This host's state as the guest attributes tpuboot/<key> show it (a part that is off: its key
-    says so); on the loop, which owns the devices' state."""
+    says so; ``pcie``: the TPUs' PCIe state in a word, None until read); on the loop, which owns
+    the devices' state."""
     bound, present, failed = devices.counts()
     vbar = None if containers is None else containers.statuses().get(VBAR)
-    read = None if pcie is None else pcie.summary
-    shown = "" if read is None else f" pcie={read}"
+    shown = "" if pcie is None else f" pcie={pcie}"
     return {
         "state": "ready" if ready else "starting",
         "tpus": f"bound={bound} expected={present} failed={failed}{shown}",
@@ -63,27 +66,42 @@ class GuestAttributes(Part):
     """The publisher fed :func:`guest_attribute_values` of the parts it is given."""
 
     name = "guest attributes"
+    periodic = True
 
     def __init__(
         self,
         publisher: Publisher,
         devices: DeviceManager,
-        pcie: PcieRound | None = None,
         env: EnvService | None = None,
         containers: Containers | None = None,
         notices: Notices | None = None,
     ) -> None:
         self.publisher = publisher
-        self._shown = (devices, pcie, env, containers, notices)
+        self.devices = devices
+        self._others = (env, containers, notices)
+        self._pcie: str | None = None  # written by the tick only, replaced whole
+        self._report: Report = nothing
+
+    @property
+    def pcie(self) -> str | None:
+        """The TPUs' PCIe state at the last tick, in a word (from any thread); None: not read yet."""
+        return self._pcie
 
     def values(self, ready: bool) -> dict[str, str]:
-        return guest_attribute_values(ready, *self._shown)
+        return guest_attribute_values(ready, self.devices, self._pcie, *self._others)
 
     def start(self, report: Report) -> None:
         """The state at start, then the publisher's thread: READY never waits for it (nor does the
         daemon hear of its Status, which STATUS does not show)."""
+        self._report = report
         self.publisher.update(self.values(False))
         self.publisher.start()
+
+    def tick(self, devices: DeviceSnapshot) -> None:
+        value = summary(devices.health.values())
+        if value != self._pcie:  # an unchanged reading wakes nothing
+            self._pcie = value
+            self._report()  # the loop observes: the tpus attribute follows
 
     def observe(self, ready: bool) -> None:
         self.publisher.update(self.values(ready))  # a lock, no I/O: the publisher writes in its thread

@@ -81,7 +81,6 @@ def build(
     from tpuboot.containers.service import Containers, agents_enabled
     from tpuboot.derived import BootBudget, GuestAttributes, TpuVmGate
     from tpuboot.devices.manager import DeviceManager
-    from tpuboot.devices.pcieround import PcieRound
     from tpuboot.env.service import EnvService
     from tpuboot.env.sync import EnvSync
     from tpuboot.eventloop import EventLoop
@@ -154,25 +153,21 @@ def build(
         from tpuboot.holders.report import blockers_of
 
         recovery = AutoRecovery(binder, config.recovery.max_resets_per_hour, blockers_of(root))
-    pcie = None  # one reading a tick for both of its readers
-    if recovery is not None or publisher is not None:
-        pcie = PcieRound(binder, recovery, summarise=publisher is not None)
-    guest_attrs = None
-    if publisher is not None:
-        guest_attrs = GuestAttributes(publisher, devices, pcie, env, containers, notices)
+    guest_attrs = None if publisher is None else GuestAttributes(publisher, devices, env, containers, notices)
     gate = None if containers is None else TpuVmGate(containers, devices, env)
-    # The daemon's parts, in STATUS's order: each is started, ticked, observes and is stopped in it
-    # (tpuboot/component.py). A new part is its module and one line here.
+    # The daemon's parts, in STATUS's order: each is started, ticked (over the tick's one device
+    # snapshot), observes and is stopped in it (tpuboot/component.py). A new part is its module and
+    # one line here. The guest attributes' PCIe summary is ticked before recovery's resets.
     parts: list[Part | None] = [
         cdi,
         env,
         containers,
         notices,
-        pcie,
         runtime,
         gate,
         BootBudget(budget, executor.submit, containers),
         guest_attrs,
+        recovery,
         vbar_relay,
         endpoint,
     ]

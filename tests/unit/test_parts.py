@@ -19,6 +19,7 @@ from tests.unit.helpers.devices import add_tpu
 from tpuboot import daemon as daemon_module
 from tpuboot.component import PENDING, Part, Report, Status
 from tpuboot.config import RuntimeMetricsConfig
+from tpuboot.devices.snapshot import DeviceSnapshot
 from tpuboot.eventloop import nothing
 
 
@@ -53,7 +54,7 @@ class Probe(Part):
     def observe(self, ready: bool) -> None:
         self.observed.append(ready)
 
-    def tick(self) -> None:
+    def tick(self, devices: DeviceSnapshot) -> None:
         self.tick_threads.append(threading.get_ident())
 
     def stop(self) -> None:
@@ -125,7 +126,7 @@ def test_a_part_with_tick_work_makes_the_daemon_tick_without_a_watchdog(kernel, 
 
 
 class Broken(Probe):
-    def tick(self) -> None:
+    def tick(self, devices: DeviceSnapshot) -> None:
         raise RuntimeError("a bug in a tick")
 
 

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
@@ -46,6 +46,9 @@ from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, Supervised
 from tpuboot.eventloop import nothing
 from tpuboot.paths import Root
 from tpuboot.references import RegistryAllowlist
+
+if TYPE_CHECKING:
+    from tpuboot.devices.snapshot import DeviceSnapshot
 
 log = logging.getLogger("tpuboot.containers.service")
 
@@ -129,7 +132,7 @@ class Containers(Part):
     def periodic(self) -> bool:
         return self.checks_endpoints
 
-    def tick(self) -> None:
+    def tick(self, devices: DeviceSnapshot) -> None:
         self.check_endpoints()
 
     def statuses(self) -> dict[str, Status]:

@@ -28,7 +28,7 @@ from tpuboot.config import (
 )
 from tpuboot.containers.service import Containers
 from tpuboot.daemon import Daemon
-from tpuboot.devices.pcieround import PcieRound
+from tpuboot.derived import GuestAttributes
 from tpuboot.env.service import EnvService
 from tpuboot.eventloop import EventLoop
 from tpuboot.gce.client import MetadataClient
@@ -127,8 +127,10 @@ def serving(daemon: Daemon) -> Iterator[Serving]:
 
 def guest_attribute_values(daemon: Daemon) -> dict[str, str]:
     """What the guest attributes show of ``daemon`` now (tpuboot/derived.py), published or not."""
-    shown = (daemon.part(PcieRound), daemon.part(EnvService), daemon.part(Containers), daemon.part(Notices))
-    return derived.guest_attribute_values(daemon.ready, daemon.devices, *shown)
+    attributes = daemon.part(GuestAttributes)
+    pcie = None if attributes is None else attributes.pcie
+    shown = (daemon.part(EnvService), daemon.part(Containers), daemon.part(Notices))
+    return derived.guest_attribute_values(daemon.ready, daemon.devices, pcie, *shown)
 
 
 def on_loop(daemon: Daemon, fn: Callable[[], object]) -> object:
