@@ -1,31 +1,39 @@
-"""What each long-running part of `tpuboot run` is to the daemon: started, stopped, asked its Status.
+"""What a part of `tpuboot run` is to the daemon: one small interface every feature sits behind.
 
-The device side (:class:`tpuboot.devices.manager.DeviceManager`), the runtime-environment side
-(:class:`tpuboot.env.service.EnvService`) and the supervised containers
-(:class:`tpuboot.containers.service.Containers`) each own their state and say when it changed
-through ``report()``; the daemon then reads ``status()`` and derives STATUS, the metrics it shows
-and the guest attributes from that data, never from text (tpuboot/daemon.py has the rule).
+tpuboot/wiring.py builds the daemon's parts and hands them over as one list; tpuboot/daemon.py
+starts them, ticks them, shows their Status and stops them by iterating that list, with no
+knowledge of what each one does (as google-guest-agent runs its managers). A new feature is one
+module with a :class:`Part` and one line in wiring's list (tests/unit/test_parts.py adds one). The
+device manager is the one part outside the list: the loop owns it (tpuboot/daemon.py says why).
+
+Each part owns its state and says when it changed through ``report()``; the daemon then reads
+``status()`` and derives STATUS, READY and what the parts that ``observe`` show from that data,
+never from text (tpuboot/daemon.py has the rule).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Final, Protocol
 
 #: "My status changed": safe to call from any thread; the daemon reads ``status()`` on its loop.
 Report = Callable[[], None]
+#: What a part's tick is handed: the round's :class:`tpuboot.devices.snapshot.DeviceSnapshot`, which
+#: each part's ``tick`` names; unnamed here, so this module, which the sub-packages import, imports
+#: none of them (tests/unit/repo/test_import_graph.py).
+Devices = Any
 
 
 @dataclass(frozen=True)
 class Status:
-    """A component's state (one word a program tests) and its detail (the words STATUS shows).
+    """A part's state (one word a program tests) and its detail (the words STATUS shows).
 
-    ``state`` is a plain str here, so one type serves every component; each component's own
-    states are a ``Literal`` alias in its module, and it builds its Status from a value of that
-    type, where mypy checks them: :data:`tpuboot.devices.manager.ManagerState`,
-    :data:`tpuboot.env.service.EnvState`, :data:`tpuboot.containers.service.ContainerState`
-    (its supervisor's :data:`~tpuboot.containers.supervisor.SupervisedState` and one more),
+    ``state`` is a plain str here, so one type serves every part; each part's own states are a
+    ``Literal`` alias in its module, and it builds its Status from a value of that type, where mypy
+    checks them: :data:`tpuboot.devices.manager.ManagerState`, :data:`tpuboot.env.service.EnvState`,
+    :data:`tpuboot.containers.service.ContainerState` (its supervisor's
+    :data:`~tpuboot.containers.supervisor.SupervisedState` and one more),
     :data:`tpuboot.gce.guestattrs.PublisherState`, :data:`tpuboot.notices.service.NoticeState`.
     """
 
@@ -33,16 +41,53 @@ class Status:
     detail: str
 
 
-class Component(Protocol):
+#: The state of a part whose boot-time work has not ended: READY waits while any part is in it
+#: (tpu-env's boot sync is; a part that never holds READY never takes it).
+PENDING: Final = "pending"
+
+
+class Part(Protocol):
+    """One feature of the daemon. Subclass it (its defaults are those of a part with nothing to do
+    there) and set what applies; the daemon calls each method from the thread its text names.
+
+    The stop runs in the list's order in two rounds around the close of the shared metadata
+    client (which cuts any call in flight): the parts with :attr:`stops_after_metadata` after it.
+    """
+
+    #: Its name in the journal (a tick that failed).
+    name: str
+    #: Stopped after the shared metadata client is closed: its stop waits for threads a metadata
+    #: call may hold (the close cuts the call), or it should outlast those. Before it, the rest: a
+    #: call the close cuts then reads as the stop, and a last write still goes out.
+    stops_after_metadata: bool = False
+
     def start(self, report: Report) -> None:
-        """Begin (on the daemon's loop); returns at once, the work goes on in the component's own
-        threads or loop tasks. ``report`` is called after every change of ``status()``."""
-        ...
+        """Begin (on the daemon's loop); returns at once, the work goes on in the part's own threads
+        or in the pool. ``report`` is called after every change of ``status()`` or of what the
+        parts that observe read of it."""
+        return None
+
+    def status(self) -> Status | None:
+        """The state now, from any thread (an immutable value, replaced whole); None: no line in
+        STATUS (and never :data:`PENDING`)."""
+        return None
+
+    @property
+    def periodic(self) -> bool:
+        """Whether the part has tick work: with none anywhere, and no watchdog, the daemon never ticks."""
+        return False
+
+    def tick(self, devices: Devices) -> None:
+        """The part's work at each tick, in the daemon's pool (it may block: a probe, a reset);
+        one round at a time, so it never overlaps itself. ``devices``: the round's one reading of
+        the devices, shared by every part's tick. Results come back by ``report``."""
+        return None
+
+    def observe(self, ready: bool) -> None:
+        """On the loop, after any part's report and at READY (``ready`` then and after): derive
+        what this part shows or opens from the others' state. Never blocks."""
+        return None
 
     def stop(self) -> None:
-        """End the work started (on the loop, once); what runs in threads is told to end."""
-        ...
-
-    def status(self) -> Status:
-        """The state now; from any thread (an immutable value, replaced whole)."""
-        ...
+        """End the work started (from the daemon's stop thread, once); each wait has its own bound."""
+        return None

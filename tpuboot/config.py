@@ -303,7 +303,7 @@ class MetricsConfig(Section):
     textfile_dir: str | None = option(None, parse_optional_abs_path)
 
 
-#: The guest attributes the daemon writes (tpuboot/daemon.py guest_attribute_values).
+#: The guest attributes the daemon writes (tpuboot/derived.py guest_attribute_values).
 GUEST_ATTRIBUTE_KEYS = 6
 #: The server's guest-attribute quota is 10 queries a minute per VM: each key written at most once
 #: per this many seconds keeps them all within it (tpuboot/gce/guestattrs.py).

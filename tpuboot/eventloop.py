@@ -1,7 +1,7 @@
 """The daemon's event loop: one thread, one selector, a heap of timers, a queue from other threads.
 
 The daemon needs four things of a loop: a reader (the udev monitor), timers (retries, the READY
-deadline, the watchdog), wakeups from other threads (the worker pool's results, the components'
+deadline, the watchdog), wakeups from other threads (the worker pool's results, the parts'
 reports) and SIGTERM. asyncio does all four at the cost of about 30 modules loaded (and kept
 resident) on the way to READY; this is those four on ``selectors``, nothing else.
 
@@ -212,7 +212,7 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def nothing(*args: object) -> None:
-    """Does nothing: the ``report`` of a component nobody listens to, a callback that only wakes
+    """Does nothing: the ``report`` of a part nobody listens to, a callback that only wakes
     the loop, the callable a cancelled timer holds."""
 
 

@@ -14,15 +14,22 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tpuboot.component import Part, Report
+from tpuboot.eventloop import nothing
+
 if TYPE_CHECKING:
     from tpuboot.metrics_server import MetricsServer
 
 log = logging.getLogger("tpuboot.metrics")
 
 
-class MetricsEndpoint:
+class MetricsEndpoint(Part):
     """``open`` (it returns the running server, or None without one) called in a thread by
-    :meth:`start`; :meth:`close` shuts the server down, also one that opens after it."""
+    :meth:`start`; :meth:`stop` shuts the server down, also one that opens after it. A part of the
+    daemon with no line in STATUS; it stops last, so the stop can be scraped to its end."""
+
+    name = "metrics endpoint"
+    stops_after_metadata = True
 
     def __init__(self, open: Callable[[], MetricsServer | None]) -> None:
         self._open = open
@@ -35,7 +42,7 @@ class MetricsEndpoint:
         with self._lock:
             return self._server
 
-    def start(self) -> None:
+    def start(self, report: Report = nothing) -> None:
         threading.Thread(target=self._run, name="tpuboot-metrics-open", daemon=True).start()
 
     def _run(self) -> None:
@@ -50,7 +57,7 @@ class MetricsEndpoint:
                 return
         _shut(server)  # closed while it opened
 
-    def close(self) -> None:
+    def stop(self) -> None:
         with self._lock:
             self._closed = True
             server, self._server = self._server, None

@@ -5,12 +5,12 @@ guest attributes' last write, the containers' handover), and systemd counts an e
 SIGINT, SIGTERM or SIGPIPE as clean, so ``Restart=on-failure`` would not start it again. So every
 signal systemd or a person may send has a meaning here:
 
-- SIGTERM, SIGINT: stop (STOPPING=1, every component told to end, within :data:`STOP_BUDGET`).
+- SIGTERM, SIGINT: stop (STOPPING=1, every part told to end, within :data:`STOP_BUDGET`).
   Once stopping, another one is logged and ignored: the stop is already bounded.
 - SIGHUP: logged and ignored. tpuboot reads its configuration only at start; reloading it in place
   would mean re-binding devices and restarting containers under a half-old state, which a restart
   does cleanly (``systemctl restart tpuboot``).
-- SIGUSR1: the daemon's state to the journal (STATUS, each component, threads, metrics connections).
+- SIGUSR1: the daemon's state to the journal (STATUS, each part, threads, metrics connections).
 - SIGUSR2: debug logging on, or back off.
 - SIGQUIT: every thread's Python stack to the journal, one record per thread, taken on the loop
   under the GIL; the daemon runs on (as a JVM's thread dump does). Not ``faulthandler``: its dump

@@ -22,6 +22,7 @@ from tpuboot.paths import Root
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from tpuboot.component import Part
     from tpuboot.containers.cdi_file import SpecWriter
     from tpuboot.containers.engine import ContainerEngine
     from tpuboot.containers.service import Containers
@@ -78,6 +79,7 @@ def build(
     from tpuboot.containers.cdi import Extras, extras_of, relays_vbar
     from tpuboot.containers.cdi_file import SpecWriter
     from tpuboot.containers.service import Containers, agents_enabled
+    from tpuboot.derived import BootBudget, GuestAttributes, TpuVmGate
     from tpuboot.devices.manager import DeviceManager
     from tpuboot.env.service import EnvService
     from tpuboot.env.sync import EnvSync
@@ -88,7 +90,6 @@ def build(
     from tpuboot.notify import Notifier
 
     loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
-    devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready)
     publish = config.guest_attributes.enabled != "false"
     containers_on = bool(agents_enabled(config))
     if metadata is None and (config.env.enabled or containers_on or publish or config.notices.enabled):
@@ -115,6 +116,8 @@ def build(
         return extras_of(None if sync is None else sync.parsed_values(), relay)
 
     cdi = SpecWriter(binder, executor, loop.call_soon_threadsafe, extras)
+    # The CDI spec follows every device change in the change's own turn of the loop.
+    devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready, follow=cdi.refresh)
     env = None
     if sync is not None:
         env = EnvService(
@@ -125,11 +128,11 @@ def build(
         from tpuboot.containers.vbar_relay import VbarRelay
 
         vbar_relay = VbarRelay(root, config.vbar.endpoint)
-    guest_attrs = None
+    publisher = None
     if publish and metadata is not None:
         deadline = config.metadata.boot_deadline
         publishing = publisher_settings(config.guest_attributes)
-        guest_attrs = Publisher(metadata, publishing, check_deadline=deadline)
+        publisher = Publisher(metadata, publishing, check_deadline=deadline)
     notices = None
     if config.notices.enabled and metadata is not None:
         from tpuboot.notices.service import Notices
@@ -150,21 +153,26 @@ def build(
         from tpuboot.holders.report import blockers_of
 
         recovery = AutoRecovery(binder, config.recovery.max_resets_per_hour, blockers_of(root))
+    guest_attrs = None if publisher is None else GuestAttributes(publisher, devices, env, containers, notices)
+    gate = None if containers is None else TpuVmGate(containers, devices, env)
+    # The daemon's parts, in STATUS's order: each is started, ticked (over the tick's one device
+    # snapshot), observes and is stopped in it (tpuboot/component.py). A new part is its module and
+    # one line here. The guest attributes' PCIe summary is ticked before recovery's resets.
+    parts: list[Part | None] = [
+        cdi,
+        env,
+        containers,
+        notices,
+        runtime,
+        gate,
+        BootBudget(budget, executor.submit, containers),
+        guest_attrs,
+        recovery,
+        vbar_relay,
+        endpoint,
+    ]
     notifier = notifier or Notifier()
-    parts = (env, containers, guest_attrs, metadata, endpoint)
-    return Daemon(
-        loop,
-        devices,
-        executor,
-        notifier,
-        *parts,
-        budget=budget,
-        cdi=cdi,
-        recovery=recovery,
-        vbar_relay=vbar_relay,
-        notices=notices,
-        runtime=runtime,
-    )
+    return Daemon(loop, devices, executor, notifier, [part for part in parts if part is not None], metadata)
 
 
 def tpu_env_changed(loop: EventLoop, cdi: SpecWriter, containers: Containers | None) -> Callable[[], None]:

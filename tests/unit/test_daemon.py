@@ -44,7 +44,10 @@ from tpuboot.config import (
     ReadyConfig,
     VbarConfig,
 )
+from tpuboot.containers.cdi_file import SpecWriter
+from tpuboot.containers.service import Containers
 from tpuboot.daemon import Daemon
+from tpuboot.derived import BootBudget, GuestAttributes
 from tpuboot.devices import manager
 from tpuboot.env import service as envservice
 from tpuboot.env import sync as envsync
@@ -55,6 +58,7 @@ from tpuboot.env.watch import watch_tpu_env
 from tpuboot.errors import MetadataError
 from tpuboot.eventloop import EventLoop
 from tpuboot.gce.replies import Change
+from tpuboot.metrics_endpoint import MetricsEndpoint
 from tpuboot.wiring import build
 
 
@@ -177,7 +181,8 @@ def test_idle_the_daemon_wakes_only_for_the_watchdog(kernel, monkeypatch):
 
     with serving(daemon) as running:
         # the boot's wake-ups are behind (the CDI spec's last write among them)
-        until(lambda: daemon.ready and watchdogs() >= 2 and not (daemon.cdi and daemon.cdi.writing))
+        cdi = daemon.part(SpecWriter)
+        until(lambda: daemon.ready and watchdogs() >= 2 and not (cdi and cdi.writing))
         wakeups, sent, started = selector.wakeups, watchdogs(), time.monotonic()
         until(lambda: watchdogs() >= sent + 10)
         elapsed, woken, ticks = time.monotonic() - started, selector.wakeups - wakeups, watchdogs() - sent
@@ -224,9 +229,10 @@ def test_a_stop_that_hangs_is_cut_at_the_stop_budget_and_the_watchdog_beats_mean
     monkeypatch.setenv("WATCHDOG_USEC", "200000")
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
     daemon, _, notifier = make(kernel, config=with_env(emulator), root=root, metadata=make_client(emulator))
-    assert daemon.env is not None
+    env = daemon.part(EnvService)
+    assert env is not None
     released = threading.Event()
-    monkeypatch.setattr(daemon.env, "stop", lambda: released.wait(60))  # a stop that never returns
+    monkeypatch.setattr(env, "stop", lambda: released.wait(60))  # a stop that never returns
     with caplog.at_level("ERROR", logger="tpuboot.daemon"), serving(daemon) as running:
         until(lambda: daemon.ready)
         daemon.request_stop()
@@ -378,9 +384,10 @@ def test_even_a_sync_that_raises_reaches_ready_and_starts_the_watch(kernel, emul
     daemon, _, _ = make(
         kernel, config=with_env(emulator, watch=True), root=root, metadata=make_client(emulator)
     )
-    assert daemon.env is not None
+    env = daemon.part(EnvService)
+    assert env is not None
     watched = threading.Event()
-    monkeypatch.setattr(daemon.env.sync, "sync_once", lambda deadline: 1 / 0)
+    monkeypatch.setattr(env.sync, "sync_once", lambda deadline: 1 / 0)
     monkeypatch.setattr(envservice, "watch_tpu_env", lambda sync, stop, report: watched.set())
     with serving(daemon) as running:
         until(lambda: daemon.ready)
@@ -544,7 +551,8 @@ def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(k
     config = with_env(emulator).replace(guest_attributes=GuestAttributesConfig(min_interval=0.3))
     emulator.hold_writes()  # no write answered until READY: READY must not wait for them
     daemon, _, _ = make(kernel, ReadyConfig(), config, root=root, metadata=make_client(emulator))
-    assert daemon.guest_attrs is not None and daemon.guest_attrs.client is daemon.metadata  # one client
+    guest_attrs = daemon.part(GuestAttributes)
+    assert guest_attrs is not None and guest_attrs.publisher.client is daemon.metadata  # one client
 
     def written() -> dict[str, str]:
         return emulator.guest_attributes("tpuboot")
@@ -587,14 +595,15 @@ def test_one_metadata_client_is_shared_and_closed_at_stop(kernel, emulator, root
         metrics=MetricsConfig(port=free_port()))  # fmt: skip
     client = make_client(emulator)
     daemon, _, _ = make(kernel, config=config, root=root, metadata=client)
-    assert daemon.metadata is client and daemon.containers is not None
-    assert daemon.containers.metadata is client and daemon.guest_attrs is not None
-    assert daemon.env is not None and daemon.env.sync.parsed_values == daemon.containers.tpu_env
-    assert daemon.metrics_endpoint is not None
+    containers, env, endpoint = daemon.part(Containers), daemon.part(EnvService), daemon.part(MetricsEndpoint)
+    assert daemon.metadata is client and containers is not None
+    assert containers.metadata is client and daemon.part(GuestAttributes) is not None
+    assert env is not None and env.sync.parsed_values == containers.tpu_env
+    assert endpoint is not None
     with serving(daemon) as running:
         until(lambda: daemon.ready)
-        until(lambda: daemon.metrics_endpoint.server is not None)  # opened in its own thread
-        server = daemon.metrics_endpoint.server
+        until(lambda: endpoint.server is not None)  # opened in its own thread
+        server = endpoint.server
         assert server is not None
         assert running.stop() == 0
     with pytest.raises(MetadataError):
@@ -675,8 +684,9 @@ def test_a_tpu_hot_added_after_ready_is_not_part_of_the_boot(kernel):
         monitor.push("add", "pci", "0000:00:0a.0")
         until(lambda: kernel.driver("0000:00:0a.0") == "vfio-pci")
         running.stop()
-    assert daemon.budget is not None
-    assert sorted(p.detail for p in daemon.budget.phases() if p.name == bootbudget.BIND) == [
+    budget = daemon.part(BootBudget)
+    assert budget is not None
+    assert sorted(p.detail for p in budget.budget.phases() if p.name == bootbudget.BIND) == [
         f"0000:00:0{4 + i}.0" for i in range(4)
     ]
 

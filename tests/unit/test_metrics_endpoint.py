@@ -59,7 +59,7 @@ def test_the_server_is_there_once_open_has_returned() -> None:
     opened.set()
     wait_until(lambda: endpoint.server is not None)
     assert endpoint.server is served
-    endpoint.close()
+    endpoint.stop()
     assert served.shut.is_set() and endpoint.server is None
 
 
@@ -68,7 +68,7 @@ def test_a_server_that_opens_after_the_stop_is_shut_at_once() -> None:
     release = threading.Event()
     endpoint = MetricsEndpoint(lambda: release.wait(10) and served)  # type: ignore[arg-type,return-value]
     endpoint.start()
-    endpoint.close()  # the daemon stops while the endpoint still opens
+    endpoint.stop()  # the daemon stops while the endpoint still opens
     release.set()
     assert served.shut.wait(10)
     assert endpoint.server is None
@@ -91,4 +91,4 @@ def test_a_failure_to_open_is_logged_and_leaves_no_server(caplog: pytest.LogCapt
     assert "metrics: the endpoint did not open; running without metrics" in caplog.text
     assert "prometheus_client is broken" in caplog.text
     assert endpoint.server is None
-    endpoint.close()  # nothing to shut: no error
+    endpoint.stop()  # nothing to shut: no error

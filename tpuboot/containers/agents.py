@@ -12,7 +12,7 @@ answer at ``vbar.endpoint`` while it runs (:attr:`Agent.liveness`). The collecto
 configuration file read-only (:func:`config_file_mount`), the file's digest in the container's
 label so an edited file makes a new container at the next start.
 
-Light on purpose: daemon.py and doctor read the labels here without the supervisor's metrics.
+Light on purpose: tpuboot/derived.py and doctor read the labels here without the supervisor's metrics.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 
 from tpuboot.atomicfile import write_file
+from tpuboot.component import Part, Report
 from tpuboot.containers.cdi import (
     SPEC_PATH,
     TPU_LOGS_DIR,
@@ -52,17 +53,20 @@ def apply(root: Root, spec: Spec | None) -> bool:
     return True
 
 
-class SpecWriter:
-    """The daemon's copy of the spec, refreshed after every change to the devices.
+class SpecWriter(Part):
+    """The daemon's copy of the spec, refreshed after every change to the devices (a part of the
+    daemon: :meth:`start` writes the first, :meth:`stop` removes it).
 
     :meth:`refresh` runs on the event loop and only hands the work to the worker pool (a read of
     sysfs and a file write: daemon.py's rule keeps both off the loop, as it keeps a bind's chmod);
-    the daemon asks for one after a device change and after each tpu-env result (``extras`` gives
-    tpu-env's values as the last sync parsed them, read in the pool);
-    at most one refresh runs at a time, and one asked for meanwhile runs after it, so the last
-    write always follows the last change. :meth:`stop` removes the file, and no write lands after
-    it (the lock).
+    the device manager asks for one in the turn of each change, and the tpu-env service after each
+    result (tpuboot/wiring.py ties both; ``extras`` gives tpu-env's values as the last sync parsed
+    them, read in the pool). At most one refresh runs at a time, and one asked for meanwhile runs
+    after it, so the last write always follows the last change. :meth:`stop` removes the file, and
+    no write lands after it (the lock).
     """
+
+    name = "CDI spec"
 
     def __init__(
         self,
@@ -80,6 +84,10 @@ class SpecWriter:
         self._again = False
         self._lock = threading.Lock()  # held by a write in the pool and by stop()
         self._stopped = False
+
+    def start(self, report: Report) -> None:
+        """The chips bound already (a restart), or none: no spec of a past run is left standing."""
+        self.refresh()
 
     @property
     def writing(self) -> bool:

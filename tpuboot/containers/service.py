@@ -1,10 +1,10 @@
 """The daemon's supervised agents (:data:`tpuboot.containers.agents.AGENTS`: the vBar control
 agent and the AI telemetry collector).
 
-A component (tpuboot/component.py). Each enabled agent gets a
+A part of the daemon (tpuboot/component.py). Each enabled agent gets a
 :class:`~tpuboot.containers.supervisor.Supervisor` in its own thread, unless this VM is a GKE node
 (GKE runs them itself), and only once it is known to be a TPU VM: a TPU is present or tpu-env is
-held (the daemon calls :meth:`Containers.tpu_vm_seen`). An image-building VM has neither, so
+held (tpuboot/derived.py's gate calls :meth:`Containers.tpu_vm_seen`). An image-building VM has neither, so
 installing the package there runs no privileged container and pulls nothing into the image.
 Nothing here blocks the daemon's loop or READY: the GKE check and the engine's arrival are waited
 for in threads; each agent's Status is kept here under a lock and ``report()`` says it changed.
@@ -28,11 +28,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
-from tpuboot.component import Report, Status
+from tpuboot.component import Part, Report, Status
 from tpuboot.config import Config
 from tpuboot.containers.agents import AGENTS, Agent
 from tpuboot.containers.credentials import ServiceAccountCredentials, TokenSource
@@ -46,6 +46,9 @@ from tpuboot.containers.supervisor import RUNNING, STARTING, Runtime, Supervised
 from tpuboot.eventloop import nothing
 from tpuboot.paths import Root
 from tpuboot.references import RegistryAllowlist
+
+if TYPE_CHECKING:
+    from tpuboot.devices.snapshot import DeviceSnapshot
 
 log = logging.getLogger("tpuboot.containers.service")
 
@@ -68,8 +71,13 @@ def agents_enabled(config: Config, agents: Sequence[Agent] = AGENTS) -> list[Age
     return [agent for agent in agents if agent.settings(config).enabled]
 
 
-class Containers:
-    """The enabled agents; ``status()`` joins theirs (state ``running`` when every one runs)."""
+class Containers(Part):
+    """The enabled agents as a part of the daemon; ``status()`` joins theirs (state ``running`` when
+    every one runs), its tick probes their endpoints. It stops after the daemon closes the metadata
+    client, which cuts a GKE check or a registry token's fetch its threads may wait in."""
+
+    name = "containers"
+    stops_after_metadata = True
 
     def __init__(
         self,
@@ -119,6 +127,13 @@ class Containers:
     def checks_endpoints(self) -> bool:
         """Whether an agent has an endpoint to probe (the daemon ticks for it)."""
         return bool(self._liveness)
+
+    @property
+    def periodic(self) -> bool:
+        return self.checks_endpoints
+
+    def tick(self, devices: DeviceSnapshot) -> None:
+        self.check_endpoints()
 
     def statuses(self) -> dict[str, Status]:
         """Each enabled agent's Status, by label (vBar, telemetry), with what its endpoint's last
@@ -177,7 +192,7 @@ class Containers:
     # ------------------------------------------------------------------ in its own threads
 
     def _set(self, label: str, status: Status) -> None:
-        """A container's new Status (from this component's thread or its supervisor's). Whatever it
+        """A container's new Status (from this part's thread or its supervisor's). Whatever it
         is (started, restarted, ended), the container running now is judged afresh."""
         with self._lock:
             self._statuses[label] = status

@@ -34,7 +34,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tpuboot.component import Part, Report
 from tpuboot.containers.cdi import RELAY_DIR, RELAY_SOCKET
+from tpuboot.eventloop import nothing
 
 if TYPE_CHECKING:
     from tpuboot.endpoints import Endpoint
@@ -79,8 +81,12 @@ class _Pair:
             sock.close()
 
 
-class VbarRelay:
-    """Serves ``/run/tpuboot/vbar/vbar.sock`` (under ``root``) and relays to ``target``."""
+class VbarRelay(Part):
+    """Serves ``/run/tpuboot/vbar/vbar.sock`` (under ``root``) and relays to ``target``: a part of
+    the daemon with no line in STATUS, stopped after the containers it serves."""
+
+    name = "vBar relay"
+    stops_after_metadata = True
 
     def __init__(
         self,
@@ -109,7 +115,7 @@ class VbarRelay:
 
     # ------------------------------------------------------------------ from the daemon
 
-    def start(self) -> None:
+    def start(self, report: Report = nothing) -> None:
         """Bind the socket and serve it in a thread of its own; a failure is one journal line (the
         daemon and the containers that need no vBar run on without it)."""
         try:

@@ -76,9 +76,9 @@ class DeviceState:
 class DeviceManager:
     """Owns the state of every managed device; all methods run on the event loop thread.
 
-    A component (tpuboot/component.py): ``start`` adopts the binds coldplug started (tpuboot run
-    submits them before the loop runs) and listens to ``monitor``; ``booted`` is what READY
-    waits for.
+    The loop's own part (tpuboot/component.py; outside the daemon's list): ``start`` adopts the
+    binds coldplug started (tpuboot run submits them before the loop runs) and listens to
+    ``monitor``; ``booted`` is what READY waits for.
     """
 
     def __init__(
@@ -89,13 +89,16 @@ class DeviceManager:
         monitor: Monitor,
         coldplug: Coldplug,
         ready: ReadyConfig | None = None,
+        follow: Report = nothing,
     ) -> None:
+        """``follow``: what must follow every change in its own turn, before the report (the CDI spec)."""
         self.loop = loop
         self.binder = binder
         self.executor = executor
         self.monitor = monitor
         self.coldplug = coldplug  # the devices present and the binds started before the loop
         self.ready_config = ready or ReadyConfig()
+        self.follow = follow
         self.on_change: Report = nothing
         self.devices: dict[str, DeviceState] = {}
         self._first: set[Future[BindResult]] = set()  # coldplug's binds: READY waits for their first try
@@ -104,7 +107,7 @@ class DeviceManager:
         self._deadline_passed = False
         self._listening = False
 
-    # ------------------------------------------------------------------ the component
+    # ------------------------------------------------------------------ the part
 
     def start(self, report: Report) -> None:
         """Bind every matching device already present (adopting binds already running), then listen;
@@ -378,6 +381,7 @@ class DeviceManager:
         if self._deadline is not None and self.settled(self._at_start):
             self._deadline.cancel()  # settled in time: no wake-up at the deadline
             self._deadline = None
+        self.follow()
         self.on_change()
 
     def _count(self) -> None:

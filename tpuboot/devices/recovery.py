@@ -1,26 +1,29 @@
 """``recovery.automatic``: the daemon brings back a chip that fell off the bus or logged a fatal
 PCIe error, up the same ladder as `tpuboot reset` (tpuboot/devices/reset.py). Off by default.
 
-At each daemon tick (from its worker pool, never the loop) every VFIO chip present is looked at:
-a function that no longer answers config reads (vendor id 0xffff), or a fatal AER error since the
-chip's last good reset (:meth:`Health.since_reset`: the errors a reset cleared up are history),
-makes it wedged. A wedged chip somebody holds is never reset (the job would lose the device
-under it): that is said once, and the next tick looks again. Otherwise the ladder climbs, behind
-the same circuit breaker as the command (``recovery.max_resets_per_hour``); an open breaker is said
-once. A chip the kernel removed is not looked for: a hot remove is somebody's decision.
+A part of the daemon (tpuboot/component.py): at each tick (in its worker pool, never the loop)
+every VFIO chip of the tick's device snapshot is looked at, in the reading the guest attribute's
+PCIe summary is made of: a function that no longer answers config reads (vendor id 0xffff), or a
+fatal AER error since the chip's last good reset (:meth:`Health.since_reset`: the errors a reset
+cleared up are history), makes it wedged. A wedged chip somebody holds is never reset (the job
+would lose the device under it): that is said once, and the next tick looks again. Otherwise the
+ladder climbs, behind the same circuit breaker as the command (``recovery.max_resets_per_hour``);
+an open breaker is said once. A chip the kernel removed is not looked for: a hot remove is
+somebody's decision.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 from tpuboot import metrics
-from tpuboot.devices.chips import Chip, chips_present
-from tpuboot.devices.health import Health, judge, read_healths
+from tpuboot.component import Part
+from tpuboot.devices.chips import Chip
+from tpuboot.devices.health import Health, judge
 from tpuboot.devices.reset import Breaker, Ladder, ResetRefused
-from tpuboot.devices.survey import TpuStatus, survey
+from tpuboot.devices.snapshot import DeviceSnapshot
 from tpuboot.devices.table import VFIO_ACCESS
 from tpuboot.devices.vfio import Binder
 
@@ -45,8 +48,11 @@ def wedged(chip: Chip, health: Mapping[str, Health]) -> str | None:
     return None
 
 
-class AutoRecovery:
+class AutoRecovery(Part):
     """The daemon's side of ``recovery.automatic``; :meth:`check` is its tick's work."""
+
+    name = "recovery.automatic"
+    periodic = True
 
     def __init__(self, binder: Binder, max_resets_per_hour: int, holders: HolderLookup) -> None:
         """``holders``: who may hold a chip (the daemon's is :func:`tpuboot.holders.report.blockers_of`;
@@ -56,20 +62,19 @@ class AutoRecovery:
         self.holders = holders
         self._said: dict[str, str] = {}  # chip → the last thing said about leaving it be
 
-    def chips(self, tpus: Sequence[TpuStatus]) -> list[Chip]:
-        chips = chips_present(self.binder.root, self.binder.table, tpus)
-        return [chip for chip in chips if chip.access == VFIO_ACCESS]
+    @staticmethod
+    def chips(devices: DeviceSnapshot) -> list[Chip]:
+        return [chip for chip in devices.chips if chip.access == VFIO_ACCESS]
 
-    def check(
-        self, tpus: Sequence[TpuStatus] | None = None, health: Mapping[str, Health] | None = None
-    ) -> None:
-        """Every wedged chip nobody holds, reset (from the pool: a climb takes seconds). ``tpus``
-        and ``health``: the tick's survey and its functions' reading, shared with the guest
-        attribute's summary (default: taken now)."""
-        tpus = survey(self.binder) if tpus is None else tpus
-        health = read_healths(self.binder.root, (t.address for t in tpus)) if health is None else health
-        for chip in self.chips(tpus):
-            why = wedged(chip, health)
+    def tick(self, devices: DeviceSnapshot) -> None:
+        self.check(devices)
+
+    def check(self, devices: DeviceSnapshot | None = None) -> None:
+        """Every wedged chip nobody holds, reset (from the pool: a climb takes seconds). ``devices``:
+        the tick's snapshot, shared with the guest attribute's summary (default: taken now)."""
+        devices = DeviceSnapshot(self.binder) if devices is None else devices
+        for chip in self.chips(devices):
+            why = wedged(chip, devices.health)
             if why is None:
                 self._said.pop(chip.address, None)
                 continue

@@ -1,8 +1,8 @@
 """The daemon's runtime-environment side: tpu-env written once before READY, then kept current.
 
-A component (tpuboot/component.py) with one thread of its own: the boot-time sync (within
+A part of the daemon (tpuboot/component.py) with one thread of its own: the boot-time sync (within
 ``metadata.boot_deadline``), then, with ``metadata.watch``, the watch. Each result becomes this
-component's Status (under its lock), goes to ``on_values`` (the containers: vBar's image may have
+part's Status (under its lock), goes to ``on_values`` (the containers: vBar's image may have
 changed), and is reported; nothing here runs on the daemon's loop, so a slow server, a file
 read or a container's reconfiguring never holds it.
 """
@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Final, Literal
 
-from tpuboot import metrics
-from tpuboot.component import Report, Status
+from tpuboot import component, metrics
+from tpuboot.component import Part, Report, Status
 from tpuboot.env.published import Published, published
 from tpuboot.env.results import Source, SyncResult
 from tpuboot.env.sync import EnvSync
@@ -28,14 +28,16 @@ log = logging.getLogger("tpuboot.env.service")
 #: The env service's state (Status.state): pending until the boot-time sync ends, then the
 #: source of the last result.
 EnvState = Literal[Source, "pending"]
-#: Before the boot-time sync ended; READY waits while the state is this.
-PENDING: Final[EnvState] = "pending"
+#: Before the boot-time sync ended: the daemon's PENDING, so READY waits while the state is this.
+PENDING: Final[EnvState] = component.PENDING
 #: The sources after which the tpu-env file holds values (a later failure leaves them there).
 HELD: tuple[Source, ...] = ("metadata", "cache")
 
 
-class EnvService:
-    """tpu-env from metadata (or the cache) as a component; its state is the last result's source."""
+class EnvService(Part):
+    """tpu-env from metadata (or the cache) as a part; its state is the last result's source."""
+
+    name = "tpu-env"
 
     def __init__(
         self,
@@ -48,7 +50,7 @@ class EnvService:
         self.sync = sync
         self.deadline = deadline
         self.watch = watch
-        self.on_values = on_values  # called in this component's thread after each result
+        self.on_values = on_values  # called in this part's thread after each result
         self.clock = clock
         self.stopping = threading.Event()
         self._lock = threading.Lock()

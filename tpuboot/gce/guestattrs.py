@@ -90,8 +90,8 @@ def enabled_in_metadata(client: MetadataClient, deadline_s: float) -> tuple[bool
 class Publisher:
     """Writes ``tpuboot/<key>`` guest attributes from its own thread; ``update`` from any thread.
 
-    A component (tpuboot/component.py): its state is ``checking`` (asking the server whether
-    guest attributes are on), ``publishing`` or ``off``.
+    Its state is ``checking`` (asking the server whether guest attributes are on), ``publishing``
+    or ``off``. The daemon's part that feeds it the values (tpuboot/derived.py) starts and stops it.
     """
 
     def __init__(

@@ -1,10 +1,10 @@
 """The daemon's notice part: the three keys watched, each notice told (journal, STATUS, metrics,
 guest attribute, /run/tpuboot/notice) and the hooks run for it.
 
-A component (tpuboot/component.py) with threads of its own: one watch per key
+A part of the daemon (tpuboot/component.py) with threads of its own: one watch per key
 (tpuboot/notices/watch.py) and one hook runner, so neither a long-poll nor a hook that hangs ever
-holds the daemon's loop, its watchdog or the next notice. READY never waits for it: nothing in
-``_booted`` reads it.
+holds the daemon's loop, its watchdog or the next notice. READY never waits for it: its state is
+never pending.
 
 - **A new notice while hooks run** is queued, one per kind (a newer value of a kind replaces the
   queued one), and the next run takes the most urgent kind first (preempted, maintenance,
@@ -29,7 +29,7 @@ from typing import Final, Literal
 
 from tpuboot import metrics
 from tpuboot.atomicfile import FileError, remove_file
-from tpuboot.component import Report, Status
+from tpuboot.component import Part, Report, Status
 from tpuboot.eventloop import nothing
 from tpuboot.gce.client import MetadataClient
 from tpuboot.notices import noticefile
@@ -62,8 +62,10 @@ class NoticeSettings:
     hooks: bool = True  # False: the configured hook user does not exist, so no hook runs
 
 
-class Notices:
-    """Maintenance and preemption notices as a component; its state is ``quiet`` or ``notice``."""
+class Notices(Part):
+    """Maintenance and preemption notices as a part of the daemon; its state is ``quiet`` or ``notice``."""
+
+    name = "notices"
 
     def __init__(
         self,
@@ -98,7 +100,7 @@ class Notices:
         self._threads: list[threading.Thread] = []
         self._cancel = Cancel()  # the daemon's stop kills a hook still running
 
-    # ------------------------------------------------------------------ the component
+    # ------------------------------------------------------------------ the part
 
     def start(self, report: Report) -> None:
         self._report = report

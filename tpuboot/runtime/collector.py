@@ -1,12 +1,12 @@
 """The daemon's part: poll libtpu's metric service while a process holds a chip, and only then.
 
-The daemon's tick (tpuboot/daemon.py) hands :meth:`RuntimeCollector.check` to its pool: one look
-at who holds the chips (the /proc scan of `tpuboot who`; none at all on a host with no chip).
-While one is held, a thread of the collector's own polls every ``interval`` (GKE's pace, 10 s):
-each port of tpu-env's ``TPU_RUNTIME_METRICS_PORTS`` that a chip's holder listens on, each call
-with its deadline. When no chip is held any more the thread ends and the series go: an idle host
-has no thread and makes no call. Nothing here runs on the daemon's loop, so a libtpu that hangs
-delays neither the loop nor the watchdog.
+The daemon's tick (tpuboot/daemon.py) hands :meth:`RuntimeCollector.tick` to its pool: one look at
+who holds the chips of the tick's device snapshot (the /proc scan of `tpuboot who`; none at all on
+a host with no chip). While one is held, a thread of the collector's own polls every ``interval``
+(GKE's pace, 10 s): each port of tpu-env's ``TPU_RUNTIME_METRICS_PORTS`` that a chip's holder
+listens on, each call with its deadline. When no chip is held any more the thread ends and the
+series go: an idle host has no thread and makes no call. Nothing here runs on the daemon's loop, so
+a libtpu that hangs delays neither the loop nor the watchdog.
 
 Each port's trouble (no answer, a reset, a message too large or malformed, samples of the wrong
 type) is one journal line when it begins and one when it ends, never one per poll; the other
@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tpuboot.atomicfile import FileError, read_file
-from tpuboot.component import Report, Status
+from tpuboot.component import Part, Report, Status
 from tpuboot.config import Config
 from tpuboot.env.tpuenv import env_value, parse_env_file
 from tpuboot.errors import printable
@@ -34,6 +34,10 @@ from tpuboot.runtime import statefile
 from tpuboot.runtime.client import CallError, connect, grpc_missing
 from tpuboot.runtime.ports import runtime_ports
 from tpuboot.runtime.reading import PortReading, read_port
+
+if TYPE_CHECKING:
+    from tpuboot.devices.chips import Chip
+    from tpuboot.devices.snapshot import DeviceSnapshot
 
 log = logging.getLogger("tpuboot.runtime")
 
@@ -77,11 +81,12 @@ class Snapshot:
         return [p.reading.slice_error for p in self.ports if p.reading and p.reading.slice_error is not None]
 
 
-def scan_holders(root: Root, config: Config) -> Holders:
-    """Who holds the chips now, as `tpuboot who` sees it; no scan when there is no chip."""
+def scan_holders(root: Root, config: Config, chips: Sequence[Chip] | None = None) -> Holders:
+    """Who holds the chips now (``chips``, else those present), as `tpuboot who` sees it; no
+    scan when there is no chip."""
     from tpuboot.holders.report import chips_of, gather
 
-    chips = chips_of(root, config)
+    chips = chips_of(root, config) if chips is None else chips
     if not chips:
         return Holders(0, {})
     report = gather(root, chips)
@@ -140,8 +145,11 @@ class _Said:
             log.warning("runtime metrics: %s", line, extra=fields)
 
 
-class RuntimeCollector:
-    """libtpu's runtime metrics of the jobs on this host (a component of `tpuboot run`)."""
+class RuntimeCollector(Part):
+    """libtpu's runtime metrics of the jobs on this host (a part of `tpuboot run`): its tick looks
+    for a chip's holders, a poller thread of its own asks them while one is held."""
+
+    name = "runtime metrics"
 
     def __init__(
         self,
@@ -159,7 +167,7 @@ class RuntimeCollector:
         self.config = config
         self.interval = config.runtime_metrics.interval
         self.timeout = config.runtime_metrics.timeout
-        self._holders = holders or (lambda: scan_holders(root, config))
+        self._holders = holders  # None: the /proc scan of the chips present
         self.host = host if host is not None else socket.gethostname()
         self.missing = grpc_missing()
         self._lock = threading.Lock()
@@ -178,7 +186,7 @@ class RuntimeCollector:
         self._scan_said: str | None = None
         self.polls = 0  # polls made (bench/ and the tests count them)
 
-    # --- the component --------------------------------------------------------------------
+    # --- the part -------------------------------------------------------------------------
 
     def start(self, report: Report) -> None:
         self._report = report
@@ -207,12 +215,23 @@ class RuntimeCollector:
 
     # --- the tick's look (in the daemon's pool) ----------------------------------------------
 
-    def check(self) -> None:
-        """Is a chip held? Start polling if so, end it if not (from the daemon's pool)."""
+    @property
+    def periodic(self) -> bool:
+        return self.missing is None  # without grpcio, nothing to look for
+
+    def tick(self, devices: DeviceSnapshot) -> None:
+        self.check(devices)
+
+    def check(self, devices: DeviceSnapshot | None = None) -> None:
+        """Is a chip held? Start polling if so, end it if not (from the daemon's pool). ``devices``:
+        the tick's snapshot, whose chips are scanned for (default: read now)."""
         if self.missing or self._stopping:
             return
         try:
-            held = self._holders()
+            if self._holders is not None:
+                held = self._holders()
+            else:
+                held = scan_holders(self.root, self.config, None if devices is None else devices.chips)
             said = None
         except Exception as exc:  # a scan that fails is said once, and nothing is polled
             held, said = Holders(0, {}), f"runtime metrics: the holders were not scanned: {exc}"

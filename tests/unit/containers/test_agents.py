@@ -185,7 +185,7 @@ def test_the_reference_grammar_imports_nothing_of_tpuboots_but_its_errors() -> N
     "module", ["tpuboot.checks.containers", "tpuboot.containers.agents", "tpuboot.config"]
 )
 def test_the_agents_labels_and_the_container_checks_load_no_prometheus_client(module: str) -> None:
-    """daemon.py and doctor read the agents' labels, and doctor runs the container checks, without
+    """tpuboot/derived.py and doctor read the agents' labels, and doctor runs the container checks, without
     the supervisor's metrics; a config naming images and token registries reaches no engine."""
     code = (
         f"import sys; sys.path.insert(0, {str(REPO)!r}); import {module}; "

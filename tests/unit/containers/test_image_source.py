@@ -20,6 +20,7 @@ from tests.unit.helpers.containers import engine_of
 from tests.unit.helpers.metadata import make_client, make_config
 from tpuboot.config import Config, EnvConfig
 from tpuboot.containers.service import Containers
+from tpuboot.env.service import EnvService
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.tpuenv import render_env_file
 from tpuboot.gce.client import MetadataClient
@@ -221,14 +222,15 @@ def test_the_daemon_wires_the_sync_into_the_containers(
         metrics=MetricsConfig(enabled=False), guest_attributes=GuestAttributesConfig(enabled="false")
     )
     daemon = build(root, config, monitor=QueueMonitor(), metadata=sync_client)
-    assert daemon.env is not None and daemon.containers is not None
-    daemon.env.sync.sync_once(5)
-    containers = daemon.containers
+    env, containers = daemon.part(EnvService), daemon.part(Containers)
+    assert env is not None and containers is not None
+    env.sync.sync_once(5)
     assert (containers.tpu_env() or {})[KEY] == GOOD
     user_rewrites(root, EVIL)
     assert (containers.tpu_env() or {})[KEY] == GOOD
     disabled = build(root, config.replace(env=EnvConfig(enabled=False)), monitor=QueueMonitor())
-    assert disabled.containers is not None and disabled.containers.tpu_env() is None
+    without = disabled.part(Containers)
+    assert without is not None and without.tpu_env() is None
     for built in (daemon, disabled):
         built.executor.shutdown()
 

@@ -17,7 +17,7 @@ import pytest
 
 from harness.polling import wait_until
 from tests.unit.helpers.containers import Statuses
-from tests.unit.helpers.daemon import serving, until
+from tests.unit.helpers.daemon import guest_attribute_values, serving, until
 from tests.unit.helpers.runproc import free_port
 from tpuboot import metrics, metrics_export
 from tpuboot.backoff import RestartPolicy
@@ -25,6 +25,7 @@ from tpuboot.config import Config, MetadataConfig, TelemetryConfig, VbarConfig
 from tpuboot.containers.agents import VBAR_AGENT
 from tpuboot.containers.exec import ExecRuntime, describe_exit
 from tpuboot.containers.gke import gke_node
+from tpuboot.containers.service import Containers
 from tpuboot.containers.supervisor import Supervisor
 from tpuboot.endpoints import Endpoint
 from tpuboot.env.tpuenv import parse_env_file, render_env_file
@@ -174,7 +175,7 @@ def test_ready_never_waits_for_dockerd_and_the_status_says_so(kernel: Any, root:
         assert daemon.notifier.last_status == (
             "1 TPU bound to vfio-pci; vBar: waiting (dockerd is not installed: apt install docker.io)"
         )
-        assert daemon.guest_attribute_values()["vbar"].startswith("waiting (dockerd is not installed")
+        assert guest_attribute_values(daemon)["vbar"].startswith("waiting (dockerd is not installed")
         running.stop()
 
 
@@ -229,7 +230,7 @@ def test_on_a_gke_node_neither_container_starts(kernel: Any, root: Any) -> None:
             "vBar: not started, GKE node (GKE runs it); "
             "telemetry: not started, GKE node (GKE runs the telemetry collector)"
         )
-        assert {s.state for s in daemon.containers.statuses().values()} == {"not started"}
+        assert {s.state for s in daemon.part(Containers).statuses().values()} == {"not started"}
         running.stop()
 
 
@@ -285,7 +286,7 @@ def test_exec_runtime_from_config_and_stop_ends_the_child(
         assert daemon.status_line().endswith("vBar: running")
         assert sample("tpuboot_container_up") == 1.0
         running.stop()
-    runtime = daemon.containers.supervisors["vBar"].runtime
+    runtime = daemon.part(Containers).supervisors["vBar"].runtime
     assert isinstance(runtime, ExecRuntime) and runtime.proc is not None
     assert runtime.proc.returncode == -signal.SIGTERM
 
@@ -353,9 +354,9 @@ def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any, emulator: An
     with serving(daemon) as running:
         until(lambda: daemon.ready)
         if held:  # the supervisor starts (the sample's image is then refused: not in vbar.registries)
-            until(lambda: "vBar" in daemon.containers.supervisors)
+            until(lambda: "vBar" in daemon.part(Containers).supervisors)
         else:
             until(lambda: "vBar: not started, not a TPU VM" in daemon.status_line())
             time.sleep(0.2)  # a moment in which the gate may not open
-        assert ("vBar" in daemon.containers.supervisors) is held  # the gate opened, or stayed shut
+        assert ("vBar" in daemon.part(Containers).supervisors) is held  # the gate opened, or stayed shut
         running.stop()

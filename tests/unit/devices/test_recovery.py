@@ -17,7 +17,7 @@ from tpuboot.devices import health as health_module
 from tpuboot.devices.chips import Chip
 from tpuboot.devices.health import read_health, read_healths, save_baseline
 from tpuboot.devices.recovery import WEDGED, AutoRecovery, wedged
-from tpuboot.devices.survey import survey
+from tpuboot.devices.snapshot import DeviceSnapshot
 from tpuboot.devices.table import GOOGLE, DeviceTable
 from tpuboot.devices.vfio import Binder
 
@@ -102,7 +102,7 @@ def test_a_fatal_error_since_the_last_good_reset_is_reset_once(
 ) -> None:
     kernel, recovery, _ = setup(tmp_path)
     fatal(kernel, 1)
-    (chip,) = recovery.chips(survey(recovery.binder))
+    (chip,) = recovery.chips(DeviceSnapshot(recovery.binder))
     assert wedged(chip, read_healths(kernel.root, [A])) == f"{A} logged 1 fatal PCIe error(s) since boot"
     recovery.check()
     assert resets(kernel) == 1  # the reset's baseline makes that error history
@@ -178,9 +178,9 @@ def test_the_daemon_resets_a_wedged_chip_at_its_tick(tmp_path: Path, monkeypatch
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     monkeypatch.setattr(daemon_module, "TICK_INTERVAL", 0.05)
     kernel, _, _ = setup(tmp_path)
-    assert make(kernel)[0].recovery is None
+    assert make(kernel)[0].part(AutoRecovery) is None  # off by default
     daemon, _, _ = make(kernel, config=DEVICES_ONLY.replace(recovery=RecoveryConfig(automatic=True)))
-    assert daemon.recovery is not None
+    assert daemon.part(AutoRecovery) is not None
     with serving(daemon) as running:
         until(lambda: daemon.ready)
         wedge(kernel, A)
@@ -188,37 +188,62 @@ def test_the_daemon_resets_a_wedged_chip_at_its_tick(tmp_path: Path, monkeypatch
         until(lambda: resets(kernel) == 1, timeout=20)
         until(lambda: kernel.driver(A) == "vfio-pci")
         running.stop()
+    daemon.executor.shutdown(wait=True)  # the tick's climb ends here, its metric not in the next test's
 
 
-def test_one_tick_reads_each_function_once_for_recovery_and_the_guest_attribute(
+def test_one_tick_reads_the_devices_once_for_every_reader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, emulator
 ) -> None:
-    """Both readers of the PCIe state on: one survey and one health reading per function a tick,
-    and each reader gets it (the wedged chip reset, its state summarised for the attribute)."""
+    """Recovery, the guest attribute's PCIe summary and the runtime metrics' holder scan all on:
+    one listing of the PCI functions and one health reading per function a tick (the tick's device
+    snapshot), and each reader gets it (the wedged chip reset, its state summarised, its holders
+    looked for)."""
     from tests.unit.helpers.daemon import DEVICES_ONLY, make
     from tests.unit.helpers.metadata import make_client
     from tpuboot.config import GuestAttributesConfig, RecoveryConfig
+    from tpuboot.derived import GuestAttributes
+    from tpuboot.devices import survey as survey_module
+    from tpuboot.runtime import collector as runtime_collector
+    from tpuboot.runtime.collector import RuntimeCollector
 
     kernel, _, _ = setup(tmp_path)
     config = DEVICES_ONLY.replace(
         recovery=RecoveryConfig(automatic=True), guest_attributes=GuestAttributesConfig(enabled="true")
     )
     daemon, _, _ = make(kernel, config=config, metadata=make_client(emulator))
-    assert daemon.recovery is not None and daemon.guest_attrs is not None
-    daemon.recovery.ladder.sleep = lambda s: None
+    recovery, attributes = daemon.part(AutoRecovery), daemon.part(GuestAttributes)
+    runtime = daemon.part(RuntimeCollector)
+    assert recovery is not None and attributes is not None and runtime is not None
+    recovery.ladder.sleep = lambda s: None
     read: list[str] = []
-    real = health_module.read_health
+    listed: list[object] = []
+    real_health, real_list = health_module.read_health, survey_module.list_addresses
+    scanned: list[object] = []
+    real_scan = runtime_collector.scan_holders
 
     def counted(root, address, baselines=None):  # type: ignore[no-untyped-def]
         read.append(address)
-        return real(root, address, baselines)
+        return real_health(root, address, baselines)
+
+    def listing(root):  # type: ignore[no-untyped-def]
+        listed.append(root)
+        return real_list(root)
+
+    def scan(root, config, chips=None):  # type: ignore[no-untyped-def]
+        scanned.append(chips)
+        return real_scan(root, config, chips)
 
     monkeypatch.setattr(health_module, "read_health", counted)
+    monkeypatch.setattr(survey_module, "list_addresses", listing)
+    monkeypatch.setattr(runtime_collector, "scan_holders", scan)
     fatal(kernel, 1)
     daemon._periodic_work()
     assert read == [A]  # once, for both (the ladder's own check after its reset is its own)
+    assert len(listed) == 1  # one survey for the three of them
     assert resets(kernel) == 1
-    assert daemon._pcie_sent == "fatal:1"  # the summary is of the tick's reading, before the reset
+    assert attributes.pcie == "fatal:1"  # the summary is of the tick's reading, before the reset
+    if runtime.periodic:  # grpcio here: the collector looks for holders of the snapshot's chips
+        assert [[chip.address for chip in chips] for chips in scanned] == [["0000:05:00"]]
 
 
 @pytest.mark.parametrize("unseen", ["unreadable", "device fd of no named chip"])

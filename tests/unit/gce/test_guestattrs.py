@@ -13,7 +13,7 @@ import pytest
 from harness.mds_emulator import MetadataEmulator
 from harness.polling import wait_until
 from tests.unit.helpers.metadata import make_client
-from tpuboot.component import Component, Status
+from tpuboot.component import Status
 from tpuboot.config import GuestAttributesConfig, parse_config
 from tpuboot.errors import ConfigError
 from tpuboot.gce.guestattrs import RETRIES, SPACING, Publisher, PublisherSettings, parse_enabled
@@ -49,14 +49,13 @@ def test_the_config_section_becomes_the_publishers_plain_settings() -> None:
     assert publisher_settings(GuestAttributesConfig(min_interval=45.0)) == PublisherSettings(None, 45.0)
 
 
-def test_the_publisher_is_a_component_whose_status_follows_the_check(emulator, publishers) -> None:
-    """A Component (tpuboot/component.py): started with a report, told when its state changes."""
+def test_the_publishers_status_follows_the_check(emulator, publishers) -> None:
+    """Started with a report, it tells of each change of its state."""
     emulator.set_attribute("enable-guest-attributes", "TRUE")
     publisher = publishers()
-    component: Component = publisher
-    assert component.status().state == "checking"
+    assert publisher.status().state == "checking"
     reported: list[Status] = []
-    component.start(lambda: reported.append(publisher.status()))
+    publisher.start(lambda: reported.append(publisher.status()))
     wait_until(lambda: bool(reported))
     assert [status.state for status in reported] == ["publishing"]
     assert publishers(GuestAttributesConfig(enabled="false")).status().state == "off"
@@ -254,12 +253,12 @@ def test_the_floor_keeps_every_key_the_daemon_writes_within_the_servers_quota(tm
     """The quota is 10 guest-attribute queries a minute: every key at its fastest stays within it,
     and the floor counts every key the daemon writes (a new key must raise it)."""
     from tests.unit.fakes.kernel import FakeKernel
-    from tests.unit.helpers.daemon import make
+    from tests.unit.helpers.daemon import guest_attribute_values, make
     from tpuboot.config import GUEST_ATTRIBUTE_KEYS, GUEST_ATTRIBUTES_MIN_INTERVAL
 
     daemon, _, _ = make(FakeKernel(tmp_path))
     try:
-        assert len(daemon.guest_attribute_values()) == GUEST_ATTRIBUTE_KEYS
+        assert len(guest_attribute_values(daemon)) == GUEST_ATTRIBUTE_KEYS
     finally:
         daemon.loop.close()
     assert GUEST_ATTRIBUTE_KEYS * 60.0 / GUEST_ATTRIBUTES_MIN_INTERVAL <= 10

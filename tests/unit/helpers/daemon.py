@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from harness.polling import wait_until
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.devices import binder
+from tpuboot import derived
 from tpuboot.config import (
     Config,
     EnvConfig,
@@ -25,9 +26,13 @@ from tpuboot.config import (
     ReadyConfig,
     VbarConfig,
 )
+from tpuboot.containers.service import Containers
 from tpuboot.daemon import Daemon
+from tpuboot.derived import GuestAttributes
+from tpuboot.env.service import EnvService
 from tpuboot.eventloop import EventLoop
 from tpuboot.gce.client import MetadataClient
+from tpuboot.notices.service import Notices
 from tpuboot.notify import Notifier
 from tpuboot.paths import Root
 from tpuboot.wiring import build
@@ -118,6 +123,14 @@ def serving(daemon: Daemon) -> Iterator[Serving]:
         if not running.ended:
             daemon.request_stop()
             running.thread.join(20)
+
+
+def guest_attribute_values(daemon: Daemon) -> dict[str, str]:
+    """What the guest attributes show of ``daemon`` now (tpuboot/derived.py), published or not."""
+    attributes = daemon.part(GuestAttributes)
+    pcie = None if attributes is None else attributes.pcie
+    shown = (daemon.part(EnvService), daemon.part(Containers), daemon.part(Notices))
+    return derived.guest_attribute_values(daemon.ready, daemon.devices, pcie, *shown)
 
 
 def on_loop(daemon: Daemon, fn: Callable[[], object]) -> object:

@@ -185,7 +185,7 @@ def test_the_daemon_says_ready_without_waiting_and_shows_a_notice_in_status_and_
     tree: Root, emulator: MetadataEmulator, tmp_path: Path
 ) -> None:
     from tests.unit.fakes.kernel import FakeKernel
-    from tests.unit.helpers.daemon import DEVICES_ONLY, make, serving, until
+    from tests.unit.helpers.daemon import DEVICES_ONLY, guest_attribute_values, make, serving, until
     from tpuboot.config import MetadataConfig, NoticesConfig
 
     config = DEVICES_ONLY.replace(notices=NoticesConfig(), metadata=MetadataConfig(host=emulator.host))
@@ -197,7 +197,7 @@ def test_the_daemon_says_ready_without_waiting_and_shows_a_notice_in_status_and_
         emulator.set_faults()
         emulator.announce(preempted=True)
         until(lambda: notifier.last_status.endswith("; preempted: shutting down"))
-        assert daemon.guest_attribute_values()["notice"] == "preempted=TRUE"
+        assert guest_attribute_values(daemon)["notice"] == "preempted=TRUE"
         running.stop()
 
 

@@ -23,6 +23,7 @@ from tests.unit.helpers.devices import add_tpu, binder
 from tests.unit.helpers.runtime import JOB, ME, write_ports
 from tpuboot import metrics
 from tpuboot.config import EnvConfig, MetricsConfig, RuntimeMetricsConfig
+from tpuboot.metrics_endpoint import MetricsEndpoint
 from tpuboot.paths import Root
 from tpuboot.runtime.collector import Holders, RuntimeCollector
 from tpuboot.wiring import build
@@ -56,8 +57,10 @@ def test_the_daemon_exports_a_held_chips_metrics_and_a_hang(
         daemon = build(kernel.root, config, binder=binder(kernel), monitor=QueueMonitor(),
                        notifier=notifier, runtime=collector)  # fmt: skip
         with serving(daemon) as running:
-            until(lambda: daemon.ready and daemon.metrics_endpoint.server is not None)  # type: ignore[union-attr]
-            port = daemon.metrics_endpoint.server.server_port  # type: ignore[union-attr]
+            endpoint = daemon.part(MetricsEndpoint)
+            assert endpoint is not None
+            until(lambda: daemon.ready and endpoint.server is not None)
+            port = endpoint.server.server_port  # type: ignore[union-attr]
             ticks = notifier.sent.count("WATCHDOG=1")
             until(lambda: notifier.sent.count("WATCHDOG=1") >= ticks + 3)
             assert server.calls == {} and not collector.polling  # nothing held: nothing asked

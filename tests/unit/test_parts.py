@@ -1,0 +1,170 @@
+"""A daemon part is one module and one line in the composition root (tpuboot/component.py).
+
+A stand-in part, added to the list tpuboot.wiring.build assembles (as its one line there would add
+it), is started with a report, holds READY while pending, shows its line in STATUS, observes, is
+ticked in the pool and stopped, all with no change to tpuboot/daemon.py, which knows no part by
+name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.daemon import DEVICES_ONLY, make, on_loop, serving, until
+from tests.unit.helpers.devices import add_tpu
+from tpuboot import daemon as daemon_module
+from tpuboot.component import PENDING, Part, Report, Status
+from tpuboot.config import RuntimeMetricsConfig
+from tpuboot.devices.snapshot import DeviceSnapshot
+from tpuboot.eventloop import nothing
+
+
+class Probe(Part):
+    """A part that records what the daemon asks of it, and from which thread."""
+
+    def __init__(self, name: str = "probe", periodic: bool = True, line: bool = True) -> None:
+        self.name = name
+        self._periodic = periodic
+        self._status: Status | None = Status(PENDING, f"{name}: pending") if line else None
+        self._report: Report = nothing
+        self.calls: list[str] = []
+        self.observed: list[bool] = []
+        self.tick_threads: list[int] = []
+
+    @property
+    def periodic(self) -> bool:
+        return self._periodic
+
+    def start(self, report: Report) -> None:
+        self.calls.append("start")
+        self._report = report
+
+    def status(self) -> Status | None:
+        return self._status
+
+    def set(self, status: Status) -> None:
+        """As the part's own thread would: a new Status, then the report."""
+        self._status = status
+        self._report()
+
+    def observe(self, ready: bool) -> None:
+        self.observed.append(ready)
+
+    def tick(self, devices: DeviceSnapshot) -> None:
+        self.tick_threads.append(threading.get_ident())
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
+#: The device side only, and no part there with tick work (the runtime collector's is on by default).
+NO_TICK_WORK = DEVICES_ONLY.replace(runtime_metrics=RuntimeMetricsConfig(enabled=False))
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    k = FakeKernel(tmp_path)
+    add_tpu(k)
+    return k
+
+
+def test_a_part_in_the_list_is_started_shown_ticked_and_stopped(kernel, monkeypatch, caplog):
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # a tick every 0.1 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    daemon, _, notifier = make(kernel)
+    probe = Probe()
+    daemon.parts.append(probe)  # the one line in tpuboot/wiring.py
+    with caplog.at_level(logging.INFO, logger="tpuboot"), serving(daemon) as running:
+        until(lambda: probe.calls == ["start"] and on_loop(daemon, daemon.devices.booted))
+        on_loop(daemon, nothing)  # a round of the loop after the devices' last: READY would be out
+        assert not daemon.ready and not any(m.startswith("READY=1") for m in notifier.sent)
+        probe.set(Status("fine", "probe: fine"))
+        until(lambda: daemon.ready)
+        ready = next(m for m in notifier.sent if m.startswith("READY=1"))
+        assert ready == "READY=1\nSTATUS=1 TPU bound to vfio-pci; probe: fine"
+        until(lambda: True in probe.observed)  # READY and every report after it
+        assert set(probe.observed) == {False, True}
+        probe.set(Status("fine", "probe: still fine"))
+        until(lambda: notifier.last_status == "1 TPU bound to vfio-pci; probe: still fine")
+        until(lambda: len(probe.tick_threads) >= 2)
+        assert running.thread.ident not in probe.tick_threads  # in the pool, never on the loop
+        on_loop(daemon, daemon.dump_state)
+        assert "SIGUSR1: fine: probe: still fine" in caplog.text
+        assert running.stop() == 0
+    assert probe.calls == ["start", "stop"]
+    assert notifier.sent[-1] == "STOPPING=1\nSTATUS=stopping"
+
+
+def test_a_part_with_no_line_and_no_tick_work_adds_neither(kernel, monkeypatch):
+    """No watchdog, no part with tick work: the daemon never ticks (an idle daemon sleeps)."""
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    daemon, _, notifier = make(kernel, config=NO_TICK_WORK)
+    quiet = Probe("quiet", periodic=False, line=False)
+    daemon.parts.append(quiet)
+    with serving(daemon) as running:
+        until(lambda: daemon.ready)
+        assert notifier.sent[0] == "READY=1\nSTATUS=1 TPU bound to vfio-pci"
+        assert daemon._tick_timer is None
+        assert running.stop() == 0
+    assert quiet.calls == ["start", "stop"] and quiet.tick_threads == []
+
+
+def test_a_part_with_tick_work_makes_the_daemon_tick_without_a_watchdog(kernel, monkeypatch):
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    monkeypatch.setattr(daemon_module, "TICK_INTERVAL", 0.05)
+    daemon, _, notifier = make(kernel, config=NO_TICK_WORK)
+    probe = Probe(line=False)
+    daemon.parts.append(probe)
+    with serving(daemon) as running:
+        until(lambda: len(probe.tick_threads) >= 3)
+        assert "WATCHDOG=1" not in notifier.sent
+        assert running.stop() == 0
+
+
+class Broken(Probe):
+    def tick(self, devices: DeviceSnapshot) -> None:
+        raise RuntimeError("a bug in a tick")
+
+
+def test_a_bug_in_one_parts_tick_is_logged_and_the_others_still_tick(kernel, caplog):
+    daemon, _, _ = make(kernel)
+    broken, after = Broken("broken"), Probe("after")
+    daemon.parts += [broken, after]
+    try:
+        with caplog.at_level(logging.ERROR, logger="tpuboot.daemon"):
+            daemon._periodic_work()  # one round, as the pool runs it
+    finally:
+        daemon.executor.shutdown()
+        daemon.loop.close()
+    assert len(after.tick_threads) == 1
+    (record,) = caplog.records
+    assert record.getMessage() == "periodic check broken failed; please report it" and record.exc_info
+
+
+def test_the_stop_closes_the_metadata_client_between_its_two_rounds(kernel):
+    """The list's order, the parts that stop after the metadata client once it is closed."""
+    stopped: list[str] = []
+
+    class Stopping(Probe):
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    class Late(Stopping):
+        stops_after_metadata = True
+
+    class Client:
+        def close(self) -> None:
+            stopped.append("metadata client")
+
+    daemon, _, _ = make(kernel)
+    daemon.parts = [Stopping("first"), Late("late"), Stopping("second")]
+    daemon.metadata = Client()  # type: ignore[assignment]
+    try:
+        daemon._stop_parts()
+    finally:
+        daemon.loop.close()
+    assert stopped == ["first", "second", "metadata client", "late"]
