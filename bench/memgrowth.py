@@ -50,10 +50,10 @@ from bench.soak import CATALOG, CONFIG, FAULTS, MAPPINGS, PUT, VBAR, VBAR_IMAGE,
 from harness.mds_emulator import ENABLE_GUEST_ATTRIBUTES
 from tests.unit.fakes.dockerd import fake_dockerd
 from tests.unit.fakes.kernel import FakeKernel
+from tests.unit.helpers.containers import engine_of
 from tests.unit.helpers.devices import V5P, add_tpu, binder
 from tests.unit.helpers.runproc import free_port
 from tpuboot.config import parse_config
-from tpuboot.containers.dockerapi import DockerAPI
 from tpuboot.notify import Notifier
 from tpuboot.paths import Root
 
@@ -442,7 +442,7 @@ def run(
         monitor = Monitor()
         daemon = build(
             Root(dockerd.root), config, binder=binder(kernel), monitor=monitor, notifier=QuietNotifier(),
-            docker=lambda: DockerAPI(str(dockerd.socket_path)),
+            engine=engine_of(dockerd),
         )  # fmt: skip
         serving = threading.Thread(target=daemon.serve, kwargs={"signals": False}, name="daemon", daemon=True)
         serving.start()

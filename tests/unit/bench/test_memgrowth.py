@@ -58,3 +58,13 @@ def test_who_holds_the_objects_born_since_a_moment_is_named() -> None:
     assert held["Kept"] == {f"{__name__}.Keeper": 10}  # through each Keeper's __dict__
     assert held["Keeper"] == {"builtins.list": 10}
     del keepers
+
+
+def test_the_bench_builds_and_runs_the_daemon_it_measures() -> None:
+    """A few seconds of the bench end to end: it builds the daemon through wiring's seams, so a
+    renamed seam fails here, not in the next hour-long measurement."""
+    from bench.memgrowth import run
+
+    result = run(minutes=0.05, warmup=0.5, pace=0.05, seed=1, trace=False)
+    assert sum(result["moves"].values()) > 0
+    assert result["memory_marks"] == ["after warm-up", "half-way", "at the end", "after malloc_trim(0)"]
