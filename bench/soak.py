@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import logging
+import math
 import random
 import re
 import shlex
@@ -269,6 +271,9 @@ class LifeGrowth:
     # when sampled): growth that levels off (an allocator settling) slows in the second; a leak
     # keeps its pace.
     rss_halves: tuple[float, float] = (0.0, 0.0)
+    # Each half's slope's standard error (:func:`slope_error_per_hour`): a half is flat when its
+    # slope is within two of them of zero.
+    rss_half_errors: tuple[float, float] = (0.0, 0.0)
     # RSS per hour after warm-up as smaps sums it: exact, where VmRSS (rss_kib) is, up to kernel
     # 6.1, a sum of per-thread counters each flushed only every 64 page faults of its thread.
     smaps_kib: float = 0.0
@@ -279,6 +284,32 @@ class LifeGrowth:
 def slope_per_hour(points: Sequence[tuple[float, float]]) -> float:
     """Least-squares slope per hour of (seconds, value) points (0 for fewer than 3)."""
     return pooled_slope([(0, t, v) for t, v in points])[0]
+
+
+def slope_error_per_hour(points: Sequence[tuple[float, float]]) -> float:
+    """The standard error per hour of :func:`slope_per_hour` (0 for fewer than 4 points).
+
+    Memory moves in steps (an arena grows, a pool worker starts), so the residuals of one sample
+    and the next are alike: the samples say less than their number. The error is widened as for
+    residuals that follow their predecessor with the lag-1 autocorrelation r measured in them
+    (the effective number of samples is n (1 - r) / (1 + r)); r is taken as 0 at least and 0.99
+    at most."""
+    n = len(points)
+    if n < 4:
+        return 0.0
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    stt = sum((t - mt) ** 2 for t, _ in points)
+    if not stt:
+        return 0.0
+    slope = sum((t - mt) * (v - mv) for t, v in points) / stt
+    residuals = [v - mv - slope * (t - mt) for t, v in points]
+    sse = sum(e * e for e in residuals)
+    if not sse:
+        return 0.0
+    r = sum(a * b for a, b in itertools.pairwise(residuals)) / sse
+    r = min(max(r, 0.0), 0.99)
+    return math.sqrt(sse / (n - 2) / stt * (1 + r) / (1 - r)) * 3600
 
 
 def life_growth(
@@ -305,10 +336,9 @@ def life_growth(
             [(m[1], float(sum(m[2:]))) for m in mine] if len(mine) >= 3 else [(p[1], p[4]) for p in settled]
         )
         middle = (total[0][0] + total[-1][0]) / 2
-        halves = (
-            slope_per_hour([(t, v) for t, v in total if t <= middle]),
-            slope_per_hour([(t, v) for t, v in total if t >= middle]),
-        )
+        parts = ([(t, v) for t, v in total if t <= middle], [(t, v) for t, v in total if t >= middle])
+        halves = (slope_per_hour(parts[0]), slope_per_hour(parts[1]))
+        errors = (slope_error_per_hour(parts[0]), slope_error_per_hour(parts[1]))
         by_kind = {
             kind: (mine[0][2 + i], mine[-1][2 + i], slope_per_hour([(m[1], m[2 + i]) for m in mine]))
             for i, kind in enumerate(MAPPINGS)
@@ -318,7 +348,7 @@ def life_growth(
         smaps = slope_per_hour(total) if len(mine) >= 3 else 0.0
         ends = (points[0][2:], points[-1][2:])
         growth = LifeGrowth(
-            pid, minutes, len(settled), *slopes, *ends, halves, smaps_kib=smaps, mappings=by_kind
+            pid, minutes, len(settled), *slopes, *ends, halves, errors, smaps_kib=smaps, mappings=by_kind
         )
         lives.append(growth)
     return sorted(lives, key=lambda life: -life.minutes)
@@ -382,9 +412,14 @@ class SoakReport:
                 f"first -> last: RSS {life.first[2]} -> {life.last[2]} KiB, "
                 f"fds {life.first[0]} -> {life.last[0]}, threads {life.first[1]} -> {life.last[1]}"
             )
+            halves = [
+                f"{v:+.0f} ± {2 * e:.0f}" for v, e in zip(life.rss_halves, life.rss_half_errors, strict=True)
+            ]
+            second, error = life.rss_halves[1], life.rss_half_errors[1]
+            verdict = "flat" if abs(second) <= 2 * error else "growing" if second > 0 else "shrinking"
             lines.append(
-                f"    RSS per hour in the first and second half after warm-up: {life.rss_halves[0]:+.0f}, "
-                f"{life.rss_halves[1]:+.0f} KiB/h"
+                f"    RSS per hour in the first and second half after warm-up: {', '.join(halves)} KiB/h "
+                f"(± two standard errors): the second half {verdict}"
             )
             if life.mappings:
                 lines.append(

@@ -331,3 +331,25 @@ def test_the_soaks_put_serves_the_document_and_tells_when_by_the_readers_clock()
         assert mds.values["instance/attributes/tpu-env"] == "WORKER_ID: '3'\n###"
     sent, answered = (float(f) for f in done.stdout.split())
     assert before <= sent <= answered <= after  # CLOCK_MONOTONIC is the machine's, the reader's too
+
+
+def test_a_slopes_error_tells_a_steady_leak_from_steps_that_stop() -> None:
+    import random
+
+    from bench.soak import slope_error_per_hour, slope_per_hour
+
+    noise = random.Random(7)
+    # Flat with noise: the slope is within two errors of zero.
+    flat = [(float(t), 40000 + noise.gauss(0, 30)) for t in range(0, 3601, 15)]
+    assert abs(slope_per_hour(flat)) <= 2 * slope_error_per_hour(flat)
+    # A steady 150 KiB/h under the same noise: far outside them.
+    leak = [(t, v + t * 150 / 3600) for t, v in flat]
+    assert slope_per_hour(leak) > 2 * slope_error_per_hour(leak) > 0
+    # Steps (an arena grows now and then): each residual follows the one before, so the error is
+    # wider than residuals as large but alternating in sign (no likeness between neighbours) give.
+    steps = [(float(t), 40000.0 + 64 * (t // 900)) for t in range(0, 3601, 15)]
+    slope, mt, mv = slope_per_hour(steps) / 3600, 1800.0, sum(v for _, v in steps) / len(steps)
+    rms = (sum((v - mv - slope * (t - mt)) ** 2 for t, v in steps) / len(steps)) ** 0.5
+    alternating = [(t, mv + slope * (t - mt) + (rms if i % 2 else -rms)) for i, (t, _) in enumerate(steps)]
+    assert slope_error_per_hour(steps) > 3 * slope_error_per_hour(alternating) > 0
+    assert slope_error_per_hour(flat[:3]) == 0.0  # too few to say
