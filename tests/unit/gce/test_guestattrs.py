@@ -10,12 +10,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from harness.listeners import Silent
 from harness.mds_emulator import MetadataEmulator
 from harness.polling import wait_until
-from tests.unit.helpers.metadata import make_client
+from tests.unit.helpers.metadata import FAST_BACKOFF, make_client
 from tpuboot.component import Status
 from tpuboot.config import GuestAttributesConfig, parse_config
 from tpuboot.errors import ConfigError
+from tpuboot.gce.client import MetadataClient
 from tpuboot.gce.guestattrs import RETRIES, SPACING, Publisher, PublisherSettings, parse_enabled
 from tpuboot.wiring import publisher_settings
 
@@ -230,15 +232,25 @@ def test_the_last_word_carries_every_value_the_pacing_held_back(emulator, publis
     assert emulator.guest_attribute_writes == writes + 2  # nothing already written is written again
 
 
-def test_an_unanswered_check_is_asked_again_and_stop_ends_it(emulator: MetadataEmulator) -> None:
-    emulator.stop()  # connection refused
-    publisher = Publisher(make_client(emulator, timeout=0.2), publisher_settings(FAST), check_deadline=0.3)
-    publisher.start()
-    time.sleep(0.5)
-    started = time.monotonic()
-    publisher.stop()
-    assert time.monotonic() - started < 1.0
-    assert publisher.enabled is None
+def test_stop_never_waits_for_an_unanswered_check_and_closing_the_client_ends_it() -> None:
+    """The check of enable-guest-attributes held for good (a server that accepts and never says a
+    word, no deadline in sight): stop returns while it is still in flight, and the client's close,
+    which follows stop in the daemon, ends the thread."""
+    with Silent() as server:
+        url = f"http://127.0.0.1:{server.port}/computeMetadata/v1/"
+        client = MetadataClient(url, timeout=3600, backoff=FAST_BACKOFF)
+        publisher = Publisher(client, publisher_settings(FAST), check_deadline=3600)
+        publisher.start()
+        thread = publisher._thread
+        wait_until(lambda: len(server.accepted) == 1)  # the check in flight, held
+        stopped = threading.Event()
+        threading.Thread(target=lambda: (publisher.stop(), stopped.set()), daemon=True).start()
+        # Had stop waited for the check, it would wait as long as the server holds it: forever.
+        assert stopped.wait(30) and thread is not None and thread.is_alive()
+        assert publisher.enabled is None
+        client.close()
+        thread.join(30)
+        assert not thread.is_alive()
 
 
 def test_config_keys_and_the_floor_of_the_interval() -> None:
