@@ -30,13 +30,13 @@ def loop():
 
 def test_timers_run_in_the_order_they_are_due_and_a_cancelled_one_never(loop):
     ran: list[str] = []
+    started = time.monotonic()  # before the timers are set: a pause after them cannot fail the bound
     loop.call_later(0.06, ran.append, "third")
     loop.call_later(0.02, ran.append, "first")
     cancelled = loop.call_later(0.04, ran.append, "cancelled")
     loop.call_later(0.04, ran.append, "second")
     loop.call_later(0.06, ran.append, "fourth")  # due with "third": after it, as set
     cancelled.cancel()
-    started = time.monotonic()
     loop.run_until(lambda: len(ran) == 4)
     assert ran == ["first", "second", "third", "fourth"]
     assert time.monotonic() - started >= 0.06  # none ran early

@@ -283,22 +283,22 @@ def test_interrupt_and_close_cut_a_blocked_wait_promptly(dockerd: FakeDockerd) -
     time.sleep(0.1)
     assert thread.is_alive()
 
+    # The fake sends no event until die(): a wait that the cut did not end would wait forever, so
+    # its end within the generous join proves the cut, with no claim on how long it took.
     image[0] = "example.invalid/vbar:2"  # tpu-env names another image
-    started = time.monotonic()
     assert runtime.interrupt() is True
-    thread.join(2)
-    assert result == [None] and time.monotonic() - started < 1.0
-    assert dockerd.subscribers[0].closed_by_client.wait(2)
+    thread.join(30)
+    assert not thread.is_alive() and result == [None]
+    assert dockerd.subscribers[0].closed_by_client.wait(30)
 
     dockerd.images.add(image[0])
     runtime.start()
     thread, result, _ = waiting(runtime)
     wait_until(lambda: len(dockerd.subscribers) == 2)
-    started = time.monotonic()
     runtime.close()
-    thread.join(2)
-    assert result == [None] and time.monotonic() - started < 1.0
-    assert dockerd.subscribers[1].closed_by_client.wait(2)
+    thread.join(30)
+    assert not thread.is_alive() and result == [None]
+    assert dockerd.subscribers[1].closed_by_client.wait(30)
     assert dockerd.running("vbar")  # closing leaves the container running
     assert runtime.wait() is None
     with pytest.raises(RuntimeUnavailable, match="stopping"):
@@ -349,7 +349,7 @@ def test_containers_find_dockerd_under_the_root(dockerd: FakeDockerd) -> None:
     containers.start(reports.release)
     try:
         wait_until(lambda: containers.statuses()["vBar"] == Status("running", "running"))
-        assert reports.acquire(timeout=1)  # each change reported
+        assert reports.acquire(timeout=30)  # each change reported
         assert containers.status() == Status("running", "vBar: running")
     finally:
         containers.stop()

