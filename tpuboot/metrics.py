@@ -4,45 +4,10 @@ daemon, written as a node_exporter textfile by the one-shot commands). So the bo
 its binds, metadata requests and tpu-env without loading prometheus_client, and the daemon's
 endpoint starts in a thread of its own that READY never waits for.
 
-Names follow Prometheus conventions (``tpuboot_`` prefix, base units, ``_total`` counters,
-``_seconds`` durations):
-
-- ``tpuboot_build_info{version}`` 1
-- ``tpuboot_tpus{generation,state}``: TPUs the daemon manages (state pending, bound, failed);
-  in a textfile, what `tpuboot status` sees (state bound or unbound)
-- ``tpuboot_bind_attempts_total{result}`` and ``tpuboot_bind_duration_seconds{result}``
-  (result: bound, already_bound, failed_transient, failed)
-- ``tpuboot_metadata_requests_total{outcome}`` (ok, absent, refused, transient)
-- ``tpuboot_tpu_env_last_update_timestamp_seconds`` (unix seconds of the last write or
-  confirmation of tpu-env) and ``tpuboot_tpu_env_from_cache`` (1: that came from the cache)
-- ``tpuboot_container_up{container}`` and ``tpuboot_container_restarts_total{container}`` for
-  the supervised containers (vBar, the telemetry collector); ``tpuboot_container_endpoint_up``
-  ``{container}``: 1 while a running agent answers at its endpoint, 0 while it does not (no
-  series before the first check of the running container)
-- ``tpuboot_chip_holders{chip,state}``: processes holding each chip's nodes open (chip: its base
-  address, as the PCIe metrics label it), by process state (running, sleeping, stopped, zombie,
-  uninterruptible), from the last `tpuboot who`
-- ``tpuboot_libtpu_lock_held{path}``: 1 while a process holds that libtpu lock file, 0 while it
-  exists and nobody does
-- ``tpuboot_automatic_resets_total{chip,result}``: resets the daemon made (``recovery.automatic``)
-  of a chip that fell off the bus or logged a fatal error, by result (recovered, failed)
-- ``tpuboot_boot_phase_seconds{phase}``: when each phase of this boot ended (tpuboot/bootbudget.py)
-- in ``tpuboot-slice.prom``, the last look of `tpuboot slice` or `wait-slice`:
-  ``tpuboot_slice_paths{state}`` (peer paths by state: open, refused, dropped, unreachable,
-  error), ``tpuboot_slice_failures`` (its FAILs) and ``tpuboot_slice_last_sweep_timestamp_seconds``
-- ``tpuboot_slice_identity_info{worker,digest}`` 1: this worker's index in tpu-env and the digest
-  of its slice-wide keys (tpuboot/env/published.py), for a comparison across the slice; no
-  series before tpu-env is written
-- ``tpuboot_notice{kind}``: 1 while the metadata server warns of the host going away (kind
-  maintenance, upcoming, preempted; tpuboot/notices/), 0 while not; and
-  ``tpuboot_maintenance_window_start_timestamp_seconds``: when the scheduled maintenance window
-  opens (unix seconds; no series while none is scheduled or its start is not known)
-- PCIe health of every TPU function, read from sysfs at scrape time (:class:`PcieCollector`):
-  ``tpuboot_pcie_present{address,chip}`` (0: fell off the bus), ``tpuboot_pcie_link_bandwidth_ratio``
-  (current over maximum), ``tpuboot_pcie_link_width{link}`` and
-  ``tpuboot_pcie_link_speed_gigatransfers_per_second{link}`` (link current or max), and
-  ``tpuboot_pcie_errors_total{kind}`` (AER counters since boot by severity: correctable, nonfatal,
-  fatal; not named ``severity``, which alert rules set)
+Each metric is declared once, in :mod:`tpuboot.metrics_catalog` (its name, kind, help, labels and
+unit); a :class:`Metrics` keeps a series table for each one whose values are recorded here (source
+``recorded``, and ``holders`` for a one-shot `tpuboot who`), by label values, and the exposition
+shows every table as it is. What each metric means to an operator: doc/monitoring.md.
 
 Every update goes through a function of this module that never raises: metrics must never
 break the daemon. :func:`use` swaps in a fresh :class:`Metrics` (tests, the one-shot CLI).
@@ -55,9 +20,32 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, get_args
+
+from tpuboot import __version__
+from tpuboot.metrics_catalog import (
+    AUTOMATIC_RESETS,
+    BIND_ATTEMPTS,
+    BIND_DURATION,
+    BOOT_PHASE,
+    BUILD_INFO,
+    CATALOG,
+    CHIP_HOLDERS,
+    CONTAINER_ENDPOINT_UP,
+    CONTAINER_RESTARTS,
+    CONTAINER_UP,
+    LIBTPU_LOCK_HELD,
+    MAINTENANCE_WINDOW_START,
+    METADATA_REQUESTS,
+    NOTICE,
+    SLICE_IDENTITY,
+    TPU_ENV_FROM_CACHE,
+    TPU_ENV_LAST_UPDATE,
+    TPUS,
+    Metric,
+)
 
 if TYPE_CHECKING:
     from tpuboot.bootbudget import Phase
@@ -73,7 +61,8 @@ SLICE_TEXTFILE_NAME = "tpuboot-slice.prom"
 BindOutcome = Literal["bound", "already_bound", "failed_transient", "failed"]
 BIND_RESULTS: tuple[BindOutcome, ...] = get_args(BindOutcome)
 METADATA_OUTCOMES = ("ok", "absent", "refused", "transient")
-BIND_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: A series' label values, in its metric's order of labels.
+Labels = tuple[str, ...]
 
 
 @dataclass
@@ -86,58 +75,69 @@ class Count:
 
 @dataclass
 class Durations:
-    """A histogram's observations: how many fell in each of :data:`BIND_BUCKETS` (the last: above
+    """A histogram's observations: how many fell in each of its ``bounds`` (the last count: above
     them all), their sum, and when the series began."""
 
-    counts: list[int] = field(default_factory=lambda: [0] * (len(BIND_BUCKETS) + 1))
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
     total: float = 0.0
     created: float = field(default_factory=time.time)
 
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
     def observe(self, seconds: float) -> None:
-        index = next((i for i, bound in enumerate(BIND_BUCKETS) if seconds <= bound), len(BIND_BUCKETS))
+        index = next((i for i, bound in enumerate(self.bounds) if seconds <= bound), len(self.bounds))
         self.counts[index] += 1
         self.total += seconds
 
 
 class Metrics:
-    """Every tpuboot metric's current value, for one process (or one test). Updates come from any
-    thread; :meth:`snapshot` copies them under the same lock, for an exposition."""
+    """Every recorded metric's series now, for one process (or one test): a table per metric of
+    :mod:`tpuboot.metrics_catalog` kept here, by its kind. Updates come from any thread;
+    :meth:`snapshot` copies them under the same lock, for an exposition."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.tpus: dict[tuple[str, str], int] = {}
+        kept = CATALOG.of("recorded") + CATALOG.of("holders")
+        self.gauges: dict[Metric, dict[Labels, float]] = {m: {} for m in kept if m.kind in ("gauge", "info")}
+        self.counters: dict[Metric, dict[Labels, Count]] = {m: {} for m in kept if m.kind == "counter"}
+        self.histograms: dict[Metric, dict[Labels, Durations]] = {
+            m: {} for m in kept if m.kind == "histogram"
+        }
         # Zeros from the start: rate() needs the series before the first event.
-        self.bind_attempts: dict[str, Count] = {result: Count() for result in BIND_RESULTS}
-        self.bind_duration: dict[str, Durations] = {}
-        self.metadata_requests: dict[str, Count] = {outcome: Count() for outcome in METADATA_OUTCOMES}
-        self.tpu_env_updated = 0.0
-        self.tpu_env_from_cache = 0.0
-        self.container_up: dict[str, float] = {}
-        self.container_endpoint_up: dict[str, float] = {}
-        self.container_restarts: dict[str, Count] = {}
-        self.automatic_resets: dict[tuple[str, str], Count] = {}
-        self.chip_holders: dict[tuple[str, str], int] = {}
-        self.libtpu_lock_held: dict[str, float] = {}
-        self.boot_phase: dict[str, float] = {}
-        self.slice_identity: tuple[str, str] | None = None  # (worker, digest) of tpu-env
-        self.notice: dict[str, float] = {}
-        self.maintenance_window_start: float | None = None
+        self.counters[BIND_ATTEMPTS].update({(result,): Count() for result in BIND_RESULTS})
+        self.counters[METADATA_REQUESTS].update({(outcome,): Count() for outcome in METADATA_OUTCOMES})
+        self.gauges[BUILD_INFO][(__version__,)] = 1.0
+        self.gauges[TPU_ENV_LAST_UPDATE][()] = 0.0
+        self.gauges[TPU_ENV_FROM_CACHE][()] = 0.0
+
+    def series(self, metric: Metric) -> Mapping[Labels, float | Count | Durations]:
+        """``metric``'s series now, by label values (a test's view; updates go through this
+        module's functions)."""
+        tables: dict[Metric, Mapping[Labels, float | Count | Durations]] = {
+            **self.gauges,
+            **self.counters,
+            **self.histograms,
+        }
+        return tables[metric]
 
     def set_tpus(self, devices: Iterable[tuple[str, str]]) -> None:
         """(generation, state) of every TPU now; label sets no longer seen drop to 0."""
-        counts: dict[tuple[str, str], int] = {}
+        counts: dict[Labels, int] = {}
         for labels in devices:
             counts[labels] = counts.get(labels, 0) + 1
         with self.lock:
-            self.tpus = {labels: counts.get(labels, 0) for labels in (*self.tpus, *counts)}
+            self.gauges[TPUS] = {**dict.fromkeys(self.gauges[TPUS], 0), **counts}
 
     def set_holders(self, counts: dict[tuple[str, str], int], locks: dict[str, bool]) -> None:
         """Holders per (chip, process state), and each lock file's state
         (:meth:`tpuboot.holders.report.Report.holder_counts`, ``lock_states``); label sets no longer
         seen drop to 0 (a lock file removed since: its series goes)."""
         with self.lock:
-            self.chip_holders = {key: counts.get(key, 0) for key in (*self.chip_holders, *counts)}
-            self.libtpu_lock_held = {path: 1.0 if held else 0.0 for path, held in locks.items()}
+            now: dict[Labels, int] = {chip_state: count for chip_state, count in counts.items()}
+            self.gauges[CHIP_HOLDERS] = {**dict.fromkeys(self.gauges[CHIP_HOLDERS], 0), **now}
+            self.gauges[LIBTPU_LOCK_HELD] = {(path,): 1.0 if held else 0.0 for path, held in locks.items()}
 
     def snapshot(self) -> Metrics:
         """A copy of every value, taken at one moment."""
@@ -156,7 +156,7 @@ def _copied(value: Any) -> Any:
     if isinstance(value, Count):
         return Count(value.value, value.created)
     if isinstance(value, Durations):
-        return Durations(list(value.counts), value.total, value.created)
+        return Durations(value.bounds, list(value.counts), value.total, value.created)
     return value
 
 
@@ -196,8 +196,9 @@ def bind_attempt(result: BindOutcome, seconds: float) -> None:
     """One bind attempt ended with ``result`` (one of BIND_RESULTS) after ``seconds``."""
     seconds = max(0.0, seconds)
     with _current.lock:
-        _current.bind_attempts[result].value += 1
-        _current.bind_duration.setdefault(result, Durations()).observe(seconds)
+        _current.counters[BIND_ATTEMPTS][(result,)].value += 1
+        durations = _current.histograms[BIND_DURATION]
+        durations.setdefault((result,), Durations(BIND_DURATION.buckets)).observe(seconds)
 
 
 def bind_result(outcome: object) -> BindOutcome:
@@ -235,22 +236,22 @@ def holders(counts: dict[tuple[str, str], int], locks: dict[str, bool]) -> None:
 def metadata_request(outcome: str) -> None:
     """One request to the metadata server ended with ``outcome`` (one of METADATA_OUTCOMES)."""
     with _current.lock:
-        _current.metadata_requests.setdefault(outcome, Count()).value += 1
+        _current.counters[METADATA_REQUESTS].setdefault((outcome,), Count()).value += 1
 
 
 @_safe
 def tpu_env_updated(from_cache: bool, when: float | None = None) -> None:
     """tpu-env was just written or confirmed, from metadata or (``from_cache``) the local cache."""
     with _current.lock:
-        _current.tpu_env_updated = time.time() if when is None else when
-        _current.tpu_env_from_cache = 1.0 if from_cache else 0.0
+        _current.gauges[TPU_ENV_LAST_UPDATE][()] = time.time() if when is None else when
+        _current.gauges[TPU_ENV_FROM_CACHE][()] = 1.0 if from_cache else 0.0
 
 
 @_safe
 def container_up(container: str, up: bool) -> None:
     """The supervised ``container`` is running (``up``) or not."""
     with _current.lock:
-        _current.container_up[container] = 1.0 if up else 0.0
+        _current.gauges[CONTAINER_UP][(container,)] = 1.0 if up else 0.0
 
 
 @_safe
@@ -259,23 +260,23 @@ def container_endpoint_up(container: str, up: bool | None) -> None:
     checked: stopped or restarted, so its series goes until its successor is checked."""
     with _current.lock:
         if up is None:
-            _current.container_endpoint_up.pop(container, None)
+            _current.gauges[CONTAINER_ENDPOINT_UP].pop((container,), None)
         else:
-            _current.container_endpoint_up[container] = 1.0 if up else 0.0
+            _current.gauges[CONTAINER_ENDPOINT_UP][(container,)] = 1.0 if up else 0.0
 
 
 @_safe
 def container_restarted(container: str) -> None:
     """tpuboot restarted the supervised ``container``."""
     with _current.lock:
-        _current.container_restarts.setdefault(container, Count()).value += 1
+        _current.counters[CONTAINER_RESTARTS].setdefault((container,), Count()).value += 1
 
 
 @_safe
 def automatic_reset(chip: str, result: str) -> None:
     """The daemon climbed the reset ladder for ``chip`` (its base address): ``result`` recovered or failed."""
     with _current.lock:
-        _current.automatic_resets.setdefault((chip, result), Count()).value += 1
+        _current.counters[AUTOMATIC_RESETS].setdefault((chip, result), Count()).value += 1
 
 
 @_safe
@@ -285,7 +286,7 @@ def boot_phases(phases: Iterable[Phase]) -> None:
     for phase in phases:
         ends[phase.name] = max(ends.get(phase.name, 0.0), phase.seconds)
     with _current.lock:
-        _current.boot_phase.update(ends)
+        _current.gauges[BOOT_PHASE].update({(name,): seconds for name, seconds in ends.items()})
 
 
 @_safe
@@ -294,13 +295,18 @@ def slice_identity(mine: tuple[int | None, str] | None) -> None:
     worker's index (None when tpu-env has none) and its slice-wide digest; None when tpu-env holds
     no values (the series goes)."""
     with _current.lock:
-        _current.slice_identity = None if mine is None else ("" if mine[0] is None else str(mine[0]), mine[1])
+        if mine is None:
+            _current.gauges[SLICE_IDENTITY] = {}
+        else:
+            worker = "" if mine[0] is None else str(mine[0])
+            _current.gauges[SLICE_IDENTITY] = {(worker, mine[1]): 1.0}
 
 
 @_safe
 def notice(kind: str, active: bool, window_start: float | None = None) -> None:
     """The notice of ``kind`` is ``active`` or not; an upcoming one's window start (unix seconds)."""
     with _current.lock:
-        _current.notice[kind] = 1.0 if active else 0.0
+        _current.gauges[NOTICE][(kind,)] = 1.0 if active else 0.0
         if kind == "upcoming":
-            _current.maintenance_window_start = window_start if active else None
+            start = window_start if active else None
+            _current.gauges[MAINTENANCE_WINDOW_START] = {} if start is None else {(): start}

@@ -4,8 +4,8 @@ A registry per :class:`~tpuboot.metrics.Metrics` (never the global one) shows it
 plus what is read when Prometheus scrapes (:class:`PcieCollector`, :class:`HolderCollector`); the
 daemon serves it on loopback (:func:`serve`, from the endpoint's own thread: tpuboot/daemon.py) and
 the one-shot commands write it as a node_exporter textfile (:func:`write_textfile`; the last look at
-the slice in a file of its own, :func:`write_slice_textfile`). The names and
-what each means: tpuboot/metrics.py.
+the slice in a file of its own, :func:`write_slice_textfile`). Each family's name, kind, help and
+labels come from its record in :mod:`tpuboot.metrics_catalog`.
 """
 
 from __future__ import annotations
@@ -28,20 +28,33 @@ from prometheus_client.core import (
     InfoMetricFamily,
 )
 
-from tpuboot import __version__
 from tpuboot.atomicfile import write_file
 from tpuboot.config import Config, MetricsConfig
 from tpuboot.devices.chips import base_address
 from tpuboot.devices.health import AER_FILES, read_healths
 from tpuboot.devices.pci import tpu_functions
 from tpuboot.devices.table import DeviceTable
-from tpuboot.metrics import (
-    BIND_BUCKETS,
-    SLICE_TEXTFILE_NAME,
-    TEXTFILE_NAME,
-    Count,
-    Metrics,
-    current,
+from tpuboot.metrics import SLICE_TEXTFILE_NAME, TEXTFILE_NAME, Metrics, current
+from tpuboot.metrics_catalog import (
+    CATALOG,
+    CHIP_HOLDERS,
+    DUTY_CYCLE,
+    LIBTPU_LOCK_HELD,
+    MEMORY_TOTAL,
+    MEMORY_USED,
+    PCIE_BANDWIDTH,
+    PCIE_ERRORS,
+    PCIE_PRESENT,
+    PCIE_SPEED,
+    PCIE_WIDTH,
+    RUNTIME_HANG,
+    RUNTIME_SLICE_ERROR,
+    RUNTIME_UP,
+    SLICE_FAILURES,
+    SLICE_LAST_SWEEP,
+    SLICE_PATHS,
+    Metric,
+    Source,
 )
 from tpuboot.metrics_server import MetricsServer, QuietHandler
 from tpuboot.paths import Root
@@ -57,153 +70,76 @@ log = logging.getLogger("tpuboot.metrics")
 Family = CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily | InfoMetricFamily
 
 
-class Recorded:
-    """The values a :class:`~tpuboot.metrics.Metrics` recorded, as metric families, read at each
-    scrape from one snapshot; the holders apart (:class:`RecordedHolders`)."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def collect(self) -> Iterator[Family]:
-        m = self.metrics.snapshot()
-        yield InfoMetricFamily("tpuboot_build", "tpuboot build information.", value={"version": __version__})
-        yield gauges(
-            "tpuboot_tpus", "TPUs seen, by generation and state.", ["generation", "state"], m.tpus.items()
-        )
-        yield counters(
-            "tpuboot_bind_attempts",
-            "Attempts to bind a TPU to vfio-pci, by result.",
-            "result",
-            m.bind_attempts,
-        )
-        durations = HistogramMetricFamily(
-            "tpuboot_bind_duration_seconds", "Time one bind attempt took, by result.", labels=["result"]
-        )
-        bounds = [str(float(bound)) for bound in BIND_BUCKETS] + ["+Inf"]  # as prometheus_client writes le
-        for result, seen in m.bind_duration.items():
-            cumulative, buckets = 0, []
-            for bound, count in zip(bounds, seen.counts, strict=True):
-                cumulative += count
-                buckets.append((bound, float(cumulative)))
-            durations.add_metric([result], buckets, seen.total)
-        yield durations
-        yield counters(
-            "tpuboot_metadata_requests",
-            "HTTP requests to the metadata server, by outcome.",
-            "outcome",
-            m.metadata_requests,
-        )
-        yield GaugeMetricFamily(
-            "tpuboot_tpu_env_last_update_timestamp_seconds",
-            "When tpu-env was last written or confirmed (unix seconds).",
-            value=m.tpu_env_updated,
-        )
-        yield GaugeMetricFamily(
-            "tpuboot_tpu_env_from_cache",
-            "1 if the last tpu-env update came from the local cache, not the metadata server.",
-            value=m.tpu_env_from_cache,
-        )
-        up = [((container,), value) for container, value in m.container_up.items()]
-        yield gauges("tpuboot_container_up", "1 while the supervised container runs.", ["container"], up)
-        answering = [((container,), value) for container, value in m.container_endpoint_up.items()]
-        yield gauges(
-            "tpuboot_container_endpoint_up",
-            "1 while the running agent accepts connections at its endpoint (vbar.endpoint), 0 while not.",
-            ["container"],
-            answering,
-        )
-        yield counters(
-            "tpuboot_container_restarts",
-            "Restarts of a supervised container by tpuboot.",
-            "container",
-            m.container_restarts,
-        )
-        resets = CounterMetricFamily(
-            "tpuboot_automatic_resets",
-            "Resets the daemon made of a wedged chip (recovery.automatic), by result.",
-            labels=["chip", "result"],
-        )
-        for (chip, result), counted in m.automatic_resets.items():
-            resets.add_metric([chip, result], counted.value, created=counted.created)
-        yield resets
-        identity = InfoMetricFamily(
-            "tpuboot_slice_identity",
-            "This worker's index in tpu-env and the digest of tpu-env's slice-wide keys (doc/slice.md).",
-            labels=["worker", "digest"],
-        )
-        if m.slice_identity is not None:
-            identity.add_metric(list(m.slice_identity), {})
-        yield identity
-        notices = [((kind,), value) for kind, value in m.notice.items()]
-        yield gauges(
-            "tpuboot_notice",
-            "1 while the metadata server warns that the host goes away (maintenance, upcoming, preempted).",
-            ["kind"],
-            notices,
-        )
-        window = GaugeMetricFamily(
-            "tpuboot_maintenance_window_start_timestamp_seconds",
-            "When the scheduled host maintenance window opens (unix seconds); no sample while none is.",
-            labels=[],
-        )
-        if m.maintenance_window_start is not None:
-            window.add_metric([], m.maintenance_window_start)
-        yield window
-        phases = [((phase,), seconds) for phase, seconds in m.boot_phase.items()]
-        yield gauges(
-            "tpuboot_boot_phase_seconds",
-            "When each phase of this boot ended, in seconds since tpuboot started (bind: the last TPU's).",
-            ["phase"],
-            phases,
-        )
+def gauge(metric: Metric) -> GaugeMetricFamily:
+    """An empty family of the gauge ``metric`` (its name, help and labels), for its series."""
+    _kind(metric, "gauge")
+    return GaugeMetricFamily(metric.family, metric.help, labels=list(metric.labels))
 
 
-def counters(name: str, doc: str, label: str, counts: Mapping[str, Count]) -> CounterMetricFamily:
-    """A counter family with one label; each series with its ``_created``."""
-    family = CounterMetricFamily(name, doc, labels=[label])
-    for value, counted in counts.items():
-        family.add_metric([value], counted.value, created=counted.created)
-    return family
+def counter(metric: Metric) -> CounterMetricFamily:
+    _kind(metric, "counter")
+    return CounterMetricFamily(metric.family, metric.help, labels=list(metric.labels))
 
 
-def gauges(
-    name: str, doc: str, labels: list[str], series: Iterable[tuple[Sequence[str], float]]
-) -> GaugeMetricFamily:
+def _kind(metric: Metric, kind: str) -> None:
+    if metric.kind != kind:
+        raise ValueError(f"metric {metric.name} is a {metric.kind}, not a {kind}")
+
+
+def gauges(metric: Metric, series: Iterable[tuple[Sequence[str], float]]) -> GaugeMetricFamily:
     """A gauge family: one series per (label values, value)."""
-    family = GaugeMetricFamily(name, doc, labels=labels)
+    family = gauge(metric)
     for key, value in series:
         family.add_metric(list(key), value)
     return family
 
 
-class RecordedHolders:
-    """What a one-shot `tpuboot who` recorded of the holders (its textfile); the daemon shows its
-    own scans instead (:class:`HolderCollector`)."""
+def shown(metric: Metric, m: Metrics) -> Family:
+    """``metric``'s family with the series ``m`` recorded (a snapshot's), whatever its kind."""
+    if metric.kind == "counter":
+        counts = counter(metric)
+        for key, counted in m.counters[metric].items():
+            counts.add_metric(list(key), counted.value, created=counted.created)
+        return counts
+    if metric.kind == "histogram":
+        durations = HistogramMetricFamily(metric.family, metric.help, labels=list(metric.labels))
+        bounds = [str(float(bound)) for bound in metric.buckets] + ["+Inf"]  # as prometheus_client writes le
+        for key, seen in m.histograms[metric].items():
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, seen.counts, strict=True):
+                cumulative += count
+                buckets.append((bound, float(cumulative)))
+            durations.add_metric(list(key), buckets, seen.total)
+        return durations
+    if metric.kind == "info":
+        info = InfoMetricFamily(metric.family, metric.help, labels=list(metric.labels))
+        for key in m.gauges[metric]:
+            info.add_metric(list(key), {})
+        return info
+    return gauges(metric, m.gauges[metric].items())
 
-    def __init__(self, metrics: Metrics) -> None:
+
+class Recorded:
+    """The values a :class:`~tpuboot.metrics.Metrics` recorded of the metrics of one source, as
+    metric families in the catalog's order, read at each scrape from one snapshot: ``recorded``,
+    and the holders apart (``holders``: the daemon shows its own scans instead)."""
+
+    def __init__(self, metrics: Metrics, source: Source) -> None:
         self.metrics = metrics
+        self.source = source
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Family]:
         m = self.metrics.snapshot()
-        yield from holder_families(m.chip_holders, m.libtpu_lock_held)
+        for metric in CATALOG.of(self.source):
+            yield shown(metric, m)
 
 
 def holder_families(
     holders: Mapping[tuple[str, str], int], locks: Mapping[str, float]
 ) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
-    """The holder gauges, from a one-shot `tpuboot who` or the daemon's scan."""
-    chips = gauges(
-        "tpuboot_chip_holders",
-        "Processes holding a TPU chip's device nodes open, by chip and process state.",
-        ["chip", "state"],
-        holders.items(),
-    )
-    held = gauges(
-        "tpuboot_libtpu_lock_held",
-        "1 while a process holds the libtpu lock file, 0 while it exists unheld.",
-        ["path"],
-        [((path,), value) for path, value in locks.items()],
-    )
+    """The holder gauges, from the daemon's scan."""
+    chips = gauges(CHIP_HOLDERS, holders.items())
+    held = gauges(LIBTPU_LOCK_HELD, [((path,), value) for path, value in locks.items()])
     return chips, held
 
 
@@ -212,7 +148,7 @@ class Exported:
     """One Metrics' registry and the collectors the daemon added to it."""
 
     registry: CollectorRegistry
-    holders: Collector  # RecordedHolders, until the daemon's HolderCollector replaces it
+    holders: Collector  # the recorded holders, until the daemon's HolderCollector replaces it
     pcie: Collector | None = None
     runtime: Collector | None = None
 
@@ -227,8 +163,9 @@ def exported(metrics: Metrics) -> Exported:
         found = _exported.get(metrics)
         if found is None:
             registry = CollectorRegistry(auto_describe=True)
-            registry.register(cast("Collector", Recorded(metrics)))  # the ABC exists from 0.14 only
-            holders = cast("Collector", RecordedHolders(metrics))
+            # prometheus_client's Collector ABC exists from 0.14 only: the collectors are cast.
+            registry.register(cast("Collector", Recorded(metrics, "recorded")))
+            holders = cast("Collector", Recorded(metrics, "holders"))
             registry.register(holders)
             found = _exported[metrics] = Exported(registry, holders)
         return found
@@ -255,26 +192,8 @@ class PcieCollector:
         return [fn.address for fn, _ in tpu_functions(self.root, self.table)]
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["address", "chip"]
-        present = GaugeMetricFamily(
-            "tpuboot_pcie_present", "1 while the TPU function answers config reads.", labels=labels
-        )
-        ratio = GaugeMetricFamily(
-            "tpuboot_pcie_link_bandwidth_ratio",
-            "PCIe link bandwidth now over the most the link can do (1: full).",
-            labels=labels,
-        )
-        width = GaugeMetricFamily(
-            "tpuboot_pcie_link_width", "PCIe link lanes, current or max.", labels=[*labels, "link"]
-        )
-        speed = GaugeMetricFamily(
-            "tpuboot_pcie_link_speed_gigatransfers_per_second",
-            "PCIe link speed per lane, current or max.",
-            labels=[*labels, "link"],
-        )
-        errors = CounterMetricFamily(
-            "tpuboot_pcie_errors", "AER errors since boot, by kind (severity).", labels=[*labels, "kind"]
-        )
+        present, ratio, width, speed = map(gauge, (PCIE_PRESENT, PCIE_BANDWIDTH, PCIE_WIDTH, PCIE_SPEED))
+        errors = counter(PCIE_ERRORS)
         for address, health in read_healths(self.root, self._tpu_addresses()).items():
             chip = base_address(address)
             present.add_metric([address, chip], 1 if health.present else 0)
@@ -348,10 +267,8 @@ def watch_pcie(root: Root, table: DeviceTable) -> None:
     target.registry.register(target.pcie)
 
 
-#: GKE's device plugin's labels of duty_cycle, memory_used and memory_total (its ``make``
-#: is always this); tpuboot adds the holder where GKE has namespace, pod and container.
+#: The ``make`` label of GKE's device plugin's runtime metrics: always this.
 GKE_MAKE = "cloud-tpu"
-RUNTIME_LABELS = ["make", "accelerator_id", "model", "tpu_topology", "pid", "holder"]
 
 
 class RuntimeExport:
@@ -364,29 +281,8 @@ class RuntimeExport:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         s = self.snapshot()
-        duty = GaugeMetricFamily(
-            "duty_cycle", "Percent of time when the TPU was actively processing", labels=RUNTIME_LABELS
-        )
-        used = GaugeMetricFamily("memory_used", "Allocated TPU memory in bytes", labels=RUNTIME_LABELS)
-        total = GaugeMetricFamily(
-            "memory_total", "Total memory available on the TPU in bytes", labels=RUNTIME_LABELS
-        )
-        port_labels = ["port", "pid", "holder"]
-        up = GaugeMetricFamily(
-            "tpuboot_runtime_metrics_up",
-            "1 when the chip holder's libtpu answered the last poll of its metric port, 0 when not.",
-            labels=port_labels,
-        )
-        hang = GaugeMetricFamily(
-            "tpuboot_runtime_hang_detected",
-            "1 while libtpu's megascale error gauge reports HANG_DETECTED (GKE: MegascaleHangDetected).",
-            labels=port_labels,
-        )
-        slice_error = GaugeMetricFamily(
-            "tpuboot_runtime_slice_error_detected",
-            "1 while libtpu's slice error gauge is on (GKE: SliceErrorDetected).",
-            labels=port_labels,
-        )
+        duty, used, total = map(gauge, (DUTY_CYCLE, MEMORY_USED, MEMORY_TOTAL))
+        up, hang, slice_error = map(gauge, (RUNTIME_UP, RUNTIME_HANG, RUNTIME_SLICE_ERROR))
         for p in s.ports:
             who = [str(p.port), str(p.holder.pid), p.holder.where]
             up.add_metric(who, 0 if p.reading is None else 1)
@@ -486,22 +382,9 @@ class SliceSweep:
     when: float
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        yield gauges(
-            "tpuboot_slice_paths",
-            "Paths to the slice's peers in the last sweep (tpuboot slice), by state.",
-            ["state"],
-            [((state,), float(count)) for state, count in self.paths.items()],
-        )
-        yield GaugeMetricFamily(
-            "tpuboot_slice_failures",
-            "Findings of the last tpuboot slice look that failed.",
-            value=self.failures,
-        )
-        yield GaugeMetricFamily(
-            "tpuboot_slice_last_sweep_timestamp_seconds",
-            "When the last tpuboot slice look ended (unix seconds).",
-            value=self.when,
-        )
+        yield gauges(SLICE_PATHS, [((state,), float(count)) for state, count in self.paths.items()])
+        yield gauges(SLICE_FAILURES, [((), self.failures)])
+        yield gauges(SLICE_LAST_SWEEP, [((), self.when)])
 
 
 def slice_exposition(sweep: SliceSweep) -> bytes:

@@ -62,8 +62,8 @@ ENV_READ = {"tpuboot.env", "tpuboot.env.assignment", "tpuboot.env.cache", "tpubo
             "tpuboot.env.etc_environment", "tpuboot.env.tpuenv", "yaml", "json"}  # fmt: skip
 ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync", "tpuboot.env.writers",
                   "tpuboot.atomicfile", "tpuboot.kernelfiles"}  # fmt: skip
-#: What records metrics: plain Python, no prometheus_client.
-METRICS = {"tpuboot.metrics"}
+#: What records metrics, and their declarations: plain Python, no prometheus_client.
+METRICS = {"tpuboot.metrics", "tpuboot.metrics_catalog"}
 #: What shows them in Prometheus' format (a textfile, the daemon's endpoint): prometheus_client,
 #: and the PCIe collector's sysfs readers; the endpoint's server backs off by tpuboot.backoff.
 EXPORT = METRICS | {"tpuboot.metrics_export", "tpuboot.atomicfile", "tpuboot.metrics_server", "tpuboot.netio",

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tpuboot.atomicfile import read_file
+from tpuboot.checks.limits import CONTAINERD_LIMITS, DOCKER_LIMITS
 from tpuboot.config import Config
 from tpuboot.containers.cdi import (
     PLUGIN_DIR,
@@ -45,7 +46,7 @@ from tpuboot.containers.hostengine import DOCKER
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.vfio import Binder
 from tpuboot.paths import Root
-from tpuboot.verdicts import CheckResult, failed, passed, skipped, warned
+from tpuboot.verdicts import CheckResult, Criterion, failed, passed, skipped, warned
 
 DAEMON_JSON = "/etc/docker/daemon.json"
 CONTAINERD_TOML = "/etc/containerd/config.toml"
@@ -62,6 +63,21 @@ RELAY_WAIT = 1.0
 
 #: ``version_of(path)``: the version a program prints (``dockerd --version``), None if unknown.
 VersionOf = Callable[[str], "str | None"]
+
+CDI_SPEC = Criterion("cdi-spec", f"{SPEC_PATH} describing the chips bound now (absent with none)")
+# A host whose engines cannot give a container the chips without --privileged is still ready for
+# the documented (privileged) workloads: the checks below say so without failing the doctor.
+CDI_DOCKER = Criterion("cdi-docker", f"dockerd reading CDI specs from {SPEC_DIR}", required=False)
+CDI_PODMAN = Criterion("cdi-podman", f"podman reading CDI specs from {SPEC_DIR}", required=False)
+CDI_CONTAINERD = Criterion(
+    "cdi-containerd", f"containerd's CRI plugin reading CDI specs from {SPEC_DIR}", required=False
+)
+CONTAINER_MEMLOCK = Criterion(
+    "container-memlock", "no engine default lowering memlock for its containers", required=False
+)
+VBAR_RELAY = Criterion(
+    "vbar-relay", "vBar reachable from containers through the socket tpuboot relays", required=False
+)
 
 
 def run_version(path: str) -> str | None:
@@ -149,10 +165,6 @@ class Engine:
 class CdiChecks:
     """The checks of one system; ``version_of`` runs a program's --version (tests pass theirs)."""
 
-    #: A host whose engines cannot give a container the chips without --privileged is still ready
-    #: for the documented (privileged) workloads: these checks say so without failing the doctor.
-    ADVISORY = frozenset({"cdi-docker", "cdi-podman", "cdi-containerd", "container-memlock", "vbar-relay"})
-
     def __init__(
         self,
         root: Root,
@@ -167,14 +179,14 @@ class CdiChecks:
         self.config = config or Config()
         self.relay_wait = relay_wait
 
-    def named(self) -> list[tuple[str, Callable[[], CheckResult]]]:
+    def named(self) -> list[tuple[Criterion, Callable[[], CheckResult]]]:
         return [
-            ("cdi-spec", self.check_spec),
-            ("cdi-docker", self.check_docker),
-            ("cdi-podman", self.check_podman),
-            ("cdi-containerd", self.check_containerd),
-            ("container-memlock", self.check_memlock),
-            ("vbar-relay", self.check_vbar_relay),
+            (CDI_SPEC, self.check_spec),
+            (CDI_DOCKER, self.check_docker),
+            (CDI_PODMAN, self.check_podman),
+            (CDI_CONTAINERD, self.check_containerd),
+            (CONTAINER_MEMLOCK, self.check_memlock),
+            (VBAR_RELAY, self.check_vbar_relay),
         ]
 
     def _text(self, path: str) -> str | None:
@@ -356,7 +368,7 @@ class CdiChecks:
             return skipped("neither Docker nor podman is installed")
         return passed(
             "no engine default lowers memlock: containers inherit the engine's limit "
-            "(docker-limits, containerd-limits; podman: the caller's)"
+            f"({DOCKER_LIMITS.name}, {CONTAINERD_LIMITS.name}; podman: the caller's)"
         )
 
 

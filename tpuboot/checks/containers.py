@@ -24,7 +24,7 @@ from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.errors import MetadataError
 from tpuboot.numbers import ascii_signed
 from tpuboot.paths import Root
-from tpuboot.verdicts import CheckResult, failed, passed, skipped
+from tpuboot.verdicts import CheckResult, Criterion, failed, passed, skipped
 
 RUNNING, ABSENT = "running", "absent"
 #: What a check that needs the metadata server says when it did not answer: the reason is said once,
@@ -69,6 +69,20 @@ def engine_container_state(root: Root, name: str) -> str:
     return container_state(HOST_ENGINE.open(root, timeout=5), name)
 
 
+def running(agent: Agent) -> Criterion:
+    """What ``SECTION-running`` holds a host to, for ``agent``."""
+    unless = "it is off or GKE runs it" if agent.gke_runs else "it is off"
+    return Criterion(f"{agent.section}-running", f"{agent.called} running in its container, unless {unless}")
+
+
+def answering(agent: Agent) -> Criterion:
+    """What ``SECTION-endpoint`` holds a host to, for an agent with an endpoint."""
+    return Criterion(
+        f"{agent.section}-endpoint",
+        f"{agent.called} accepting connections at {agent.section}.endpoint while it runs",
+    )
+
+
 class ContainerChecks:
     """The agents' checks for one system, named for :class:`tpuboot.verdicts.Checks`."""
 
@@ -89,12 +103,12 @@ class ContainerChecks:
         self.agents = tuple(agents)
         self._gke_answer: GkeAnswer | None = None
 
-    def named(self) -> list[tuple[str, Callable[[], CheckResult]]]:
-        """The checks by name, in run order, for the doctor's table."""
-        named: list[tuple[str, Callable[[], CheckResult]]]
-        named = [(f"{agent.section}-running", functools.partial(self.check, agent)) for agent in self.agents]
+    def named(self) -> list[tuple[Criterion, Callable[[], CheckResult]]]:
+        """The checks, in run order, for the doctor's table."""
+        named: list[tuple[Criterion, Callable[[], CheckResult]]]
+        named = [(running(agent), functools.partial(self.check, agent)) for agent in self.agents]
         named += [
-            (f"{agent.section}-endpoint", functools.partial(self.check_endpoint, agent))
+            (answering(agent), functools.partial(self.check_endpoint, agent))
             for agent in self.agents
             if agent.has_endpoint
         ]
@@ -146,9 +160,9 @@ class ContainerChecks:
             try:
                 state = self.container_state(self.root, name)
             except EngineError as exc:
-                return skipped(f"cannot ask {HOST_ENGINE.name} ({exc}); {agent.section}-running says more")
+                return skipped(f"cannot ask {HOST_ENGINE.name} ({exc}); {running(agent).name} says more")
             if state != RUNNING:
-                return skipped(f"container {name} is {state}: {agent.section}-running says why")
+                return skipped(f"container {name} is {state}: {running(agent).name} says why")
         problem = self.endpoint_probe(liveness.endpoint, self.root)
         if problem is None:
             return passed(f"{agent.called} accepts connections at {liveness.endpoint}")

@@ -19,8 +19,9 @@ callable a test replaces. Each fact comes from the module that owns it: GKE dete
 :func:`tpuboot.env.cache.read_cache`, sysfs paths and fixes from :mod:`tpuboot.devices`. A check
 that cannot be judged here is SKIP with the reason; WARN is a doubt that fails nothing (a TPU
 generation tpuboot's table does not know).
-Every check is required (a FAIL makes the exit status non-zero) except those in
-:data:`ADVISORY`.
+Each check is declared by its :class:`~tpuboot.verdicts.Criterion` beside its code (this module's
+own below, the others' in their modules): a FAIL of a required one makes the exit status
+non-zero, an advisory one's is reported only.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from typing import Protocol
 from tpuboot.checks.cdi import CdiChecks
 from tpuboot.checks.containers import UNANSWERED, ContainerChecks, ContainerProbe, engine_container_state
 from tpuboot.checks.holders import HolderChecks
-from tpuboot.checks.image import run_checks
+from tpuboot.checks.image import image_checks
 from tpuboot.checks.kernel import kernel_arch
-from tpuboot.checks.notices import check_notice
+from tpuboot.checks.notices import MAINTENANCE_NOTICE, check_notice
 from tpuboot.checks.parsers.systemd import Systemd
-from tpuboot.checks.pcie import check_pcie_health
+from tpuboot.checks.pcie import PCIE_HEALTH, check_pcie_health
 from tpuboot.checks.runtime import RuntimeChecks
 from tpuboot.checks.tpuenv import TpuEnvChecks
 from tpuboot.config import Config, MetadataConfig
@@ -66,14 +67,26 @@ from tpuboot.paths import Root
 from tpuboot.slice.facts import read_facts
 from tpuboot.slice.identity import judge, one_check
 from tpuboot.slice.shape import Reading, read_slice
-from tpuboot.verdicts import CheckResult, Checks, failed, holding_root, passed, skipped, warned
+from tpuboot.verdicts import CheckResult, Checks, Criterion, failed, holding_root, passed, skipped, warned
 from tpuboot.wiring import metadata_settings
 
-#: A FAIL of these is reported but does not make `tpuboot doctor` fail: whether tpu-env is the
-#: latest fetched (a job can run on the file it has) and the engines' CDI support
-#: (:attr:`~tpuboot.checks.cdi.CdiChecks.ADVISORY`).
-ADVISORY = frozenset({"tpu-env-fresh"}) | CdiChecks.ADVISORY
-# (maintenance-notice is never a FAIL: a notice is WARN, the host is fine until it goes.)
+TPUS_BOUND = Criterion("tpus-bound", "every TPU that needs vfio-pci bound to it")
+VFIO_LOADED = Criterion("vfio-pci-loaded", "vfio-pci in the running kernel: a loaded module, or built in")
+NODE_MODE = Criterion("vfio-node-mode", "each bound TPU's /dev/vfio node of vfio.node_mode (0666)")
+UNSAFE_INTERRUPTS_ON = Criterion(
+    "unsafe-interrupts", "vfio_iommu_type1's allow_unsafe_interrupts on where tpuboot sets it (auto: x86_64)"
+)
+GROUPS_VIABLE = Criterion("iommu-groups-viable", "every TPU in an IOMMU group, and each group viable")
+METADATA_SERVER = Criterion("metadata-server", "the metadata server answering (a value or a 404)")
+CHIP_COUNT = Criterion(
+    "chip-count", "as many usable chips as the machine type or slice puts on one host, of its generation"
+)
+SLICE = Criterion(
+    "slice", "tpu-env's slice and the machine type agreeing with each other and with the TPU table"
+)
+SLICE_IDENTITY = Criterion(
+    "slice-identity", "this worker's identity in its slice, as tpuboot slice judges it (no peer sweep)"
+)
 
 
 #: How long doctor waits for the metadata server, per key.
@@ -165,38 +178,42 @@ class Doctor:
         holders = HolderChecks(
             root, config, lambda: chips_present(root, self.binder.table, self.tpus), systemd
         )
+        devices = [
+            (TPUS_BOUND, self.check_tpus_bound),
+            (VFIO_LOADED, self.check_vfio_loaded),
+            (NODE_MODE, self.check_node_mode),
+            (UNSAFE_INTERRUPTS_ON, self.check_unsafe_interrupts),
+            (GROUPS_VIABLE, self.check_groups_viable),
+            (PCIE_HEALTH, lambda: check_pcie_health(self.root, self.tpus)),
+            (METADATA_SERVER, self.check_metadata_server),
+            (CHIP_COUNT, self.check_chip_count),
+            (SLICE, self.check_slice),
+            (SLICE_IDENTITY, self.check_slice_identity),
+        ]
+        containers = ContainerChecks(
+            root, config, self.metadata, container_state, endpoint_probe=endpoint_probe
+        )
+        outputs = [
+            *self.tpu_env.named(),
+            *containers.named(),
+            *holders.named(),
+            *CdiChecks(root, self.binder, config=config).named(),  # containers without --privileged
+            (MAINTENANCE_NOTICE, lambda: check_notice(self.root, self.config)),
+        ]
         self.checks = Checks(
-            holding_root(
-                [
-                    ("tpus-bound", self.check_tpus_bound),
-                    ("vfio-pci-loaded", self.check_vfio_loaded),
-                    ("vfio-node-mode", self.check_node_mode),
-                    ("unsafe-interrupts", self.check_unsafe_interrupts),
-                    ("iommu-groups-viable", self.check_groups_viable),
-                    ("pcie-health", lambda: check_pcie_health(self.root, self.tpus)),
-                    ("metadata-server", self.check_metadata_server),
-                    ("chip-count", self.check_chip_count),
-                    ("slice", self.check_slice),
-                    ("slice-identity", self.check_slice_identity),
-                    *self.tpu_env.named(),
-                    *ContainerChecks(
-                        root, config, self.metadata, container_state, endpoint_probe=endpoint_probe
-                    ).named(),
-                    *holders.named(),
-                    *CdiChecks(root, self.binder, config=config).named(),  # containers without --privileged
-                    ("maintenance-notice", lambda: check_notice(self.root, self.config)),
-                ]
-            )
-            + RuntimeChecks(root, config).named()  # what the daemon last read of the jobs' libtpu
+            [
+                *holding_root(devices),
+                *image_checks(systemd=systemd).table,  # the image settings, as image-check judges them
+                *holding_root(outputs),
+                *RuntimeChecks(root, config).named(),  # what the daemon last read of the jobs' libtpu
+            ]
         )
 
     def run(self) -> list[Verdict]:
-        """The device checks, then imagecheck's, then the rest; each result named."""
-        own = self.checks.run(self.root)
-        image = run_checks(self.root, systemd=self.systemd)
-        split = self.checks.names.index("tpu-env")
-        ordered = own[:split] + image + own[split:]
-        return [Verdict(r, r.name not in ADVISORY) for r in ordered]
+        """Every check, in the table's order; each result named, and required unless its criterion
+        is advisory."""
+        required = {criterion.name: criterion.required for criterion in self.checks.criteria}
+        return [Verdict(r, required[r.name]) for r in self.checks.run(self.root)]
 
     # --- devices -------------------------------------------------------------------------------
 
@@ -345,7 +362,7 @@ class Doctor:
         found = self.slice.slice
         if found is None or found.host_chips is None:
             if self.slice.warnings:
-                return skipped("the generation is not in tpuboot's TPU table (see the slice check)")
+                return skipped(f"the generation is not in tpuboot's TPU table (see the {SLICE.name} check)")
             return skipped(self._nothing_known())
         want, source = found.host_chips, found.host_chips_from
         ready = {

@@ -29,10 +29,16 @@ from tpuboot.holders.report import Report, describe, gather, lock_holder
 from tpuboot.kernelfiles import read_text
 from tpuboot.numbers import ascii_int
 from tpuboot.paths import Root
-from tpuboot.verdicts import CheckResult, failed, passed, skipped, warned
+from tpuboot.verdicts import CheckResult, Criterion, failed, passed, skipped, warned
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 SLICE = "system.slice"
+CHIP_HOLDERS = Criterion("chip-holders", "no chip held by a stopped, zombie or uninterruptible process")
+LIBTPU_LOCKS = Criterion("libtpu-locks", "no libtpu lock file of another user's that nobody holds")
+MEMLOCK = Criterion(
+    "memlock",
+    "memlock enough for a chip's DMA in whatever opens one: its holders, doctor.job_units, the engines",
+)
 
 
 def stuck_fix(p: Process) -> str:
@@ -65,12 +71,12 @@ class HolderChecks:
         self.chips = chips
         self.systemd = systemd or Systemd()
 
-    def named(self) -> list[tuple[str, Callable[[], CheckResult]]]:
-        """The checks by name, in run order, for the doctor's table."""
+    def named(self) -> list[tuple[Criterion, Callable[[], CheckResult]]]:
+        """The checks, in run order, for the doctor's table."""
         return [
-            ("chip-holders", self.check_chip_holders),
-            ("libtpu-locks", self.check_locks),
-            ("memlock", self.check_memlock),
+            (CHIP_HOLDERS, self.check_chip_holders),
+            (LIBTPU_LOCKS, self.check_locks),
+            (MEMLOCK, self.check_memlock),
         ]
 
     @functools.cached_property

@@ -26,15 +26,20 @@ IMAGE_CHECKS = Checks([*kernel.CHECKS, *limits.CHECKS, *udev.CHECKS, *leftovers.
 NEXT_BOOT_CHECKS = IMAGE_CHECKS.with_overrides(kernel.NEXT_BOOT)
 
 
-def run_checks(
-    root: Root, only: Sequence[str] = (), *, next_boot: bool = False, systemd: Systemd | None = None
-) -> list[CheckResult]:
-    """The image checks against ``root`` (``tpuboot image-check``); ``only``: name patterns.
+def image_checks(*, next_boot: bool = False, systemd: Systemd | None = None) -> Checks:
+    """The image checks (doctor runs them among its own).
 
     ``next_boot`` (``tpuboot prepare-image``): judge what the next boot gets even on a running
     system (the command line update-grub will write, the installed kernels), not what is in
     force now. ``systemd``: who answers ``systemctl show`` (default: systemctl itself, on the host)."""
     checks = NEXT_BOOT_CHECKS if next_boot else IMAGE_CHECKS
-    if systemd is not None:
-        checks = checks.with_overrides(limits.limit_checks(systemd))
+    return checks if systemd is None else checks.with_overrides(limits.limit_checks(systemd))
+
+
+def run_checks(
+    root: Root, only: Sequence[str] = (), *, next_boot: bool = False, systemd: Systemd | None = None
+) -> list[CheckResult]:
+    """The image checks against ``root`` (``tpuboot image-check``); ``only``: name patterns;
+    ``next_boot`` and ``systemd`` as :func:`image_checks` takes them."""
+    checks = image_checks(next_boot=next_boot, systemd=systemd)
     return checks.run(root, checks.select(only) if only else None)

@@ -21,7 +21,7 @@ from tpuboot.checks.parsers.grub import GRUB_DEFAULT, GRUB_DROPIN_DIR, TPUBOOT_D
 from tpuboot.devices.kmodule import NO_VFIO_PCI_FIX, in_kernel, installed_releases, module_state
 from tpuboot.kernel_params import TPU_PARAMS, X86, word
 from tpuboot.paths import Root
-from tpuboot.verdicts import Check, CheckResult, failed, passed, skipped, warned
+from tpuboot.verdicts import Check, CheckResult, Criterion, failed, passed, skipped, warned
 
 
 def kernel_arch(root: Root) -> str:
@@ -114,13 +114,24 @@ def _cmdline_check(root: Root, name: str, source: CmdlineSource) -> CheckResult:
     return failed(f"{line.what} lacks {want} ({found})", cmdline_fix(want, root))
 
 
+IDLE_POLL = Criterion("cmdline-idle-poll", f"{word('idle')} on the kernel command line")
+
+
 def check_idle_poll(root: Root, source: CmdlineSource = running_or_next) -> CheckResult:
     """idle=poll: CPUs never enter low-power idle states (latency)."""
     return _cmdline_check(root, "idle", source)
 
 
+THP_CMDLINE = Criterion(
+    "cmdline-transparent-hugepage", f"{word('transparent_hugepage')} on the kernel command line"
+)
+
+
 def check_thp_cmdline(root: Root, source: CmdlineSource = running_or_next) -> CheckResult:
     return _cmdline_check(root, "transparent_hugepage", source)
+
+
+INTEL_IOMMU = Criterion("cmdline-intel-iommu", f"{word('intel_iommu')} on the kernel command line (x86_64)")
 
 
 def check_intel_iommu(root: Root, source: CmdlineSource = running_or_next) -> CheckResult:
@@ -129,6 +140,11 @@ def check_intel_iommu(root: Root, source: CmdlineSource = running_or_next) -> Ch
     if machine not in X86:
         return skipped(f"not needed on {machine}")
     return _cmdline_check(root, "intel_iommu", source)
+
+
+VFIO_PCI_IN_KERNEL = Criterion(
+    "vfio-pci-in-kernel", "vfio-pci built into the kernel or shipped as its module"
+)
 
 
 def check_vfio_pci_in_kernel(root: Root, installed: bool = False) -> CheckResult:
@@ -155,6 +171,7 @@ def check_vfio_pci_in_kernel(root: Root, installed: bool = False) -> CheckResult
 
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+THP = Criterion("thp-enabled", "transparent huge pages always, in the running kernel")
 
 
 def check_thp_enabled(root: Root) -> CheckResult:
@@ -174,24 +191,24 @@ def check_thp_enabled(root: Root) -> CheckResult:
 
 
 def _thp_next_boot(root: Root) -> CheckResult:
-    return skipped("set at boot by transparent_hugepage= (see cmdline-transparent-hugepage)")
+    return skipped(f"set at boot by transparent_hugepage= (see {THP_CMDLINE.name})")
 
 
-CHECKS: tuple[tuple[str, Check], ...] = (
-    ("cmdline-idle-poll", check_idle_poll),
-    ("cmdline-transparent-hugepage", check_thp_cmdline),
-    ("cmdline-intel-iommu", check_intel_iommu),
-    ("vfio-pci-in-kernel", check_vfio_pci_in_kernel),
-    ("thp-enabled", check_thp_enabled),
+CHECKS: tuple[tuple[Criterion, Check], ...] = (
+    (IDLE_POLL, check_idle_poll),
+    (THP_CMDLINE, check_thp_cmdline),
+    (INTEL_IOMMU, check_intel_iommu),
+    (VFIO_PCI_IN_KERNEL, check_vfio_pci_in_kernel),
+    (THP, check_thp_enabled),
 )
 
 #: The same checks judging the next boot (``prepare-image`` on a build VM, whose own boot is not
 #: the image's): the command line from the GRUB defaults, every installed kernel, THP by its
 #: command-line parameter only.
-NEXT_BOOT: dict[str, Check] = {
-    "cmdline-idle-poll": lambda root: check_idle_poll(root, next_boot_cmdline),
-    "cmdline-transparent-hugepage": lambda root: check_thp_cmdline(root, next_boot_cmdline),
-    "cmdline-intel-iommu": lambda root: check_intel_iommu(root, next_boot_cmdline),
-    "vfio-pci-in-kernel": lambda root: check_vfio_pci_in_kernel(root, installed=True),
-    "thp-enabled": _thp_next_boot,
+NEXT_BOOT: dict[Criterion, Check] = {
+    IDLE_POLL: lambda root: check_idle_poll(root, next_boot_cmdline),
+    THP_CMDLINE: lambda root: check_thp_cmdline(root, next_boot_cmdline),
+    INTEL_IOMMU: lambda root: check_intel_iommu(root, next_boot_cmdline),
+    VFIO_PCI_IN_KERNEL: lambda root: check_vfio_pci_in_kernel(root, installed=True),
+    THP: _thp_next_boot,
 }

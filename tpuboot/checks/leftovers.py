@@ -30,7 +30,7 @@ from tpuboot.env.assignment import PAM_ASSIGNMENT
 from tpuboot.gce.keys import API_ROOT, INSTANCE
 from tpuboot.kernel_params import TPU_PARAMS, word
 from tpuboot.paths import Root
-from tpuboot.verdicts import Check, CheckResult, failed, passed, skipped, warned
+from tpuboot.verdicts import Check, CheckResult, Criterion, failed, passed, skipped, warned
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,11 @@ def _rule_binds(root: Root, rule: Rule) -> str | None:
     return None
 
 
+VFIO_BINDER = Criterion(
+    "leftover-vfio-binder", "no udev rule or script binding TPUs to vfio-pci beside tpuboot"
+)
+
+
 def check_leftover_vfio_binder(root: Root) -> CheckResult:
     """A udev rule that binds TPUs to vfio-pci races tpuboot's bind (both write driver_override,
     unbind and probe the same device): FAIL. A bind script no rule runs: WARN."""
@@ -133,6 +138,9 @@ def check_leftover_vfio_binder(root: Root) -> CheckResult:
             f"remove {' and '.join(idle)}: tpuboot binds TPUs itself (`tpuboot bind DBDF` by hand)",
         )
     return passed("no udev rule binds to vfio-pci but tpuboot")
+
+
+ACCEL_RULE = Criterion("leftover-accel-rule", "no second rule setting /dev/accel*'s mode beside tpuboot's")
 
 
 def check_leftover_accel_rule(root: Root) -> CheckResult:
@@ -171,6 +179,9 @@ def _writes_tpu_env(text: str) -> bool:
     return bool(_FETCHES_TPU_ENV.search(text) or _WRITES_TPU_ENV.search(text))
 
 
+TPU_ENV_WRITER = Criterion("leftover-tpu-env-writer", "no second writer of tpu-env at boot")
+
+
 def check_leftover_tpu_env_writer(root: Root) -> CheckResult:
     """Two writers of tpu-env: the last one wins, and the documented one evals the values (a shell
     injection) and writes no cache, so a slow metadata server at boot leaves an empty file."""
@@ -188,6 +199,11 @@ def _appends_environment(text: str) -> bool:
     appends = re.compile(r"""(?:>>\s*|\btee\s+(?:-\w+\s+)*-a\s+(?:-\w+\s+)*)["']?/etc/environment\b""")
     keys = re.compile(r"\b(?:" + "|".join(map(re.escape, DEFAULT_ENVIRONMENT)) + r")=")
     return any(appends.search(line) and keys.search(line) for line in text.splitlines())
+
+
+ENVIRONMENT_APPENDER = Criterion(
+    "leftover-environment-appender", "no boot-time script appending tpuboot's keys to /etc/environment"
+)
 
 
 def check_leftover_environment_appender(root: Root) -> CheckResult:
@@ -209,6 +225,11 @@ def _metadata_utility(text: str) -> bool:
     return bool(_QUERIES_METADATA.search(text)) and "sys.argv" in text and not _writes_tpu_env(text)
 
 
+METADATA_SCRIPT = Criterion(
+    "leftover-metadata-script", "no get-vm-metadata.py asking the metadata server without retries"
+)
+
+
 def check_leftover_metadata_script(root: Root) -> CheckResult:
     """get-vm-metadata.py: harmless, but it asks metadata.google.internal (which may not resolve
     early in boot) without retries, checking no Metadata-Flavor answer (WARN)."""
@@ -228,6 +249,11 @@ def check_leftover_metadata_script(root: Root) -> CheckResult:
 def _limits_lines(text: str) -> list[str]:
     """limits.conf lines setting memlock or nofile for every user (``*``) or root."""
     return [" ".join(fields) for fields in entries(text) if fields[0] in ("*", "root") and fields[2] in ITEMS]
+
+
+LIMITS_CONF = Criterion(
+    "leftover-limits-conf", "no memlock or nofile line in limits.conf beside tpuboot's drop-in"
+)
 
 
 def check_leftover_limits(root: Root) -> CheckResult:
@@ -256,6 +282,9 @@ def _typed_in_grub_default(text: str) -> NextBoot:
         line[match.group(1)] = next(g for g in match.groups()[1:] if g is not None)
     linux, default = (line.get(name, "") for name in CMDLINE_VARS)
     return NextBoot(linux, default, (GRUB_DEFAULT,))
+
+
+GRUB_EDITS = Criterion("leftover-grub-cmdline", "no TPU kernel parameter typed into /etc/default/grub")
 
 
 def check_leftover_grub(root: Root) -> CheckResult:
@@ -296,6 +325,11 @@ def check_leftover_grub(root: Root) -> CheckResult:
 ENVIRONMENT = "/etc/environment"
 
 
+ENVIRONMENT_DUPLICATES = Criterion(
+    "leftover-environment-duplicates", "no key assigned more than once in /etc/environment"
+)
+
+
 def check_leftover_environment_duplicates(root: Root) -> CheckResult:
     """Keys assigned more than once in /etc/environment (the documented scripts appended at
     every boot): pam_env reads the last, so the lines are only noise while they agree (WARN)."""
@@ -317,13 +351,13 @@ def check_leftover_environment_duplicates(root: Root) -> CheckResult:
     )
 
 
-CHECKS: tuple[tuple[str, Check], ...] = (
-    ("leftover-vfio-binder", check_leftover_vfio_binder),
-    ("leftover-accel-rule", check_leftover_accel_rule),
-    ("leftover-tpu-env-writer", check_leftover_tpu_env_writer),
-    ("leftover-environment-appender", check_leftover_environment_appender),
-    ("leftover-metadata-script", check_leftover_metadata_script),
-    ("leftover-limits-conf", check_leftover_limits),
-    ("leftover-grub-cmdline", check_leftover_grub),
-    ("leftover-environment-duplicates", check_leftover_environment_duplicates),
+CHECKS: tuple[tuple[Criterion, Check], ...] = (
+    (VFIO_BINDER, check_leftover_vfio_binder),
+    (ACCEL_RULE, check_leftover_accel_rule),
+    (TPU_ENV_WRITER, check_leftover_tpu_env_writer),
+    (ENVIRONMENT_APPENDER, check_leftover_environment_appender),
+    (METADATA_SCRIPT, check_leftover_metadata_script),
+    (LIMITS_CONF, check_leftover_limits),
+    (GRUB_EDITS, check_leftover_grub),
+    (ENVIRONMENT_DUPLICATES, check_leftover_environment_duplicates),
 )

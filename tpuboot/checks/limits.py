@@ -20,7 +20,7 @@ from tpuboot.checks.parsers.systemd import (
     unit_file,
 )
 from tpuboot.paths import Root
-from tpuboot.verdicts import Check, CheckResult, failed, passed, skipped
+from tpuboot.verdicts import Check, CheckResult, Criterion, failed, passed, skipped
 
 MIN_NOFILE = 100_000
 ITEMS = {"memlock": UNLIMITED, "nofile": MIN_NOFILE}  # what the TPU runtime needs of each
@@ -55,9 +55,15 @@ def _pam_check(root: Root, item: str) -> CheckResult:
     )
 
 
+PAM_MEMLOCK = Criterion("pam-memlock", f"memlock {WANT['memlock']} for logins (PAM limits)")
+
+
 def check_pam_memlock(root: Root) -> CheckResult:
     """Locked-memory limit for logins: libtpu's "Couldn't mmap" otherwise."""
     return _pam_check(root, "memlock")
+
+
+PAM_NOFILE = Criterion("pam-nofile", f"nofile at least {WANT['nofile']} for logins (PAM limits)")
 
 
 def check_pam_nofile(root: Root) -> CheckResult:
@@ -98,6 +104,10 @@ def manager_limits(root: Root, systemd: Systemd = SYSTEMD) -> dict[str, Limit]:
     return {item: limit or Limit(None, None, "systemd's built-in default") for item, limit in limits.items()}
 
 
+BOTH = f"memlock {WANT['memlock']} and nofile at least {WANT['nofile']}"
+MANAGER_LIMITS = Criterion("systemd-default-limits", f"{BOTH} for every service (systemd's defaults)")
+
+
 def check_manager_limits(root: Root, systemd: Systemd = SYSTEMD) -> CheckResult:
     """Every service's limits unless its unit sets its own: PAM limits never reach services."""
     fix = (
@@ -123,6 +133,12 @@ def unit_limits(root: Root, unit: str, systemd: Systemd = SYSTEMD) -> dict[str, 
     }
 
 
+DOCKER_LIMITS = Criterion("docker-limits", f"{BOTH} in {DOCKER_UNIT}, which its containers inherit")
+CONTAINERD_LIMITS = Criterion(
+    "containerd-limits", f"{BOTH} in {CONTAINERD_UNIT}, which its containers inherit"
+)
+
+
 def _runtime_check(unit: str, systemd: Systemd) -> Check:
     def check(root: Root) -> CheckResult:
         limits = unit_limits(root, unit, systemd)
@@ -139,17 +155,17 @@ def _runtime_check(unit: str, systemd: Systemd) -> Check:
     return check
 
 
-def limit_checks(systemd: Systemd) -> dict[str, Check]:
-    """The checks that ask ``systemd`` what is in force, by name."""
+def limit_checks(systemd: Systemd) -> dict[Criterion, Check]:
+    """The checks that ask ``systemd`` what is in force, by criterion."""
     return {
-        "systemd-default-limits": lambda root: check_manager_limits(root, systemd),
-        "docker-limits": _runtime_check(DOCKER_UNIT, systemd),
-        "containerd-limits": _runtime_check(CONTAINERD_UNIT, systemd),
+        MANAGER_LIMITS: lambda root: check_manager_limits(root, systemd),
+        DOCKER_LIMITS: _runtime_check(DOCKER_UNIT, systemd),
+        CONTAINERD_LIMITS: _runtime_check(CONTAINERD_UNIT, systemd),
     }
 
 
-CHECKS: tuple[tuple[str, Check], ...] = (
-    ("pam-memlock", check_pam_memlock),
-    ("pam-nofile", check_pam_nofile),
+CHECKS: tuple[tuple[Criterion, Check], ...] = (
+    (PAM_MEMLOCK, check_pam_memlock),
+    (PAM_NOFILE, check_pam_nofile),
     *limit_checks(SYSTEMD).items(),
 )

@@ -8,7 +8,12 @@ from tpuboot.atomicfile import FileError
 from tpuboot.config import Config
 from tpuboot.notices import noticefile
 from tpuboot.paths import Root
-from tpuboot.verdicts import CheckResult, passed, skipped, warned
+from tpuboot.verdicts import CheckResult, Criterion, passed, skipped, warned
+
+#: A notice is a WARN, never a FAIL: the host is fine until it goes.
+MAINTENANCE_NOTICE = Criterion(
+    "maintenance-notice", "no maintenance or preemption notice from the metadata server (a WARN)"
+)
 
 
 def check_notice(root: Root, config: Config) -> CheckResult:

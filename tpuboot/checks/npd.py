@@ -23,11 +23,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tpuboot.atomicfile import FileError, read_file, write_file
-from tpuboot.checks.containers import ContainerProbe, engine_container_state
-from tpuboot.checks.doctor import Doctor, MetadataReader, metadata_lookup
-from tpuboot.checks.holders import main_pid
+from tpuboot.checks.containers import ContainerProbe, answering, engine_container_state, running
+from tpuboot.checks.doctor import CHIP_COUNT, TPUS_BOUND, Doctor, MetadataReader, metadata_lookup
+from tpuboot.checks.holders import CHIP_HOLDERS, main_pid
+from tpuboot.checks.notices import MAINTENANCE_NOTICE
 from tpuboot.checks.parsers.systemd import Systemd
+from tpuboot.checks.pcie import PCIE_HEALTH
+from tpuboot.checks.runtime import HANG, SLICE_ERROR
 from tpuboot.config import Config
+from tpuboot.containers.agents import VBAR_AGENT
 from tpuboot.containers.liveness import EndpointProbe, probe
 from tpuboot.devices.pci import PCI_DEVICES
 from tpuboot.devices.reset import Breaker
@@ -35,7 +39,7 @@ from tpuboot.errors import printable
 from tpuboot.notices import noticefile
 from tpuboot.numbers import ascii_decimal
 from tpuboot.paths import Root
-from tpuboot.verdicts import CheckResult
+from tpuboot.verdicts import CheckResult, Criterion
 
 OK, PROBLEM, UNKNOWN = 0, 1, 2
 #: NPD's default message length; the configs set it, the command keeps within it.
@@ -93,9 +97,10 @@ class Look:
             systemd=self.systemd,
         )
 
-    def check(self, name: str) -> CheckResult:
-        """Doctor's check ``name``, run as it is: what it raises is raised (unknown, not a FAIL)."""
-        return self.doctor.checks[name](self.root)
+    def check(self, criterion: Criterion) -> CheckResult:
+        """Doctor's check of ``criterion``, run as it is: what it raises is raised (unknown, not a
+        FAIL)."""
+        return self.doctor.checks[criterion.name](self.root)
 
     def daemon_running(self) -> bool:
         """tpuboot.service's main process is alive (systemctl on the host, its cgroup in a tree)."""
@@ -106,14 +111,14 @@ class Look:
 Judge = Callable[[Look], Answer]
 
 
-def doctor_view(*checks: str, supervised: str | None = None) -> Judge:
+def doctor_view(*checks: Criterion, supervised: str | None = None) -> Judge:
     """A condition that is doctor's ``checks``: a FAIL is the problem (its detail the message);
     all SKIP is OK ("not judged here"), unless a SKIP is for want of the metadata server's answer
     (unknown). ``supervised``: what is judged is kept running by tpuboot's daemon, so a judgement
     made while the daemon is stopped holds only until it stops: unknown."""
 
     def judge(look: Look) -> Answer:
-        results = [look.check(name) for name in checks]
+        results = [look.check(criterion) for criterion in checks]
         judged = [r for r in results if r.status != "SKIP"]
         if not judged:
             if look.asks_metadata and look.doctor.metadata.down is not None:
@@ -129,7 +134,7 @@ def doctor_view(*checks: str, supervised: str | None = None) -> Judge:
         warns = [r for r in judged if r.status == "WARN"]
         return Answer(OK, f"doubt: {warns[0].detail}" if warns else judged[0].detail)
 
-    judge.__doc__ = f"doctor's {', '.join(checks)}"
+    judge.__doc__ = f"doctor's {', '.join(criterion.name for criterion in checks)}"
     return judge
 
 
@@ -154,7 +159,7 @@ def notice_view(look: Look) -> Answer:
     """Doctor's ``maintenance-notice`` (the daemon's /run/tpuboot/notice): a notice is the problem
     (doctor's WARN: the host is fine until it goes, but the scheduler must place nothing new);
     no file while notices are watched is unknown (the daemon is not running to hear the server)."""
-    result = look.check("maintenance-notice")
+    result = look.check(MAINTENANCE_NOTICE)
     if result.status == "PASS":
         return Answer(OK, result.detail)
     if result.status == "SKIP":
@@ -190,7 +195,7 @@ CONDITIONS: tuple[Condition, ...] = (
         "TPUChipsMissing",
         "TPUChipsMissingOrUnbound",
         ("TPUChipsPresent", "every TPU chip is present and bound"),
-        doctor_view("tpus-bound", "chip-count"),
+        doctor_view(TPUS_BOUND, CHIP_COUNT),
         "tpuboot status; tpuboot bind DBDF or systemctl restart tpuboot; a missing chip: repair the VM",
     ),
     Condition(
@@ -199,7 +204,7 @@ CONDITIONS: tuple[Condition, ...] = (
         "TPUPCIeProblem",
         "TPUPCIeLostFatalOrDegraded",
         ("TPUPCIeHealthy", "every TPU function answers, no fatal PCIe error, links at speed"),
-        doctor_view("pcie-health"),
+        doctor_view(PCIE_HEALTH),
         "tpuboot reset DBDF (or recovery.automatic); a link at half speed: stop and start the VM",
     ),
     Condition(
@@ -208,7 +213,7 @@ CONDITIONS: tuple[Condition, ...] = (
         "TPUHeldByStoppedProcess",
         "TPUChipHeldByStoppedOrZombie",
         ("TPUChipsNotHeldByStuckProcess", "no TPU chip held by a stopped or zombie process"),
-        doctor_view("chip-holders"),
+        doctor_view(CHIP_HOLDERS),
         "kill -CONT PID, end the zombie's parent, or tpuboot release --kill",
     ),
     Condition(
@@ -217,7 +222,7 @@ CONDITIONS: tuple[Condition, ...] = (
         "TPUVbarUnreachable",
         "TPUVbarNotAnswering",
         ("TPUVbarAnswering", "vBar runs and answers, or is not tpuboot's to run here"),
-        doctor_view("vbar-running", "vbar-endpoint", supervised="vBar"),
+        doctor_view(running(VBAR_AGENT), answering(VBAR_AGENT), supervised=VBAR_AGENT.called),
         "systemctl restart tpuboot; journalctl -u tpuboot AGENT=vBar says why it stopped",
         metadata=True,
     ),
@@ -238,7 +243,7 @@ CONDITIONS: tuple[Condition, ...] = (
         "TPULibtpuFault",
         "TPULibtpuHangOrSliceError",
         ("TPULibtpuHealthy", "libtpu reports no hang and no slice error, or no job holds a chip"),
-        doctor_view("libtpu-hang", "libtpu-slice-error", supervised="libtpu's runtime metrics"),
+        doctor_view(HANG, SLICE_ERROR, supervised="libtpu's runtime metrics"),
         "restart the job from its last checkpoint; journalctl -u tpuboot FAULT=hang (doc/runtime-metrics.md)",
     ),
     Condition(

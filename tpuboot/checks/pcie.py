@@ -8,7 +8,11 @@ from collections.abc import Sequence
 from tpuboot.devices.health import judge, read_healths
 from tpuboot.devices.survey import TpuStatus
 from tpuboot.paths import Root
-from tpuboot.verdicts import CheckResult, failed, passed, skipped, warned
+from tpuboot.verdicts import CheckResult, Criterion, failed, passed, skipped, warned
+
+PCIE_HEALTH = Criterion(
+    "pcie-health", "every TPU function on the bus, no fatal AER error, no link at half its bandwidth or less"
+)
 
 
 def check_pcie_health(root: Root, tpus: Sequence[TpuStatus]) -> CheckResult:

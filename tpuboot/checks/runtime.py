@@ -15,9 +15,14 @@ from tpuboot.errors import printable
 from tpuboot.paths import Root
 from tpuboot.runtime import statefile
 from tpuboot.runtime.client import grpc_missing
-from tpuboot.verdicts import Check, CheckResult, failed, passed, skipped, warned
+from tpuboot.verdicts import Check, CheckResult, Criterion, failed, passed, skipped, warned
 
 RESTART = "restart the job from its last checkpoint (its logs say which worker); tpuboot top shows each chip"
+RUNTIME_METRICS = Criterion(
+    "runtime-metrics", "the libtpu of every job holding a chip answering the daemon's polls"
+)
+HANG = Criterion("libtpu-hang", "no job's libtpu reporting a hang (its megascale error gauge)")
+SLICE_ERROR = Criterion("libtpu-slice-error", "no job's libtpu reporting a slice error")
 
 
 class RuntimeChecks:
@@ -27,11 +32,11 @@ class RuntimeChecks:
         self.root = root
         self.config = config
 
-    def named(self) -> list[tuple[str, Check]]:
+    def named(self) -> list[tuple[Criterion, Check]]:
         return [
-            ("runtime-metrics", lambda _: self.check_metrics()),
-            ("libtpu-hang", lambda _: self.check_fault("hang")),
-            ("libtpu-slice-error", lambda _: self.check_fault("slice_error")),
+            (RUNTIME_METRICS, lambda _: self.check_metrics()),
+            (HANG, lambda _: self.check_fault("hang")),
+            (SLICE_ERROR, lambda _: self.check_fault("slice_error")),
         ]
 
     @functools.cached_property

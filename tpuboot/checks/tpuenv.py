@@ -15,7 +15,16 @@ from tpuboot.env.etc_environment import plan_environment
 from tpuboot.env.tpuenv import TpuEnvError, parse_env_file, parse_tpu_env, render_env_file
 from tpuboot.holders.procfs import boot_time
 from tpuboot.paths import Root
-from tpuboot.verdicts import CheckResult, failed, passed, skipped
+from tpuboot.verdicts import CheckResult, Criterion, failed, passed, skipped
+
+TPU_ENV = Criterion("tpu-env", 'tpu-env present, in KEY="value" lines, not empty')
+#: Advisory: a job can run on the tpu-env it has.
+TPU_ENV_FRESH = Criterion(
+    "tpu-env-fresh",
+    "tpu-env the last value fetched from metadata, or written during this boot",
+    required=False,
+)
+ENVIRONMENT = Criterion("environment", "/etc/environment setting env.environment's variables")
 
 
 class TpuEnvChecks:
@@ -26,11 +35,11 @@ class TpuEnvChecks:
         self.config = config
         self.now = now
 
-    def named(self) -> list[tuple[str, Callable[[], CheckResult]]]:
+    def named(self) -> list[tuple[Criterion, Callable[[], CheckResult]]]:
         return [
-            ("tpu-env", self.check_tpu_env),
-            ("tpu-env-fresh", self.check_tpu_env_fresh),
-            ("environment", self.check_environment),
+            (TPU_ENV, self.check_tpu_env),
+            (TPU_ENV_FRESH, self.check_tpu_env_fresh),
+            (ENVIRONMENT, self.check_environment),
         ]
 
     def _read(self, path: str) -> str | None:
@@ -72,7 +81,7 @@ class TpuEnvChecks:
             return skipped("env.enabled is false: tpuboot does not write tpu-env")
         text = self.text
         if text is None:
-            return skipped(f"{path} is missing (see the tpu-env check)")
+            return skipped(f"{path} is missing (see the {TPU_ENV.name} check)")
         fix = "tpuboot env (or systemctl restart tpuboot), then check the metadata server"
         cache = cache_path(self.config)
         state = read_cache(self.root, self.config)  # the record tpuboot itself would use, or why not

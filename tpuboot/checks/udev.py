@@ -8,7 +8,7 @@ import fnmatch
 from tpuboot.checks.parsers.files import layered, texts
 from tpuboot.checks.parsers.udev import UDEV_RULES_DIRS, Rule, udev_rules
 from tpuboot.paths import Root
-from tpuboot.verdicts import Check, CheckResult, failed, passed
+from tpuboot.verdicts import Check, CheckResult, Criterion, failed, passed
 
 TPUBOOT_UDEV_RULE = "70-tpuboot.rules"
 
@@ -29,6 +29,9 @@ def _grants_accel(rule: Rule) -> bool:
     return not removing and names_accel(rule) and mode[-1:] == ["0666"]
 
 
+ACCEL_RULE = Criterion("accel-udev-rule", "a udev rule giving /dev/accel* mode 0666 (TPU v2 to v4)")
+
+
 def check_accel_rule(root: Root) -> CheckResult:
     """/dev/accel* (TPU v2 to v4, the kernel's accel driver) open to every user."""
     for shown, text in texts(root, layered(root, UDEV_RULES_DIRS, "*.rules")):
@@ -40,4 +43,4 @@ def check_accel_rule(root: Root) -> CheckResult:
     )
 
 
-CHECKS: tuple[tuple[str, Check], ...] = (("accel-udev-rule", check_accel_rule),)
+CHECKS: tuple[tuple[Criterion, Check], ...] = ((ACCEL_RULE, check_accel_rule),)

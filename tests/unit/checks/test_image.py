@@ -14,7 +14,7 @@ from tpuboot.checks.image import run_checks
 from tpuboot.checks.parsers.rlimits import UNLIMITED, Limit
 from tpuboot.checks.parsers.systemd import Systemd, parse_rlimit
 from tpuboot.paths import Root
-from tpuboot.verdicts import CheckResult, Checks
+from tpuboot.verdicts import CheckResult, Checks, Criterion
 
 DOCKER_UNIT = "[Unit]\nDescription=Docker\n\n[Service]\nExecStart=/usr/bin/dockerd\nLimitNPROC=infinity\n"
 
@@ -507,13 +507,14 @@ def test_registry_names_results_and_isolates_a_failing_check(tree):
     def last(root: Root) -> CheckResult:
         return verdicts.skipped("n/a")
 
-    checks = Checks([("first", first), ("broken", broken), ("last", last)])
+    named = {name: Criterion(name, f"the {name} check") for name in ("first", "broken", "last")}
+    checks = Checks([(named["first"], first), (named["broken"], broken), (named["last"], last)])
     results = checks.run(Root(tree))
     assert [(r.name, r.status) for r in results] == [("first", "PASS"), ("broken", "FAIL"), ("last", "SKIP")]
     assert results[1].detail.startswith("cannot read: ")
     assert checks.names == ["first", "broken", "last"]
     with pytest.raises(ValueError, match="registered twice"):
-        Checks([("first", first), ("last", last), ("first", first)])
+        Checks([(named["first"], first), (named["last"], last), (Criterion("first", "again"), first)])
 
 
 # --- vfio-pci in the kernel -------------------------------------------------------------------

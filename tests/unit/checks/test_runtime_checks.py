@@ -21,7 +21,7 @@ def port(**fields: object) -> dict[str, object]:
 
 def verdicts(root: Root, config: Config | None = None) -> dict[str, tuple[str, str]]:
     checks = RuntimeChecks(root, config or Config())
-    return {name: (r.status, r.detail) for name, check in checks.named() for r in [check(root)]}
+    return {c.name: (r.status, r.detail) for c, check in checks.named() for r in [check(root)]}
 
 
 @pytest.fixture

@@ -126,7 +126,7 @@ def test_doctor_checks_a_third_agent() -> None:
         Root(Path("/nonexistent")), OTHERS_OFF, AskedOnce(NoServer(), 1.0),
         lambda root, name: states.get(name, "absent"), agents,
     )  # fmt: skip
-    named = dict(checks.named())
+    named = {criterion.name: check for criterion, check in checks.named()}
     assert list(named) == ["vbar-running", "telemetry-running", "standin-running", "vbar-endpoint"]
     result = named["standin-running"]()
     assert (result.status, result.detail) == ("PASS", "container tpuboot-stand-in is running")

@@ -22,6 +22,7 @@ from tpuboot.containers.liveness import Liveness, probe
 from tpuboot.containers.service import Containers
 from tpuboot.endpoints import Endpoint, EndpointError, parse_endpoint
 from tpuboot.errors import ConfigError
+from tpuboot.metrics_catalog import CONTAINER_ENDPOINT_UP, CONTAINER_RESTARTS
 from tpuboot.paths import Root
 
 
@@ -141,13 +142,13 @@ def test_a_running_vbar_that_stops_answering_shows_in_status_and_metrics(
     containers.start(reports.release)
     try:
         wait_until(lambda: containers.statuses()["vBar"].detail == "running")
-        assert recorded.container_endpoint_up == {}  # not checked yet
+        assert recorded.series(CONTAINER_ENDPOINT_UP) == {}  # not checked yet
         with caplog.at_level(logging.INFO, logger="tpuboot.containers.service"):
             containers.check_endpoints()
         detail = f"running, not answering at 127.0.0.1:{port} (connection refused)"
         assert containers.statuses()["vBar"].detail == detail
         assert containers.status().detail == f"vBar: {detail}" and containers.status().state == "running"
-        assert recorded.container_endpoint_up == {"vBar": 0.0}
+        assert recorded.series(CONTAINER_ENDPOINT_UP) == {("vBar",): 0.0}
         (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
         assert warning.getMessage() == f"vBar: not answering at 127.0.0.1:{port}: connection refused"
         assert warning.__dict__["ENDPOINT"] == f"127.0.0.1:{port}"
@@ -162,7 +163,7 @@ def test_a_running_vbar_that_stops_answering_shows_in_status_and_metrics(
             with caplog.at_level(logging.INFO, logger="tpuboot.containers.service"):
                 containers.check_endpoints()
         assert containers.statuses()["vBar"].detail == "running"
-        assert recorded.container_endpoint_up == {"vBar": 1.0}
+        assert recorded.series(CONTAINER_ENDPOINT_UP) == {("vBar",): 1.0}
         assert [r.getMessage() for r in caplog.records] == [f"vBar: answering at 127.0.0.1:{port}"]
     finally:
         containers.stop()
@@ -188,8 +189,8 @@ def test_vbar_unanswered_past_its_delay_is_restarted_by_its_supervisor(
         assert first in kill.path
         wait_until(lambda: containers.supervisors["vBar"].starts == 2 and dockerd.running(name), timeout=15)
         wait_until(lambda: containers.statuses()["vBar"].detail == "running")
-        assert recorded.container_restarts["vBar"].value == 1
-        assert recorded.container_endpoint_up == {}  # the new container: not judged yet
+        assert recorded.counters[CONTAINER_RESTARTS][("vBar",)].value == 1
+        assert recorded.series(CONTAINER_ENDPOINT_UP) == {}  # the new container: not judged yet
         containers.check_endpoints()  # the successor is judged afresh: 0 s unanswered
         assert len(dockerd.calls("POST", "/containers/.*/kill")) == 1
     finally:

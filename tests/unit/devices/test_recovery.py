@@ -20,6 +20,7 @@ from tpuboot.devices.recovery import WEDGED, AutoRecovery, wedged
 from tpuboot.devices.snapshot import DeviceSnapshot
 from tpuboot.devices.table import GOOGLE, DeviceTable
 from tpuboot.devices.vfio import Binder
+from tpuboot.metrics_catalog import AUTOMATIC_RESETS
 
 A = "0000:05:00.0"
 V5P = (GOOGLE, 0x0062, (GOOGLE, 0x00AD))
@@ -74,7 +75,7 @@ def test_a_reset_is_for_two_of_doctors_kinds_of_finding() -> None:
 def test_a_healthy_chip_is_left_alone(tmp_path: Path, recorded: metrics.Metrics) -> None:
     kernel, recovery, _ = setup(tmp_path)
     recovery.check()
-    assert resets(kernel) == 0 and recorded.automatic_resets == {}
+    assert resets(kernel) == 0 and recorded.series(AUTOMATIC_RESETS) == {}
 
 
 def test_a_chip_that_fell_off_the_bus_is_reset_and_comes_back(
@@ -86,7 +87,7 @@ def test_a_chip_that_fell_off_the_bus_is_reset_and_comes_back(
     with caplog.at_level(logging.INFO, logger="tpuboot"):
         recovery.check()
     assert resets(kernel) == 1 and kernel.driver(A) == "vfio-pci"
-    assert recorded.automatic_resets[("0000:05:00", "recovered")].value == 1
+    assert recorded.counters[AUTOMATIC_RESETS][("0000:05:00", "recovered")].value == 1
     messages = [r.getMessage() for r in caplog.records if r.name == "tpuboot.recovery"]
     assert messages == [
         f"chip 0000:05:00: {A} does not answer config reads (vendor id 0xffff): it fell off the bus; "
@@ -111,7 +112,7 @@ def test_a_fatal_error_since_the_last_good_reset_is_reset_once(
     fatal(kernel, 2)  # a new one
     recovery.check()
     assert resets(kernel) == 2
-    assert recorded.automatic_resets[("0000:05:00", "recovered")].value == 2
+    assert recorded.counters[AUTOMATIC_RESETS][("0000:05:00", "recovered")].value == 2
 
 
 def test_a_held_chip_is_never_reset_and_that_is_said_once(
@@ -123,7 +124,7 @@ def test_a_held_chip_is_never_reset_and_that_is_said_once(
     with caplog.at_level(logging.WARNING, logger="tpuboot.recovery"):
         recovery.check()
         recovery.check()
-    assert resets(kernel) == 0 and recorded.automatic_resets == {}
+    assert resets(kernel) == 0 and recorded.series(AUTOMATIC_RESETS) == {}
     (said,) = [r.getMessage() for r in caplog.records]
     assert said == (
         f"chip 0000:05:00: {A} logged 1 fatal PCIe error(s) since boot; not reset while it may be held: "
@@ -150,7 +151,7 @@ def test_the_breaker_bounds_automatic_resets_and_a_chip_that_never_comes_back_is
     with caplog.at_level(logging.WARNING, logger="tpuboot.recovery"):
         for _ in range(4):
             recovery.check()
-    assert recorded.automatic_resets[("0000:05:00", "failed")].value == 2  # the breaker's limit
+    assert recorded.counters[AUTOMATIC_RESETS][("0000:05:00", "failed")].value == 2  # the breaker's limit
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 2 and all("did not come back from any reset" in e for e in errors)
     refused = [
@@ -271,7 +272,7 @@ def test_a_partial_scan_or_a_holder_of_a_chip_unknown_is_never_reset_under(
     fatal(kernel, 1)
     with caplog.at_level(logging.WARNING, logger="tpuboot.recovery"):
         recovery.check()
-    assert resets(kernel) == 0 and recorded.automatic_resets == {}
+    assert resets(kernel) == 0 and recorded.series(AUTOMATIC_RESETS) == {}
     (said,) = [r.getMessage() for r in caplog.records]
     assert "not reset while it may be held: " in said
     assert ("could not be read" if unseen == "unreadable" else "chip unknown") in said

@@ -19,6 +19,7 @@ from harness.polling import wait_until
 from tests.unit.helpers.metadata import make_client
 from tpuboot import metrics
 from tpuboot.gce.replies import Change
+from tpuboot.metrics_catalog import MAINTENANCE_WINDOW_START, NOTICE
 from tpuboot.notices import noticefile
 from tpuboot.notices.hooks import HOOKS_DIR
 from tpuboot.notices.parse import UTC
@@ -72,12 +73,13 @@ def test_maintenance_then_preemption_reach_the_status_file_metrics_and_hooks(
     caplog.set_level(logging.INFO, "tpuboot.notices")
     wait_until(lambda: file_data(tree) == {"active": False, "notices": []})
     assert notices.status().state == "quiet" and notices.attribute() == "none"
-    assert recorded.notice == {"preempted": 0.0, "maintenance": 0.0, "upcoming": 0.0}
+    assert recorded.series(NOTICE) == {("preempted",): 0.0, ("maintenance",): 0.0, ("upcoming",): 0.0}
 
     emulator.announce(upcoming=SCHEDULED)
     wait_until(lambda: out.exists() and out.read_text() == "upcoming SCHEDULED PENDING\n")
     assert notices.status().detail == "host maintenance at 2099-12-05 14:05 UTC (scheduled pending)"
-    assert recorded.maintenance_window_start == datetime(2099, 12, 5, 14, 5, tzinfo=UTC).timestamp()
+    window = datetime(2099, 12, 5, 14, 5, tzinfo=UTC).timestamp()
+    assert recorded.series(MAINTENANCE_WINDOW_START) == {(): window}
     assert notices.attribute() == "upcoming=SCHEDULED_PENDING@2099-12-05T14:05:00Z"
 
     emulator.announce(maintenance="TERMINATE_ON_HOST_MAINTENANCE")
@@ -92,7 +94,7 @@ def test_maintenance_then_preemption_reach_the_status_file_metrics_and_hooks(
     data = file_data(tree)
     assert data is not None and data["active"] is True
     assert [n["kind"] for n in data["notices"]] == ["preempted", "maintenance", "upcoming"]  # type: ignore[index]
-    assert recorded.notice == {"preempted": 1.0, "maintenance": 1.0, "upcoming": 1.0}
+    assert recorded.series(NOTICE) == {("preempted",): 1.0, ("maintenance",): 1.0, ("upcoming",): 1.0}
     said = [r for r in caplog.records if r.getMessage().startswith("notice: preempted")]
     assert len(said) == 1 and said[0].NOTICE_KIND == "preempted" and said[0].NOTICE_VALUE == "TRUE"
     assert reports  # the daemon was told
@@ -100,7 +102,7 @@ def test_maintenance_then_preemption_reach_the_status_file_metrics_and_hooks(
     emulator.announce(upcoming={}, maintenance="NONE", preempted=False)
     wait_until(lambda: file_data(tree) == {"active": False, "notices": []})
     wait_until(lambda: notices.status().state == "quiet")  # STATUS follows the file, never runs ahead
-    assert recorded.maintenance_window_start is None  # set before the file is
+    assert recorded.series(MAINTENANCE_WINDOW_START) == {}  # set before the file is
 
 
 def test_a_value_flapping_at_every_poll_runs_the_hooks_once_and_logs_a_line_a_minute(

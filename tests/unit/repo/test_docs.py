@@ -3,8 +3,9 @@
 - conf/tpuboot.yaml shows every section and key of tpuboot/config.py, commented out, with its
   default and a line saying what it is;
 - the man page has every command and option of the argparse parser in tpuboot/cli.py, every exit
-  status the CLI returns, every configuration key and every metric (doc/monitoring.md every metric
-  too); doc/operation.md every command, option and exit status, the README every command;
+  status the CLI returns, every configuration key and every metric with its labels (doc/monitoring.md
+  every metric too), and no page names a metric tpuboot does not declare; doc/operation.md every
+  command, option and exit status, the README every command;
 - README.md and the doc/ pages link and cite only files inside the repository;
 - the man page and the package description say that the package runs privileged containers;
 - figures and paths the docs quote come from the code: the bind retries and their waits, every path
@@ -28,11 +29,10 @@ import pytest
 import yaml
 
 from tests.unit.helpers.cli import commands
-from tpuboot import cli, metrics, metrics_export
+from tpuboot import cli
 from tpuboot.config import Config, MatchRule, Section, parse_config
-from tpuboot.devices.table import VFIO_KINDS, DeviceTable
-from tpuboot.metrics import Metrics
-from tpuboot.paths import Root
+from tpuboot.devices.table import VFIO_KINDS
+from tpuboot.metrics_catalog import CATALOG, Metric
 
 TOP = Path(__file__).resolve().parents[3]
 CONF = TOP / "conf/tpuboot.yaml"
@@ -225,27 +225,57 @@ def test_man_page_lists_every_configuration_key():
     assert missing == []
 
 
-def test_man_page_and_the_monitoring_page_list_every_metric(tmp_path):
-    with metrics.use(Metrics()) as fresh:
-        metrics_export.watch_pcie(Root(tmp_path), DeviceTable())  # the daemon's collector, names and all
-        exposition = metrics_export.exposition(fresh)
-    exposition += metrics_export.slice_exposition(metrics_export.SliceSweep({}, 0, 0.0))  # tpuboot-slice.prom
-    families = [
-        line.split()[2]
-        for line in exposition.decode().splitlines()
-        if line.startswith("# TYPE ") and not line.split()[2].endswith("_created")
-    ]
-    assert "tpuboot_pcie_present" in families
-    assert "tpuboot_tpus" in families
+def shown(metric: Metric) -> str:
+    """How the man page writes a metric: its name, and its labels in braces."""
+    return metric.name + ("{" + ",".join(metric.labels) + "}" if metric.labels else "")
+
+
+def mentions(text: str, written: str, *, whole: bool) -> bool:
+    """``written`` is in ``text`` as a name of its own; ``whole``: with no labels after it either."""
+    end = r"(?![\w{])" if whole else r"(?!\w)"
+    return re.search(rf"(?<![\w:]){re.escape(written)}{end}", text) is not None
+
+
+def test_man_page_and_the_monitoring_page_list_every_metric():
+    """Every metric declared (tpuboot/metrics_catalog.py): the man page with its labels, as the
+    record has them; doc/monitoring.md by name."""
     man = plain(man_sections()["METRICS"])
     monitoring = section(DOC / "monitoring.md", "Metrics")
     assert {
-        "man": [f for f in families if f not in man],
-        "doc/monitoring.md": [f for f in families if f not in monitoring],
-    } == {
-        "man": [],
-        "doc/monitoring.md": [],
-    }
+        "man": [shown(m) for m in CATALOG if not mentions(man, shown(m), whole=True)],
+        "doc/monitoring.md": [m.name for m in CATALOG if not mentions(monitoring, m.name, whole=False)],
+    } == {"man": [], "doc/monitoring.md": []}
+
+
+#: Names of tpuboot's own that look like a metric's and are not one.
+NOT_METRICS = {"tpuboot_agent": "a field of `tpuboot who --json` (tpuboot/holders/report.py)"}
+#: A name of tpuboot's where PromQL would have one: not a file's (tpuboot_0.1.0_all.deb), a shell
+#: function's (_tpuboot_clone) or a record rule's tail (instance:tpuboot_tpus_bound:sum).
+METRIC_NAME = re.compile(r"(?<![\w:/.\-])tpuboot_[a-z0-9_]+(?!\.?[\w:\-])")
+
+
+def documented_metrics(text: str) -> set[str]:
+    return set(METRIC_NAME.findall(text)) - NOT_METRICS.keys()
+
+
+@pytest.mark.parametrize(
+    "page",
+    [*pages(), MAN, CONF],
+    ids=lambda p: p.relative_to(TOP).as_posix(),
+)
+def test_every_metric_a_page_names_is_declared(page: Path):
+    """A metric the docs name is one tpuboot exports (renamed or gone, the page says so too)."""
+    samples = {sample for metric in CATALOG for sample in (metric.name, *metric.samples)}
+    text = plain(page.read_text()) if page == MAN else page.read_text()
+    assert sorted(documented_metrics(text) - samples) == []
+
+
+def test_the_metric_names_of_the_docs_are_found():
+    text = (
+        "`tpuboot_tpus{state}` and tpuboot_bind_attempts_total, not instance:tpuboot_tpus_bound:sum,"
+        " tpuboot_0.1.0_all.deb, /tmp/tpuboot_x, _tpuboot_clone or `tpuboot_agent`; tpuboot_nope."
+    )
+    assert documented_metrics(text) == {"tpuboot_tpus", "tpuboot_bind_attempts_total", "tpuboot_nope"}
 
 
 def test_the_monitoring_page_lists_every_alert_and_record_of_the_shipped_rules():

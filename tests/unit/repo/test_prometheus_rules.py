@@ -1,6 +1,6 @@
 """The Prometheus rules shipped in prometheus/: `promtool check rules` clean, their promtool unit
 tests passing, every alert tested firing and not firing, every record tested, and every metric
-name they use one that tpuboot/metrics.py really exports (read from its exposition, not listed).
+name they use one that tpuboot declares (tpuboot/metrics_catalog.py) and so exports.
 
 promtool comes with Debian's prometheus package (scripts/host-packages.txt); without it these
 tests fail, saying so, rather than skip: CI must run them.
@@ -11,17 +11,13 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tpuboot import metrics, metrics_export
-from tpuboot.devices.table import DeviceTable
-from tpuboot.paths import Root
-from tpuboot.runtime.collector import Snapshot
+from tpuboot.metrics_catalog import CATALOG
 
 TOP = Path(__file__).resolve().parents[3]
 RULES = TOP / "prometheus/tpuboot.rules.yml"
@@ -47,23 +43,9 @@ def rules() -> list[dict[str, Any]]:
 
 
 def exported_names() -> set[str]:
-    """Every series name a fresh registry of tpuboot.metrics exposes, and the slice's textfile, from
-    their # TYPE lines (a labelled metric not yet set has no sample line, but has its TYPE line)."""
-    names = set()
-    with tempfile.TemporaryDirectory() as top, metrics.use(metrics.Metrics()) as fresh:
-        metrics_export.watch_pcie(Root(top), DeviceTable())  # the daemon's collector: its TYPE lines too
-        metrics_export.watch_runtime(Snapshot)  # libtpu's runtime metrics, polled by the daemon
-        exposition = metrics_export.exposition(fresh)
-    exposition += metrics_export.slice_exposition(metrics_export.SliceSweep({}, 0, 0.0))  # its own textfile
-    for line in exposition.decode().splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            names.add(name)
-            if kind == "histogram":
-                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
-            elif kind == "summary":
-                names |= {f"{name}_sum", f"{name}_count"}
-    return names
+    """Every series name tpuboot exports: each declared metric's sample names (the exposition
+    shows each declared metric and no other: tests/unit/test_metrics_catalog.py)."""
+    return {sample for metric in CATALOG for sample in metric.samples}
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
