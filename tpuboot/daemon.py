@@ -106,7 +106,8 @@ class Daemon:
         self._debug_from: int | None = None  # the level SIGUSR2 turned debug logging on from
 
     def part(self, kind: type[P]) -> P | None:
-        """The part of type ``kind`` the daemon runs, if it runs one (the SIGUSR1 dump; tests)."""
+        """The part of type ``kind`` the daemon runs, if it runs one (the tests; an after-boot part
+        only once READY went out)."""
         return next((part for part in self.parts if isinstance(part, kind)), None)
 
     def serve(self, *, signals: bool = True) -> int:
