@@ -4,7 +4,10 @@ A TPU VM that becomes usable late is diagnosed on the VM, without a benchmark: t
 each phase as it ends (udev monitor open, coldplug enumeration, each bind, the metadata server's
 first answer, tpu-env written, /etc/environment, READY, vBar running), logs them in one structured
 journal line at READY, exports them as ``tpuboot_boot_phase_seconds``, and keeps them in
-``/run/tpuboot/boot.json`` for ``tpuboot status --boot``.
+``/run/tpuboot/boot.json`` for ``tpuboot status --boot``. vBar's first run is always after READY:
+the containers are among the parts the daemon starts only once READY=1 went out
+(tpuboot/daemon.py), so the journal line never has it, and the record and the metric gain it
+when it comes (tpuboot/derived.py's :class:`~tpuboot.derived.VbarMark`).
 
 Times are seconds since the process started (its start time in ``/proc/self/stat``, so the
 interpreter's own start-up counts too), on the kernel's boot-time clock, which also says how long
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpuboot.atomicfile import FileReadError, FileWriteError, read_file, write_file
+from tpuboot.component import Part
 from tpuboot.errors import shown
 from tpuboot.kernelfiles import start_ticks
 from tpuboot.paths import Root
@@ -146,6 +150,44 @@ class Budget:
             write_file(self.root, BUDGET_PATH, json.dumps(self.as_dict(), indent=1).encode(), mode=0o644)
         except FileWriteError as exc:
             log.warning("boot budget: %s", exc)
+
+
+class BootBudget(Part):
+    """The daemon's marks in the budget (a boot part: READY's is READY's own): at READY its mark and
+    the journal line; later marks through :meth:`mark` (vBar's first run). Each is published:
+    ``show`` (tpuboot/metrics.py's ``boot_phases``, handed in: that module names this one's
+    :class:`Phase`) and, through ``submit`` (the pool: a file write), /run/tpuboot/boot.json."""
+
+    name = "boot budget"
+
+    def __init__(
+        self,
+        budget: Budget,
+        submit: Callable[[Callable[[], None]], object],
+        show: Callable[[list[Phase]], None],
+    ) -> None:
+        self.budget = budget
+        self.submit = submit
+        self.show = show
+
+    def observe(self, ready: bool) -> None:
+        if ready and not self.budget.has(READY):
+            self.budget.mark(READY)
+            log.info("%s", self.budget.summary(), extra=self.budget.journal_fields())
+            self._publish()
+
+    def has(self, name: str) -> bool:
+        return self.budget.has(name)
+
+    def mark(self, name: str) -> None:
+        """On the loop: phase ``name`` ended now (its first end counts), and the budget published."""
+        if not self.budget.has(name):
+            self.budget.mark(name)
+            self._publish()
+
+    def _publish(self) -> None:
+        self.show(self.budget.phases())
+        self.submit(self.budget.save)
 
 
 _current: Budget | None = None

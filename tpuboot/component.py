@@ -1,10 +1,14 @@
 """What a part of `tpuboot run` is to the daemon: one small interface every feature sits behind.
 
-tpuboot/wiring.py builds the daemon's parts and hands them over as one list; tpuboot/daemon.py
-starts them, ticks them, shows their Status and stops them by iterating that list, with no
-knowledge of what each one does (as google-guest-agent runs its managers). A new feature is one
-module with a :class:`Part` and one line in wiring's list (tests/unit/test_parts.py adds one). The
-device manager is the one part outside the list: the loop owns it (tpuboot/daemon.py says why).
+tpuboot/wiring.py builds the daemon's parts and hands them over in two lists: the boot parts, made
+before READY because READY waits for them (the CDI spec, tpu-env, the boot budget's READY mark),
+and :data:`AfterBoot`, which makes the others (the containers, the notices, the guest attributes,
+the metrics endpoint...) once READY=1 went out, so the boot neither imports nor starts them.
+tpuboot/daemon.py starts them, ticks them, shows their Status and stops them by iterating one
+list, the after-boot parts appended to the boot ones, with no knowledge of what each one does (as
+google-guest-agent runs its managers). A new feature is one module with a :class:`Part` and one
+line in one of wiring's lists (tests/unit/test_parts.py adds one). The device manager is the one
+part outside the lists: the loop owns it (tpuboot/daemon.py says why).
 
 Each part owns its state and says when it changed through ``report()``; the daemon then reads
 ``status()`` and derives STATUS, READY and what the parts that ``observe`` show from that data,
@@ -84,10 +88,23 @@ class Part(Protocol):
         return None
 
     def observe(self, ready: bool) -> None:
-        """On the loop, after any part's report and at READY (``ready`` then and after): derive
-        what this part shows or opens from the others' state. Never blocks."""
+        """On the loop, right after the parts start (the boot parts, then the after-boot ones),
+        after any part's report and at READY (``ready`` then and after): derive what this part
+        shows or opens from the others' state. Never blocks."""
+        return None
+
+    def dump(self) -> str | None:
+        """A few words for SIGUSR1's dump beyond the Status (``metrics connections 2``), from the
+        loop; None: nothing more to say."""
         return None
 
     def stop(self) -> None:
         """End the work started (from the daemon's stop thread, once); each wait has its own bound."""
         return None
+
+
+#: The after-boot parts' maker (tpuboot/wiring.py's): the daemon calls it once, on its loop, right
+#: after READY=1 went out, and never when a stop was asked first; it imports and builds the parts
+#: READY does not wait for, in STATUS's order, and the daemon appends them to the boot parts and
+#: starts them.
+AfterBoot = Callable[[], list[Part]]

@@ -7,6 +7,15 @@ device manager is its own, outside the list: the loop owns it. The loop owns no 
 for a udev event, a retry timer, the tick (the watchdog's beat, which hands the parts' tick work to
 the pool), a part's report, or a signal. doc/architecture.md draws it.
 
+The boot path: until READY, only what READY waits for is imported and runs (the devices, the CDI
+spec a job ordered after tpuboot asks for, tpu-env and its files, the boot budget's READY mark):
+the boot parts wiring made. Right after READY=1 went out, the daemon calls wiring's
+:data:`~tpuboot.component.AfterBoot`, which imports and builds the rest (the containers, the
+notices, the runtime collector, the guest attributes, recovery, vBar's relay, the metrics
+endpoint); they join the list after the boot parts (STATUS's order, and the stop's), start,
+observe and tick from then on. A stop asked before READY ends the daemon before they exist: the
+stop touches only what ran. The gain is in doing less before READY, not in loading it cleverly.
+
 The concurrency rule (one rule, kept everywhere):
 
 - **The event loop** (tpuboot/eventloop.py, on the main thread) owns the daemon's state: READY,
@@ -53,11 +62,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 from tpuboot import __version__
 from tpuboot import signals as meaning
-from tpuboot.component import PENDING, Part, Status
+from tpuboot.component import PENDING, AfterBoot, Part, Report, Status
 from tpuboot.devices.manager import DeviceManager
 from tpuboot.devices.snapshot import DeviceSnapshot
 from tpuboot.eventloop import EventLoop, Timer, nothing
-from tpuboot.metrics_endpoint import MetricsEndpoint
 from tpuboot.notify import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
@@ -80,6 +88,7 @@ class Daemon:
         notifier: Notifier,
         parts: Iterable[Part] = (),
         metadata: MetadataClient | None = None,
+        after_boot: AfterBoot | None = None,
     ) -> None:
         self.loop = loop  # the device manager's too; serve() runs it once, then closes it
         self.devices = devices  # the loop's own part: first in STATUS, and what READY waits for first
@@ -87,6 +96,7 @@ class Daemon:
         self.notifier = notifier
         self.parts = list(parts)  # in STATUS's order: started, ticked, observing and stopped in it
         self.metadata = metadata  # shared by the parts that ask the server; closed at stop, once
+        self.after_boot = after_boot  # the parts READY does not wait for: made right after it
         self.ready = False
         self.stopping = False  # STOPPING=1 sent: nothing shown changes any more
         self._stop_asked = threading.Event()  # by a signal or request_stop, from any thread
@@ -96,7 +106,8 @@ class Daemon:
         self._debug_from: int | None = None  # the level SIGUSR2 turned debug logging on from
 
     def part(self, kind: type[P]) -> P | None:
-        """The part of type ``kind`` the daemon runs, if it runs one (the SIGUSR1 dump; tests)."""
+        """The part of type ``kind`` the daemon runs, if it runs one (the tests; an after-boot part
+        only once READY went out)."""
         return next((part for part in self.parts if isinstance(part, kind)), None)
 
     def serve(self, *, signals: bool = True) -> int:
@@ -151,12 +162,8 @@ class Daemon:
         for part in self.statuses():
             log.info("SIGUSR1: %s: %s", part.state, part.detail, extra=fields)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        endpoint = self.part(MetricsEndpoint)
-        server = None if endpoint is None else endpoint.server
-        connections = "off" if server is None else str(server.connections)
-        log.info(
-            "SIGUSR1: threads %d, peak RSS %d KiB, metrics connections %s",
-            threading.active_count(), peak, connections, extra=fields)  # fmt: skip
+        said = "".join(f", {words}" for words in (part.dump() for part in self.parts) if words)
+        log.info("SIGUSR1: threads %d, peak RSS %d KiB%s", threading.active_count(), peak, said, extra=fields)
 
     def dump_stacks(self) -> None:
         """SIGQUIT: every thread's Python stack to the journal, one record per thread."""
@@ -251,7 +258,8 @@ class Daemon:
                 log.exception("periodic check %s failed; please report it", part.name)
 
     def run(self) -> int:
-        """Start every part, READY once booted, then serve until stopped (on the loop's thread)."""
+        """Start the boot parts, READY once booted, then the after-boot parts, and serve until
+        stopped (on the loop's thread)."""
         loop = self.loop
 
         def report() -> None:  # from any thread: the loop reads the Statuses
@@ -263,7 +271,7 @@ class Daemon:
         interval = watchdog_interval()
         if interval or self._periodic():
             self._tick(interval or TICK_INTERVAL, watchdog=bool(interval))
-        self._changed()  # the TPUs coldplug found open the containers' gate at once
+        self._changed()
         asked = self._stop_asked.is_set
         try:
             # SIGTERM during a long boot (metadata server down) ends this wait: no deadline to sit out.
@@ -273,7 +281,9 @@ class Daemon:
                 log.info("ready: %s", line)
                 self.notifier.ready(line)
                 self.ready = True  # after READY=1 went out: a thread that sees it sees that too
-                self._observe()  # READY's own: the boot budget's line, the guest attribute state=ready
+                self._observe()  # READY's own: the boot budget's line
+                if not asked():
+                    self._start_after_boot(report)
                 loop.run_until(asked)
         finally:
             self.stopping = True
@@ -283,6 +293,23 @@ class Daemon:
             if self._tick_timer is not None:
                 self._tick_timer.cancel()
         return 0
+
+    def _start_after_boot(self, report: Report) -> None:
+        """Right after READY=1: the parts READY does not wait for, made now (their modules are
+        imported only now), appended to the list, started, ticked (a first round at once, as the
+        boot parts had theirs at start; the tick armed if it was not) and observing; STATUS then
+        shows every part."""
+        if self.after_boot is None:
+            return
+        later = self.after_boot()
+        self.parts += later
+        for part in later:
+            part.start(report)
+        if self._tick_timer is None and self._periodic():
+            self._tick(TICK_INTERVAL, watchdog=False)
+        else:
+            self._periodic_checks()
+        self._changed()  # the TPUs coldplug found open the containers' gate at once
 
     def _stop(self) -> None:
         """The devices let go on the loop (their reader and timers are its own); the parts end in a

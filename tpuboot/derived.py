@@ -1,26 +1,26 @@
 """What `tpuboot run` derives from its parts' state: the parts that observe the others.
 
 Each is a part of the daemon (tpuboot/component.py) whose work is ``observe``: on the loop, after
-every report and at READY, it reads the other parts' state and acts on it without blocking.
+every report, it reads the other parts' state and acts on it without blocking. All are after-boot
+parts: the daemon makes them once READY=1 went out (tpuboot/daemon.py), so what they show starts
+from READY.
 
 - :class:`GuestAttributes`: this host's state as the guest attributes ``tpuboot/<key>`` show it,
-  handed to the publisher (tpuboot/gce/guestattrs.py), which writes them from its own thread; at
-  stop, the last word (``state=stopped`` and the values its pacing held back). Its tick sums up the
-  TPUs' PCIe state from the tick's device snapshot, the reading recovery.automatic looks at too.
+  handed to the publisher (tpuboot/gce/guestattrs.py), which writes them from its own thread
+  (the first values are READY's: no ``state=starting`` is written any more); at stop, the last word
+  (``state=stopped`` and the values its pacing held back). Its tick sums up the TPUs' PCIe state
+  from the tick's device snapshot, the reading recovery.automatic looks at too.
 - :class:`TpuVmGate`: the containers start only on a TPU VM, once a TPU is present or tpu-env is
   held (an image-building VM has neither).
-- :class:`BootBudget`: READY's mark and the budget's journal line, then vBar's first run as the
-  boot's last phase (tpuboot/bootbudget.py); each published as metrics and, from the pool, to
-  /run/tpuboot/boot.json.
+- :class:`VbarMark`: vBar's first run, the boot budget's last phase (READY's mark is the boot
+  part's own: tpuboot/bootbudget.py's :class:`~tpuboot.bootbudget.BootBudget`).
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tpuboot import __version__, bootbudget, metrics
+from tpuboot import __version__, bootbudget
 from tpuboot.component import Part, Report
 from tpuboot.containers.agents import VBAR
 from tpuboot.containers.supervisor import RUNNING
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from tpuboot.env.service import EnvService
     from tpuboot.gce.guestattrs import Publisher
     from tpuboot.notices.service import Notices
-
-log = logging.getLogger("tpuboot.daemon")
 
 
 def guest_attribute_values(
@@ -91,10 +89,9 @@ class GuestAttributes(Part):
         return guest_attribute_values(ready, self.devices, self._pcie, *self._others)
 
     def start(self, report: Report) -> None:
-        """The state at start, then the publisher's thread: READY never waits for it (nor does the
-        daemon hear of its Status, which STATUS does not show)."""
+        """The publisher's thread, after READY (the daemon never hears of its Status, which STATUS
+        does not show); the values come with the observe the daemon runs right after the start."""
         self._report = report
-        self.publisher.update(self.values(False))
         self.publisher.start()
 
     def tick(self, devices: DeviceSnapshot) -> None:
@@ -128,40 +125,19 @@ class TpuVmGate(Part):
             self.containers.tpu_vm_seen("tpu-env is held")
 
 
-class BootBudget(Part):
-    """The daemon's marks in the boot budget; ``submit`` hands its file write to the pool."""
+class VbarMark(Part):
+    """vBar's first run marked in the boot budget: always after READY, since the containers start
+    only then (READY never waits for them)."""
 
-    name = "boot budget"
+    name = "boot budget: vBar"
 
-    def __init__(
-        self,
-        budget: bootbudget.Budget,
-        submit: Callable[[Callable[[], None]], object],
-        containers: Containers | None = None,
-    ) -> None:
+    def __init__(self, budget: bootbudget.BootBudget, containers: Containers) -> None:
         self.budget = budget
-        self.submit = submit
         self.containers = containers
 
     def observe(self, ready: bool) -> None:
-        if ready and not self.budget.has(bootbudget.READY):
-            self.budget.mark(bootbudget.READY)
-            self._vbar()  # running already: said in this line too
-            log.info("%s", self.budget.summary(), extra=self.budget.journal_fields())
-            self._publish()
-        else:
-            self._vbar()
-
-    def _vbar(self) -> None:
-        """vBar's first run ends the budget's last phase (after READY, which never waits for it)."""
-        if self.containers is None or self.budget.has(bootbudget.VBAR):
+        if self.budget.has(bootbudget.VBAR):
             return
         vbar = self.containers.statuses().get(VBAR)
         if vbar is not None and vbar.state == RUNNING:
             self.budget.mark(bootbudget.VBAR)
-            self._publish()
-
-    def _publish(self) -> None:
-        """The budget as metrics, and to /run/tpuboot/boot.json from the pool (a file write)."""
-        metrics.boot_phases(self.budget.phases())
-        self.submit(self.budget.save)

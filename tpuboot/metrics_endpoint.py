@@ -1,10 +1,10 @@
-"""The daemon's metrics endpoint, opened in a thread of its own once the daemon runs.
+"""The daemon's metrics endpoint, opened in a thread of its own once READY=1 went out.
 
-READY never waits for it: tpuboot/metrics.py records without prometheus_client, and the endpoint's
-import of it (tpuboot/metrics_export.py), its collectors and its port come here, beside the boot
-rather than before it, as the containers and the guest attributes do. A failure to open (a port in
-use is a warning of :func:`~tpuboot.metrics_export.serve`; anything else is a bug, logged with its
-traceback) leaves the daemon running without metrics.
+READY never waits for it: tpuboot/metrics.py records without prometheus_client, and the endpoint
+is an after-boot part (tpuboot/daemon.py); its import of prometheus_client
+(tpuboot/metrics_export.py), its collectors and its port come in its own thread. A failure to
+open (a port in use is a warning of :func:`~tpuboot.metrics_export.serve`; anything else is a bug,
+logged with its traceback) leaves the daemon running without metrics.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ class MetricsEndpoint(Part):
     def server(self) -> MetricsServer | None:
         with self._lock:
             return self._server
+
+    def dump(self) -> str:
+        """SIGUSR1's words: the scrapes being served now ("off": not open, or not yet)."""
+        server = self.server
+        return f"metrics connections {'off' if server is None else server.connections}"
 
     def start(self, report: Report = nothing) -> None:
         threading.Thread(target=self._run, name="tpuboot-metrics-open", daemon=True).start()

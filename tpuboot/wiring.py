@@ -1,16 +1,22 @@
 """The one place that makes the daemon of `tpuboot run` from a root and a configuration.
 
-Coldplug first (tpuboot/devices/udev.py says why): the udev monitor is opened and the binds of the
-TPUs present are submitted before the rest of the daemon (its event loop, requests) is imported;
-the device manager adopts them on the loop. The metrics endpoint (prometheus_client, its port)
-opens in a thread of its own once the daemon runs, so READY never waits for it. The tests build
-the daemon here too, passing the seams below; production passes none.
+In two halves, as the daemon runs them. :func:`build` makes what READY waits for, and only that:
+coldplug first (tpuboot/devices/udev.py says why: the udev monitor is opened and the binds of the
+TPUs present are submitted before the rest of the daemon is imported; the device manager adopts
+them on the loop), then the boot parts (the CDI spec, tpu-env, the boot budget's READY mark) and
+the metadata client they share with the later parts. :func:`after_boot` makes the rest (the
+containers, the notices, the runtime collector, the guest attributes, recovery, vBar's relay, the
+metrics endpoint); the daemon calls it right after READY=1 went out, so the boot neither imports
+nor starts any of them. A part of the boot that a later part acts on is told of it then: tpu-env's
+listeners gain the containers. The tests build the daemon here too, passing the seams below;
+production passes none.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tpuboot.config import Config, GuestAttributesConfig, MetadataConfig, NoticesConfig
@@ -21,13 +27,15 @@ from tpuboot.paths import Root
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from concurrent.futures import Executor
 
+    from tpuboot.bootbudget import BootBudget
     from tpuboot.component import Part
-    from tpuboot.containers.cdi_file import SpecWriter
     from tpuboot.containers.engine import ContainerEngine
-    from tpuboot.containers.service import Containers
     from tpuboot.daemon import Daemon
-    from tpuboot.devices.manager import Monitor
+    from tpuboot.devices.manager import DeviceManager, Monitor
+    from tpuboot.env.service import EnvService
+    from tpuboot.env.sync import EnvSync
     from tpuboot.eventloop import EventLoop
     from tpuboot.gce.client import MetadataClient
     from tpuboot.gce.guestattrs import PublisherSettings
@@ -52,10 +60,11 @@ def build(
     loop: EventLoop | None = None,
     runtime: RuntimeCollector | None = None,
 ) -> Daemon:
-    """The daemon, its binds of the TPUs present already running. Seams (tests): ``binder`` (a
-    fake kernel's), ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client
-    for every part), ``engine`` (a container engine's client factory), ``loop`` (one that counts
-    its wake-ups), ``runtime`` (a collector whose holders and listeners the test names)."""
+    """The daemon with its boot parts, its binds of the TPUs present already running, and
+    :func:`after_boot` to make the rest after READY. Seams (tests): ``binder`` (a fake kernel's),
+    ``monitor`` (udev events), ``notifier`` (sd_notify), ``metadata`` (one client for every part),
+    ``engine`` (a container engine's client factory), ``loop`` (one that counts its wake-ups),
+    ``runtime`` (a collector whose holders and listeners the test names)."""
     binder = binder or Binder.of(root, config)
     from time import CLOCK_BOOTTIME, clock_gettime  # the boot budget's clock; its module comes later
 
@@ -68,7 +77,9 @@ def build(
     coldplug = start_coldplug(binder, executor)
     enumerated = clock_gettime(CLOCK_BOOTTIME)
 
-    from tpuboot.daemon import Daemon  # the heavy part, first: bench/ stamps this import's span
+    # The boot parts' modules, beside the binds: the loop's first (bench/ stamps from it to the
+    # end of the env sync's and the metadata client's).
+    from tpuboot.daemon import Daemon
 
     # isort: split
     from tpuboot import bootbudget, metrics
@@ -76,17 +87,14 @@ def build(
     budget = bootbudget.begin(root)
     budget.mark(bootbudget.MONITOR_OPEN, at=monitor_open)
     budget.mark(bootbudget.COLDPLUG, f"{len(coldplug.addresses)} PCI functions", at=enumerated)
+    from tpuboot.containers.agents import agents_enabled
     from tpuboot.containers.cdi import Extras, extras_of, relays_vbar
     from tpuboot.containers.cdi_file import SpecWriter
-    from tpuboot.containers.service import Containers, agents_enabled
-    from tpuboot.derived import BootBudget, GuestAttributes, TpuVmGate
     from tpuboot.devices.manager import DeviceManager
     from tpuboot.env.service import EnvService
     from tpuboot.env.sync import EnvSync
     from tpuboot.eventloop import EventLoop
     from tpuboot.gce.client import MetadataClient
-    from tpuboot.gce.guestattrs import Publisher
-    from tpuboot.metrics_endpoint import MetricsEndpoint
     from tpuboot.notify import Notifier
 
     loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
@@ -103,13 +111,6 @@ def build(
             log.error("metadata: %s; no guest attributes, no registry token", exc)
             publish = False
     sync = EnvSync(root, config, metadata) if config.env.enabled and metadata is not None else None
-    containers = None
-    if containers_on:
-        # vBar's image comes from the tpu-env values the sync parsed, never from the file it wrote.
-        if sync is None:
-            containers = Containers(config, root, metadata, engine)
-        else:
-            containers = Containers(config, root, metadata, engine, tpu_env=sync.parsed_values)
     relay = relays_vbar(config)
 
     def extras() -> Extras:  # in the pool, at each write of the spec
@@ -120,24 +121,81 @@ def build(
     devices = DeviceManager(loop, binder, executor, monitor, coldplug, config.ready, follow=cdi.refresh)
     env = None
     if sync is not None:
-        env = EnvService(
-            sync, config.metadata.boot_deadline, config.metadata.watch, tpu_env_changed(loop, cdi, containers)
-        )
+        # After each tpu-env result (in the env thread), the spec is rewritten from the loop: its
+        # topology may have changed. The containers listen too, once they run (after_boot).
+        refresh = functools.partial(loop.call_soon_threadsafe, cdi.refresh)
+        env = EnvService(sync, config.metadata.boot_deadline, config.metadata.watch, refresh)
+    boot_budget = bootbudget.BootBudget(budget, executor.submit, metrics.boot_phases)
+    # The boot parts, in STATUS's order: what READY waits for (the binds are the loop's own), each
+    # started, ticked, observing and stopped in it (tpuboot/component.py). A new part READY must
+    # wait for is its module and one line here; any other goes in after_boot's list.
+    parts: list[Part | None] = [cdi, env, boot_budget]
+    boot = [part for part in parts if part is not None]
+    made = Boot(
+        root, config, binder, executor, devices, metadata, publish, sync, env, boot_budget, engine, runtime
+    )
+    notifier = notifier or Notifier()
+    return Daemon(loop, devices, executor, notifier, boot, metadata, functools.partial(after_boot, made))
+
+
+@dataclass(frozen=True)
+class Boot:
+    """What :func:`build` made that the after-boot parts use."""
+
+    root: Root
+    config: Config
+    binder: Binder
+    executor: Executor
+    devices: DeviceManager
+    metadata: MetadataClient | None  # shared: the daemon closes it at stop
+    publish: bool  # the guest attributes: asked for, and a client for them
+    sync: EnvSync | None
+    env: EnvService | None
+    budget: BootBudget
+    engine: Callable[[], ContainerEngine] | None  # the tests' seams
+    runtime: RuntimeCollector | None
+
+
+def after_boot(boot: Boot) -> list[Part]:
+    """The parts READY does not wait for, made once READY=1 went out (the daemon calls this on its
+    loop, and never when a stop came first): their modules are imported here, so the boot never
+    loads them. In STATUS's order, after the boot parts: each is started, ticked (over the tick's
+    one device snapshot), observes and is stopped in it; a new one is its module and one line here.
+    The guest attributes' PCIe summary is ticked before recovery's resets; the containers stop
+    after the metadata client closes, before vBar's relay and the metrics endpoint."""
+    from tpuboot.containers.agents import agents_enabled
+    from tpuboot.containers.cdi import relays_vbar
+    from tpuboot.containers.service import Containers
+    from tpuboot.derived import GuestAttributes, TpuVmGate, VbarMark
+    from tpuboot.gce.guestattrs import Publisher
+    from tpuboot.metrics_endpoint import MetricsEndpoint
+
+    root, config, metadata, env = boot.root, boot.config, boot.metadata, boot.env
+    containers = None
+    if agents_enabled(config):
+        # vBar's image comes from the tpu-env values the sync parsed, never from the file it wrote:
+        # read when a container starts, and again after each tpu-env result from now on.
+        if boot.sync is None:
+            containers = Containers(config, root, metadata, boot.engine)
+        else:
+            containers = Containers(config, root, metadata, boot.engine, tpu_env=boot.sync.parsed_values)
+        if env is not None:
+            env.listen(containers.reconfigure)  # before it starts: no result falls in between
     vbar_relay = None
-    if relay and config.vbar.endpoint is not None:
+    if relays_vbar(config) and config.vbar.endpoint is not None:
         from tpuboot.containers.vbar_relay import VbarRelay
 
         vbar_relay = VbarRelay(root, config.vbar.endpoint)
     publisher = None
-    if publish and metadata is not None:
+    if boot.publish and metadata is not None:
         deadline = config.metadata.boot_deadline
-        publishing = publisher_settings(config.guest_attributes)
-        publisher = Publisher(metadata, publishing, check_deadline=deadline)
+        publisher = Publisher(metadata, publisher_settings(config.guest_attributes), check_deadline=deadline)
     notices = None
     if config.notices.enabled and metadata is not None:
         from tpuboot.notices.service import Notices
 
         notices = Notices(root, metadata, notice_settings(config.notices))
+    runtime = boot.runtime
     if not config.runtime_metrics.enabled:
         runtime = None
     elif runtime is None:
@@ -146,45 +204,27 @@ def build(
         runtime = RuntimeCollector(root, config)
     endpoint = None
     if config.metrics.enabled:
-        endpoint = MetricsEndpoint(functools.partial(open_metrics, root, binder.table, config, runtime))
+        endpoint = MetricsEndpoint(functools.partial(open_metrics, root, boot.binder.table, config, runtime))
     recovery = None
     if config.recovery.automatic:
         from tpuboot.devices.recovery import AutoRecovery
         from tpuboot.holders.report import blockers_of
 
-        recovery = AutoRecovery(binder, config.recovery.max_resets_per_hour, blockers_of(root))
+        recovery = AutoRecovery(boot.binder, config.recovery.max_resets_per_hour, blockers_of(root))
+    devices = boot.devices
     guest_attrs = None if publisher is None else GuestAttributes(publisher, devices, env, containers, notices)
-    gate = None if containers is None else TpuVmGate(containers, devices, env)
-    # The daemon's parts, in STATUS's order: each is started, ticked (over the tick's one device
-    # snapshot), observes and is stopped in it (tpuboot/component.py). A new part is its module and
-    # one line here. The guest attributes' PCIe summary is ticked before recovery's resets.
     parts: list[Part | None] = [
-        cdi,
-        env,
         containers,
         notices,
         runtime,
-        gate,
-        BootBudget(budget, executor.submit, containers),
+        None if containers is None else TpuVmGate(containers, devices, env),
+        None if containers is None else VbarMark(boot.budget, containers),
         guest_attrs,
         recovery,
         vbar_relay,
         endpoint,
     ]
-    notifier = notifier or Notifier()
-    return Daemon(loop, devices, executor, notifier, [part for part in parts if part is not None], metadata)
-
-
-def tpu_env_changed(loop: EventLoop, cdi: SpecWriter, containers: Containers | None) -> Callable[[], None]:
-    """After each tpu-env result (in the env thread): the CDI spec rewritten from the loop (its
-    topology may have changed), and vBar's image looked at again."""
-
-    def changed() -> None:
-        loop.call_soon_threadsafe(cdi.refresh)
-        if containers is not None:
-            containers.reconfigure()
-
-    return changed
+    return [part for part in parts if part is not None]
 
 
 def open_metrics(

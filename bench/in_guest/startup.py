@@ -111,19 +111,24 @@ def wrap(owner, name):
 from tpuboot.devices.vfio import Binder
 for name in ("bind", "_attach", "prepare_node"):
     wrap(Binder, name)
-wrap(cli, "load_config")
+import tpuboot.commands.context as context  # every command reads its config there
+wrap(context, "load_config")
 if mode == "run":
     import tpuboot.devices.udev
     from tpuboot.notify import Notifier
     wrap(tpuboot.devices.udev, "open_udev_monitor")
     wrap(tpuboot.devices.udev, "start_coldplug")
     real_import = builtins.__import__
+    ENDS = ("tpuboot.daemon", "tpuboot.env.sync", "tpuboot.gce.client")
     def stamping_import(name, globals=None, locals=None, fromlist=(), level=0):
-        # `tpuboot run` imports the daemon's heavy parts after coldplug started: stamp that span.
-        wanted = name == "tpuboot.daemon" or (name == "tpuboot" and "daemon" in (fromlist or ()))
-        first = wanted and "tpuboot.daemon" not in sys.modules
-        if first:
+        # `tpuboot run` imports the boot parts after coldplug started, the daemon's loop first:
+        # stamp from the daemon's import to the end of the last of the three (wiring imports the
+        # env sync and the metadata client after the daemon; the segment takes the last end).
+        daemon = name == "tpuboot.daemon" or (name == "tpuboot" and "daemon" in (fromlist or ()))
+        if daemon and "tpuboot.daemon" not in sys.modules:
             stamp("> import daemon, envsync, metadata")
+        target = "tpuboot.daemon" if daemon else name
+        first = target in ENDS and target not in sys.modules
         module = real_import(name, globals, locals, fromlist, level)
         if first:
             stamp("< import daemon, envsync, metadata")

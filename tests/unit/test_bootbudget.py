@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 from tpuboot import bootbudget
-from tpuboot.bootbudget import BIND, COLDPLUG, METADATA, READY, VBAR, Budget, process_start
+from tpuboot.bootbudget import BIND, COLDPLUG, METADATA, READY, VBAR, BootBudget, Budget, process_start
+from tpuboot.component import Status
+from tpuboot.containers.agents import VBAR as VBAR_LABEL
+from tpuboot.containers.supervisor import RUNNING, STARTING
+from tpuboot.derived import VbarMark
 from tpuboot.paths import Root
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -164,3 +168,40 @@ def test_marks_outside_a_daemon_do_nothing() -> None:
     bootbudget._current = None
     bootbudget.mark(READY)  # `tpuboot env` writes tpu-env through the same code
     assert bootbudget.current() is None
+
+
+class Agents:
+    """The containers as vBar's mark reads them: each agent's Status."""
+
+    def __init__(self) -> None:
+        self.vbar = Status(STARTING, "starting")
+
+    def statuses(self) -> dict[str, Status]:
+        return {VBAR_LABEL: self.vbar}
+
+
+def test_ready_and_vbars_first_run_are_marked_once_each_and_published(tmp_path: Path, caplog) -> None:
+    """READY's mark is the boot part's, at READY; vBar's comes from an after-boot part once the
+    containers (which start after READY) say vBar runs. Each is published: metrics and the file."""
+    clock = Clock(0.0)
+    shown: list[list[str]] = []
+    saved: list[object] = []
+    part = BootBudget(
+        Budget(tree(tmp_path), clock), saved.append, lambda ps: shown.append([p.name for p in ps])
+    )
+    agents = Agents()
+    mark = VbarMark(part, agents)  # type: ignore[arg-type]
+    caplog.set_level("INFO", logger="tpuboot")
+    part.observe(False)
+    clock.now = 2.0
+    part.observe(True)
+    part.observe(True)
+    mark.observe(True)  # vBar still starting
+    assert shown == [["ready"]] and len(saved) == 1
+    assert [r.getMessage() for r in caplog.records] == ["boot budget: ready 2.00 s"]
+    clock.now = 5.0
+    agents.vbar = Status(RUNNING, "running")
+    mark.observe(True)
+    mark.observe(True)
+    assert shown == [["ready"], ["ready", "vbar-running"]] and len(saved) == 2
+    assert [p.seconds for p in part.budget.phases()] == [2.0, 5.0]

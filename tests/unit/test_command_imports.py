@@ -57,11 +57,12 @@ METADATA = {"tpuboot.backoff", "tpuboot.gce.client", "tpuboot.gce.failures", "tp
             "tpuboot.eventloop", "tpuboot.gce.replies", "tpuboot.gce.settings", "tpuboot.gce.transport",
             "tpuboot.gce.watch",
             "tpuboot.netio", "tpuboot.numbers", "tpuboot.wiring", "requests", "urllib3"}  # fmt: skip
-#: What reads tpu-env, its cache and /etc/environment (doctor); ENV also writes them (`tpuboot env`).
+#: What reads tpu-env, its cache and /etc/environment (doctor); ENV also writes them (`tpuboot env`),
+#: marking the boot budget (whose module has the daemon's READY mark, a Part: tpuboot.component).
 ENV_READ = {"tpuboot.env", "tpuboot.env.assignment", "tpuboot.env.cache", "tpuboot.env.identity",
             "tpuboot.env.etc_environment", "tpuboot.env.tpuenv", "yaml", "json"}  # fmt: skip
-ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.env.results", "tpuboot.env.sync", "tpuboot.env.writers",
-                  "tpuboot.atomicfile", "tpuboot.kernelfiles"}  # fmt: skip
+ENV = ENV_READ | {"tpuboot.bootbudget", "tpuboot.component", "tpuboot.env.results", "tpuboot.env.sync",
+                  "tpuboot.env.writers", "tpuboot.atomicfile", "tpuboot.kernelfiles"}  # fmt: skip
 #: What records metrics, and their declarations: plain Python, no prometheus_client.
 METRICS = {"tpuboot.metrics", "tpuboot.metrics_catalog"}
 #: What shows them in Prometheus' format (a textfile, the daemon's endpoint): prometheus_client,

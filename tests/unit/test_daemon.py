@@ -27,16 +27,17 @@ from tests.unit.helpers.daemon import (
     Event,
     QueueMonitor,
     RecordingNotifier,
+    after_boot_part,
     make,
     serving,
     until,
     with_env,
 )
 from tests.unit.helpers.devices import V5P, add_tpu, binder
-from tests.unit.helpers.eventloop import CountingSelector
 from tests.unit.helpers.metadata import make_client, make_config
 from tests.unit.helpers.runproc import free_port
 from tpuboot import bootbudget, cli
+from tpuboot.bootbudget import BootBudget
 from tpuboot.component import Status
 from tpuboot.config import (
     GuestAttributesConfig,
@@ -44,10 +45,9 @@ from tpuboot.config import (
     ReadyConfig,
     VbarConfig,
 )
-from tpuboot.containers.cdi_file import SpecWriter
 from tpuboot.containers.service import Containers
 from tpuboot.daemon import Daemon
-from tpuboot.derived import BootBudget, GuestAttributes
+from tpuboot.derived import GuestAttributes
 from tpuboot.devices import manager
 from tpuboot.env import service as envservice
 from tpuboot.env import sync as envsync
@@ -56,7 +56,6 @@ from tpuboot.env.service import EnvService
 from tpuboot.env.sync import EnvSync
 from tpuboot.env.watch import watch_tpu_env
 from tpuboot.errors import MetadataError
-from tpuboot.eventloop import EventLoop
 from tpuboot.gce.replies import Change
 from tpuboot.metrics_endpoint import MetricsEndpoint
 from tpuboot.wiring import build
@@ -167,29 +166,6 @@ def test_a_signal_stops_cleanly(kernel, sig):
     assert serve_here(daemon, drive, within=10.0) == 0
     assert notifier.sent[-1].startswith("STOPPING=1")
     assert signal.getsignal(sig) is before  # given back when the daemon ended
-
-
-def test_idle_the_daemon_wakes_only_for_the_watchdog(kernel, monkeypatch):
-    """WATCHDOG=1 every half of WATCHDOG_USEC, and nothing else wakes an idle daemon: no polling."""
-    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # WATCHDOG=1 every 0.1 s
-    monkeypatch.delenv("WATCHDOG_PID", raising=False)
-    selector = CountingSelector()
-    daemon, _, notifier = make(kernel, loop=EventLoop(selector))
-
-    def watchdogs() -> int:
-        return notifier.sent.count("WATCHDOG=1")
-
-    with serving(daemon) as running:
-        # the boot's wake-ups are behind (the CDI spec's last write among them)
-        cdi = daemon.part(SpecWriter)
-        until(lambda: daemon.ready and watchdogs() >= 2 and not (cdi and cdi.writing))
-        started = time.monotonic()  # before the count: a pause between the two only lengthens elapsed
-        wakeups, sent = selector.wakeups, watchdogs()
-        until(lambda: watchdogs() >= sent + 10)
-        elapsed, woken, ticks = time.monotonic() - started, selector.wakeups - wakeups, watchdogs() - sent
-        running.stop()
-    assert ticks >= 10 and woken <= ticks + 1  # one wake-up per WATCHDOG=1 (and the one in progress)
-    assert elapsed >= 0.099 * (ticks - 1)  # never more often than asked
 
 
 class FailingNotifier(RecordingNotifier):
@@ -546,23 +522,37 @@ def test_a_device_removed_while_ready_waits_for_it_releases_ready(kernel, monkey
 # --- guest attributes: the daemon's state, fed to the publisher -----------------------------------
 
 
-def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(kernel, emulator, root):
+def test_the_state_reaches_the_guest_attributes_from_ready_and_ready_never_waits_for_them(
+    kernel, emulator, root, monkeypatch
+):
+    """The guest attributes are an after-boot part: made once READY=1 went out, so READY never
+    waits for them, and the first state they are handed is READY's. Before, they started with the
+    boot and wrote state=starting first; the boot path (issue 32) no longer starts them before READY."""
     from tpuboot import __version__
     from tpuboot.config import GuestAttributesConfig
+    from tpuboot.gce.guestattrs import Publisher
 
+    handed: list[str] = []
+    update = Publisher.update
+
+    def recorded(self: Publisher, values: dict[str, str]) -> None:
+        handed.append(values["state"])
+        update(self, values)
+
+    monkeypatch.setattr(Publisher, "update", recorded)
     emulator.set_attribute("enable-guest-attributes", "TRUE")
     config = with_env(emulator).replace(guest_attributes=GuestAttributesConfig(min_interval=0.3))
-    emulator.hold_writes()  # no write answered until READY: READY must not wait for them
-    daemon, _, _ = make(kernel, ReadyConfig(), config, root=root, metadata=make_client(emulator))
-    guest_attrs = daemon.part(GuestAttributes)
-    assert guest_attrs is not None and guest_attrs.publisher.client is daemon.metadata  # one client
+    emulator.hold_writes()  # no write answered: READY must not wait for them
+    daemon, _, notifier = make(kernel, ReadyConfig(), config, root=root, metadata=make_client(emulator))
+    assert daemon.part(GuestAttributes) is None  # not made before READY
 
     def written() -> dict[str, str]:
         return emulator.guest_attributes("tpuboot")
 
     with serving(daemon) as running:
-        until(lambda: daemon.ready)
-        assert emulator.guest_attribute_writes <= 1 and written() == {}  # one at most, held
+        guest_attrs = after_boot_part(daemon, GuestAttributes)
+        assert guest_attrs.publisher.client is daemon.metadata  # one client
+        assert any(m.startswith("READY=1") for m in notifier.sent) and written() == {}
         emulator.release_writes()
         until(lambda: len(written()) == 5 and written()["tpuboot/state"] == "ready", timeout=30)
         # The TPUs' PCIe state comes from the daemon's first tick: the fake kernel's are well.
@@ -573,6 +563,7 @@ def test_the_state_reaches_the_guest_attributes_and_ready_never_waits_for_them(k
         assert values["tpuboot/version"] == __version__
         running.stop()
     assert emulator.guest_attributes("tpuboot")["tpuboot/state"] == "stopped"
+    assert handed and set(handed) == {"ready"}  # never state=starting
 
 
 def test_the_tpu_env_attribute_keeps_what_the_file_holds_through_a_failure(emulator, root):
@@ -598,13 +589,12 @@ def test_one_metadata_client_is_shared_and_closed_at_stop(kernel, emulator, root
         metrics=MetricsConfig(port=free_port()))  # fmt: skip
     client = make_client(emulator)
     daemon, _, _ = make(kernel, config=config, root=root, metadata=client)
-    containers, env, endpoint = daemon.part(Containers), daemon.part(EnvService), daemon.part(MetricsEndpoint)
-    assert daemon.metadata is client and containers is not None
-    assert containers.metadata is client and daemon.part(GuestAttributes) is not None
-    assert env is not None and env.sync.parsed_values == containers.tpu_env
-    assert endpoint is not None
+    env = daemon.part(EnvService)
+    assert daemon.metadata is client and env is not None
     with serving(daemon) as running:
-        until(lambda: daemon.ready)
+        containers, endpoint = after_boot_part(daemon, Containers), after_boot_part(daemon, MetricsEndpoint)
+        assert containers.metadata is client and daemon.part(GuestAttributes) is not None
+        assert env.sync.parsed_values == containers.tpu_env
         until(lambda: endpoint.server is not None)  # opened in its own thread
         server = endpoint.server
         assert server is not None

@@ -3,7 +3,8 @@
 A stand-in part, added to the list tpuboot.wiring.build assembles (as its one line there would add
 it), is started with a report, holds READY while pending, shows its line in STATUS, observes, is
 ticked in the pool and stopped, all with no change to tpuboot/daemon.py, which knows no part by
-name.
+name. A stand-in after-boot part (one line in wiring's ``after_boot``) is made, started and shown
+only once READY=1 went out, after the boot parts, and never when a stop came first.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class Probe(Part):
     def stop(self) -> None:
         self.calls.append("stop")
 
+    def dump(self) -> str:
+        return f"{self.name} dumped"
+
 
 #: The device side only, and no part there with tick work (the runtime collector's is on by default).
 NO_TICK_WORK = DEVICES_ONLY.replace(runtime_metrics=RuntimeMetricsConfig(enabled=False))
@@ -94,6 +98,7 @@ def test_a_part_in_the_list_is_started_shown_ticked_and_stopped(kernel, monkeypa
         assert running.thread.ident not in probe.tick_threads  # in the pool, never on the loop
         on_loop(daemon, daemon.dump_state)
         assert "SIGUSR1: fine: probe: still fine" in caplog.text
+        assert "KiB, probe dumped" in caplog.text  # its own words in the dump's last line
         assert running.stop() == 0
     assert probe.calls == ["start", "stop"]
     assert notifier.sent[-1] == "STOPPING=1\nSTATUS=stopping"
@@ -113,16 +118,71 @@ def test_a_part_with_no_line_and_no_tick_work_adds_neither(kernel, monkeypatch):
     assert quiet.calls == ["start", "stop"] and quiet.tick_threads == []
 
 
-def test_a_part_with_tick_work_makes_the_daemon_tick_without_a_watchdog(kernel, monkeypatch):
+@pytest.mark.parametrize("when", ["boot", "after boot"])
+def test_a_part_with_tick_work_makes_the_daemon_tick_without_a_watchdog(kernel, monkeypatch, when):
+    """At start for a boot part; for an after-boot part, the tick is armed once it starts."""
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     monkeypatch.setattr(daemon_module, "TICK_INTERVAL", 0.05)
     daemon, _, notifier = make(kernel, config=NO_TICK_WORK)
     probe = Probe(line=False)
-    daemon.parts.append(probe)
+    if when == "boot":
+        daemon.parts.append(probe)
+    else:
+        daemon.after_boot = lambda: [probe]
     with serving(daemon) as running:
         until(lambda: len(probe.tick_threads) >= 3)
         assert "WATCHDOG=1" not in notifier.sent
         assert running.stop() == 0
+
+
+def test_an_after_boot_part_is_made_started_and_shown_only_once_ready_went_out(kernel, monkeypatch):
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # a tick every 0.1 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    daemon, _, notifier = make(kernel, config=NO_TICK_WORK)
+    boot, late = Probe("boot"), Probe("late")
+    late.set(Status("fine", "late: fine"))  # as made: no report until started
+    made: list[bool] = []  # whether READY=1 had gone out when the factory ran
+
+    def after_boot() -> list[Part]:
+        made.append(any(m.startswith("READY=1") for m in notifier.sent))
+        return [late]
+
+    daemon.parts.append(boot)
+    daemon.after_boot = after_boot
+    with serving(daemon) as running:
+        until(lambda: boot.calls == ["start"])
+        on_loop(daemon, nothing)
+        assert made == [] and late.calls == []  # READY waits for the pending boot part: nothing made
+        boot.set(Status("fine", "boot: fine"))
+        until(lambda: late.calls == ["start"])
+        assert made == [True]
+        ready = next(m for m in notifier.sent if m.startswith("READY=1"))
+        assert ready == "READY=1\nSTATUS=1 TPU bound to vfio-pci; boot: fine"  # the boot parts only
+        until(lambda: notifier.last_status == "1 TPU bound to vfio-pci; boot: fine; late: fine")
+        until(lambda: len(late.tick_threads) >= 2)
+        assert late.observed and set(late.observed) == {True}  # from READY on
+        assert daemon.parts[-1] is late  # after the boot parts: STATUS's order and the stop's
+        assert running.stop() == 0
+    assert boot.calls == late.calls == ["start", "stop"]
+
+
+def test_a_stop_before_ready_never_makes_the_after_boot_parts(kernel):
+    daemon, _, notifier = make(kernel, config=NO_TICK_WORK)
+    boot, late = Probe("boot"), Probe("late")  # boot: pending, so READY waits for it
+    made: list[Part] = []
+
+    def after_boot() -> list[Part]:
+        made.append(late)
+        return [late]
+
+    daemon.parts.append(boot)
+    daemon.after_boot = after_boot
+    with serving(daemon) as running:
+        until(lambda: boot.calls == ["start"])
+        assert running.stop() == 0
+    assert not any(m.startswith("READY=1") for m in notifier.sent)
+    assert made == [] and late not in daemon.parts and late.calls == []  # never made, started, stopped
+    assert boot.calls == ["start", "stop"]
 
 
 class Broken(Probe):

@@ -12,13 +12,14 @@ answer at ``vbar.endpoint`` while it runs (:attr:`Agent.liveness`). The collecto
 configuration file read-only (:func:`config_file_mount`), the file's digest in the container's
 label so an edited file makes a new container at the next start.
 
-Light on purpose: tpuboot/derived.py and doctor read the labels here without the supervisor's metrics.
+Light on purpose: tpuboot/derived.py and doctor read the labels here without the supervisor's metrics,
+and the daemon's boot asks which agents are on (:func:`agents_enabled`) without loading the supervision.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -168,3 +169,8 @@ TELEMETRY_AGENT = Agent(
 
 #: Every agent, in the order they start and are reported.
 AGENTS: tuple[Agent, ...] = (VBAR_AGENT, TELEMETRY_AGENT)
+
+
+def agents_enabled(config: Config, agents: Sequence[Agent] = AGENTS) -> list[Agent]:
+    """The agents the configuration turns on (here, light: the daemon's boot asks it too)."""
+    return [agent for agent in agents if agent.settings(config).enabled]

@@ -1,6 +1,11 @@
 """The CDI spec's file (tpuboot/containers/cdi.py says what is in it): written atomically with the
-directory it mounts, refreshed by the daemon after every change to the devices or tpu-env, and
-removed when the daemon stops, so no container is given a chip nobody keeps bound."""
+directories it mounts, refreshed by the daemon after every change to the devices or tpu-env, and
+removed when the daemon stops, so no container is given a chip nobody keeps bound.
+
+The spec is a boot part of the daemon (a job ordered after tpuboot asks for it), vBar's relay is
+not (it starts after READY): so the spec's writer makes the relay's directory too, and a container
+started in between finds the directory it mounts (the socket appears in it when the relay starts).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from concurrent.futures import Executor, Future
 from tpuboot.atomicfile import write_file
 from tpuboot.component import Part, Report
 from tpuboot.containers.cdi import (
+    RELAY_DIR,
     SPEC_PATH,
     TPU_LOGS_DIR,
     Extras,
@@ -28,23 +34,35 @@ from tpuboot.paths import Root
 log = logging.getLogger("tpuboot.containers.cdi")
 
 
+def make_dir(root: Root, path: str, mode: int) -> None:
+    """The directory ``path`` (under ``root``) made if missing, with ``mode``; never through a link."""
+    target = root.path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    if target.is_symlink() or not target.is_dir():
+        raise NotADirectoryError(f"{path} is not a directory")
+    os.chmod(target, mode)
+
+
 def make_logs_dir(root: Root) -> None:
     """The host's /tmp/tpu_logs: sticky and writable by all, as /tmp (a job runs as any user)."""
-    path = root.path(TPU_LOGS_DIR)
-    path.mkdir(parents=True, exist_ok=True)
-    if path.is_symlink() or not path.is_dir():
-        raise NotADirectoryError(f"{TPU_LOGS_DIR} is not a directory")
-    os.chmod(path, 0o1777)
+    make_dir(root, TPU_LOGS_DIR, 0o1777)
 
 
-def apply(root: Root, spec: Spec | None) -> bool:
-    """Make the spec file hold ``spec`` (removed when None), with the directory it mounts; True if
-    anything changed."""
+def make_relay_dir(root: Root) -> None:
+    """vBar's relay's directory: 0755, its socket 0666 (tpuboot/containers/vbar_relay.py says why)."""
+    make_dir(root, RELAY_DIR, 0o755)
+
+
+def apply(root: Root, spec: Spec | None, *, relay: bool = False) -> bool:
+    """Make the spec file hold ``spec`` (removed when None), with the directories it mounts (the
+    logs', and with ``relay`` the vBar relay's); True if anything changed."""
     if spec is not None:
-        try:
-            make_logs_dir(root)
-        except OSError as exc:  # the spec all the same: every chip but the logs' mount works
-            log.error("CDI spec: %s not made (%s)", TPU_LOGS_DIR, exc, extra={"CDI_SPEC": SPEC_PATH})
+        made = [(TPU_LOGS_DIR, make_logs_dir)] + ([(RELAY_DIR, make_relay_dir)] if relay else [])
+        for path, make in made:
+            try:
+                make(root)
+            except OSError as exc:  # the spec all the same: every chip works, only that mount not
+                log.error("CDI spec: %s not made (%s)", path, exc, extra={"CDI_SPEC": SPEC_PATH})
         return write_file(root, SPEC_PATH, to_json(spec), mode=0o644)
     try:
         os.unlink(root.path(SPEC_PATH))
@@ -119,7 +137,8 @@ class SpecWriter(Part):
             if extras.dropped != self._dropped:
                 self._dropped = extras.dropped
                 log_dropped(extras.dropped)
-            return apply(self.binder.root, render(current_chips(self.binder), extras, self.binder.table))
+            spec = render(current_chips(self.binder), extras, self.binder.table)
+            return apply(self.binder.root, spec, relay=extras.vbar)
 
     def _done(self, future: Future[bool]) -> None:
         """Back on the loop."""

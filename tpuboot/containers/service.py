@@ -34,7 +34,7 @@ from tpuboot import metrics
 from tpuboot.backoff import RestartPolicy
 from tpuboot.component import Part, Report, Status
 from tpuboot.config import Config
-from tpuboot.containers.agents import AGENTS, Agent
+from tpuboot.containers.agents import AGENTS, Agent, agents_enabled
 from tpuboot.containers.credentials import ServiceAccountCredentials, TokenSource
 from tpuboot.containers.engine import ContainerEngine, ContainerSpec
 from tpuboot.containers.exec import ExecRuntime
@@ -64,11 +64,6 @@ def _no_tpu_env() -> Mapping[str, str] | None:
 #: starts, when it never will (GKE) or not yet (no TPU VM).
 ContainerState = Literal[SupervisedState, "not started"]
 NOT_STARTED: Final[ContainerState] = "not started"
-
-
-def agents_enabled(config: Config, agents: Sequence[Agent] = AGENTS) -> list[Agent]:
-    """The agents the configuration turns on."""
-    return [agent for agent in agents if agent.settings(config).enabled]
 
 
 class Containers(Part):

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from tpuboot.component import Part, Report
 from tpuboot.containers.cdi import RELAY_DIR, RELAY_SOCKET
+from tpuboot.containers.cdi_file import make_relay_dir
 from tpuboot.eventloop import nothing
 
 if TYPE_CHECKING:
@@ -154,11 +155,8 @@ class VbarRelay(Part):
     # ------------------------------------------------------------------ setup
 
     def _listen(self) -> socket.socket:
+        make_relay_dir(self.root)  # the CDI spec's writer made it already, if it mounts it
         directory = self.root.path(RELAY_DIR)
-        directory.mkdir(parents=True, exist_ok=True)
-        if directory.is_symlink() or not directory.is_dir():
-            raise NotADirectoryError(f"{RELAY_DIR} is not a directory")
-        os.chmod(directory, 0o755)
         try:
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 os.unlink(self.path)  # a past run's

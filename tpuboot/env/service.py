@@ -2,9 +2,10 @@
 
 A part of the daemon (tpuboot/component.py) with one thread of its own: the boot-time sync (within
 ``metadata.boot_deadline``), then, with ``metadata.watch``, the watch. Each result becomes this
-part's Status (under its lock), goes to ``on_values`` (the containers: vBar's image may have
-changed), and is reported; nothing here runs on the daemon's loop, so a slow server, a file
-read or a container's reconfiguring never holds it.
+part's Status (under its lock), goes to each listener (the CDI spec's refresh from boot on; the
+containers from when they start, after READY: vBar's image may have changed), and is reported;
+nothing here runs on the daemon's loop, so a slow server, a file read or a container's
+reconfiguring never holds it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class EnvService(Part):
         self.sync = sync
         self.deadline = deadline
         self.watch = watch
-        self.on_values = on_values  # called in this part's thread after each result
+        # Called in this part's thread after each result, in the order given; :meth:`listen` adds more.
+        self._listeners: list[Callable[[], None]] = [] if on_values is None else [on_values]
         self.clock = clock
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -64,6 +66,13 @@ class EnvService(Part):
         self._report = report
         self._thread = threading.Thread(target=self._run, name="tpuboot-env", daemon=True)
         self._thread.start()
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` too, in this part's thread, after each result from now on (from any
+        thread: the containers, which read tpu-env's values themselves when they start, join
+        after READY)."""
+        with self._lock:
+            self._listeners.append(listener)
 
     def stop(self) -> None:
         """Ends the watch at its next wake-up; closing the metadata client (the daemon does, after
@@ -124,11 +133,12 @@ class EnvService(Part):
                 metrics.slice_identity(None)
             state: EnvState = result.source
             self._status = Status(state, result.status)
-        if self.on_values is not None:
+            listeners = list(self._listeners)
+        for listener in listeners:  # the spec's topology, VBARCONTROL_AGENT_DOCKER_URL may have changed
             try:
-                self.on_values()  # VBARCONTROL_AGENT_DOCKER_URL may have changed
+                listener()
             except Exception:
-                log.exception("vBar: reconfiguring after a tpu-env change failed unexpectedly")
+                log.exception("tpu-env: acting on a change failed unexpectedly; please report it")
         self._report()
 
     def _set(self, status: Status) -> None:

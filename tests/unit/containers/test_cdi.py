@@ -91,6 +91,23 @@ def test_the_file_is_written_atomically_and_removed_when_no_chip_is_left(tmp_pat
     assert cdi_file.apply(kernel.root, None) is False
 
 
+@pytest.mark.parametrize("relay", [True, False])
+def test_the_writer_makes_the_relays_directory_the_spec_mounts(tmp_path: Path, relay: bool) -> None:
+    """vBar's relay starts after READY, the spec before it: a container started in between must
+    find the directory the spec mounts (its socket comes with the relay)."""
+    kernel = FakeKernel(tmp_path)
+    add_tpu(kernel, "0000:00:04.0", V5P, driver="vfio-pci", group="4")
+    pool = Pool()
+    writer = cdi_file.SpecWriter(binder(kernel), pool, lambda fn, *a: None, lambda: cdi.Extras(vbar=relay))  # type: ignore[arg-type]
+    writer.refresh()
+    pool.run_one()
+    mounts = json.loads(kernel.p(cdi.SPEC_PATH).read_text())["containerEdits"]["mounts"]
+    assert (cdi.RELAY_DIR in [m["hostPath"] for m in mounts]) is relay
+    directory = kernel.p(cdi.RELAY_DIR)
+    assert directory.is_dir() is relay
+    assert not relay or directory.stat().st_mode & 0o7777 == 0o755
+
+
 def test_yaml_says_what_json_says() -> None:
     spec = cdi.render(chips(ChipFunction("0000:00:04.0", "TPU v5p", "4")))
     assert spec is not None

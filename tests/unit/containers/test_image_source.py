@@ -214,21 +214,23 @@ def test_the_daemon_wires_the_sync_into_the_containers(
 ) -> None:
     """The wiring (tpuboot.wiring.build): the containers read tpu-env from the EnvSync the daemon
     runs, or not at all."""
-    from tests.unit.helpers.daemon import QueueMonitor
+    from tests.unit.helpers.daemon import QueueMonitor, with_after_boot
     from tpuboot.config import GuestAttributesConfig, MetricsConfig
     from tpuboot.wiring import build
 
     config = config_for(metadata).replace(
         metrics=MetricsConfig(enabled=False), guest_attributes=GuestAttributesConfig(enabled="false")
     )
-    daemon = build(root, config, monitor=QueueMonitor(), metadata=sync_client)
+    daemon = with_after_boot(build(root, config, monitor=QueueMonitor(), metadata=sync_client))
     env, containers = daemon.part(EnvService), daemon.part(Containers)
     assert env is not None and containers is not None
     env.sync.sync_once(5)
     assert (containers.tpu_env() or {})[KEY] == GOOD
     user_rewrites(root, EVIL)
     assert (containers.tpu_env() or {})[KEY] == GOOD
-    disabled = build(root, config.replace(env=EnvConfig(enabled=False)), monitor=QueueMonitor())
+    disabled = with_after_boot(
+        build(root, config.replace(env=EnvConfig(enabled=False)), monitor=QueueMonitor())
+    )
     without = disabled.part(Containers)
     assert without is not None and without.tpu_env() is None
     for built in (daemon, disabled):

@@ -172,18 +172,17 @@ def test_a_reset_baseline_from_the_command_counts_for_the_daemon_too(tmp_path: P
 def test_the_daemon_resets_a_wedged_chip_at_its_tick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """recovery.automatic on: the daemon's tick (TICK_INTERVAL without a watchdog) finds the chip
     that fell off the bus and brings it back; off (the default), the daemon has no recovery."""
-    from tests.unit.helpers.daemon import DEVICES_ONLY, make, serving, until
+    from tests.unit.helpers.daemon import DEVICES_ONLY, after_boot_part, make, serving, until, with_after_boot
     from tpuboot import daemon as daemon_module
     from tpuboot.config import RecoveryConfig
 
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     monkeypatch.setattr(daemon_module, "TICK_INTERVAL", 0.05)
     kernel, _, _ = setup(tmp_path)
-    assert make(kernel)[0].part(AutoRecovery) is None  # off by default
+    assert with_after_boot(make(kernel)[0]).part(AutoRecovery) is None  # off by default
     daemon, _, _ = make(kernel, config=DEVICES_ONLY.replace(recovery=RecoveryConfig(automatic=True)))
-    assert daemon.part(AutoRecovery) is not None
     with serving(daemon) as running:
-        until(lambda: daemon.ready)
+        after_boot_part(daemon, AutoRecovery)  # after READY: the tick is armed for it
         wedge(kernel, A)
         kernel.on_reset = lambda address: unwedge(kernel, address)
         until(lambda: resets(kernel) == 1, timeout=20)
@@ -199,7 +198,7 @@ def test_one_tick_reads_the_devices_once_for_every_reader(
     one listing of the PCI functions and one health reading per function a tick (the tick's device
     snapshot), and each reader gets it (the wedged chip reset, its state summarised, its holders
     looked for)."""
-    from tests.unit.helpers.daemon import DEVICES_ONLY, make
+    from tests.unit.helpers.daemon import DEVICES_ONLY, make, with_after_boot
     from tests.unit.helpers.metadata import make_client
     from tpuboot.config import GuestAttributesConfig, RecoveryConfig
     from tpuboot.derived import GuestAttributes
@@ -211,7 +210,7 @@ def test_one_tick_reads_the_devices_once_for_every_reader(
     config = DEVICES_ONLY.replace(
         recovery=RecoveryConfig(automatic=True), guest_attributes=GuestAttributesConfig(enabled="true")
     )
-    daemon, _, _ = make(kernel, config=config, metadata=make_client(emulator))
+    daemon = with_after_boot(make(kernel, config=config, metadata=make_client(emulator))[0])
     recovery, attributes = daemon.part(AutoRecovery), daemon.part(GuestAttributes)
     runtime = daemon.part(RuntimeCollector)
     assert recovery is not None and attributes is not None and runtime is not None

@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from harness.polling import wait_until
 from tests.unit.fakes.kernel import FakeKernel
@@ -123,6 +124,27 @@ def serving(daemon: Daemon) -> Iterator[Serving]:
         if not running.ended:
             daemon.request_stop()
             running.thread.join(20)
+
+
+P = TypeVar("P")
+
+
+def after_boot_part(daemon: Daemon, kind: type[P]) -> P:
+    """The part of type ``kind`` of a serving daemon, once there: an after-boot part is made right
+    after READY (tpuboot/daemon.py), a little after ``daemon.ready`` turns true."""
+    until(lambda: daemon.part(kind) is not None)
+    part = daemon.part(kind)
+    assert part is not None
+    return part
+
+
+def with_after_boot(daemon: Daemon) -> Daemon:
+    """``daemon`` with its after-boot parts made and in its list, none started: the whole wiring,
+    for a test that looks at it without serving (serving would make them after READY)."""
+    if daemon.after_boot is not None:
+        daemon.parts += daemon.after_boot()
+        daemon.after_boot = None
+    return daemon
 
 
 def guest_attribute_values(daemon: Daemon) -> dict[str, str]:

@@ -3,6 +3,7 @@ address, the config in a fake root. For the tests that take the daemon's whole s
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import random
@@ -103,11 +104,13 @@ def tpuboot_run(
     *,
     env: Mapping[str, str] | None = None,
     nofile: int | None = None,
+    stderr: Path | None = None,
 ) -> Iterator[RunningDaemon]:
     """Start ``tpuboot --root TOP --config /tpuboot.yaml run`` with ``config``; killed if still
     running at exit, its stderr printed (pytest shows it on failure). ``env``: more environment
     (``WATCHDOG_USEC``, as systemd's WatchdogSec= sets it); ``nofile``: its RLIMIT_NOFILE, soft and
-    hard (as the unit's LimitNOFILE= sets it)."""
+    hard (as the unit's LimitNOFILE= sets it); ``stderr``: a file for its stderr rather than a pipe
+    read at the end (a long one, as ``PYTHONPROFILEIMPORTTIME`` makes, would fill the pipe)."""
     (top / "tpuboot.yaml").write_text(config)
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         notify.bind(str(work / "notify"))
@@ -123,14 +126,18 @@ def tpuboot_run(
                 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
         command = [sys.executable, "-m", "tpuboot", "--root", str(top), "--config", "/tpuboot.yaml", "run"]
-        process = subprocess.Popen(
-            command, cwd=REPO, env=environ, stderr=subprocess.PIPE, text=True, preexec_fn=limit
-        )
+        with contextlib.ExitStack() as files:
+            sink = subprocess.PIPE if stderr is None else files.enter_context(stderr.open("w"))
+            process = subprocess.Popen(
+                command, cwd=REPO, env=environ, stderr=sink, text=True, preexec_fn=limit
+            )
         running = RunningDaemon(process, notify)
         try:
             yield running
         finally:
             if running.process.poll() is None:
                 running.process.kill()
-            running.stderr = running.process.communicate(timeout=10)[1]
+            running.stderr = running.process.communicate(timeout=10)[1] or ""
+            if stderr is not None:
+                running.stderr = stderr.read_text()
             print(f"tpuboot run's stderr:\n{running.stderr}", file=sys.stderr)

@@ -16,6 +16,7 @@ from tests.unit.helpers.daemon import (
     FIRST_ATTEMPT,
     QueueMonitor,
     RecordingNotifier,
+    after_boot_part,
     serving,
     until,
 )
@@ -57,9 +58,8 @@ def test_the_daemon_exports_a_held_chips_metrics_and_a_hang(
         daemon = build(kernel.root, config, binder=binder(kernel), monitor=QueueMonitor(),
                        notifier=notifier, runtime=collector)  # fmt: skip
         with serving(daemon) as running:
-            endpoint = daemon.part(MetricsEndpoint)
-            assert endpoint is not None
-            until(lambda: daemon.ready and endpoint.server is not None)
+            endpoint = after_boot_part(daemon, MetricsEndpoint)
+            until(lambda: endpoint.server is not None)
             port = endpoint.server.server_port  # type: ignore[union-attr]
             ticks = notifier.sent.count("WATCHDOG=1")
             until(lambda: notifier.sent.count("WATCHDOG=1") >= ticks + 3)
