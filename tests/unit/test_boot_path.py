@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 from pathlib import Path
 
 from harness.mds_emulator import MetadataEmulator
 from harness.polling import wait_until
 from tests.unit.fakes.kernel import FakeKernel
 from tests.unit.helpers.devices import add_tpu
-from tests.unit.helpers.runproc import free_port, tpuboot_run
+from tests.unit.helpers.runproc import free_port, port_open, tpuboot_run
 
 #: What READY waits for: the loop and the device manager, the CDI spec, tpu-env and the metadata client.
 BOOT = ("tpuboot.daemon", "tpuboot.devices.manager", "tpuboot.containers.cdi_file", "tpuboot.env.service",
@@ -64,14 +63,6 @@ def imports(stderr: str) -> tuple[list[str], list[str]]:
         elif found := _IMPORTED.match(line):
             side.append(found.group(1))
     return before, after
-
-
-def port_open(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def a_tpu_vm(top: Path) -> FakeKernel:

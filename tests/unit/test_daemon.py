@@ -33,7 +33,7 @@ from tests.unit.helpers.daemon import (
     until,
     with_env,
 )
-from tests.unit.helpers.devices import V5P, add_tpu, binder
+from tests.unit.helpers.devices import V5P, add_tpu, binder, four_tpus_and_a_disk
 from tests.unit.helpers.metadata import make_client, make_config
 from tests.unit.helpers.runproc import free_port
 from tpuboot import bootbudget, cli
@@ -94,11 +94,7 @@ def serve_here(daemon: Daemon, drive: Callable[[Daemon], None], within: float = 
 
 @pytest.fixture
 def kernel(tmp_path):
-    k = FakeKernel(tmp_path)
-    for i in range(4):
-        add_tpu(k, f"0000:00:0{4 + i}.0", V5P, driver=None, group=str(4 + i))
-    k.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")
-    return k
+    return four_tpus_and_a_disk(FakeKernel(tmp_path))
 
 
 def test_coldplug_binds_every_tpu_before_ready_and_leaves_others(kernel):

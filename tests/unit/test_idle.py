@@ -25,7 +25,7 @@ from tests.unit.helpers.daemon import (
     serving,
     until,
 )
-from tests.unit.helpers.devices import V5P, add_tpu
+from tests.unit.helpers.devices import four_tpus_and_a_disk
 from tests.unit.helpers.eventloop import CountingSelector
 from tests.unit.helpers.metadata import make_client
 from tests.unit.helpers.runproc import free_port
@@ -56,11 +56,7 @@ LONG_POLLS = 4
 
 @pytest.fixture
 def kernel(tmp_path):
-    k = FakeKernel(tmp_path)
-    for i in range(4):
-        add_tpu(k, f"0000:00:0{4 + i}.0", V5P, driver=None, group=str(4 + i))
-    k.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")
-    return k
+    return four_tpus_and_a_disk(FakeKernel(tmp_path))
 
 
 @pytest.fixture

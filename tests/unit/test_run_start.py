@@ -8,23 +8,14 @@ prometheus_client it once ended at the metrics import, before READY.
 from __future__ import annotations
 
 import signal
-import socket
 import urllib.request
 from pathlib import Path
 
 from harness.mds_emulator import SAMPLE_TPU_ENV, MetadataEmulator
 from harness.polling import wait_until
 from tests.unit.fakes.kernel import FakeKernel
-from tests.unit.helpers.runproc import free_port, tpuboot_run
+from tests.unit.helpers.runproc import free_port, port_open, tpuboot_run
 from tpuboot.env.tpuenv import render_env_file
-
-
-def port_open(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def test_run_starts_reports_ready_serves_metrics_and_stops_on_sigterm(

@@ -33,6 +33,15 @@ def add_tpu(kernel: FakeKernel, address="0000:00:04.0", ids=V5P, driver=None, gr
     kernel.add_device(address, vendor, device, subsystem, driver=driver, group=group)
 
 
+def four_tpus_and_a_disk(kernel: FakeKernel) -> FakeKernel:
+    """The daemon tests' host: four unbound v5p functions, each in its own group, and a virtio
+    disk (not a TPU: never touched)."""
+    for i in range(4):
+        add_tpu(kernel, f"0000:00:0{4 + i}.0", V5P, driver=None, group=str(4 + i))
+    kernel.add_device("0000:00:02.0", 0x1AF4, 0x1001, driver="virtio-pci", group="2")
+    return kernel
+
+
 def surveyed(kernel: FakeKernel, table: DeviceTable) -> list:
     return survey(Binder(kernel.root, table, VfioConfig(node_timeout=0.05), write=kernel.write))
 

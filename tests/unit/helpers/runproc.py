@@ -141,3 +141,12 @@ def tpuboot_run(
             if stderr is not None:
                 running.stderr = stderr.read_text()
             print(f"tpuboot run's stderr:\n{running.stderr}", file=sys.stderr)
+
+
+def port_open(port: int) -> bool:
+    """Whether something accepts on 127.0.0.1:``port`` now."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
