@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tpuboot.config import Config, GuestAttributesConfig, MetadataConfig, NoticesConfig
+from tpuboot.config import Config, GuestAttributesConfig, MetadataConfig, NoticesConfig, decided
 from tpuboot.devices.table import DeviceTable
 from tpuboot.devices.vfio import Binder
 from tpuboot.errors import ConfigError
@@ -98,7 +98,7 @@ def build(
     from tpuboot.notify import Notifier
 
     loop = loop or EventLoop()  # the daemon's, run by Daemon.serve on the main thread
-    publish = config.guest_attributes.enabled != "false"
+    publish = decided(config.guest_attributes.enabled) is not False
     containers_on = bool(agents_enabled(config))
     if metadata is None and (config.env.enabled or containers_on or publish or config.notices.enabled):
         try:
@@ -253,8 +253,7 @@ def publisher_settings(config: GuestAttributesConfig) -> PublisherSettings:
     """The guest-attribute publisher's settings from the ``guest_attributes`` section."""
     from tpuboot.gce.guestattrs import PublisherSettings
 
-    enabled = {"auto": None, "true": True, "false": False}[config.enabled]
-    return PublisherSettings(enabled=enabled, min_interval=config.min_interval)
+    return PublisherSettings(enabled=decided(config.enabled), min_interval=config.min_interval)
 
 
 def notice_settings(config: NoticesConfig) -> NoticeSettings:
