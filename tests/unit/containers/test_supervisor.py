@@ -17,7 +17,7 @@ import pytest
 
 from harness.polling import wait_until
 from tests.unit.helpers.containers import Statuses
-from tests.unit.helpers.daemon import guest_attribute_values, serving, until
+from tests.unit.helpers.daemon import after_boot_part, guest_attribute_values, serving, until
 from tests.unit.helpers.runproc import free_port
 from tpuboot import metrics, metrics_export
 from tpuboot.backoff import RestartPolicy
@@ -352,11 +352,11 @@ def test_tpu_env_alone_makes_it_a_tpu_vm(tmp_path: Path, root: Any, emulator: An
     daemon, _, _ = make(kernel, config=config, root=root, metadata=make_client(emulator), engine=docker)
 
     with serving(daemon) as running:
-        until(lambda: daemon.ready)
+        containers = after_boot_part(daemon, Containers)  # made right after READY
         if held:  # the supervisor starts (the sample's image is then refused: not in vbar.registries)
-            until(lambda: "vBar" in daemon.part(Containers).supervisors)
+            until(lambda: "vBar" in containers.supervisors)
         else:
             until(lambda: "vBar: not started, not a TPU VM" in daemon.status_line())
             time.sleep(0.2)  # a moment in which the gate may not open
-        assert ("vBar" in daemon.part(Containers).supervisors) is held  # the gate opened, or stayed shut
+        assert ("vBar" in containers.supervisors) is held  # the gate opened, or stayed shut
         running.stop()
