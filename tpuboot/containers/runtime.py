@@ -37,6 +37,7 @@ from tpuboot.containers.engine import (
     ExitStream,
 )
 from tpuboot.containers.supervisor import CannotStart, Refused, RuntimeUnavailable, Started, StartFailed
+from tpuboot.errors import printable
 from tpuboot.references import ImageRefused, RegistryAllowlist
 
 if TYPE_CHECKING:
@@ -54,10 +55,11 @@ def _unreachable(exc: BaseException) -> bool:
 
 
 def _reason(exc: BaseException) -> str:
-    """One line for a status or log: the engine's own message when it answered."""
+    """One line for a status or log: the engine's own message when it answered, escaped (another
+    party's text: it may echo a name or reference from tpu-env)."""
     explanation = getattr(exc, "explanation", None)
     text = str(explanation or exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return printable(text[0]) if text else type(exc).__name__
 
 
 class EngineRuntime:

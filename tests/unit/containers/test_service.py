@@ -146,6 +146,25 @@ def test_a_container_that_cannot_start_even_when_new_is_one_failed_start(dockerd
     assert len(dockerd.calls("POST", "/containers/create")) == 2
 
 
+def test_the_engines_message_is_escaped_in_the_log_and_the_failure(
+    dockerd: FakeDockerd, caplog: pytest.LogCaptureFixture
+) -> None:
+    """dockerd's answer may echo another party's text: a control character in it is shown as an
+    escape, never sent to the terminal or the journal as it is."""
+    dockerd.images.add(IMAGE)
+    docker_runtime(dockerd).start()
+    dockerd.die("vbar", 1)
+    first = dockerd.containers["vbar"]["Id"]
+    dockerd.stale_tasks.add(first)
+    dockerd.stale_tasks.add(f"{2:064x}")
+    dockerd.stale_message = "task \x1b[2Jgone: already exists"
+    with pytest.raises(StartFailed) as failed:
+        docker_runtime(dockerd).start()
+    assert str(failed.value) == "vbar: task \\x1b[2Jgone: already exists"
+    assert "cannot be started again (task \\x1b[2Jgone: already exists)" in caplog.text
+    assert "\x1b" not in caplog.text
+
+
 def test_recreates_a_container_with_the_name_and_labels_but_not_privileged(dockerd: FakeDockerd) -> None:
     dockerd.images.add(IMAGE)
     old = dockerd.add_container("vbar", IMAGE, ContainerSpec("vbar", IMAGE).labels, privileged=False)

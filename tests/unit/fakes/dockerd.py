@@ -128,6 +128,7 @@ class FakeDockerd:
         #: Ids of containers containerd still has a task for (left by a dockerd restart): their start
         #: fails, as dockerd's does, until the container is removed.
         self.stale_tasks: set[str] = set()
+        self.stale_message: str | None = None  # the start's error message for them (None: dockerd's)
         self.pulls: list[tuple[str, str]] = []
         self.pull_auths: list[dict[str, Any] | None] = []  # each pull's decoded X-Registry-Auth
         self.registry_credentials: dict[str, tuple[str, str]] = {}  # host -> the pair it takes
@@ -424,7 +425,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     status, answer = 304, None
                 elif container["Id"] in fake.stale_tasks:
                     task = f"task {container['Id']}: already exists: unknown"
-                    status, answer = 500, {"message": f"failed to create task for container: {task}"}
+                    message = fake.stale_message or f"failed to create task for container: {task}"
+                    status, answer = 500, {"message": message}
                 else:
                     container["State"] = {"Running": True, "ExitCode": 0, "Status": "running"}
                     status, answer = 204, None
