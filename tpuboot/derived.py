@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 
 def guest_attribute_values(
-    ready: bool,
     devices: DeviceManager,
     pcie: str | None = None,
     env: EnvService | None = None,
@@ -46,12 +45,13 @@ def guest_attribute_values(
 ) -> dict[str, str]:
     """This host's state as the guest attributes tpuboot/<key> show it (a part that is off: its key
     says so; ``pcie``: the TPUs' PCIe state in a word, None until read); on the loop, which owns
-    the devices' state."""
+    the devices' state. ``state`` is ``ready``: the attributes are an after-boot part, shown from
+    READY on (``stopped`` is the stop's last word)."""
     bound, present, failed = devices.counts()
     vbar = None if containers is None else containers.statuses().get(VBAR)
     shown = "" if pcie is None else f" pcie={pcie}"
     return {
-        "state": "ready" if ready else "starting",
+        "state": "ready",
         "tpus": f"bound={bound} expected={present} failed={failed}{shown}",
         "tpu-env": "source=disabled" if env is None else env.attribute(),
         "vbar": "disabled" if vbar is None else vbar.detail,
@@ -85,8 +85,8 @@ class GuestAttributes(Part):
         """The TPUs' PCIe state at the last tick, in a word (from any thread); None: not read yet."""
         return self._pcie
 
-    def values(self, ready: bool) -> dict[str, str]:
-        return guest_attribute_values(ready, self.devices, self._pcie, *self._others)
+    def values(self) -> dict[str, str]:
+        return guest_attribute_values(self.devices, self._pcie, *self._others)
 
     def start(self, report: Report) -> None:
         """The publisher's thread, after READY (the daemon never hears of its Status, which STATUS
@@ -101,7 +101,7 @@ class GuestAttributes(Part):
             self._report()  # the loop observes: the tpus attribute follows
 
     def observe(self, ready: bool) -> None:
-        self.publisher.update(self.values(ready))  # a lock, no I/O: the publisher writes in its thread
+        self.publisher.update(self.values())  # a lock, no I/O: the publisher writes in its thread
 
     def stop(self) -> None:
         """The last word, before the daemon closes the metadata client the publisher writes through."""

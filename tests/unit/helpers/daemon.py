@@ -152,7 +152,7 @@ def guest_attribute_values(daemon: Daemon) -> dict[str, str]:
     attributes = daemon.part(GuestAttributes)
     pcie = None if attributes is None else attributes.pcie
     shown = (daemon.part(EnvService), daemon.part(Containers), daemon.part(Notices))
-    return derived.guest_attribute_values(daemon.ready, daemon.devices, pcie, *shown)
+    return derived.guest_attribute_values(daemon.devices, pcie, *shown)
 
 
 def on_loop(daemon: Daemon, fn: Callable[[], object]) -> object:
