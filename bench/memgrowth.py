@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import gc
 import json
@@ -42,7 +43,7 @@ import threading
 import time
 import tracemalloc
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -418,15 +419,39 @@ def large_document(size: int) -> Doc:
     )
 
 
+@contextlib.contextmanager
+def daemon_process(trace: bool) -> Iterator[None]:
+    """The process as the bench's daemon wants it (a watchdog beat every 0.2 s, no notify socket,
+    tracemalloc on if asked), put back after: a test runs the bench inside pytest's process, whose
+    later tests would otherwise all serve with a watchdog."""
+    saved = {name: os.environ.get(name) for name in ("WATCHDOG_USEC", "NOTIFY_SOCKET")}
+    os.environ["WATCHDOG_USEC"] = "400000"  # a tick every 0.2 s
+    os.environ.pop("NOTIFY_SOCKET", None)
+    if trace:
+        tracemalloc.start(FRAMES)
+    try:
+        yield
+    finally:
+        if trace:
+            tracemalloc.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run(
     minutes: float, warmup: float, pace: float, seed: int, trace: bool = True, large: int = 0
 ) -> dict[str, Any]:
     if warmup >= minutes * 60:
         raise ValueError("--minutes must be longer than --warmup")
-    os.environ["WATCHDOG_USEC"] = "400000"  # a tick every 0.2 s
-    os.environ.pop("NOTIFY_SOCKET", None)
-    if trace:
-        tracemalloc.start(FRAMES)
+    with daemon_process(trace):
+        return measure(minutes, warmup, pace, seed, large)
+
+
+def measure(minutes: float, warmup: float, pace: float, seed: int, large: int) -> dict[str, Any]:
+    """:func:`run`'s work, in the process :func:`daemon_process` set up."""
     from tpuboot.wiring import build  # after tracemalloc starts, so the imports' allocations are seen
 
     work = Path(tempfile.mkdtemp(prefix="memgrowth-"))

@@ -9,7 +9,9 @@ that keeps a reference to the real ``connect``: audit hooks cannot be removed an
 connect, through whichever name it is called). The same hook lets a test watch the events of a
 block of code (``audit_events``, tests/unit/helpers/audit.py), where it would otherwise patch
 ``os`` to spy on calls.
-Another fixture puts the ``tpuboot`` logger back after each test: `cli.main` points it at the
+A test that leaves ``os.environ`` changed fails (:func:`environment_as_found`): a WATCHDOG_USEC
+left set once made every later daemon test of its worker see a watchdog. Another fixture puts the
+``tpuboot`` logger back after each test: `cli.main` points it at the
 stderr of the moment, which pytest closes when the test ends, and a thread still stopping would
 otherwise print "--- Logging error ---".
 A DeprecationWarning raised from tpuboot's code is an error: what is deprecated on this Python
@@ -19,6 +21,7 @@ and these libraries is gone on a newer one (3.12, 3.13, urllib3 2.x), which does
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +34,7 @@ from tpuboot import metrics
 from tpuboot.gce.client import MetadataClient
 from tpuboot.paths import Root
 
+PYTEST_OWN = "PYTEST_CURRENT_TEST"
 _OVERRIDES = ("GCE_METADATA_HOST", "GCE_METADATA_ROOT", "http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY")
 
 
@@ -53,6 +57,25 @@ def loopback_only() -> Iterator[None]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "error::DeprecationWarning:tpuboot")
     config.addinivalue_line("filterwarnings", "error::PendingDeprecationWarning:tpuboot")
+
+
+@pytest.fixture(autouse=True)
+def environment_as_found() -> Iterator[None]:
+    """The test fails if it leaves ``os.environ`` changed (``monkeypatch``'s changes are undone
+    before this looks: it is set up first, so torn down last); the environment is put back."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    before.pop(PYTEST_OWN, None)  # pytest's own, set for each phase of a test
+    after.pop(PYTEST_OWN, None)
+    if after != before:
+        changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+        for name in changed:
+            if name in before:
+                os.environ[name] = before[name]
+            else:
+                del os.environ[name]
+        pytest.fail(f"the test left os.environ changed: {', '.join(changed)}; use monkeypatch")
 
 
 @pytest.fixture(autouse=True)
