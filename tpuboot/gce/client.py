@@ -188,6 +188,7 @@ class MetadataClient:
         etag: str | None = None,
         timeout_sec: int = 60,
         absent_interval: float = 0.0,
+        absent_wait: Callable[[float], bool] | None = None,
     ) -> Iterator[Change]:
         """Yield each change of ``path`` until ``stop`` is set (:func:`tpuboot.gce.watch.watch`).
 
@@ -195,7 +196,8 @@ class MetadataClient:
         long-poll in flight at once (nothing polls ``stop``: an idle watch never wakes).
         With ``etag`` None the current value is yielded first. Failures are logged once
         per kind and retried with backoff forever; a vanished key yields ``Change(None,
-        None)`` once, then is polled for with backoff, at most once every ``absent_interval`` s.
+        None)`` once, then is polled for with backoff, at most once every ``absent_interval`` s
+        (or at ``absent_wait``'s pace).
         """
         url = self.url(path)
         transport = Transport()
@@ -219,6 +221,7 @@ class MetadataClient:
                 min_poll_interval=self.min_poll_interval,
                 aborted=lambda: transport.aborted,
                 absent_interval=absent_interval,
+                absent_wait=absent_wait,
             )
         finally:
             transport.close()

@@ -30,6 +30,7 @@ def watch(
     min_poll_interval: float,
     aborted: Callable[[], bool],
     absent_interval: float = 0.0,
+    absent_wait: Callable[[float], bool] | None = None,
 ) -> Iterator[Change]:
     """Yield each change of the value ``poll(etag)`` returns until ``stop`` is set or ``aborted()``.
 
@@ -37,6 +38,8 @@ def watch(
     MetadataAbsent or MetadataRefused; ``delay(n)`` is the backoff after n quick answers in a row.
     A vanished key yields ``Change(None, None)`` once, then is polled for with backoff, and at
     most once every ``absent_interval`` seconds (a missing key has no ETag to long-poll with).
+    ``absent_wait(at_least)``, if given, is that wait (True: stopped): the caller's clock then
+    paces those reads, as the notices' tick does (tpuboot/notices/watch.py).
     """
     attempt = 0
     absent = False
@@ -70,8 +73,12 @@ def watch(
             attempt = 0
             continue
         wait = max(min_poll_interval - elapsed, delay(attempt))
+        attempt += 1
         if absent:
             wait = max(wait, absent_interval - elapsed)
-        attempt += 1
+            if absent_wait is not None:
+                if absent_wait(wait):
+                    return
+                continue
         if stop.wait(wait):
             return

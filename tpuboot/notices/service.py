@@ -4,7 +4,7 @@ guest attribute, /run/tpuboot/notice) and the hooks run for it.
 A part of the daemon (tpuboot/component.py) with threads of its own: one watch per key
 (tpuboot/notices/watch.py) and one hook runner, so neither a long-poll nor a hook that hangs ever
 holds the daemon's loop, its watchdog or the next notice. READY never waits for it: its state is
-never pending.
+never pending. Its tick paces the reads of a key the server lacks (:class:`TickPace`).
 
 - **A new notice while hooks run** is queued, one per kind (a newer value of a kind replaces the
   queued one), and the next run takes the most urgent kind first (preempted, maintenance,
@@ -29,13 +29,13 @@ from typing import Final, Literal
 
 from tpuboot import metrics
 from tpuboot.atomicfile import FileError, remove_file
-from tpuboot.component import Part, Report, Status
+from tpuboot.component import Devices, Part, Report, Status
 from tpuboot.eventloop import nothing
 from tpuboot.gce.client import MetadataClient
 from tpuboot.notices import noticefile
 from tpuboot.notices.hooks import HOOKS_DIR, ROOT, Cancel, HookUser, find_hooks, run_hooks
 from tpuboot.notices.parse import KEYS, UTC, Notice, NoticeKind, idle, parse, status_detail
-from tpuboot.notices.watch import ABSENT_INTERVAL, watch_key
+from tpuboot.notices.watch import ABSENT_INTERVAL, TickPace, watch_key
 from tpuboot.paths import Root
 
 log = logging.getLogger("tpuboot.notices")
@@ -66,6 +66,7 @@ class Notices(Part):
     """Maintenance and preemption notices as a part of the daemon; its state is ``quiet`` or ``notice``."""
 
     name = "notices"
+    periodic = True
 
     def __init__(
         self,
@@ -86,6 +87,7 @@ class Notices(Part):
         self.absent_interval = absent_interval
         self.hook_started = hook_started  # the bench: each hook's name as it starts
         self.stopping = threading.Event()
+        self.pace = TickPace(self.stopping, clock)
         self._lock = threading.Lock()  # the notices, the status, the queue and the log gate
         self._queued = threading.Condition(self._lock)
         self._notices: dict[NoticeKind, Notice] = {kind: idle(kind) for kind in URGENCY}
@@ -108,8 +110,18 @@ class Notices(Part):
             metrics.notice(kind, False)
         for kind in URGENCY:
             self._thread(f"tpuboot-notice-{kind}", watch_key, self.client, kind, self.stopping, self.seen,
-                         timeout_sec=self.timeout_sec, absent_interval=self.absent_interval)  # fmt: skip
+                         timeout_sec=self.timeout_sec, absent_interval=self.absent_interval,
+                         pace=self.pace)  # fmt: skip
         self._thread("tpuboot-notice-hooks", self._run_hooks)
+
+    def dump(self) -> str | None:
+        """SIGUSR1's words: the keys the server lacks now, each read again at a tick."""
+        parked = self.pace.parked
+        return f"notice keys absent (read at the tick) {parked}" if parked else None
+
+    def tick(self, devices: Devices) -> None:
+        """The absent keys' watches read again (the tick's one wake-up of the daemon serves them)."""
+        self.pace.tick()
 
     def stop(self) -> None:
         """Ends the watches at their next wake-up (closing the client, which the daemon does after
@@ -118,6 +130,7 @@ class Notices(Part):
         with self._queued:
             self.stopping.set()
             self._queued.notify_all()
+        self.pace.release()
         self._cancel.cancel()
         with self._write_lock:
             try:

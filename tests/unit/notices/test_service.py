@@ -61,6 +61,12 @@ def file_data(root: Root) -> dict[str, object] | None:
     return noticefile.load(root)
 
 
+def ticked(notices: Notices) -> bool:
+    """The daemon's tick, at each poll of a wait: an absent key's watch reads it again then."""
+    notices.tick(None)
+    return True
+
+
 def test_maintenance_then_preemption_reach_the_status_file_metrics_and_hooks(
     part: tuple[Notices, list[int]], tree: Root, emulator: MetadataEmulator, tmp_path: Path,
     recorded: metrics.Metrics, caplog,
@@ -76,7 +82,7 @@ def test_maintenance_then_preemption_reach_the_status_file_metrics_and_hooks(
     assert recorded.series(NOTICE) == {("preempted",): 0.0, ("maintenance",): 0.0, ("upcoming",): 0.0}
 
     emulator.announce(upcoming=SCHEDULED)
-    wait_until(lambda: out.exists() and out.read_text() == "upcoming SCHEDULED PENDING\n")
+    wait_until(lambda: ticked(notices) and out.exists() and out.read_text() == "upcoming SCHEDULED PENDING\n")
     assert notices.status().detail == "host maintenance at 2099-12-05 14:05 UTC (scheduled pending)"
     window = datetime(2099, 12, 5, 14, 5, tzinfo=UTC).timestamp()
     assert recorded.series(MAINTENANCE_WINDOW_START) == {(): window}
@@ -218,6 +224,89 @@ def test_doctor_reads_the_file_the_daemon_writes(tree: Root) -> None:
     assert (result.status, result.detail) == ("WARN", "the host is going away: preempted TRUE")
     tree.path(noticefile.NOTICE_PATH).write_text("[garbage")
     assert check_notice(tree, Config()).status == "WARN"
+
+
+def test_an_absent_key_is_read_at_the_tick_with_no_timer_of_its_own(
+    part: tuple[Notices, list[int]], tree: Root, emulator: MetadataEmulator
+) -> None:
+    """upcoming-maintenance, absent, waits for the daemon's tick (its absent_interval, 0.05 s here,
+    long past): announced, it is read at the next tick and long-polled from then on."""
+    notices, _ = part
+    wait_until(lambda: notices.pace.parked == 1 and file_data(tree) is not None)
+    assert notices.dump() == "notice keys absent (read at the tick) 1"
+    asked = emulator.request_count
+    emulator.announce(upcoming=SCHEDULED)
+    assert notices.pace.parked == 1 and emulator.request_count == asked  # no read of its own
+    notices.tick(None)
+    wait_until(lambda: notices.status().state == "notice")
+    assert notices.pace.parked == 0 and notices.dump() is None
+    emulator.announce(upcoming={})  # gone again: its long-poll says so, then it waits for a tick
+    wait_until(lambda: notices.status().state == "quiet" and notices.pace.parked == 1)
+
+
+def test_the_tick_pace_ends_a_wait_at_the_first_tick_after_it_is_due_or_at_the_stop() -> None:
+    from tpuboot.notices.watch import TickPace
+
+    now, read = [100.0], [0]  # the clock, and how often the pace read it
+
+    def clock() -> float:
+        read[0] += 1
+        return now[0]
+
+    stop = threading.Event()
+    pace = TickPace(stop, clock)
+    ended: list[bool] = []
+    waiter = threading.Thread(target=lambda: ended.append(pace.wait(30.0)))
+    waiter.start()
+    wait_until(lambda: pace.parked == 1)
+    now[0] += 28.0  # before due (30 s less the slack of a tick come early)
+    pace.tick()
+    wait_until(lambda: read[0] == 2)  # woken, it looked at the clock
+    assert pace.parked == 1 and not ended  # and waits on
+    now[0] += 1.5  # 29.5 s: within the slack, so due
+    pace.tick()
+    waiter.join(10)
+    assert ended == [False] and pace.parked == 0
+    waiter = threading.Thread(target=lambda: ended.append(pace.wait(3600.0)))
+    waiter.start()
+    wait_until(lambda: pace.parked == 1)
+    stop.set()
+    pace.release()
+    waiter.join(10)
+    assert ended == [False, True]
+
+
+def test_with_a_pace_an_absent_key_never_sleeps_on_a_timer_of_the_watch() -> None:
+    """The watch's own waits (``stop.wait``) are for backoff only; an absent key's go to the pace."""
+    from tpuboot.gce.failures import FailureLog
+    from tpuboot.gce.replies import MetadataAbsent, Reply
+    from tpuboot.gce.watch import watch
+
+    timers: list[float] = []
+    paced: list[float] = []
+
+    class Recorded(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            timers.append(timeout or 0.0)
+            return self.is_set()
+
+    def pace(at_least: float) -> bool:
+        paced.append(at_least)
+        return len(paced) == 3  # stopped at the third
+
+    def poll(etag: str | None) -> Reply:
+        raise MetadataAbsent("absent")
+
+    common = dict(
+        etag=None, timeout_sec=60, failures=FailureLog(), min_poll_interval=1.0, aborted=lambda: False
+    )
+    changes = list(
+        watch(
+            poll, "u", stop=Recorded(), delay=lambda n: 0.5, absent_interval=30.0, absent_wait=pace, **common
+        )  # type: ignore[arg-type]
+    )
+    assert changes == [Change(None, None)] and timers == []
+    assert len(paced) == 3 and all(1.0 < w <= 30.0 for w in paced)
 
 
 def test_an_absent_key_is_read_no_more_often_than_the_absent_interval() -> None:
