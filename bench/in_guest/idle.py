@@ -1,5 +1,8 @@
 """An idle process, measured (``idle``): per-thread wakeups and the calls they sleep in, CPU ticks,
-RSS and its anonymous part, and the metadata emulator's requests of the window."""
+RSS and its anonymous part, the metadata emulator's requests of the window, and each wake-up of
+the process's threads with its time and its cause (the kernel's ``sched:sched_wakeup`` events):
+what woke a thread from outside the process (a timer or a packet, in interrupt context, or another
+process) tells a wake-up of the process from a handoff between its own threads."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import time
 import urllib.request
@@ -141,6 +145,57 @@ def anon_breakdown(pid: int) -> dict[str, int]:
     return {k: v for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]) if v}
 
 
+TRACING = "/sys/kernel/tracing"
+WAKEUP_EVENT = f"{TRACING}/events/sched/sched_wakeup/enable"
+#: A line of the trace: ``<idle>-0 [001] d.h1. 1234.567890: sched_wakeup: comm=python3 pid=174 prio=120 ...``:
+#: the task running when the wake-up happened, its flags (``h``/``s``: in a hard or soft interrupt,
+#: so not that task's doing), the time and the woken thread.
+WAKEUP_LINE = re.compile(
+    r"^\s*.+?-(?P<by>\d+)\s+\[\d+\]\s+(?P<flags>\S+)\s+(?P<t>\d+\.\d+): "
+    r"sched_wakeup: .*?\bpid=(?P<tid>\d+) prio="
+)
+IRQ_FLAGS = frozenset("hsHzZ")
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class WakeupTrace:
+    """Every ``sched_wakeup`` of the guest while the block runs, kept for the threads asked for."""
+
+    def __enter__(self) -> WakeupTrace:
+        if not os.path.exists(f"{TRACING}/trace"):
+            subprocess.run(["mount", "-t", "tracefs", "nodev", TRACING], check=True)
+        _write(f"{TRACING}/tracing_on", "0")
+        _write(f"{TRACING}/trace", "")  # empties the buffer
+        _write(f"{TRACING}/buffer_size_kb", "8192")  # per CPU: a minute of an idle guest's wake-ups
+        _write(WAKEUP_EVENT, "1")
+        _write(f"{TRACING}/tracing_on", "1")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _write(f"{TRACING}/tracing_on", "0")
+        with open(f"{TRACING}/trace") as f:
+            self.lines = f.read().splitlines()
+        _write(WAKEUP_EVENT, "0")
+        _write(f"{TRACING}/trace", "")
+
+    def of(self, tids: set[int]) -> list[dict[str, Any]]:
+        """The wake-ups of ``tids`` in time order: time (s), woken thread, the task running then
+        and whether it ran in an interrupt (a timer, a packet) rather than that task."""
+        found = []
+        for line in self.lines:
+            match = WAKEUP_LINE.match(line)
+            if match and int(match["tid"]) in tids:
+                irq = bool(IRQ_FLAGS & set(match["flags"]))
+                found.append(
+                    {"t": float(match["t"]), "tid": int(match["tid"]), "by": int(match["by"]), "irq": irq}
+                )
+        return found
+
+
 def cmd_idle(args: argparse.Namespace) -> int:
     sleeper = subprocess.Popen(["python3", "-c", f"import time; time.sleep({args.window})"])
     deadline = now() + 30
@@ -151,9 +206,10 @@ def cmd_idle(args: argparse.Namespace) -> int:
         time.sleep(0.01)
     sleeper_rss = _kib(_fields(f"/proc/{sleeper.pid}/status"), "VmRSS")
     requests_before = emulator_requests(args.stats)
-    before, t0 = thread_snapshot(args.pid), now()
-    sleeper.wait(timeout=args.window + 30)
-    after, t1 = thread_snapshot(args.pid), now()
+    with WakeupTrace() as trace:
+        before, t0 = thread_snapshot(args.pid), now()
+        sleeper.wait(timeout=args.window + 30)
+        after, t1 = thread_snapshot(args.pid), now()
     requests_after = emulator_requests(args.stats)
     status = _fields(f"/proc/{args.pid}/status")
     threads = []
@@ -170,6 +226,7 @@ def cmd_idle(args: argparse.Namespace) -> int:
         "sleeper_rss_kib": sleeper_rss,
         "threads": threads,
         "gone": sorted(set(before) - set(after)),
+        "wakeups": trace.of({int(tid) for tid in (*before, *after)}),
         "clk_tck": os.sysconf("SC_CLK_TCK"),
         "metadata_requests": None
         if requests_before is None or requests_after is None
