@@ -81,12 +81,12 @@ def watch_key(
     *,
     timeout_sec: int = 60,
     absent_interval: float = ABSENT_INTERVAL,
-    pace: TickPace | None = None,
+    pace: TickPace,
 ) -> None:
     """Call ``on_change(kind, body)`` with the key's value now, then at each change (None: the key
     is absent), until ``stop`` is set and the client closed. Never raises: a bug is logged once a
     streak and the watch starts again after a backoff (:func:`tpuboot.backoff.restarted`).
-    ``pace``: the absent key's reads wait for its ticks (None: a timer of their own)."""
+    ``pace``: the absent key's reads wait for its ticks."""
 
     def watch(progressed: Callable[[], None]) -> None:
         path = KEYS[kind]
@@ -95,7 +95,7 @@ def watch_key(
             stop=stop,
             timeout_sec=timeout_sec,
             absent_interval=absent_interval,
-            absent_wait=None if pace is None else pace.wait,
+            absent_wait=pace.wait,
         ):
             on_change(kind, change.value)
             progressed()
