@@ -3,11 +3,12 @@ run's stderr and its process ended, so a hang fails one test, with the place it 
 holding a whole CI run until the CI's own limit kills it with nothing said.
 
 The deadline covers the test's setup, call and teardown (the fixtures it is the first or last to
-use included): :data:`UNIT_DEADLINE_S` for a unit test, :data:`VM_DEADLINE_S` for a QEMU test
-(whose call has its own, shorter limit: tests/vm/conftest.py); ``$TPUBOOT_TEST_DEADLINE`` (seconds)
-sets both. The stacks come from faulthandler's own thread, which needs no GIL, so a test hung while
-holding it is seen too. Under pytest-xdist the worker's end fails that test ("worker crashed while
-running ..."), a new worker takes the rest; a run without workers stops there.
+use included): :data:`UNIT_DEADLINE_S` for a unit test; for a QEMU test, the limit of its call
+(:func:`vm_call_limit`, which tests/vm/conftest.py enforces with an exception and the guests'
+logs) and :data:`VM_SETUP_S` more. ``$TPUBOOT_TEST_DEADLINE`` (seconds) sets every test's.
+The stacks come from faulthandler's own thread, which needs no GIL, so a test hung while holding
+it is seen too. Under pytest-xdist the worker's end fails that test ("worker crashed while running
+..."), a new worker takes the rest; a run without workers stops there.
 The dump goes to a copy of the process's stderr taken at start-up: pytest's capture points fd 2
 elsewhere while a test runs, and an xdist worker's stderr is the run's.
 SIGUSR2 prints every pytest process's stacks the same way and ends none: scripts/test sends it to a
@@ -23,13 +24,24 @@ from collections.abc import Generator
 
 import pytest
 
-#: Seconds: the slowest unit test takes a few seconds; a loaded 2-core machine running four unit
-#: runs at once makes that a minute at most.
+#: Seconds: a unit test that takes ten minutes is hung, not slow (a whole unit run takes 5 to 8).
 UNIT_DEADLINE_S = 600.0
-#: Seconds: a QEMU test's call is limited to 600 s by default, and its first use of a guest may
-#: build the guest's tree (a debootstrap) in its setup.
-VM_DEADLINE_S = 2400.0
+#: Seconds a QEMU test may take beyond its call's limit: its setup may build a guest's tree (a
+#: debootstrap) and boot it, its teardown shuts guests down.
+VM_SETUP_S = 1800.0
 DEADLINE_ENV = "TPUBOOT_TEST_DEADLINE"
+VM_CALL_LIMIT_ENV = "TPUBOOT_VM_TEST_TIMEOUT"
+VM_CALL_LIMIT_S = 600.0
+
+
+def vm_call_limit(item: pytest.Item) -> float:
+    """Seconds a QEMU test's call may take: ``@pytest.mark.vm(timeout=N)``, else
+    ``$TPUBOOT_VM_TEST_TIMEOUT``, else :data:`VM_CALL_LIMIT_S`."""
+    marker = item.get_closest_marker("vm")
+    if marker is not None and "timeout" in marker.kwargs:
+        return float(marker.kwargs["timeout"])
+    return float(os.environ.get(VM_CALL_LIMIT_ENV, VM_CALL_LIMIT_S))
+
 
 _dump_fd = pytest.StashKey[int]()
 
@@ -38,7 +50,9 @@ def deadline(item: pytest.Item) -> float:
     """The item's deadline in seconds."""
     if DEADLINE_ENV in os.environ:
         return float(os.environ[DEADLINE_ENV])
-    return VM_DEADLINE_S if item.get_closest_marker("vm") else UNIT_DEADLINE_S
+    if item.get_closest_marker("vm") is None:
+        return UNIT_DEADLINE_S
+    return vm_call_limit(item) + VM_SETUP_S
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -42,12 +42,11 @@ from harness.vm.artifacts import (
     remove_tree,
 )
 from harness.vm.machine import VM, VMTestTimeout
+from tests.conftest import VM_CALL_LIMIT_ENV, vm_call_limit
 
 log = logging.getLogger("tpuboot.vm")
 
 SKIP_ENV = "TPUBOOT_SKIP_VM"
-TIMEOUT_ENV = "TPUBOOT_VM_TEST_TIMEOUT"
-DEFAULT_TEST_TIMEOUT = 600.0
 HERE = Path(__file__).resolve().parent
 _FIRST_SERIAL = pytest.StashKey[int]()
 
@@ -117,22 +116,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # --------------------------------------------------------------------------- per-test timeout
 
 
-def _test_timeout(item: pytest.Item) -> float:
-    marker = item.get_closest_marker("vm")
-    if marker is not None and "timeout" in marker.kwargs:
-        return float(marker.kwargs["timeout"])
-    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TEST_TIMEOUT))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
     if not _is_vm_test(item) or threading.current_thread() is not threading.main_thread():
         yield
         return
-    limit = _test_timeout(item)
+    limit = vm_call_limit(item)
 
     def expire(signum: int, frame: Any) -> None:
-        raise VMTestTimeout(f"{item.nodeid} exceeded its {limit:.0f}s limit ({TIMEOUT_ENV})")
+        raise VMTestTimeout(f"{item.nodeid} exceeded its {limit:.0f}s limit ({VM_CALL_LIMIT_ENV})")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, limit)
