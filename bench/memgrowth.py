@@ -9,7 +9,8 @@ vBar kills and dockerd restarts, with a watchdog tick every 0.2 s. After ``--war
 takes a tracemalloc snapshot, again half-way to the end and at the end, and prints the
 allocation sites whose live size grew most (over each half and over both: a leak grows in
 each; only allocations with a tpuboot frame in their stack, the fakes' own left out), the
-object counts by type that grew, and the threads at both ends. Not a test: a leak shows as a
+object counts by type that grew, the sites of pymalloc's blocks (512 B or less) that grew in
+each half whoever made them, and the threads at both ends. Not a test: a leak shows as a
 site whose growth keeps rising with ``--minutes``.
 
 Beside the sites, every 10 s it samples where the process's memory is, by layer: its RSS by kind of
@@ -34,6 +35,7 @@ import gc
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -58,6 +60,8 @@ from tpuboot.config import parse_config
 from tpuboot.notify import Notifier
 from tpuboot.paths import Root
 
+REPO = Path(__file__).resolve().parent.parent
+STDLIB = re.compile(r"^/.*/lib/python3\.\d+/")
 COLD = ("0000:00:04.0", "0000:00:05.0")
 HOT = ("0000:00:06.0", "0000:00:07.0", "0000:00:08.0", "0000:00:09.0")
 FRAMES = 12  # enough to reach a tpuboot frame under requests and http.client
@@ -222,7 +226,7 @@ class EmulatorProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> EmulatorProcess:
-        script = Path(__file__).resolve().parent.parent / "harness" / "mds_emulator.py"
+        script = REPO / "harness" / "mds_emulator.py"
         argv = [sys.executable, str(script), "--port", str(self.port), "--attributes", str(self.attributes)]
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
@@ -404,11 +408,47 @@ def growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) 
     for stat in diff[:top]:
         if stat.size_diff <= 0:
             continue
-        frames = [
-            f"{f.filename.split('/wt38/')[-1].split('site-packages/')[-1]}:{f.lineno}" for f in stat.traceback
-        ]
-        lines.append(f"{stat.size_diff:+9d} B {stat.count_diff:+6d} blocks  " + " < ".join(frames[-6:][::-1]))
+        lines.append(f"{stat.size_diff:+9d} B {stat.count_diff:+6d} blocks  {site(stat.traceback)}")
     return lines
+
+
+#: pymalloc serves requests up to this many bytes (CPython's SMALL_REQUEST_THRESHOLD); larger go
+#: to glibc's malloc.
+PYMALLOC_MAX_BLOCK = 512
+
+
+def small_blocks_by_site(snapshot: tracemalloc.Snapshot) -> dict[tracemalloc.Traceback, tuple[int, int]]:
+    """Live bytes and blocks of pymalloc's size (at most :data:`PYMALLOC_MAX_BLOCK`) by traceback."""
+    sites: dict[tracemalloc.Traceback, tuple[int, int]] = {}
+    for trace in snapshot.traces:
+        if trace.size <= PYMALLOC_MAX_BLOCK:
+            size, count = sites.get(trace.traceback, (0, 0))
+            sites[trace.traceback] = (size + trace.size, count + 1)
+    return sites
+
+
+def small_block_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) -> list[str]:
+    """The sites of pymalloc's blocks whose live size grew most, whoever allocated them (tpuboot,
+    a library, the fakes, the bench): the growth of pymalloc's arenas that no container object
+    explains is strings, bytes and numbers, and these are where they were made."""
+    then, now = small_blocks_by_site(before), small_blocks_by_site(after)
+    grown = []
+    for traceback, (size, count) in now.items():
+        size_then, count_then = then.get(traceback, (0, 0))
+        if size > size_then:
+            grown.append((size - size_then, count - count_then, traceback))
+    grown.sort(key=lambda g: -g[0])
+    return [f"{size:+9d} B {count:+6d} blocks  {site(traceback)}" for size, count, traceback in grown[:top]]
+
+
+def site(traceback: tracemalloc.Traceback) -> str:
+    """Its six innermost frames, innermost first, each ``file:line`` below the repository,
+    site-packages or the standard library's folder."""
+    frames = []
+    for frame in traceback:
+        name = frame.filename.removeprefix(f"{REPO}/").split("site-packages/")[-1]
+        frames.append(f"{STDLIB.sub('', name)}:{frame.lineno}")
+    return " < ".join(frames[-6:][::-1])
 
 
 def large_document(size: int) -> Doc:
@@ -520,6 +560,8 @@ def measure(minutes: float, warmup: float, pace: float, seed: int, large: int) -
             "sites_first_half": growth(base, mid, 15),
             "sites_second_half": growth(mid, end, 15),
             "sites": growth(base, end, 25),
+            "small_blocks_first_half": small_block_growth(base, mid, 15),
+            "small_blocks_second_half": small_block_growth(mid, end, 15),
         }
     return {
         "minutes": minutes,

@@ -68,3 +68,23 @@ def test_the_bench_builds_and_runs_the_daemon_it_measures() -> None:
     result = run(minutes=0.05, warmup=0.5, pace=0.05, seed=1, trace=False)
     assert sum(result["moves"].values()) > 0
     assert result["memory_marks"] == ["after warm-up", "half-way", "at the end", "after malloc_trim(0)"]
+
+
+def test_the_growth_of_pymallocs_blocks_is_named_by_site_and_large_blocks_are_left_out() -> None:
+    import tracemalloc
+
+    from bench.memgrowth import small_block_growth
+
+    tracemalloc.start(4)
+    try:
+        before = tracemalloc.take_snapshot()
+        small = [f"kept string {n}" for n in range(1000)]  # the site this test names
+        large = [bytes(100_000) for _ in range(20)]  # malloc's, not pymalloc's
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    top = small_block_growth(before, after, 3)[0]
+    size, blocks = int(top.split()[0]), int(top.split()[2])
+    assert "tests/unit/bench/test_memgrowth.py:" in top and 1000 <= blocks < 1100
+    assert size < 1_000_000  # none of the 2 MB of large blocks
+    del small, large
