@@ -730,14 +730,19 @@ def _load_values(path: str | None) -> dict[str, str]:
     return {str(k): v if isinstance(v, str) else tpu_env_yaml(v) for k, v in data.items()}
 
 
+#: The signals that stop the script (a guest's systemd unit, a bench's terminate(), Ctrl-C).
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
 def serve_until_signalled(emulator: MetadataEmulator, what: str) -> None:
-    """Serve until SIGTERM or SIGINT (a guest's systemd unit stops it so), then stop."""
-    done = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: done.set())
+    """Serve until SIGTERM or SIGINT, then stop. The signals are blocked before the server's
+    threads start (they inherit the mask) and taken with ``sigwait``: no handler runs. A handler
+    that set an Event deadlocked when the signal came while the main thread held that Event's
+    lock, entering its wait, and the parent's ``communicate()`` then waited for ever."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     with emulator:
         print(f"{what} listening on {emulator.host}", flush=True)
-        done.wait()
+        signal.sigwait(STOP_SIGNALS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -336,6 +336,25 @@ def _connections(port: int) -> tuple[int, int]:
     return established - queued, queued
 
 
+def _held_connections(pid: int, port: int) -> int:
+    """The connections to 127.0.0.1:``port`` process ``pid`` holds open: its socket fds whose inode
+    /proc/net/tcp lists as an ESTABLISHED entry of that local address."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    held = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == f"0100007F:{port:04X}" and fields[3] == "01" and fields[9] in inodes:
+            held += 1
+    return held
+
+
 def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole(
     tmp_path: Path, emulator: MetadataEmulator
 ) -> None:
@@ -367,9 +386,8 @@ def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole
             return True
 
         # The endpoint opens in its own thread (READY never waits for it); looked for without a
-        # connection, whose fd the daemon could still hold when its fds are counted.
+        # connection, which the flood's count would take for one of its own.
         wait_until(lambda: _listening(port), timeout=30)
-        before = _fds(pid)
         flood = Flood(port, 4 * NOFILE)
         try:
             # The flood is in full once the daemon holds its share and takes no more (at its cap;
@@ -377,8 +395,8 @@ def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole
             cap = min(metrics_server.MAX_CONNECTIONS, NOFILE // 4)
 
             def in_full() -> bool:
-                # Counted as connections, not as the daemon's fds: a file or request of its own
-                # open when ``before`` was taken would keep its fds below ``before + cap`` for good.
+                # Counted as connections, not as the daemon's fds, which its own files and
+                # requests of the moment add to.
                 taken, queued = _connections(port)
                 return taken >= cap and queued >= 5
 
@@ -389,7 +407,10 @@ def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole
             daemon.receive("; tpu-env: 1 key from metadata", within=30)  # STATUS=
             assert (kernel.top / "home/tpu-runtime/tpu-env").read_text() == 'WORKER_ID="7"\n'
             daemon.receive("WATCHDOG=1", within=20)
-            assert _fds(pid) <= before + cap + 4  # its share, no more: the rest is the daemon's own
+            # Its share, no more (counted as its sockets, not as fds, which a file or a metadata
+            # call of its own in that moment would add to), and its fds under their limit.
+            assert _held_connections(pid, port) <= cap
+            assert _fds(pid) < NOFILE
         finally:
             flood.end()
         assert flood.held > NOFILE  # more connections held open than the daemon has fds

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from harness import mds_emulator
 from harness.mds_emulator import MetadataEmulator, nested
+from tests.unit.helpers.runproc import started
 
 #: The notice keys of a VM nothing is happening to, which every emulated instance holds.
 QUIET_NOTICES = {"maintenance-event": "NONE", "preempted": "FALSE"}
@@ -109,9 +111,7 @@ def test_the_script_logs_each_request_when_asked(tmp_path: Path) -> None:
     attributes = tmp_path / "attrs.yaml"
     attributes.write_text("k: v\n")
     argv = [sys.executable, mds_emulator.__file__, "--port", "0", "--attributes", str(attributes)]
-    with subprocess.Popen(
-        [*argv, "--log-requests"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as proc:
+    with started([*argv, "--log-requests"], stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         host = proc.stdout.readline().split()[-1]
         url = f"http://{host}/computeMetadata/v1/instance/attributes/k"
@@ -122,3 +122,35 @@ def test_the_script_logs_each_request_when_asked(tmp_path: Path) -> None:
         assert proc.stderr.readline() == "GET /computeMetadata/v1/instance/attributes/k -> 200\n"
         proc.terminate()
         assert proc.wait(10) == 0
+
+
+def signal_set(status: str, field: str) -> set[int]:
+    """The signals of a /proc/PID/status mask line (SigBlk: blocked, SigCgt: with a handler)."""
+    line = next(x for x in status.splitlines() if x.startswith(f"{field}:"))
+    mask = int(line.split()[1], 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_the_script_stops_on_its_signal_with_no_handler_that_could_deadlock(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """No handler of the script's for SIGTERM (SigCgt; SIGINT keeps Python's own, which a blocked
+    signal never reaches), and every thread but the main one blocks both (SigBlk; the main one is
+    in sigwait, which takes them while it waits): a Python handler that set an Event could
+    deadlock on that Event's own lock."""
+    argv = [sys.executable, mds_emulator.__file__, "--port", "0"]
+    stops = {signal.SIGTERM, signal.SIGINT}
+    with started(argv, stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # listening
+        tasks = list(Path(f"/proc/{proc.pid}/task").iterdir())
+        assert len(tasks) > 1  # the server's thread beside the main one
+        for task in tasks:
+            status = (task / "status").read_text()
+            assert signal.SIGTERM not in signal_set(status, "SigCgt"), f"thread {task.name} has a handler"
+            if task.name != str(proc.pid):
+                assert stops <= signal_set(status, "SigBlk"), f"thread {task.name} takes them"
+        proc.send_signal(stop)
+        assert proc.wait(30) == 0
+        assert json.loads(proc.stdout.read())["requests"] == 0  # it stopped as it should, and said so

@@ -7,7 +7,6 @@ import contextlib
 import fcntl
 import os
 import random
-import resource
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT = 60.0  # imports and the first metadata fetch on a loaded 2-core machine
@@ -120,17 +120,13 @@ def tpuboot_run(
             "GCE_METADATA_HOST": metadata_host,
             **(env or {}),
         }
-
-        def limit() -> None:
-            if nofile is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
         command = [sys.executable, "-m", "tpuboot", "--root", str(top), "--config", "/tpuboot.yaml", "run"]
+        if nofile is not None:  # util-linux's prlimit execs the command: no preexec_fn, which can
+            # deadlock the child of a process with threads before its exec (subprocess's docs)
+            command = ["prlimit", f"--nofile={nofile}:{nofile}", "--", *command]
         with contextlib.ExitStack() as files:
             sink = subprocess.PIPE if stderr is None else files.enter_context(stderr.open("w"))
-            process = subprocess.Popen(
-                command, cwd=REPO, env=environ, stderr=sink, text=True, preexec_fn=limit
-            )
+            process = subprocess.Popen(command, cwd=REPO, env=environ, stderr=sink, text=True)
         running = RunningDaemon(process, notify)
         try:
             yield running
@@ -141,6 +137,19 @@ def tpuboot_run(
             if stderr is not None:
                 running.stderr = stderr.read_text()
             print(f"tpuboot run's stderr:\n{running.stderr}", file=sys.stderr)
+
+
+@contextmanager
+def started(argv: list[str], **popen: Any) -> Iterator[subprocess.Popen[str]]:
+    """A long-running child (a server) for the block, killed at its end if still running: a failed
+    assertion inside ends it, where ``with Popen(...)`` would wait for it for ever."""
+    process = subprocess.Popen(argv, text=True, **popen)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=10)
 
 
 def port_open(port: int) -> bool:
