@@ -21,8 +21,9 @@ warm-up, half-way, at the end and after a ``malloc_trim(0)``. RSS that grows whi
 use stay flat is the allocators keeping freed memory (fragmentation), not a leak; ``--no-trace``
 leaves tracemalloc off, whose own bookkeeping would otherwise grow with every allocation it
 follows. For the object types that grew most it says who holds a sample of those born after
-warm-up. The fakes' own records of every request are trimmed as it goes (they are kept for the
-unit tests to read, and would otherwise be what grows).
+warm-up. The fakes' own records (the fake dockerd's of every request, the fake kernel's of every
+sysfs write) are trimmed as it goes: they are kept for the unit tests to read, and would otherwise
+be what grows.
 """
 
 from __future__ import annotations
@@ -146,13 +147,16 @@ class Driver:
         self.forget()
 
     def forget(self) -> None:
-        """Trim the fake dockerd's records of every request (kept for the unit tests to read, one
-        Request with its Event per Docker API call): left whole, they are what grows most in this
-        process, and they are not tpuboot's."""
+        """Trim the fakes' records (kept for the unit tests to read): the fake dockerd's of every
+        request (one Request with its Event per Docker API call) and the fake kernel's of every
+        sysfs write (four per bind). Left whole, they are what grows most in this process, and
+        they are not tpuboot's."""
         with self.dockerd.lock:
             del self.dockerd.requests[:-KEEP_RECORDS]
             del self.dockerd.pulls[:-KEEP_RECORDS]
             del self.dockerd.pull_auths[:-KEEP_RECORDS]
+        del self.kernel.writes[:-KEEP_RECORDS]
+        del self.kernel.faults.hits[:-KEEP_RECORDS]
 
     def hot_add(self) -> None:
         free = [a for a in HOT if a not in self.hot]
