@@ -66,6 +66,7 @@ STDLIB = re.compile(r"^/.*/lib/python3\.\d+/")
 COLD = ("0000:00:04.0", "0000:00:05.0")
 HOT = ("0000:00:06.0", "0000:00:07.0", "0000:00:08.0", "0000:00:09.0")
 FRAMES = 12  # enough to reach a tpuboot frame under requests and http.client
+STOP_TIMEOUT_S = 30.0  # the emulator's own stop: its server's shutdown, at most one poll interval
 KEEP_RECORDS = 100  # of each of the fakes' records of requests (see Driver.forget)
 
 
@@ -253,7 +254,12 @@ class EmulatorProcess:
         """Down: connection refused until :meth:`restart`."""
         if self.process is not None:
             self.process.terminate()
-            self.process.communicate()
+            try:
+                self.process.communicate(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # a bug of the emulator's: the bench goes on, loudly
+                print(f"memgrowth: the emulator outlived SIGTERM by {STOP_TIMEOUT_S:g} s", file=sys.stderr)
+                self.process.kill()
+                self.process.communicate()
             self.process = None
 
     def restart(self) -> None:
