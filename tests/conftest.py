@@ -32,6 +32,7 @@ VM_SETUP_S = 1800.0
 DEADLINE_ENV = "TPUBOOT_TEST_DEADLINE"
 VM_CALL_LIMIT_ENV = "TPUBOOT_VM_TEST_TIMEOUT"
 VM_CALL_LIMIT_S = 600.0
+_dump_fd = pytest.StashKey[int]()  # the copy of stderr the stacks go to
 
 
 def vm_call_limit(item: pytest.Item) -> float:
@@ -41,9 +42,6 @@ def vm_call_limit(item: pytest.Item) -> float:
     if marker is not None and "timeout" in marker.kwargs:
         return float(marker.kwargs["timeout"])
     return float(os.environ.get(VM_CALL_LIMIT_ENV, VM_CALL_LIMIT_S))
-
-
-_dump_fd = pytest.StashKey[int]()
 
 
 def deadline(item: pytest.Item) -> float:
