@@ -323,8 +323,11 @@ def _listening(port: int) -> bool:
 def _connections(port: int) -> tuple[int, int]:
     """The daemon's side of 127.0.0.1:``port`` from one reading of /proc/net/tcp: the connections
     it accepted, and those the kernel completed that wait in the listening socket's accept queue
-    (its rx_queue). Both are ESTABLISHED entries of that local address until the daemon closes."""
-    established = queued = 0
+    (its rx_queue). Both are ESTABLISHED entries of that local address until the daemon closes;
+    each is counted once by its peer's address (a read of that file while connections come and go
+    can list an entry more than once)."""
+    established: set[str] = set()
+    queued = 0
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
         if fields[1] != f"0100007F:{port:04X}":
@@ -332,13 +335,14 @@ def _connections(port: int) -> tuple[int, int]:
         if fields[3] == "0A":  # LISTEN
             queued = int(fields[4].split(":")[1], 16)
         elif fields[3] == "01":  # ESTABLISHED
-            established += 1
-    return established - queued, queued
+            established.add(fields[2])
+    return len(established) - queued, queued
 
 
 def _held_connections(pid: int, port: int) -> int:
     """The connections to 127.0.0.1:``port`` process ``pid`` holds open: its socket fds whose inode
-    /proc/net/tcp lists as an ESTABLISHED entry of that local address."""
+    /proc/net/tcp lists as an ESTABLISHED entry of that local address, each counted once (a read
+    of that file while connections come and go can list an entry more than once)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -347,12 +351,12 @@ def _held_connections(pid: int, port: int) -> int:
             continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:[") : -1])
-    held = 0
+    held = set()
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
         if fields[1] == f"0100007F:{port:04X}" and fields[3] == "01" and fields[9] in inodes:
-            held += 1
-    return held
+            held.add(fields[9])
+    return len(held)
 
 
 def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole(
@@ -391,14 +395,15 @@ def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole
         flood = Flood(port, 4 * NOFILE)
         try:
             # The flood is in full once the daemon holds its share and takes no more (at its cap;
-            # before, at EMFILE), so the kernel's queue behind it fills.
+            # before, at EMFILE), so the kernel's queue behind it fills, and the flood holds more
+            # connections than the daemon has fds (on a loaded machine its thread gets there late).
             cap = min(metrics_server.MAX_CONNECTIONS, NOFILE // 4)
 
             def in_full() -> bool:
                 # Counted as connections, not as the daemon's fds, which its own files and
                 # requests of the moment add to.
                 taken, queued = _connections(port)
-                return taken >= cap and queued >= 5
+                return taken >= cap and queued >= 5 and flood.held > NOFILE
 
             wait_until(in_full, timeout=30)
             for _ in range(5):
