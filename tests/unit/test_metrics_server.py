@@ -312,26 +312,26 @@ class Flood:
             sock.close()
 
 
+def _entries(port: int) -> list[list[str]]:
+    """The fields of /proc/net/tcp's entries whose local address is 127.0.0.1:``port``, from one
+    reading of it (which, while connections come and go, can list an entry more than once)."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return [fields for fields in (line.split() for line in lines) if fields[1] == f"0100007F:{port:04X}"]
+
+
 def _listening(port: int) -> bool:
-    """A socket in LISTEN on 127.0.0.1:``port`` (/proc/net/tcp): seen without connecting to it."""
-    return any(
-        fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A"
-        for fields in (line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:])
-    )
+    """A socket in LISTEN on 127.0.0.1:``port``: seen without connecting to it."""
+    return any(fields[3] == "0A" for fields in _entries(port))
 
 
 def _connections(port: int) -> tuple[int, int]:
     """The daemon's side of 127.0.0.1:``port`` from one reading of /proc/net/tcp: the connections
     it accepted, and those the kernel completed that wait in the listening socket's accept queue
     (its rx_queue). Both are ESTABLISHED entries of that local address until the daemon closes;
-    each is counted once by its peer's address (a read of that file while connections come and go
-    can list an entry more than once)."""
+    each is counted once, by its peer's address (:func:`_entries` can list one twice)."""
     established: set[str] = set()
     queued = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[1] != f"0100007F:{port:04X}":
-            continue
+    for fields in _entries(port):
         if fields[3] == "0A":  # LISTEN
             queued = int(fields[4].split(":")[1], 16)
         elif fields[3] == "01":  # ESTABLISHED
@@ -341,8 +341,8 @@ def _connections(port: int) -> tuple[int, int]:
 
 def _held_connections(pid: int, port: int) -> int:
     """The connections to 127.0.0.1:``port`` process ``pid`` holds open: its socket fds whose inode
-    /proc/net/tcp lists as an ESTABLISHED entry of that local address, each counted once (a read
-    of that file while connections come and go can list an entry more than once)."""
+    /proc/net/tcp lists as an ESTABLISHED entry of that local address, each counted once
+    (:func:`_entries` can list one twice)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -351,12 +351,7 @@ def _held_connections(pid: int, port: int) -> int:
             continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:[") : -1])
-    held = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[1] == f"0100007F:{port:04X}" and fields[3] == "01" and fields[9] in inodes:
-            held.add(fields[9])
-    return len(held)
+    return len({fields[9] for fields in _entries(port) if fields[3] == "01" and fields[9] in inodes})
 
 
 def test_a_flood_of_idle_connections_beyond_the_fd_limit_leaves_the_daemon_whole(
