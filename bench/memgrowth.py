@@ -418,7 +418,7 @@ def growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, top: int) 
     for stat in diff[:top]:
         if stat.size_diff <= 0:
             continue
-        lines.append(f"{stat.size_diff:+9d} B {stat.count_diff:+6d} blocks  {site(stat.traceback)}")
+        lines.append(grown_line(stat.size_diff, stat.count_diff, stat.traceback))
     return lines
 
 
@@ -448,7 +448,12 @@ def small_block_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot
         if size > size_then:
             grown.append((size - size_then, count - count_then, traceback))
     grown.sort(key=lambda g: -g[0])
-    return [f"{size:+9d} B {count:+6d} blocks  {site(traceback)}" for size, count, traceback in grown[:top]]
+    return [grown_line(size, count, traceback) for size, count, traceback in grown[:top]]
+
+
+def grown_line(size: int, count: int, traceback: tracemalloc.Traceback) -> str:
+    """One site's growth as the report prints it."""
+    return f"{size:+9d} B {count:+6d} blocks  {site(traceback)}"
 
 
 def site(traceback: tracemalloc.Traceback) -> str:
